@@ -1,0 +1,113 @@
+//! Backend extension for Gemma inference.
+//!
+//! [`GemmaBackend`] has one method per hot operation of a Gemma forward pass. Every method has a
+//! default implementation written with plain Burn tensor operations (the *reference*, which lives
+//! next to each operation in its own module). CPU backends (NdArray, Candle) use the references;
+//! the CubeCL backends (`CubeBackend<R, F, I, BT>`: CUDA, ROCm/HIP, wgpu) get the same trait from
+//! one implementation generic over the runtime, so kernels are written once for every GPU API.
+//!
+//! GPU backends are used *unfused* (`CubeBackend`, not `Fusion<CubeBackend>`): the hot paths are
+//! covered by hand-written kernels here, and an unfused backend lets us hand primitive tensors
+//! straight to those kernels without going through the fusion stream.
+//!
+//! Conventions shared by all operations:
+//! - RMSNorm weights use the Hugging Face convention: the scale applied is `1 + w`.
+//! - Attention tensors are `[batch, heads, seq, head_dim]`.
+//! - Normalization and softmax accumulate in f32 whatever the activation dtype.
+
+pub mod attention;
+pub mod embedding;
+pub mod gelu;
+pub mod rms_norm;
+pub mod rope;
+pub mod softcap;
+
+mod backends;
+
+pub use attention::AttentionMask;
+
+use burn::tensor::{backend::Backend, Int, Tensor};
+
+/// The operations a Gemma forward pass accelerates.
+///
+/// Implemented for every backend the crate supports; see the crate docs.
+pub trait GemmaBackend: Backend {
+    /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in
+    /// f32 and returned in `x`'s dtype.
+    ///
+    /// - `x`: `[..., n]`, `weight`: `[n]` (f32).
+    fn rms_norm<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 1>, eps: f64) -> Tensor<Self, D> {
+        rms_norm::reference(x, weight, eps)
+    }
+
+    /// Residual add fused with RMSNorm: returns `(residual + x, rms_norm(residual + x))`.
+    ///
+    /// - `residual`: `[batch, seq, hidden]` in f32 (the residual stream);
+    /// - `x`: `[batch, seq, hidden]` in the activation dtype;
+    /// - returns the new residual (f32) and the normalized value cast to `out_dtype`.
+    fn add_rms_norm(
+        residual: Tensor<Self, 3>,
+        x: Tensor<Self, 3>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        out_dtype: burn::tensor::DType,
+    ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
+        rms_norm::add_reference(residual, x, weight, eps, out_dtype)
+    }
+
+    /// `gelu_tanh(gate) * up`, elementwise. Shapes `[batch, seq, intermediate]`.
+    fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        gelu::reference(gate, up)
+    }
+
+    /// Rotary position embedding (rotate-half layout), optionally preceded by a per-head RMSNorm
+    /// (Gemma 3's QK-norm).
+    ///
+    /// - `x`: `[batch, heads, seq, head_dim]`;
+    /// - `cos`, `sin`: `[max_positions, head_dim / 2]` (f32) tables, theta and scaling applied;
+    /// - `offset`: absolute position of `x`'s first row;
+    /// - `norm`: `(weight [head_dim], eps)` for QK-norm.
+    fn rope(
+        x: Tensor<Self, 4>,
+        cos: Tensor<Self, 2>,
+        sin: Tensor<Self, 2>,
+        offset: usize,
+        norm: Option<(Tensor<Self, 1>, f64)>,
+    ) -> Tensor<Self, 4> {
+        rope::reference(x, cos, sin, offset, norm)
+    }
+
+    /// `tanh(x / cap) * cap`, elementwise.
+    fn softcap<const D: usize>(x: Tensor<Self, D>, cap: f64) -> Tensor<Self, D> {
+        softcap::reference(x, cap)
+    }
+
+    /// Embedding gather scaled by `scale`: `table[ids] * scale`, in the table's dtype.
+    ///
+    /// - `table`: `[vocab, hidden]`, `ids`: `[batch, seq]`; returns `[batch, seq, hidden]`.
+    fn embed(table: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
+        embedding::reference(table, ids, scale)
+    }
+
+    /// Scaled dot-product attention with grouped KV heads, causal and sliding-window masking and
+    /// optional logit softcapping. Softmax in f32.
+    ///
+    /// - `q`: `[batch, q_heads, q_len, head_dim]`;
+    /// - `k`, `v`: `[batch, kv_heads, k_len, head_dim]` with `q_heads % kv_heads == 0`;
+    /// - returns `[batch, q_heads, q_len, head_dim]`.
+    fn grouped_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<Self, 4> {
+        attention::reference(q, k, v, mask, scale, softcap)
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+pub(crate) mod test_util {
+    pub type TestBackend = burn::backend::NdArray<f32>;
+}

@@ -1,0 +1,39 @@
+//! Errors raised while configuring, loading or running a model.
+
+/// Something is wrong with a config, a checkpoint, or a request to the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The config could not be parsed.
+    #[error("config is not valid JSON for a Gemma model: {0}")]
+    ConfigJson(#[from] serde_json::Error),
+    /// The checkpoint is for another architecture.
+    #[error("not a Gemma model: model_type / architecture is {0:?} (expected gemma, gemma2, gemma3 or gemma3_text)")]
+    NotGemma(String),
+    /// A config value is missing or out of range.
+    #[error("invalid config: `{field}` {reason}")]
+    InvalidConfig { field: &'static str, reason: String },
+    /// A config value names a feature this crate does not implement.
+    #[error("unsupported config: `{field}` = {value}")]
+    UnsupportedConfig { field: &'static str, value: String },
+    /// A weight the config calls for is not in the checkpoint.
+    #[error("missing tensor `{0}` in the checkpoint")]
+    MissingTensor(String),
+    /// A weight's shape disagrees with the config.
+    #[error("tensor `{name}` has shape {actual:?}, but the config implies {expected:?}")]
+    ShapeMismatch { name: String, expected: Vec<usize>, actual: Vec<usize> },
+    /// A weight's storage type cannot be read.
+    #[error("tensor `{name}` has unsupported dtype {dtype}")]
+    UnsupportedTensorDtype { name: String, dtype: String },
+    /// The backend cannot hold tensors of the requested dtype.
+    #[error("the {backend} backend does not support dtype {dtype:?}; choose another --dtype (f32 works everywhere)")]
+    BackendDtype { backend: String, dtype: burn::tensor::DType },
+    /// The sequence does not fit in the KV cache.
+    #[error("context overflow: {needed} positions needed but the KV cache holds {capacity}")]
+    ContextOverflow { needed: usize, capacity: usize },
+    /// The input is malformed (for example an empty batch or token ids past the vocabulary).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// The weight source failed (I/O, format).
+    #[error(transparent)]
+    Source(Box<dyn std::error::Error + Send + Sync>),
+}

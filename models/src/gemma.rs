@@ -1,0 +1,340 @@
+//! Gemma 1, 2 and 3, from the small parts to the whole model.
+//!
+//! The residual stream is kept in f32 whatever the weight dtype: Gemma activations overflow f16,
+//! and the fused add + RMSNorm reads and writes it in f32 anyway. Matrix products run in the
+//! weight dtype.
+
+use crate::{
+    weights::{WeightKind, WeightSource},
+    Architecture, GemmaConfig, KvCache, LayerType, ModelError,
+};
+use burn::{
+    module::{Module, Param},
+    tensor::{DType, Int, Tensor},
+};
+use burn_gemma_kernels::GemmaBackend;
+
+/// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
+#[derive(Module, Debug)]
+pub struct Linear<B: GemmaBackend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: GemmaBackend> Linear<B> {
+    fn load(source: &mut impl WeightSource<B>, name: &str, out: usize, inp: usize, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        let weight = source.load(&format!("{name}.weight"), [out, inp], WeightKind::Matrix, dtype, device)?;
+        Ok(Self { weight: Param::from_tensor(weight) })
+    }
+
+    /// `[batch, seq, in]` -> `[batch, seq, out]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, inp] = x.dims();
+        let weight = self.weight.val();
+        let out = weight.dims()[0];
+        x.reshape([batch * seq, inp]).matmul(weight.transpose()).reshape([batch, seq, out])
+    }
+}
+
+/// RMSNorm with Gemma's `1 + w` scale; `weight` is kept in f32.
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: GemmaBackend> {
+    pub weight: Param<Tensor<B, 1>>,
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl<B: GemmaBackend> RmsNorm<B> {
+    fn load(source: &mut impl WeightSource<B>, name: &str, size: usize, eps: f64, device: &B::Device) -> Result<Self, ModelError> {
+        let weight = source.load(&format!("{name}.weight"), [size], WeightKind::Norm, DType::F32, device)?;
+        Ok(Self { weight: Param::from_tensor(weight), eps })
+    }
+
+    /// Normalizes the last dimension.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        B::rms_norm(x, self.weight.val(), self.eps)
+    }
+
+    /// `(residual + x, norm(residual + x))`, residual in f32, the normalized value in `dtype`.
+    pub fn forward_residual(&self, residual: Tensor<B, 3>, x: Tensor<B, 3>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        B::add_rms_norm(residual, x, self.weight.val(), self.eps, dtype)
+    }
+}
+
+/// Gated MLP: `down(gelu_tanh(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: GemmaBackend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+impl<B: GemmaBackend> Mlp<B> {
+    fn load(source: &mut impl WeightSource<B>, prefix: &str, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        Ok(Self {
+            gate_proj: Linear::load(source, &format!("{prefix}.gate_proj"), inter, hidden, dtype, device)?,
+            up_proj: Linear::load(source, &format!("{prefix}.up_proj"), inter, hidden, dtype, device)?,
+            down_proj: Linear::load(source, &format!("{prefix}.down_proj"), hidden, inter, dtype, device)?,
+        })
+    }
+
+    /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = self.gate_proj.forward(x.clone());
+        let up = self.up_proj.forward(x);
+        self.down_proj.forward(B::gelu_mul(gate, up))
+    }
+}
+
+/// Shape and behaviour of one attention layer, from the config.
+#[derive(Debug, Clone)]
+pub struct AttentionSettings {
+    pub index: usize,
+    pub layer_type: LayerType,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f64,
+    pub softcap: Option<f64>,
+}
+
+/// Multi-head attention with grouped KV heads, RoPE and (Gemma 3) QK-norm.
+#[derive(Module, Debug)]
+pub struct Attention<B: GemmaBackend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
+    #[module(skip)]
+    pub settings: AttentionSettings,
+}
+
+impl<B: GemmaBackend> Attention<B> {
+    fn load(source: &mut impl WeightSource<B>, prefix: &str, index: usize, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        let (hidden, d) = (c.hidden_size, c.head_dim);
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let qk_norm = |source: &mut _, name: &str| -> Result<Option<RmsNorm<B>>, ModelError> {
+            if c.model_type.has_qk_norm() {
+                Ok(Some(RmsNorm::load(source, &format!("{prefix}.{name}"), d, c.rms_norm_eps, device)?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Self {
+            q_proj: Linear::load(source, &format!("{prefix}.q_proj"), heads * d, hidden, dtype, device)?,
+            k_proj: Linear::load(source, &format!("{prefix}.k_proj"), kv_heads * d, hidden, dtype, device)?,
+            v_proj: Linear::load(source, &format!("{prefix}.v_proj"), kv_heads * d, hidden, dtype, device)?,
+            o_proj: Linear::load(source, &format!("{prefix}.o_proj"), hidden, heads * d, dtype, device)?,
+            q_norm: qk_norm(source, "q_norm")?,
+            k_norm: qk_norm(source, "k_norm")?,
+            settings: AttentionSettings {
+                index,
+                layer_type: c.layer_types[index],
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: d,
+                scale: c.query_pre_attn_scalar.powf(-0.5),
+                softcap: c.attn_logit_softcapping,
+            },
+        })
+    }
+
+    /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`, appending this layer's keys and values
+    /// to the cache.
+    pub fn forward(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        let s = &self.settings;
+        let [batch, seq, _] = x.dims();
+        let heads = |proj: &Linear<B>, n: usize| proj.forward(x.clone()).reshape([batch, seq, n, s.head_dim]).swap_dims(1, 2);
+        let q = heads(&self.q_proj, s.num_heads);
+        let k = heads(&self.k_proj, s.num_kv_heads);
+        let v = heads(&self.v_proj, s.num_kv_heads);
+
+        let offset = cache.len();
+        let rope = cache.rope(s.layer_type);
+        let norm = |n: &Option<RmsNorm<B>>| n.as_ref().map(|n| (n.weight.val(), n.eps));
+        let q = B::rope(q, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.q_norm));
+        let k = B::rope(k, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.k_norm));
+
+        let (keys, values, mask) = cache.append(s.index, k, v);
+        let out = B::grouped_attention(q, keys, values, mask, s.scale, s.softcap);
+        self.o_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, s.num_heads * s.head_dim]))
+    }
+}
+
+/// One decoder layer. Gemma 1 has a norm before attention and one before the MLP; Gemma 2 and 3
+/// also normalize the outputs of both.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: GemmaBackend> {
+    pub self_attn: Attention<B>,
+    pub mlp: Mlp<B>,
+    pub input_layernorm: RmsNorm<B>,
+    pub post_attention_layernorm: Option<RmsNorm<B>>,
+    pub pre_feedforward_layernorm: RmsNorm<B>,
+    pub post_feedforward_layernorm: Option<RmsNorm<B>>,
+}
+
+impl<B: GemmaBackend> DecoderLayer<B> {
+    fn load(source: &mut impl WeightSource<B>, index: usize, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        let prefix = format!("model.layers.{index}");
+        let norm = |source: &mut _, name: &str| RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device);
+        let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, dtype, device)?;
+        let mlp = Mlp::load(source, &format!("{prefix}.mlp"), c, dtype, device)?;
+        let input_layernorm = norm(source, "input_layernorm")?;
+        Ok(if c.model_type.has_sandwich_norms() {
+            Self {
+                self_attn,
+                mlp,
+                input_layernorm,
+                post_attention_layernorm: Some(norm(source, "post_attention_layernorm")?),
+                pre_feedforward_layernorm: norm(source, "pre_feedforward_layernorm")?,
+                post_feedforward_layernorm: Some(norm(source, "post_feedforward_layernorm")?),
+            }
+        } else {
+            // Gemma 1 calls its pre-MLP norm `post_attention_layernorm`.
+            Self {
+                self_attn,
+                mlp,
+                input_layernorm,
+                post_attention_layernorm: None,
+                pre_feedforward_layernorm: norm(source, "post_attention_layernorm")?,
+                post_feedforward_layernorm: None,
+            }
+        })
+    }
+
+    /// Runs the layer on `normed` (this layer's input norm already applied) and returns the new
+    /// residual and its normalization by `next_norm` (the next layer's input norm, or the final
+    /// norm).
+    fn forward(
+        &self,
+        residual: Tensor<B, 3>,
+        normed: Tensor<B, 3>,
+        next_norm: &RmsNorm<B>,
+        cache: &mut KvCache<B>,
+        dtype: DType,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let mut attn = self.self_attn.forward(normed, cache);
+        if let Some(norm) = &self.post_attention_layernorm {
+            attn = norm.forward(attn);
+        }
+        let (residual, normed) = self.pre_feedforward_layernorm.forward_residual(residual, attn, dtype);
+        let mut mlp = self.mlp.forward(normed);
+        if let Some(norm) = &self.post_feedforward_layernorm {
+            mlp = norm.forward(mlp);
+        }
+        next_norm.forward_residual(residual, mlp, dtype)
+    }
+}
+
+/// A Gemma causal language model with tied embeddings.
+#[derive(Module, Debug)]
+pub struct Gemma<B: GemmaBackend> {
+    /// `[vocab, hidden]`, also the lm_head.
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+    #[module(skip)]
+    pub config: GemmaConfig,
+    #[module(skip)]
+    pub dtype: DType,
+}
+
+impl<B: GemmaBackend> Gemma<B> {
+    /// Builds the model from a weight source, in `dtype` (weights and matrix products).
+    pub fn load(config: GemmaConfig, source: &mut impl WeightSource<B>, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        config.validate()?;
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) {
+            return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
+        }
+        let embed_tokens = source.load("model.embed_tokens.weight", [config.vocab_size, config.hidden_size], WeightKind::Matrix, dtype, device)?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| DecoderLayer::load(source, i, &config, dtype, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
+        Ok(Self { embed_tokens: Param::from_tensor(embed_tokens), layers, norm, config, dtype })
+    }
+
+    /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
+    pub fn random(config: GemmaConfig, seed: u64, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        Self::load(config, &mut crate::RandomWeights::new(seed), dtype, device)
+    }
+
+    /// A KV cache for `batch` sequences of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<B>, ModelError> {
+        KvCache::new(&self.config, batch, capacity, self.dtype, &self.device())
+    }
+
+    /// The embedding scale `sqrt(hidden_size)`, rounded to the activation dtype as the reference
+    /// implementation does.
+    fn embed_scale(&self) -> f64 {
+        let scale = (self.config.hidden_size as f64).sqrt();
+        match self.dtype {
+            DType::BF16 => half::bf16::from_f64(scale).to_f64(),
+            DType::F16 => half::f16::from_f64(scale).to_f64(),
+            _ => scale as f32 as f64,
+        }
+    }
+
+    /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
+    fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        let [batch, seq] = ids.dims();
+        if seq == 0 {
+            return Err(ModelError::InvalidInput("empty token sequence".into()));
+        }
+        if batch != cache.batch() {
+            return Err(ModelError::InvalidInput(format!("batch of {batch} sequences for a KV cache of {}", cache.batch())));
+        }
+        cache.check_room(seq)?;
+        let embedded = B::embed(self.embed_tokens.val(), ids, self.embed_scale());
+        let mut residual = embedded.cast(DType::F32);
+        let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm);
+        let mut normed = first_norm.forward(residual.clone()).cast(self.dtype);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let next_norm = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_layernorm);
+            (residual, normed) = layer.forward(residual, normed, next_norm, cache, self.dtype);
+        }
+        cache.advance(seq);
+        Ok(normed)
+    }
+
+    /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
+    fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, h] = hidden.dims();
+        let logits = hidden
+            .reshape([batch * seq, h])
+            .matmul(self.embed_tokens.val().transpose())
+            .cast(DType::F32)
+            .reshape([batch, seq, self.config.vocab_size]);
+        match self.config.final_logit_softcapping {
+            Some(cap) => B::softcap(logits, cap),
+            None => logits,
+        }
+    }
+
+    /// Runs `ids` (`[batch, seq]`) after the positions already in `cache` and returns the logits
+    /// of every position, `[batch, seq, vocab]` (f32).
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        let hidden = self.hidden_states(ids, cache)?;
+        Ok(self.lm_head(hidden))
+    }
+
+    /// Like [`Gemma::forward`] but returns only the last position's logits, `[batch, vocab]`.
+    pub fn forward_last(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
+        let hidden = self.hidden_states(ids, cache)?;
+        let [batch, seq, h] = hidden.dims();
+        let last = hidden.slice([0..batch, seq - 1..seq, 0..h]);
+        Ok(self.lm_head(last).reshape([batch, self.config.vocab_size]))
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.embed_tokens.val().device()
+    }
+
+    /// The architecture this model was built for.
+    pub fn architecture(&self) -> Architecture {
+        self.config.model_type
+    }
+}

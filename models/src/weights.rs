@@ -1,0 +1,76 @@
+//! Where model weights come from.
+//!
+//! The model asks for each tensor by its Hugging Face checkpoint name with the shape its config
+//! implies; a [`WeightSource`] (safetensors, GGUF, random) produces it on the device in the
+//! requested dtype, or says precisely what is wrong.
+
+use crate::ModelError;
+use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
+
+/// What a weight is used for; sources that store weights differently per kind (GGUF keeps RMSNorm
+/// weights with the `+1` folded in) use it to convert to the Hugging Face convention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightKind {
+    /// A matrix multiplied with activations (projections, embeddings).
+    Matrix,
+    /// An RMSNorm weight `w`, applied as `1 + w`.
+    Norm,
+}
+
+/// A provider of named weights.
+pub trait WeightSource<B: Backend> {
+    /// Loads `name` (HF naming, e.g. `model.layers.0.self_attn.q_proj.weight`) with the HF
+    /// `shape`, converted to `dtype`, on `device`. Fails with [`ModelError::MissingTensor`] or
+    /// [`ModelError::ShapeMismatch`] when the checkpoint disagrees.
+    fn load<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, ModelError>;
+}
+
+/// Random weights from a seed (normal, std 0.02; norm weights 0), generated on the device: the
+/// exact shapes of a config without any file, for tests and synthetic benchmarks.
+#[derive(Debug, Clone)]
+pub struct RandomWeights {
+    state: u64,
+}
+
+impl RandomWeights {
+    /// A source whose tensors are a pure function of `seed` and the request order.
+    pub fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    fn next_seed(&mut self) -> u64 {
+        // SplitMix64 step.
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+impl<B: Backend> WeightSource<B> for RandomWeights {
+    fn load<const D: usize>(
+        &mut self,
+        _name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, ModelError> {
+        let seed = self.next_seed();
+        Ok(match kind {
+            WeightKind::Norm => Tensor::zeros(shape, (device, DType::F32)),
+            WeightKind::Matrix => {
+                B::seed(device, seed);
+                Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 0.02), device).cast(dtype)
+            }
+        })
+    }
+}

@@ -1,0 +1,214 @@
+//! Backend type aliases (each behind its cargo feature) and runtime backend selection.
+//!
+//! GPU aliases are the unfused `CubeBackend` types, so the CubeCL kernels of
+//! `burn-gemma-kernels` receive primitive tensors directly.
+
+use crate::{Error, GemmaBackend};
+
+/// Pure-Rust CPU backend (feature `ndarray`, on by default).
+#[cfg(feature = "ndarray")]
+pub type NdArray = burn::backend::NdArray<f32>;
+/// Candle CPU backend (feature `candle`).
+#[cfg(feature = "candle")]
+#[allow(deprecated)]
+pub type Candle = burn::backend::Candle<f32, i64>;
+/// wgpu backend: Vulkan, Metal, DX12 or WebGPU, whichever the platform offers (feature `wgpu`).
+#[cfg(feature = "wgpu")]
+pub type Wgpu = burn::backend::Wgpu;
+/// wgpu through Vulkan with SPIR-V kernels (feature `vulkan`).
+#[cfg(feature = "vulkan")]
+pub type Vulkan = burn::backend::Vulkan;
+/// wgpu through Metal with MSL kernels (feature `metal`).
+#[cfg(feature = "metal")]
+pub type Metal = burn::backend::Metal;
+/// NVIDIA GPUs through CUDA (feature `cuda`).
+#[cfg(feature = "cuda")]
+pub type Cuda = burn::backend::Cuda;
+/// AMD GPUs through ROCm/HIP (feature `rocm`).
+#[cfg(feature = "rocm")]
+pub type Rocm = burn::backend::Rocm;
+
+/// Backends selectable at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The best backend compiled in and present: CUDA, ROCm, a Vulkan/Metal GPU, then CPU.
+    Auto,
+    Cuda,
+    Rocm,
+    Vulkan,
+    Wgpu,
+    Metal,
+    Candle,
+    NdArray,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "auto" => Self::Auto,
+            "cuda" => Self::Cuda,
+            "rocm" | "hip" => Self::Rocm,
+            "vulkan" => Self::Vulkan,
+            "wgpu" => Self::Wgpu,
+            "metal" => Self::Metal,
+            "candle" => Self::Candle,
+            "ndarray" => Self::NdArray,
+            other => {
+                return Err(Error::Backend(format!(
+                    "unknown backend {other:?}; expected one of auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray"
+                )))
+            }
+        })
+    }
+}
+
+/// Work to run on a backend chosen at run time.
+pub trait BackendTask {
+    type Output;
+    /// Runs on backend `B` and `device`; `name` says which, for the user.
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Self::Output;
+}
+
+/// Runs `f` with the default panic hook silenced, turning a panic into `None`. Used to probe
+/// whether a GPU runtime finds a device: the runtimes panic when none is present.
+fn probe<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok();
+    std::panic::set_hook(hook);
+    result
+}
+
+/// Whether backend `B` can run a small computation on `device`.
+fn usable<B: GemmaBackend>(device: &B::Device) -> bool {
+    let device = device.clone();
+    probe(move || {
+        let t = burn::tensor::Tensor::<B, 1>::ones([4], &device);
+        burn::tensor::ElementConversion::elem::<f32>(t.sum().into_scalar())
+    })
+    .is_some_and(|v| v == 4.0)
+}
+
+fn not_compiled(name: &str, feature: &str) -> Error {
+    Error::Backend(format!("the {name} backend is not compiled in; rebuild with `--features {feature}`"))
+}
+
+fn no_device(name: &str) -> Error {
+    Error::Backend(format!("the {name} backend is compiled in but found no usable device"))
+}
+
+/// Devices detected per compiled backend, for `--list-devices`.
+pub fn list_devices() -> Vec<String> {
+    let mut out = Vec::new();
+    #[cfg(feature = "cuda")]
+    {
+        let d = burn::backend::cuda::CudaDevice::new(0);
+        out.push(format!("cuda: {}", if usable::<Cuda>(&d) { "device 0 available" } else { "no device" }));
+    }
+    #[cfg(feature = "rocm")]
+    {
+        let d = burn::backend::rocm::RocmDevice::new(0);
+        out.push(format!("rocm: {}", if usable::<Rocm>(&d) { "device 0 available" } else { "no device" }));
+    }
+    #[cfg(feature = "wgpu")]
+    {
+        use burn::backend::wgpu::WgpuDevice;
+        for (label, d) in [("discrete GPU", WgpuDevice::DiscreteGpu(0)), ("integrated GPU", WgpuDevice::IntegratedGpu(0)), ("CPU adapter (software)", WgpuDevice::Cpu)] {
+            out.push(format!("wgpu {label}: {}", if usable::<Wgpu>(&d) { "available" } else { "none" }));
+        }
+    }
+    #[cfg(feature = "candle")]
+    out.push("candle: CPU".to_string());
+    #[cfg(feature = "ndarray")]
+    out.push("ndarray: CPU".to_string());
+    out
+}
+
+/// Runs `task` on the backend `kind` names. `Auto` tries CUDA, ROCm, a wgpu GPU, then CPU, and
+/// reports what it skipped through `note`.
+pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut(&str)) -> Result<T::Output, Error> {
+    match kind {
+        BackendKind::Auto => {
+            #[cfg(feature = "cuda")]
+            {
+                let d = burn::backend::cuda::CudaDevice::new(0);
+                if usable::<Cuda>(&d) {
+                    return Ok(task.run::<Cuda>(d, "cuda"));
+                }
+                note("cuda: no device found, trying the next backend");
+            }
+            #[cfg(feature = "rocm")]
+            {
+                let d = burn::backend::rocm::RocmDevice::new(0);
+                if usable::<Rocm>(&d) {
+                    return Ok(task.run::<Rocm>(d, "rocm"));
+                }
+                note("rocm: no device found, trying the next backend");
+            }
+            #[cfg(feature = "wgpu")]
+            {
+                use burn::backend::wgpu::WgpuDevice;
+                for d in [WgpuDevice::DiscreteGpu(0), WgpuDevice::IntegratedGpu(0)] {
+                    if usable::<Wgpu>(&d) {
+                        return Ok(task.run::<Wgpu>(d, "wgpu"));
+                    }
+                }
+                note("wgpu: no GPU adapter found, using the CPU");
+            }
+            #[cfg(feature = "ndarray")]
+            {
+                return Ok(task.run::<NdArray>(Default::default(), "ndarray (CPU)"));
+            }
+            #[cfg(all(feature = "candle", not(feature = "ndarray")))]
+            {
+                return Ok(task.run::<Candle>(Default::default(), "candle (CPU)"));
+            }
+            #[allow(unreachable_code)]
+            Err(Error::Backend("no backend is compiled in; enable a feature such as `ndarray`".into()))
+        }
+        BackendKind::Cuda => {
+            #[cfg(feature = "cuda")]
+            {
+                let d = burn::backend::cuda::CudaDevice::new(0);
+                return if usable::<Cuda>(&d) { Ok(task.run::<Cuda>(d, "cuda")) } else { Err(no_device("cuda")) };
+            }
+            #[allow(unreachable_code)]
+            Err(not_compiled("cuda", "cuda"))
+        }
+        BackendKind::Rocm => {
+            #[cfg(feature = "rocm")]
+            {
+                let d = burn::backend::rocm::RocmDevice::new(0);
+                return if usable::<Rocm>(&d) { Ok(task.run::<Rocm>(d, "rocm")) } else { Err(no_device("rocm")) };
+            }
+            #[allow(unreachable_code)]
+            Err(not_compiled("rocm", "rocm"))
+        }
+        BackendKind::Vulkan | BackendKind::Wgpu | BackendKind::Metal => {
+            #[cfg(feature = "wgpu")]
+            {
+                let d = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+                return if usable::<Wgpu>(&d) { Ok(task.run::<Wgpu>(d, "wgpu")) } else { Err(no_device("wgpu")) };
+            }
+            #[allow(unreachable_code)]
+            Err(not_compiled("wgpu", "wgpu"))
+        }
+        BackendKind::Candle => {
+            #[cfg(feature = "candle")]
+            {
+                return Ok(task.run::<Candle>(Default::default(), "candle (CPU)"));
+            }
+            #[allow(unreachable_code)]
+            Err(not_compiled("candle", "candle"))
+        }
+        BackendKind::NdArray => {
+            #[cfg(feature = "ndarray")]
+            {
+                return Ok(task.run::<NdArray>(Default::default(), "ndarray (CPU)"));
+            }
+            #[allow(unreachable_code)]
+            Err(not_compiled("ndarray", "ndarray"))
+        }
+    }
+}

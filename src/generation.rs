@@ -1,0 +1,349 @@
+//! Text generation over a [`Gemma`] model: streaming, stop conditions, chat history, statistics.
+
+use crate::{
+    chat,
+    sampling::{Sampler, SamplingConfig},
+    Error, Gemma, GemmaBackend, KvCache, Tokenizer,
+};
+use burn::tensor::{Int, Tensor, TensorData};
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerationConfig {
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// How tokens are chosen.
+    pub sampling: SamplingConfig,
+    /// Extra stop tokens beside `<eos>` and `<end_of_turn>`.
+    pub stop_tokens: Vec<u32>,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        Self { max_new_tokens: 128, sampling: SamplingConfig::default(), stop_tokens: Vec::new() }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token was generated (it is included in the tokens, not in the text).
+    StopToken(u32),
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The model's context is full.
+    ContextFull,
+    /// The interrupt flag was raised (Ctrl-C).
+    Interrupted,
+}
+
+/// Timings of one generation.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    /// Prefill plus the first sampled token.
+    pub time_to_first_token: Duration,
+    pub prefill: Duration,
+    pub generated_tokens: usize,
+    /// Time spent producing tokens after the first.
+    pub decode: Duration,
+}
+
+impl Stats {
+    /// Prompt tokens per second of prefill.
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
+    }
+
+    /// Tokens per second after the first one.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+impl std::fmt::Display for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "prompt tokens: {} | time to first token: {:.1} ms | prefill: {:.1} tok/s | generated tokens: {} | decode: {:.2} tok/s",
+            self.prompt_tokens,
+            self.time_to_first_token.as_secs_f64() * 1e3,
+            self.prefill_tokens_per_second(),
+            self.generated_tokens,
+            self.decode_tokens_per_second()
+        )
+    }
+}
+
+/// The result of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerationOutput {
+    /// Generated ids (including a final stop token).
+    pub tokens: Vec<u32>,
+    /// Generated text (stop tokens excluded).
+    pub text: String,
+    pub stop: StopReason,
+    pub stats: Stats,
+}
+
+/// Emits only complete UTF-8 characters from a stream of token bytes.
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Adds bytes and returns the text that is now complete.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_some() => {
+                // Invalid bytes (not merely incomplete): emit them replaced.
+                let text = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                return text;
+            }
+            Err(e) => e.valid_up_to(),
+        };
+        let rest = self.pending.split_off(valid);
+        let text = String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default();
+        text
+    }
+
+    /// Whatever is left, with incomplete characters replaced.
+    pub fn finish(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
+
+/// Generates text with a model and its tokenizer, keeping the KV cache between calls.
+pub struct Generator<B: GemmaBackend> {
+    model: Gemma<B>,
+    tokenizer: Tokenizer,
+    cache: Option<KvCache<B>>,
+    /// Tokens currently in the cache (the conversation so far in chat mode).
+    context: Vec<u32>,
+    default_stops: Vec<u32>,
+    interrupt: Arc<AtomicBool>,
+}
+
+impl<B: GemmaBackend> Generator<B> {
+    /// Wraps a model and tokenizer. Fails if they disagree on the vocabulary.
+    pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
+        let vocab = model.config.vocab_size;
+        if tokenizer.vocab_size() > vocab {
+            return Err(Error::Tokenizer(format!("tokenizer has {} tokens but the model only {vocab}", tokenizer.vocab_size())));
+        }
+        let mut default_stops = model.config.eos_token_id.clone();
+        default_stops.extend(tokenizer.token_id("<end_of_turn>"));
+        default_stops.extend(tokenizer.token_id("<eos>"));
+        default_stops.sort_unstable();
+        default_stops.dedup();
+        Ok(Self { model, tokenizer, cache: None, context: Vec::new(), default_stops, interrupt: Arc::new(AtomicBool::new(false)) })
+    }
+
+    /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
+    pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
+        self.interrupt.clone()
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Gemma<B> {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Largest context the model supports.
+    pub fn max_context(&self) -> usize {
+        self.model.config.max_position_embeddings
+    }
+
+    /// Forgets the conversation; the cache memory is reused.
+    pub fn reset(&mut self) {
+        self.context.clear();
+        if let Some(cache) = &mut self.cache {
+            cache.reset();
+        }
+    }
+
+    /// Generates a continuation of `prompt` (with `<bos>` prepended), starting from an empty
+    /// context. `on_text` receives the text as it is produced.
+    pub fn generate(&mut self, prompt: &str, config: &GenerationConfig, on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+        if prompt.is_empty() {
+            return Err(Error::Request("the prompt is empty".into()));
+        }
+        let ids = self.tokenizer.encode(prompt, true)?;
+        self.reset();
+        self.continue_ids(&ids, config, on_text)
+    }
+
+    /// One chat turn: appends the user's message in the Gemma template to the conversation and
+    /// generates the model's reply.
+    pub fn chat(&mut self, message: &str, config: &GenerationConfig, on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+        if message.trim().is_empty() {
+            return Err(Error::Request("the message is empty".into()));
+        }
+        let mut text = String::new();
+        if !self.context.is_empty() {
+            // The previous reply ended with <end_of_turn> (already in the context) or was cut
+            // short; either way close the turn before the next one.
+            if self.context.last().is_none_or(|&t| Some(t) != self.tokenizer.token_id("<end_of_turn>")) {
+                text.push_str("<end_of_turn>");
+            }
+            text.push_str(chat::TURN_SEPARATOR);
+        }
+        text.push_str(&chat::user_turn(message));
+        let ids = self.tokenizer.encode(&text, self.context.is_empty())?;
+        self.continue_ids(&ids, config, on_text)
+    }
+
+    /// Appends `ids` to the current context and generates from there.
+    pub fn continue_ids(&mut self, ids: &[u32], config: &GenerationConfig, mut on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+        if config.max_new_tokens == 0 {
+            return Err(Error::Request("max new tokens must be at least 1".into()));
+        }
+        if ids.is_empty() {
+            return Err(Error::Request("no input tokens".into()));
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        let mut sampler = Sampler::new(config.sampling.clone())?;
+        let needed = self.context.len() + ids.len() + config.max_new_tokens;
+        let limit = self.max_context();
+        if self.context.len() + ids.len() + 1 > limit || (self.context.is_empty() && needed > limit) {
+            return Err(Error::Request(format!(
+                "{} context tokens + {} prompt tokens + {} new tokens = {needed} exceeds the model's context of {limit} tokens",
+                self.context.len(),
+                ids.len(),
+                config.max_new_tokens
+            )));
+        }
+        self.ensure_cache(needed.min(limit))?;
+        let stops: Vec<u32> = self.default_stops.iter().chain(&config.stop_tokens).copied().collect();
+        let device = self.model.device();
+        let to_tensor = |ids: &[u32]| {
+            let data: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+            Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &device)
+        };
+
+        let start = Instant::now();
+        let mut stats = Stats { prompt_tokens: ids.len(), ..Default::default() };
+        let mut stream = Utf8Stream::default();
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        let mut input = ids.to_vec();
+        let mut stop = StopReason::MaxTokens;
+        let mut decode_start = start;
+        loop {
+            if self.interrupt.swap(false, Ordering::SeqCst) {
+                stop = StopReason::Interrupted;
+                break;
+            }
+            let step = tokens.len();
+            let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
+            let logits = self.model.forward_last(to_tensor(&input), cache)?;
+            self.context.extend_from_slice(&input);
+            let mut logits = logits.into_data().into_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+            if logits.iter().any(|l| !l.is_finite()) {
+                return Err(Error::NonFiniteLogits { step });
+            }
+            let token = sampler.sample(&mut logits, &self.context);
+            if step == 0 {
+                stats.prefill = start.elapsed();
+                stats.time_to_first_token = start.elapsed();
+                decode_start = Instant::now();
+            }
+            tokens.push(token);
+            if stops.contains(&token) {
+                self.context.push(token);
+                stop = StopReason::StopToken(token);
+                break;
+            }
+            let piece = stream.push(self.tokenizer.token_bytes(token));
+            if !piece.is_empty() {
+                on_text(&piece);
+                text.push_str(&piece);
+            }
+            if tokens.len() >= config.max_new_tokens {
+                self.context.push(token);
+                break;
+            }
+            if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
+                self.context.push(token);
+                stop = StopReason::ContextFull;
+                break;
+            }
+            input = vec![token];
+        }
+        let rest = stream.finish();
+        if !rest.is_empty() {
+            on_text(&rest);
+            text.push_str(&rest);
+        }
+        stats.generated_tokens = tokens.len();
+        stats.decode = decode_start.elapsed();
+        Ok(GenerationOutput { tokens, text, stop, stats })
+    }
+
+    /// Makes sure the cache can hold `capacity` positions, keeping the current context.
+    fn ensure_cache(&mut self, capacity: usize) -> Result<(), Error> {
+        if self.cache.as_ref().is_some_and(|c| c.capacity() >= capacity) {
+            return Ok(());
+        }
+        // Grow in steps so that a chat does not reallocate every turn.
+        let limit = self.max_context();
+        let capacity = capacity.max(self.cache.as_ref().map_or(0, |c| c.capacity() * 2)).next_multiple_of(256).min(limit);
+        let mut cache = self.model.new_cache(1, capacity)?;
+        if !self.context.is_empty() {
+            // Re-run the conversation into the larger cache.
+            let device = self.model.device();
+            let data: Vec<i64> = self.context.iter().map(|&t| t as i64).collect();
+            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, self.context.len()]), &device);
+            self.model.forward_last(ids, &mut cache)?;
+        }
+        self.cache = Some(cache);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Utf8Stream;
+
+    #[test]
+    fn utf8_stream_never_splits_characters() {
+        let text = "日本の首都は東京です 👍";
+        let bytes = text.as_bytes();
+        for chunk in 1..5 {
+            let mut s = Utf8Stream::default();
+            let mut out = String::new();
+            for piece in bytes.chunks(chunk) {
+                let emitted = s.push(piece);
+                assert!(std::str::from_utf8(emitted.as_bytes()).is_ok());
+                out.push_str(&emitted);
+            }
+            out.push_str(&s.finish());
+            assert_eq!(out, text);
+        }
+        let mut s = Utf8Stream::default();
+        assert_eq!(s.push(&[0xE6]), "");
+        assert_eq!(s.push(&[0x97]), "");
+        assert_eq!(s.push(&[0xA5]), "日");
+    }
+}

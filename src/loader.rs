@@ -1,0 +1,352 @@
+//! Opening checkpoints: a Hugging Face directory (`config.json` + safetensors, single or
+//! sharded) or a GGUF file, as a [`WeightSource`] for the model and a [`Tokenizer`].
+
+use crate::{
+    gguf::{GgufFile, Value},
+    safetensors::{Dtype, SafetensorsFile},
+    Error, Tokenizer,
+};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use burn_gemma_kernels::GemmaBackend;
+use burn_gemma_model::{
+    config::default_layer_types, weights::WeightKind, Architecture, Gemma, GemmaConfig, ModelError, RopeConfig,
+    WeightSource,
+};
+use std::{
+    collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
+};
+
+/// An opened checkpoint, validated but not yet loaded onto a device.
+pub struct Checkpoint {
+    path: PathBuf,
+    format: Format,
+    config: GemmaConfig,
+}
+
+enum Format {
+    Hf { shards: Vec<SafetensorsFile>, index: HashMap<String, usize> },
+    Gguf(Box<GgufFile>),
+}
+
+/// What loading left aside.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    /// Tensors in the checkpoint the text model does not use (e.g. a vision tower).
+    pub unused_tensors: Vec<String>,
+}
+
+impl Checkpoint {
+    /// Opens a GGUF file or an HF directory and validates its config.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref().to_path_buf();
+        let meta = std::fs::metadata(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        if meta.is_dir() {
+            Self::open_hf_dir(path)
+        } else {
+            Self::open_gguf(path)
+        }
+    }
+
+    fn open_hf_dir(dir: PathBuf) -> Result<Self, Error> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
+        let config = GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: e })?;
+
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|source| Error::Io { path: index_path.clone(), source })?;
+            let index: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::NotAModel { path: index_path.clone(), reason: format!("index is not JSON: {e}") })?;
+            let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::NotAModel {
+                path: index_path.clone(),
+                reason: "index has no `weight_map` object".into(),
+            })?;
+            let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            vec!["model.safetensors".to_string()]
+        };
+        let mut shards = Vec::with_capacity(shard_names.len());
+        let mut index = HashMap::new();
+        for name in &shard_names {
+            if name.contains('/') || name.contains('\\') || name.contains("..") {
+                return Err(Error::NotAModel { path: index_path.clone(), reason: format!("shard name {name:?} leaves the directory") });
+            }
+            let shard_path = dir.join(name);
+            if !shard_path.exists() {
+                return Err(Error::NotAModel { path: dir.clone(), reason: format!("missing weights file {name}") });
+            }
+            let file = SafetensorsFile::open(&shard_path).map_err(|source| Error::Safetensors { path: shard_path.clone(), source })?;
+            for tensor in file.tensors().keys() {
+                if index.insert(tensor.clone(), shards.len()).is_some() {
+                    return Err(Error::NotAModel { path: shard_path.clone(), reason: format!("tensor `{tensor}` is in two shards") });
+                }
+            }
+            shards.push(file);
+        }
+        Ok(Self { path: dir, format: Format::Hf { shards, index }, config })
+    }
+
+    fn open_gguf(path: PathBuf) -> Result<Self, Error> {
+        let file = GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source })?;
+        let config = config_from_gguf(&file).map_err(|e| Error::Config { path: path.clone(), source: e })?;
+        Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
+    }
+
+    /// The checkpoint's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated model config.
+    pub fn config(&self) -> &GemmaConfig {
+        &self.config
+    }
+
+    /// Number of tensors the model will request (for progress reporting).
+    pub fn tensors_to_load(&self) -> usize {
+        let per_layer = 9 + if self.config.model_type.has_sandwich_norms() { 2 } else { 0 }
+            + if self.config.model_type.has_qk_norm() { 2 } else { 0 };
+        2 + per_layer * self.config.num_hidden_layers
+    }
+
+    /// Loads the model onto `device` in `dtype`, calling `progress(done, total)` per tensor.
+    pub fn load_model<B: GemmaBackend>(
+        &self,
+        dtype: DType,
+        device: &B::Device,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<(Gemma<B>, LoadReport), Error> {
+        let total = self.tensors_to_load();
+        let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut progress, total };
+        let model = Gemma::load(self.config.clone(), &mut source, dtype, device)?;
+        let used = source.used;
+        let mut unused: Vec<String> = match &self.format {
+            Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
+            Format::Gguf(f) => f.tensors.keys().filter(|n| !used.contains(*n)).cloned().collect(),
+        };
+        unused.sort();
+        Ok((model, LoadReport { unused_tensors: unused }))
+    }
+
+    /// The tokenizer: `tokenizer.json` beside HF weights, or the GGUF's embedded vocabulary.
+    pub fn tokenizer(&self) -> Result<Tokenizer, Error> {
+        match &self.format {
+            Format::Hf { .. } => {
+                let path = self.path.join("tokenizer.json");
+                if !path.exists() {
+                    return Err(Error::Tokenizer(format!("{} not found beside the weights", path.display())));
+                }
+                Tokenizer::from_file(&path)
+            }
+            Format::Gguf(f) => tokenizer_from_gguf(f),
+        }
+    }
+}
+
+struct Source<'a, F: FnMut(usize, usize)> {
+    checkpoint: &'a Checkpoint,
+    used: HashSet<String>,
+    progress: &'a mut F,
+    total: usize,
+}
+
+/// HF names of multimodal checkpoints put the text model under another prefix.
+fn hf_candidates(name: &str) -> [String; 3] {
+    let rest = name.strip_prefix("model.").unwrap_or(name);
+    [name.to_string(), format!("model.language_model.{rest}"), format!("language_model.{name}")]
+}
+
+/// GGUF tensor name of an HF weight name.
+fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
+    match name {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let part = rest.strip_suffix(".weight")?;
+    let gguf = match part {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        // Gemma 1's `post_attention_layernorm` is its pre-MLP norm.
+        "post_attention_layernorm" if arch == Architecture::Gemma => "ffn_norm",
+        "post_attention_layernorm" => "post_attention_norm",
+        "pre_feedforward_layernorm" => "ffn_norm",
+        "post_feedforward_layernorm" => "post_ffw_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf}.weight"))
+}
+
+impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
+    fn load<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, ModelError> {
+        let mismatch = |actual: &[usize]| ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), actual: actual.to_vec() };
+        let data = match &self.checkpoint.format {
+            Format::Hf { shards, index } => {
+                let (stored, shard) = hf_candidates(name)
+                    .into_iter()
+                    .find_map(|n| index.get(&n).map(|&s| (n, s)))
+                    .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                let file = &shards[shard];
+                let info = &file.tensors()[&stored];
+                if info.shape != shape {
+                    return Err(mismatch(&info.shape));
+                }
+                let stored_dtype = match info.dtype {
+                    Dtype::F32 => DType::F32,
+                    Dtype::F16 => DType::F16,
+                    Dtype::BF16 => DType::BF16,
+                    other => return Err(ModelError::UnsupportedTensorDtype { name: stored, dtype: format!("{other:?}") }),
+                };
+                self.used.insert(stored);
+                TensorData::from_bytes_vec(file.bytes(info).to_vec(), shape.to_vec(), stored_dtype)
+            }
+            Format::Gguf(file) => {
+                let arch = self.checkpoint.config.model_type;
+                let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+                if info.shape != shape {
+                    return Err(mismatch(&info.shape));
+                }
+                let mut values = file.dequantize(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
+                if kind == WeightKind::Norm {
+                    // llama.cpp's converter stores Gemma norm weights as `1 + w`.
+                    values.iter_mut().for_each(|v| *v -= 1.0);
+                }
+                self.used.insert(stored);
+                TensorData::new(values, shape.to_vec())
+            }
+        };
+        (self.progress)(self.used.len(), self.total);
+        Ok(Tensor::from_data(data, (device, dtype)))
+    }
+}
+
+fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
+    file.get(key)
+}
+
+fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
+    let arch_name = meta(file, "general.architecture").and_then(Value::as_str).unwrap_or("");
+    let arch = Architecture::from_name(arch_name)?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let uint = |k: &'static str| -> Result<Option<usize>, ModelError> {
+        match meta(file, &key(k)) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }),
+        }
+    };
+    let required = |k: &'static str| uint(k)?.ok_or(ModelError::InvalidConfig { field: k, reason: "is missing from the GGUF metadata".into() });
+    let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
+
+    let hidden_size = required("embedding_length")?;
+    let num_attention_heads = required("attention.head_count")?;
+    let num_hidden_layers = required("block_count")?;
+    let head_dim = match uint("attention.key_length")? {
+        Some(d) => d,
+        None => hidden_size / num_attention_heads.max(1),
+    };
+    let vocab_size = match meta(file, "tokenizer.ggml.tokens").and_then(Value::as_array) {
+        Some(tokens) => tokens.len(),
+        None => file.tensors.get("token_embd.weight").map_or(0, |t| t.shape[0]),
+    };
+    // GGUF does not store query_pre_attn_scalar; llama.cpp uses hidden_size / heads for the 27B
+    // models (Gemma 2: 46 layers, Gemma 3: 62 layers) and head_dim otherwise.
+    let is_27b = matches!((arch, num_hidden_layers), (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62));
+    let query_pre_attn_scalar = if is_27b { (hidden_size / num_attention_heads.max(1)) as f64 } else { head_dim as f64 };
+    let pattern = match arch {
+        Architecture::Gemma => None,
+        Architecture::Gemma2 => Some(2),
+        Architecture::Gemma3 => Some(uint("attention.sliding_window_pattern")?.unwrap_or(6)),
+    };
+    let theta = float("rope.freq_base").unwrap_or(10_000.0);
+    let scaling = meta(file, &key("rope.scaling.type")).and_then(Value::as_str);
+    let factor = match scaling {
+        None | Some("none") => 1.0,
+        Some("linear") => float("rope.scaling.factor").unwrap_or(1.0),
+        Some(other) => return Err(ModelError::UnsupportedConfig { field: "rope.scaling.type", value: other.to_string() }),
+    };
+    let rope_full_attention = RopeConfig { rope_theta: theta, factor };
+    let rope_sliding_attention = match arch {
+        // llama.cpp uses a fixed local base of 10000 for Gemma 3's sliding layers.
+        Architecture::Gemma3 => RopeConfig { rope_theta: 10_000.0, factor: 1.0 },
+        _ => rope_full_attention,
+    };
+    let token = |k: &str, default: u32| meta(file, k).and_then(Value::as_u64).map_or(default, |v| v as u32);
+    let config = GemmaConfig {
+        model_type: arch,
+        vocab_size,
+        hidden_size,
+        intermediate_size: required("feed_forward_length")?,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads: uint("attention.head_count_kv")?.unwrap_or(num_attention_heads),
+        head_dim,
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        max_position_embeddings: uint("context_length")?.unwrap_or(8192),
+        query_pre_attn_scalar,
+        attn_logit_softcapping: float("attn_logit_softcapping"),
+        final_logit_softcapping: float("final_logit_softcapping"),
+        sliding_window: if arch == Architecture::Gemma { None } else { uint("attention.sliding_window")? },
+        layer_types: default_layer_types(num_hidden_layers, pattern),
+        rope_full_attention,
+        rope_sliding_attention,
+        bos_token_id: token("tokenizer.ggml.bos_token_id", 2),
+        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)],
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
+    let missing = |k: &str| Error::Tokenizer(format!("GGUF has no usable `{k}`"));
+    let model = meta(file, "tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
+    if model != "llama" {
+        return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} is not SentencePiece (`llama`)")));
+    }
+    let tokens = meta(file, "tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
+    let scores = meta(file, "tokenizer.ggml.scores")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|v| v.as_f64().map(|f| f as f32)).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| missing("tokenizer.ggml.scores"))?;
+    let types = meta(file, "tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .map(|v| match v {
+                    Value::I32(t) => Some(*t),
+                    other => other.as_u64().map(|t| t as i32),
+                })
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| missing("tokenizer.ggml.token_type"))?;
+    let bos = meta(file, "tokenizer.ggml.bos_token_id").and_then(Value::as_u64).unwrap_or(2) as u32;
+    Tokenizer::from_vocab(tokens, scores, types, bos)
+}

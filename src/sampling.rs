@@ -1,0 +1,263 @@
+//! Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty, seeded.
+
+use crate::Error;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// How the next token is chosen from the logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    /// 0 picks the most likely token (greedy); higher values flatten the distribution.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p`, in (0, 1].
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than `min_p` times the most likely one, in [0, 1].
+    pub min_p: Option<f32>,
+    /// Divides positive (multiplies negative) logits of recently seen tokens; 1 disables.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    /// Seed of the random generator.
+    pub seed: u64,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: None, top_p: None, min_p: None, repeat_penalty: 1.0, repeat_last_n: 64, seed: 42 }
+    }
+}
+
+impl SamplingConfig {
+    /// Rejects values outside their ranges, naming the parameter.
+    pub fn validate(&self) -> Result<(), Error> {
+        let t = self.temperature;
+        if !t.is_finite() || t < 0.0 {
+            return Err(Error::Sampling(format!("temperature must be a finite number >= 0, got {t}")));
+        }
+        if self.top_k == Some(0) {
+            return Err(Error::Sampling("top-k must be at least 1".into()));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(Error::Sampling(format!("top-p must be in (0, 1], got {p}")));
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(Error::Sampling(format!("min-p must be in [0, 1], got {p}")));
+            }
+        }
+        let r = self.repeat_penalty;
+        if !r.is_finite() || r <= 0.0 {
+            return Err(Error::Sampling(format!("repeat penalty must be a finite number > 0, got {r}")));
+        }
+        Ok(())
+    }
+}
+
+/// A seeded sampler.
+pub struct Sampler {
+    config: SamplingConfig,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// Validates `config` and seeds the generator.
+    pub fn new(config: SamplingConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let rng = StdRng::seed_from_u64(config.seed);
+        Ok(Self { config, rng })
+    }
+
+    /// Applies the repetition penalty to `logits` for tokens in the last `repeat_last_n` of
+    /// `history`.
+    pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
+        let penalty = self.config.repeat_penalty;
+        if penalty == 1.0 {
+            return;
+        }
+        let window = &history[history.len().saturating_sub(self.config.repeat_last_n)..];
+        let mut seen = std::collections::HashSet::new();
+        for &id in window {
+            if let Some(l) = logits.get_mut(id as usize) {
+                if seen.insert(id) {
+                    *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+                }
+            }
+        }
+    }
+
+    /// The candidate distribution after temperature, top-k, top-p and min-p, as
+    /// `(token, probability)` sorted by decreasing probability and summing to 1.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let c = &self.config;
+        let mut candidates: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        if let Some(k) = c.top_k {
+            if k < candidates.len() {
+                candidates.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+                candidates.truncate(k);
+            }
+        }
+        candidates.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = candidates.first().map_or(0.0, |c| c.1);
+        let temperature = c.temperature.max(f32::MIN_POSITIVE);
+        let mut total = 0.0f64;
+        for cand in candidates.iter_mut() {
+            cand.1 = ((cand.1 - max) / temperature).exp();
+            total += cand.1 as f64;
+        }
+        for cand in candidates.iter_mut() {
+            cand.1 = (cand.1 as f64 / total) as f32;
+        }
+        if let Some(p) = c.top_p {
+            let mut cumulative = 0.0f32;
+            let mut keep = candidates.len();
+            for (i, cand) in candidates.iter().enumerate() {
+                cumulative += cand.1;
+                if cumulative >= p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            candidates.truncate(keep);
+        }
+        if let Some(min_p) = c.min_p {
+            let threshold = candidates.first().map_or(0.0, |c| c.1) * min_p;
+            candidates.retain(|cand| cand.1 >= threshold);
+        }
+        let total: f32 = candidates.iter().map(|c| c.1).sum();
+        for cand in candidates.iter_mut() {
+            cand.1 /= total;
+        }
+        candidates
+    }
+
+    /// Chooses the next token from `logits` (penalized in place) given the tokens so far.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        self.penalize(logits, history);
+        if self.config.temperature == 0.0 {
+            return argmax(logits);
+        }
+        let dist = self.distribution(logits);
+        let mut r: f32 = self.rng.random();
+        for &(id, p) in &dist {
+            if r < p {
+                return id;
+            }
+            r -= p;
+        }
+        dist.last().map_or_else(|| argmax(logits), |c| c.0)
+    }
+}
+
+/// Index of the largest value (the first one on ties).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in values.iter().enumerate() {
+        if *v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(f: impl FnOnce(&mut SamplingConfig)) -> Sampler {
+        let mut c = SamplingConfig { temperature: 1.0, ..Default::default() };
+        f(&mut c);
+        Sampler::new(c).unwrap()
+    }
+
+    fn close(a: f32, b: f32) -> bool {
+        (a - b).abs() < 1e-5
+    }
+
+    #[test]
+    fn temperature_softmax_by_hand() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let s = sampler(|c| c.temperature = 2.0);
+        let d = s.distribution(&logits);
+        let e: Vec<f32> = [1.5f32, 1.0, 0.5].iter().map(|x| x.exp()).collect();
+        let z: f32 = e.iter().sum();
+        assert_eq!(d.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 1, 0]);
+        for (i, p) in [e[0] / z, e[1] / z, e[2] / z].iter().enumerate() {
+            assert!(close(d[i].1, *p), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn top_k_top_p_min_p_by_hand() {
+        // Probabilities with temperature 1: softmax(ln([0.5, 0.3, 0.15, 0.05])).
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let d = sampler(|c| c.top_k = Some(2)).distribution(&logits);
+        assert_eq!(d.len(), 2);
+        assert!(close(d[0].1, 0.625) && close(d[1].1, 0.375));
+        let d = sampler(|c| c.top_p = Some(0.8)).distribution(&logits);
+        assert_eq!(d.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1]);
+        let d = sampler(|c| c.top_p = Some(0.81)).distribution(&logits);
+        assert_eq!(d.len(), 3);
+        assert!(close(d[2].1, 0.15 / 0.95));
+        let d = sampler(|c| c.min_p = Some(0.3)).distribution(&logits);
+        assert_eq!(d.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert!(close(d[0].1, 0.5 / 0.95));
+    }
+
+    #[test]
+    fn repeat_penalty_by_hand() {
+        let s = sampler(|c| {
+            c.repeat_penalty = 2.0;
+            c.repeat_last_n = 2;
+        });
+        let mut logits = [4.0f32, -1.0, 3.0, 2.0];
+        s.penalize(&mut logits, &[3, 0, 1, 1]);
+        // Only the last two tokens (1, 1) count; token 1 is penalized once.
+        assert_eq!(logits, [4.0, -2.0, 3.0, 2.0]);
+    }
+
+    #[test]
+    fn greedy_and_seeded_determinism() {
+        let mut g = Sampler::new(SamplingConfig::default()).unwrap();
+        assert_eq!(g.sample(&mut [0.1, 5.0, 5.0, -1.0], &[]), 1);
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let draw = |seed| {
+            let mut s = sampler(|c| c.seed = seed);
+            (0..20).map(|_| s.sample(&mut logits.clone(), &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_distribution() {
+        let logits: Vec<f32> = [0.6f32, 0.3, 0.1].iter().map(|p| p.ln()).collect();
+        let mut s = sampler(|c| c.seed = 3);
+        let mut counts = [0usize; 3];
+        for _ in 0..20_000 {
+            counts[s.sample(&mut logits.clone(), &[]) as usize] += 1;
+        }
+        for (count, p) in counts.iter().zip([0.6, 0.3, 0.1]) {
+            assert!((*count as f64 / 20_000.0 - p).abs() < 0.02, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_named() {
+        let bad = |f: fn(&mut SamplingConfig)| {
+            let mut c = SamplingConfig::default();
+            f(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(bad(|c| c.temperature = f32::NAN).contains("temperature"));
+        assert!(bad(|c| c.temperature = f32::INFINITY).contains("temperature"));
+        assert!(bad(|c| c.temperature = -1.0).contains("temperature"));
+        assert!(bad(|c| c.top_k = Some(0)).contains("top-k"));
+        assert!(bad(|c| c.top_p = Some(0.0)).contains("top-p"));
+        assert!(bad(|c| c.top_p = Some(1.5)).contains("top-p"));
+        assert!(bad(|c| c.min_p = Some(-0.1)).contains("min-p"));
+        assert!(bad(|c| c.repeat_penalty = 0.0).contains("repeat penalty"));
+    }
+}

@@ -1,0 +1,273 @@
+//! Gemma tokenizers: `tokenizer.json` through the `tokenizers` crate, or the SentencePiece-style
+//! BPE embedded in a GGUF file (vocabulary, scores, token types, byte fallback).
+//!
+//! Special tokens (GGUF control and user-defined types, e.g. `<start_of_turn>`, runs of newlines)
+//! are matched in the text as single tokens, as Hugging Face tokenizers do.
+
+use crate::Error;
+use std::{
+    cmp::Ordering,
+    collections::{BinaryHeap, HashMap},
+    path::Path,
+};
+
+/// SentencePiece token types as stored in GGUF `tokenizer.ggml.token_type`.
+const TYPE_NORMAL: i32 = 1;
+const TYPE_CONTROL: i32 = 3;
+const TYPE_USER_DEFINED: i32 = 4;
+const TYPE_BYTE: i32 = 6;
+
+/// The space marker of SentencePiece vocabularies.
+const SPACE: char = '\u{2581}';
+
+/// A Gemma tokenizer.
+pub struct Tokenizer {
+    engine: Engine,
+    /// Raw bytes each token stands for (empty for control tokens), used for decoding and streaming.
+    token_bytes: Vec<Vec<u8>>,
+    pieces: HashMap<String, u32>,
+    bos: u32,
+}
+
+enum Engine {
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(Spm),
+}
+
+/// SentencePiece BPE: merge the adjacent pair whose merged piece scores highest, leftmost first.
+struct Spm {
+    scores: Vec<f32>,
+    types: Vec<i32>,
+    /// Special tokens matched atomically, grouped by first character, longest first.
+    specials: HashMap<char, Vec<(String, u32)>>,
+    byte_tokens: [Option<u32>; 256],
+}
+
+fn piece_bytes(piece: &str, token_type: Option<i32>) -> Vec<u8> {
+    if token_type == Some(TYPE_CONTROL) {
+        return Vec::new();
+    }
+    if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>')) {
+        if hex.len() == 2 {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return vec![b];
+            }
+        }
+    }
+    piece.replace(SPACE, " ").into_bytes()
+}
+
+impl Tokenizer {
+    /// Loads a Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self, Error> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let size = inner.get_vocab_size(true);
+        let mut token_bytes = vec![Vec::new(); size];
+        let mut pieces = HashMap::with_capacity(size);
+        let specials: std::collections::HashSet<u32> =
+            inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        for (piece, id) in inner.get_vocab(true) {
+            if let Some(slot) = token_bytes.get_mut(id as usize) {
+                *slot = piece_bytes(&piece, specials.contains(&id).then_some(TYPE_CONTROL));
+            }
+            pieces.insert(piece, id);
+        }
+        let bos = pieces.get("<bos>").copied().unwrap_or(2);
+        Ok(Self { engine: Engine::Hf(Box::new(inner)), token_bytes, pieces, bos })
+    }
+
+    /// Builds the tokenizer from GGUF vocabulary arrays.
+    pub fn from_vocab(tokens: Vec<String>, scores: Vec<f32>, types: Vec<i32>, bos: u32) -> Result<Self, Error> {
+        if tokens.is_empty() || tokens.len() != scores.len() || tokens.len() != types.len() {
+            return Err(Error::Tokenizer(format!(
+                "GGUF vocabulary arrays disagree: {} tokens, {} scores, {} types",
+                tokens.len(),
+                scores.len(),
+                types.len()
+            )));
+        }
+        let mut pieces = HashMap::with_capacity(tokens.len());
+        let mut specials: HashMap<char, Vec<(String, u32)>> = HashMap::new();
+        let mut byte_tokens = [None; 256];
+        let mut token_bytes = Vec::with_capacity(tokens.len());
+        for (id, piece) in tokens.into_iter().enumerate() {
+            let id = id as u32;
+            let ty = types[id as usize];
+            token_bytes.push(piece_bytes(&piece, Some(ty)));
+            if ty == TYPE_BYTE {
+                if let [b] = token_bytes[id as usize][..] {
+                    byte_tokens[b as usize] = Some(id);
+                }
+            }
+            if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
+                if let Some(first) = piece.chars().next() {
+                    specials.entry(first).or_default().push((piece.clone(), id));
+                }
+            }
+            pieces.entry(piece).or_insert(id);
+        }
+        for list in specials.values_mut() {
+            list.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        }
+        Ok(Self { engine: Engine::Spm(Spm { scores, types, specials, byte_tokens }), token_bytes, pieces, bos })
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    /// The `<bos>` id.
+    pub fn bos_id(&self) -> u32 {
+        self.bos
+    }
+
+    /// The id of a piece such as `<end_of_turn>`.
+    pub fn token_id(&self, piece: &str) -> Option<u32> {
+        self.pieces.get(piece).copied()
+    }
+
+    /// Encodes `text`, with `<bos>` first when `add_bos`.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, Error> {
+        let mut ids = Vec::new();
+        if add_bos {
+            ids.push(self.bos);
+        }
+        match &self.engine {
+            Engine::Hf(t) => {
+                let enc = t.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Engine::Spm(spm) => spm.encode(text, &self.pieces, &mut ids)?,
+        }
+        Ok(ids)
+    }
+
+    /// The raw bytes of one token (empty for control tokens; may be part of a UTF-8 character).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes.get(id as usize).map_or(&[], |b| b.as_slice())
+    }
+
+    /// Decodes ids to text (control tokens produce nothing; invalid UTF-8 becomes U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id).iter().copied()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Symbol {
+    start: usize,
+    end: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+#[derive(Debug, PartialEq)]
+struct Candidate {
+    score: f32,
+    left: usize,
+    /// Byte length of the merged text when pushed, to detect stale entries.
+    len: usize,
+}
+
+impl Eq for Candidate {}
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Highest score first, then leftmost.
+        self.score.total_cmp(&other.score).then_with(|| other.left.cmp(&self.left))
+    }
+}
+
+impl Spm {
+    fn encode(&self, text: &str, pieces: &HashMap<String, u32>, out: &mut Vec<u32>) -> Result<(), Error> {
+        let mut segment_start = 0;
+        let mut i = 0;
+        while i < text.len() {
+            let rest = &text[i..];
+            let Some(c) = rest.chars().next() else { break };
+            let special = self.specials.get(&c).and_then(|list| list.iter().find(|(p, _)| rest.starts_with(p.as_str())));
+            if let Some((piece, id)) = special {
+                self.encode_segment(&text[segment_start..i], pieces, out)?;
+                out.push(*id);
+                i += piece.len();
+                segment_start = i;
+            } else {
+                i += c.len_utf8();
+            }
+        }
+        self.encode_segment(&text[segment_start..], pieces, out)
+    }
+
+    fn encode_segment(&self, text: &str, pieces: &HashMap<String, u32>, out: &mut Vec<u32>) -> Result<(), Error> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let norm: String = text.chars().map(|c| if c == ' ' { SPACE } else { c }).collect();
+        let mut symbols: Vec<Symbol> = Vec::new();
+        for (start, c) in norm.char_indices() {
+            let n = symbols.len();
+            symbols.push(Symbol {
+                start,
+                end: start + c.len_utf8(),
+                prev: n.checked_sub(1),
+                next: None,
+            });
+            if n > 0 {
+                symbols[n - 1].next = Some(n);
+            }
+        }
+        let mut heap = BinaryHeap::new();
+        let push = |heap: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: usize| {
+            let Some(right) = symbols[left].next else { return };
+            let merged = &norm[symbols[left].start..symbols[right].end];
+            if let Some(&id) = pieces.get(merged) {
+                if self.types[id as usize] == TYPE_NORMAL {
+                    heap.push(Candidate { score: self.scores[id as usize], left, len: merged.len() });
+                }
+            }
+        };
+        for left in 0..symbols.len() {
+            push(&mut heap, &symbols, left);
+        }
+        while let Some(Candidate { left, len, .. }) = heap.pop() {
+            let Some(right) = symbols[left].next else { continue };
+            if symbols[left].end == symbols[left].start || symbols[right].end - symbols[left].start != len {
+                continue; // stale
+            }
+            symbols[left].end = symbols[right].end;
+            symbols[left].next = symbols[right].next;
+            if let Some(n) = symbols[right].next {
+                symbols[n].prev = Some(left);
+            }
+            symbols[right].start = symbols[right].end; // mark dead
+            if let Some(p) = symbols[left].prev {
+                push(&mut heap, &symbols, p);
+            }
+            push(&mut heap, &symbols, left);
+        }
+        let mut cursor = Some(0);
+        while let Some(idx) = cursor {
+            let sym = symbols[idx];
+            let piece = &norm[sym.start..sym.end];
+            match pieces.get(piece) {
+                Some(&id) => out.push(id),
+                None => {
+                    for b in piece.as_bytes() {
+                        let id = self.byte_tokens[*b as usize]
+                            .ok_or_else(|| Error::Tokenizer(format!("no byte-fallback token for byte 0x{b:02X}")))?;
+                        out.push(id);
+                    }
+                }
+            }
+            cursor = sym.next;
+        }
+        Ok(())
+    }
+}
