@@ -1,0 +1,38 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// `../shared/fixtures` beside the repository.
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+}
+
+/// The real Gemma 3 270M GGUF: `$BURN_GEMMA_MODEL`, or the default model's cache location.
+/// In CI (`CI` set) a missing model fails the test; locally the test is skipped with a reason.
+pub fn real_model() -> Option<PathBuf> {
+    let path = match std::env::var_os("BURN_GEMMA_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => burn_gemma::fetch::cache_dir().expect("cache dir").join(burn_gemma::fetch::DEFAULT_MODEL_FILE),
+    };
+    if path.exists() {
+        return Some(path);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("real model not found at {} (CI must fetch it: see .ci/run)", path.display());
+    }
+    eprintln!(
+        "SKIPPED: real model not found at {}; run `cargo run --release --example generate` once to fetch it, or set BURN_GEMMA_MODEL",
+        path.display()
+    );
+    None
+}
+
+pub fn read_json(path: PathBuf) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .expect("fixture JSON")
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}

@@ -1,0 +1,119 @@
+//! The real Gemma 3 270M (GGUF) against HF transformers (float32): exact tokenizer, teacher-forced
+//! logits and greedy decoding for every fixture prompt.
+
+mod common;
+
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn_gemma::{Checkpoint, Gemma, GemmaBackend, Tokenizer};
+
+const LOGIT_TOLERANCE: f32 = 2e-2;
+const MARGIN: f64 = 0.05;
+
+struct Loaded<B: GemmaBackend> {
+    model: Gemma<B>,
+    tokenizer: Tokenizer,
+    reference: serde_json::Value,
+}
+
+fn load<B: GemmaBackend>(device: &B::Device) -> Option<Loaded<B>> {
+    let path = common::real_model()?;
+    let checkpoint = Checkpoint::open(&path).expect("open GGUF");
+    let (model, _) = checkpoint.load_model::<B>(DType::F32, device, |_, _| {}).expect("load model");
+    let tokenizer = checkpoint.tokenizer().expect("tokenizer");
+    let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
+    Some(Loaded { model, tokenizer, reference })
+}
+
+fn to_ids<B: Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
+    let data: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    Tensor::from_data(TensorData::new(data, [1, ids.len()]), device)
+}
+
+/// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
+fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str]) {
+    for case in loaded.reference["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        if !only.is_empty() && !only.contains(&name) {
+            continue;
+        }
+        let prompt = common::ids(&case["prompt_ids"]);
+        let greedy = common::ids(&case["greedy_ids"]);
+        let sequence: Vec<u32> = prompt.iter().chain(&greedy[..greedy.len() - 1]).copied().collect();
+
+        // Teacher forced: one pass over prompt + greedy[:-1].
+        let mut cache = loaded.model.new_cache(1, sequence.len()).unwrap();
+        let logits = loaded.model.forward(to_ids::<B>(&sequence, device), &mut cache).unwrap();
+        let vocab = loaded.model.config.vocab_size;
+        let logits = logits.into_data().to_vec::<f32>().unwrap();
+        assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+        let top_ids = case["top_ids"].as_array().unwrap();
+        let top_logits = case["top_logits"].as_array().unwrap();
+        assert_eq!(top_ids.len(), sequence.len());
+        let mut max_err = 0.0f32;
+        for (pos, (ids, refs)) in top_ids.iter().zip(top_logits).enumerate() {
+            for (id, want) in common::ids(ids).iter().zip(refs.as_array().unwrap()) {
+                let got = logits[pos * vocab + *id as usize];
+                max_err = max_err.max((got - want.as_f64().unwrap() as f32).abs());
+            }
+        }
+
+        // Greedy through the KV cache, token by token, up to the first low-margin step.
+        let margins: Vec<f64> = top_logits[prompt.len() - 1..]
+            .iter()
+            .map(|r| r[0].as_f64().unwrap() - r[1].as_f64().unwrap())
+            .collect();
+        let checked = margins.iter().position(|&m| m < MARGIN).unwrap_or(greedy.len());
+        let mut cache = loaded.model.new_cache(1, prompt.len() + greedy.len()).unwrap();
+        let mut next = prompt.clone();
+        let mut produced = Vec::new();
+        for _ in 0..checked {
+            let logits = loaded.model.forward_last(to_ids::<B>(&next, device), &mut cache).unwrap();
+            let token = logits.argmax(1).into_data().to_vec::<i64>().unwrap()[0] as u32;
+            produced.push(token);
+            next = vec![token];
+        }
+        println!(
+            "{name}: {} positions, max top-5 logit error {max_err:.2e}; greedy {}/{} tokens checked (margin >= {MARGIN}) match: {}",
+            sequence.len(),
+            checked,
+            greedy.len(),
+            produced == greedy[..checked]
+        );
+        assert!(max_err <= LOGIT_TOLERANCE, "{name}: logit error {max_err} > {LOGIT_TOLERANCE}");
+        assert_eq!(produced, greedy[..checked], "{name}: greedy ids");
+        if name == "long_recall" {
+            assert_eq!(checked, greedy.len(), "long_recall must be checked in full");
+        }
+    }
+}
+
+#[test]
+fn tokenizer_reproduces_reference_ids_and_round_trips() {
+    let Some(path) = common::real_model() else { return };
+    let tokenizer = Checkpoint::open(&path).unwrap().tokenizer().unwrap();
+    let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
+    for case in reference["cases"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let ids = tokenizer.encode(prompt, true).unwrap();
+        assert_eq!(ids, common::ids(&case["prompt_ids"]), "{}", case["name"]);
+        // <bos> decodes to nothing; the rest is the prompt exactly.
+        assert_eq!(tokenizer.decode(&ids[1..]).replace("<start_of_turn>", "").len() <= prompt.len(), true);
+        let greedy = common::ids(&case["greedy_ids"]);
+        assert_eq!(tokenizer.decode(&greedy), case["greedy_text"].as_str().unwrap(), "{}", case["name"]);
+    }
+}
+
+#[test]
+fn real_model_matches_reference_on_ndarray() {
+    let device = Default::default();
+    let Some(loaded) = load::<burn_gemma::backends::NdArray>(&device) else { return };
+    check_cases(&loaded, &device, &[]);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn real_model_short_cases_on_wgpu() {
+    let device = Default::default();
+    let Some(loaded) = load::<burn_gemma::backends::Wgpu>(&device) else { return };
+    check_cases(&loaded, &device, &["capital", "code", "story", "unicode", "chat"]);
+}
