@@ -43,8 +43,11 @@ struct Spm {
     byte_tokens: [Option<u32>; 256],
 }
 
-fn piece_bytes(piece: &str, token_type: Option<i32>) -> Vec<u8> {
-    if token_type == Some(TYPE_CONTROL) {
+/// Tokens that mark sequence structure and decode to nothing.
+const SILENT: [&str; 3] = ["<bos>", "<eos>", "<pad>"];
+
+fn piece_bytes(piece: &str) -> Vec<u8> {
+    if SILENT.contains(&piece) {
         return Vec::new();
     }
     if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>')) {
@@ -65,11 +68,9 @@ impl Tokenizer {
         let size = inner.get_vocab_size(true);
         let mut token_bytes = vec![Vec::new(); size];
         let mut pieces = HashMap::with_capacity(size);
-        let specials: std::collections::HashSet<u32> =
-            inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
         for (piece, id) in inner.get_vocab(true) {
             if let Some(slot) = token_bytes.get_mut(id as usize) {
-                *slot = piece_bytes(&piece, specials.contains(&id).then_some(TYPE_CONTROL));
+                *slot = piece_bytes(&piece);
             }
             pieces.insert(piece, id);
         }
@@ -94,7 +95,7 @@ impl Tokenizer {
         for (id, piece) in tokens.into_iter().enumerate() {
             let id = id as u32;
             let ty = types[id as usize];
-            token_bytes.push(piece_bytes(&piece, Some(ty)));
+            token_bytes.push(piece_bytes(&piece));
             if ty == TYPE_BYTE {
                 if let [b] = token_bytes[id as usize][..] {
                     byte_tokens[b as usize] = Some(id);
@@ -144,12 +145,14 @@ impl Tokenizer {
         Ok(ids)
     }
 
-    /// The raw bytes of one token (empty for control tokens; may be part of a UTF-8 character).
+    /// The raw bytes of one token (empty for `<bos>`, `<eos>`, `<pad>`; may be part of a UTF-8
+    /// character).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         self.token_bytes.get(id as usize).map_or(&[], |b| b.as_slice())
     }
 
-    /// Decodes ids to text (control tokens produce nothing; invalid UTF-8 becomes U+FFFD).
+    /// Decodes ids to text (`<bos>`, `<eos>` and `<pad>` produce nothing; invalid UTF-8 becomes
+    /// U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> String {
         let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id).iter().copied()).collect();
         String::from_utf8_lossy(&bytes).into_owned()

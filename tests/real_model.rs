@@ -97,17 +97,24 @@ fn tokenizer_reproduces_reference_ids_and_round_trips() {
         let ids = tokenizer.encode(prompt, true).unwrap();
         assert_eq!(ids, common::ids(&case["prompt_ids"]), "{}", case["name"]);
         // <bos> decodes to nothing; the rest is the prompt exactly.
-        assert_eq!(tokenizer.decode(&ids[1..]).replace("<start_of_turn>", "").len() <= prompt.len(), true);
+        assert_eq!(tokenizer.decode(&ids), prompt, "{}: round trip", case["name"]);
         let greedy = common::ids(&case["greedy_ids"]);
         assert_eq!(tokenizer.decode(&greedy), case["greedy_text"].as_str().unwrap(), "{}", case["name"]);
     }
 }
 
 #[test]
-fn real_model_matches_reference_on_ndarray() {
+fn real_model_matches_reference_on_candle_cpu() {
+    let device = Default::default();
+    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device) else { return };
+    check_cases(&loaded, &device, &[]);
+}
+
+#[test]
+fn real_model_short_case_on_ndarray() {
     let device = Default::default();
     let Some(loaded) = load::<burn_gemma::backends::NdArray>(&device) else { return };
-    check_cases(&loaded, &device, &[]);
+    check_cases(&loaded, &device, &["capital"]);
 }
 
 #[cfg(feature = "wgpu")]

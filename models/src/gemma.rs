@@ -14,6 +14,13 @@ use burn::{
 };
 use burn_gemma_kernels::GemmaBackend;
 
+/// `x [n, in] @ weight[out, in]^T -> [n, out]`, computed as `(weight @ x^T)^T` so that the
+/// large weight is read in its stored row-major layout and only the small activation is
+/// transposed (a transposed view of the weight makes CPU backends copy it on every call).
+fn matmul_transposed<B: GemmaBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+    weight.matmul(x.transpose()).transpose()
+}
+
 /// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
 #[derive(Module, Debug)]
 pub struct Linear<B: GemmaBackend> {
@@ -31,7 +38,7 @@ impl<B: GemmaBackend> Linear<B> {
         let [batch, seq, inp] = x.dims();
         let weight = self.weight.val();
         let out = weight.dims()[0];
-        x.reshape([batch * seq, inp]).matmul(weight.transpose()).reshape([batch, seq, out])
+        matmul_transposed(x.reshape([batch * seq, inp]), weight).reshape([batch, seq, out])
     }
 }
 
@@ -302,9 +309,7 @@ impl<B: GemmaBackend> Gemma<B> {
     /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
     fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
-        let logits = hidden
-            .reshape([batch * seq, h])
-            .matmul(self.embed_tokens.val().transpose())
+        let logits = matmul_transposed(hidden.reshape([batch * seq, h]), self.embed_tokens.val())
             .cast(DType::F32)
             .reshape([batch, seq, self.config.vocab_size]);
         match self.config.final_logit_softcapping {

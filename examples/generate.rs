@@ -1,0 +1,251 @@
+//! Generate text with Gemma.
+//!
+//! ```text
+//! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo run --release --example generate -- --chat            # interactive multi-turn chat
+//! ```
+//!
+//! stdout receives exactly the generated text; progress, the chosen backend and the final
+//! statistics go to stderr.
+
+use burn::tensor::DType;
+use burn_gemma::{
+    backends::{dispatch, list_devices, BackendKind, BackendTask},
+    Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
+};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::{
+    io::{BufRead, IsTerminal, Read, Write},
+    path::PathBuf,
+    process::ExitCode,
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+};
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Generate text with a Gemma model on any Burn backend")]
+struct Args {
+    /// A GGUF file or a Hugging Face directory; default: Gemma 3 270M (fetched once, cached).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt; read from stdin when absent and stdin is not a terminal.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Wrap the prompt in the Gemma chat template; without --prompt, start an interactive chat.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// auto | cuda | rocm | vulkan | wgpu | metal | candle | ndarray
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// f32 | f16 | bf16; default: bf16 on CUDA/ROCm, f32 elsewhere.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Print the backends and devices detected, then exit.
+    #[arg(long)]
+    list_devices: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<DType, Error> {
+    match s.to_ascii_lowercase().as_str() {
+        "f32" | "float32" => Ok(DType::F32),
+        "f16" | "float16" => Ok(DType::F16),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        other => Err(Error::Request(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
+    }
+}
+
+fn progress_bar(message: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} ({elapsed})").unwrap_or(ProgressStyle::default_bar()).progress_chars("=> "));
+    bar.set_message(message.to_string());
+    bar
+}
+
+/// What the run needs once the backend is chosen.
+struct Run {
+    args: Args,
+    model_path: PathBuf,
+    prompt: Option<String>,
+    generation: GenerationConfig,
+    interrupt: Arc<AtomicBool>,
+}
+
+impl BackendTask for Run {
+    type Output = Result<(), Error>;
+
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+        let dtype = match &self.args.dtype {
+            Some(d) => parse_dtype(d)?,
+            None if name.starts_with("cuda") || name.starts_with("rocm") => DType::BF16,
+            None => DType::F32,
+        };
+        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}");
+        let checkpoint = Checkpoint::open(&self.model_path)?;
+        if dtype == DType::F16 {
+            eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
+        }
+        let bar = progress_bar("loading");
+        let (model, report) = checkpoint.load_model::<B>(dtype, &device, |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        })?;
+        bar.finish_and_clear();
+        if !report.unused_tensors.is_empty() {
+            eprintln!("note: {} tensors not used by the text model (e.g. {})", report.unused_tensors.len(), report.unused_tensors[0]);
+        }
+        let tokenizer = checkpoint.tokenizer()?;
+        let mut generator = Generator::new(model, tokenizer)?;
+        let flag = generator.interrupt_flag();
+        let interrupt = self.interrupt.clone();
+        // Forward the process-wide Ctrl-C flag to the generator.
+        std::thread::spawn(move || loop {
+            if interrupt.swap(false, Ordering::SeqCst) {
+                flag.store(true, Ordering::SeqCst);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        });
+
+        let mut stdout = std::io::stdout();
+        let mut emit = |text: &str| {
+            let _ = stdout.write_all(text.as_bytes());
+            let _ = stdout.flush();
+        };
+        match self.prompt {
+            Some(prompt) => {
+                let output = if self.args.chat {
+                    generator.chat(&prompt, &self.generation, &mut emit)?
+                } else {
+                    generator.generate(&prompt, &self.generation, &mut emit)?
+                };
+                eprintln!();
+                if output.stop == StopReason::Interrupted {
+                    eprintln!("interrupted");
+                }
+                eprintln!("{}", output.stats);
+            }
+            None => {
+                eprintln!("interactive chat: type a message and press Enter; an empty line or Ctrl-D ends");
+                let stdin = std::io::stdin();
+                loop {
+                    eprint!("> ");
+                    let mut line = String::new();
+                    if stdin.lock().read_line(&mut line).map_err(|source| Error::Io { path: "<stdin>".into(), source })? == 0 {
+                        break;
+                    }
+                    let line = line.trim_end_matches(['\n', '\r']);
+                    if line.trim().is_empty() {
+                        break;
+                    }
+                    let output = generator.chat(line, &self.generation, &mut emit)?;
+                    emit("\n");  // separates replies in the transcript
+                    eprintln!("{}", output.stats);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn real_main(args: Args) -> Result<(), Error> {
+    if args.list_devices {
+        for line in list_devices() {
+            println!("{line}");
+        }
+        return Ok(());
+    }
+    // Everything the user typed is checked before any download or model load.
+    let kind: BackendKind = args.backend.parse()?;
+    if let Some(d) = &args.dtype {
+        parse_dtype(d)?;
+    }
+    let sampling = SamplingConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    if args.max_new_tokens == 0 {
+        return Err(Error::Request("--max-new-tokens must be at least 1".into()));
+    }
+    let prompt = match &args.prompt {
+        Some(p) => Some(p.clone()),
+        None if !std::io::stdin().is_terminal() && !args.chat => {
+            let mut text = String::new();
+            std::io::stdin().read_to_string(&mut text).map_err(|source| Error::Io { path: "<stdin>".into(), source })?;
+            Some(text)
+        }
+        None if args.chat => None,
+        None => return Err(Error::Request("no prompt: pass --prompt TEXT, pipe text on stdin, or use --chat".into())),
+    };
+    if prompt.as_deref().is_some_and(|p| p.trim().is_empty()) {
+        return Err(Error::Request("the prompt is empty".into()));
+    }
+    let model_path = match &args.model {
+        Some(path) => {
+            if !path.exists() {
+                return Err(Error::Request(format!("model path {} does not exist", path.display())));
+            }
+            path.clone()
+        }
+        None => {
+            let bar = progress_bar("fetching");
+            let path = burn_gemma::fetch::default_model(|done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            })?;
+            bar.finish_and_clear();
+            path
+        }
+    };
+
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let presses = Arc::new(AtomicUsize::new(0));
+    {
+        let interrupt = interrupt.clone();
+        let _ = ctrlc::set_handler(move || {
+            if presses.fetch_add(1, Ordering::SeqCst) >= 1 {
+                std::process::exit(130);
+            }
+            interrupt.store(true, Ordering::SeqCst);
+        });
+    }
+    let generation = GenerationConfig { max_new_tokens: args.max_new_tokens, sampling, stop_tokens: Vec::new() };
+    let run = Run { args, model_path, prompt, generation, interrupt };
+    dispatch(kind, run, &mut |note| eprintln!("{note}"))?
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match real_main(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
