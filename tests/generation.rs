@@ -1,0 +1,124 @@
+//! The generator on a real (tiny) model: seeded determinism, reset, stop tokens, chat history,
+//! context limits and non-finite logits.
+
+mod common;
+
+use burn::tensor::{backend::Backend, DType, Tensor};
+use burn_gemma::{backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason, Tokenizer};
+use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
+
+/// A 512-token SentencePiece-style vocabulary matching the tiny fixtures' ids.
+fn tiny_tokenizer() -> Tokenizer {
+    let mut tokens = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
+    let mut types = vec![3, 3, 3, 3];
+    tokens.push("<start_of_turn>".into());
+    tokens.push("<end_of_turn>".into());
+    types.extend([3, 3]);
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    while tokens.len() < 512 {
+        tokens.push(format!("w{}", tokens.len()));
+        types.push(1);
+    }
+    let scores = (0..tokens.len()).map(|i| -(i as f32)).collect();
+    Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
+}
+
+fn tiny_generator() -> Generator<NdArray> {
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+    Generator::new(model, tiny_tokenizer()).unwrap()
+}
+
+fn sampled(seed: u64) -> GenerationConfig {
+    GenerationConfig {
+        max_new_tokens: 12,
+        sampling: SamplingConfig { temperature: 0.9, top_k: Some(40), top_p: Some(0.95), seed, ..Default::default() },
+        stop_tokens: vec![],
+    }
+}
+
+#[test]
+fn same_seed_same_tokens_also_after_reset() {
+    let mut g = tiny_generator();
+    let a = g.generate("w300 w301 hello", &sampled(5), |_| {}).unwrap();
+    let b = g.generate("w300 w301 hello", &sampled(5), |_| {}).unwrap();
+    g.reset();
+    let c = g.generate("w300 w301 hello", &sampled(5), |_| {}).unwrap();
+    let d = g.generate("w300 w301 hello", &sampled(6), |_| {}).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(a.tokens, c.tokens);
+    assert_ne!(a.tokens, d.tokens, "different seeds should differ on a random model");
+    assert_eq!(a.tokens.len(), 12);
+}
+
+#[test]
+fn greedy_generation_matches_the_reference_continuation() {
+    let reference = common::read_json(common::fixtures().join("tiny-gemma/gemma3/reference.json"));
+    let prompt = common::ids(&reference["greedy_prompt_ids"]);
+    let want = common::ids(&reference["greedy_ids"]);
+    let mut g = tiny_generator();
+    let config = GenerationConfig { max_new_tokens: want.len(), ..Default::default() };
+    let out = g.continue_ids(&prompt, &config, |_| {}).unwrap();
+    // The reference never hits a stop token in these 12 steps.
+    assert_eq!(out.tokens, want);
+    assert_eq!(out.stop, StopReason::MaxTokens);
+    assert_eq!(out.stats.generated_tokens, want.len());
+}
+
+#[test]
+fn stop_tokens_and_streamed_text() {
+    let reference = common::read_json(common::fixtures().join("tiny-gemma/gemma3/reference.json"));
+    let prompt = common::ids(&reference["greedy_prompt_ids"]);
+    let want = common::ids(&reference["greedy_ids"]);
+    let mut g = tiny_generator();
+    let config = GenerationConfig { max_new_tokens: 12, stop_tokens: vec![want[3]], ..Default::default() };
+    let mut streamed = String::new();
+    let out = g.continue_ids(&prompt, &config, |t| streamed.push_str(t)).unwrap();
+    let first_stop = want.iter().position(|&t| t == want[3]).unwrap();
+    assert_eq!(out.tokens, want[..=first_stop]);
+    assert_eq!(out.stop, StopReason::StopToken(want[3]));
+    assert_eq!(streamed, out.text);
+    assert_eq!(out.text, g.tokenizer().decode(&want[..first_stop]));
+}
+
+#[test]
+fn chat_keeps_history_and_checks_context() {
+    let mut g = tiny_generator();
+    let config = GenerationConfig { max_new_tokens: 4, ..Default::default() };
+    let first = g.chat("hello", &config, |_| {}).unwrap();
+    let second = g.chat("again", &config, |_| {}).unwrap();
+    // The second turn's prompt is only the new turn, the history stays in the cache.
+    let turn = g.tokenizer().encode("<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n", false).unwrap();
+    assert_eq!(second.stats.prompt_tokens, turn.len());
+    assert!(first.stats.prompt_tokens > 1);
+    // tiny model: 256 positions.
+    let too_long = GenerationConfig { max_new_tokens: 300, ..Default::default() };
+    let err = g.generate("hello", &too_long, |_| {}).unwrap_err().to_string();
+    assert!(err.contains("300") && err.contains("256"), "{err}");
+    assert!(matches!(g.generate("", &config, |_| {}), Err(Error::Request(_))));
+    let zero = GenerationConfig { max_new_tokens: 0, ..Default::default() };
+    assert!(g.generate("hi", &zero, |_| {}).unwrap_err().to_string().contains("max new tokens"));
+}
+
+/// Random weights with NaN in one norm.
+struct PoisonedWeights(RandomWeights);
+
+impl<B: Backend> WeightSource<B> for PoisonedWeights {
+    fn load<const D: usize>(&mut self, name: &str, shape: [usize; D], kind: WeightKind, dtype: DType, device: &B::Device) -> Result<Tensor<B, D>, ModelError> {
+        let t = WeightSource::<B>::load(&mut self.0, name, shape, kind, dtype, device)?;
+        Ok(if name == "model.norm.weight" { t.add_scalar(f32::NAN) } else { t })
+    }
+}
+
+#[test]
+fn non_finite_logits_stop_with_the_step() {
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let config = Checkpoint::open(&dir).unwrap().config().clone();
+    let model = Gemma::<NdArray>::load(config, &mut PoisonedWeights(RandomWeights::new(1)), DType::F32, &Default::default()).unwrap();
+    let mut g = Generator::new(model, tiny_tokenizer()).unwrap();
+    let err = g.generate("hello", &GenerationConfig::default(), |_| {}).unwrap_err();
+    assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");
+}
