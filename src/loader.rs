@@ -9,7 +9,7 @@ use crate::{
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::GemmaBackend;
 use burn_gemma_model::{
-    config::default_layer_types, weights::WeightKind, Architecture, Gemma, GemmaConfig, ModelError, RopeConfig,
+    config::default_layer_types, weights::{row_chunks, WeightKind}, Architecture, Gemma, GemmaConfig, ModelError, RopeConfig,
     WeightSource,
 };
 use std::{
@@ -191,15 +191,10 @@ fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}.weight"))
 }
 
-impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
-    fn load<const D: usize>(
-        &mut self,
-        name: &str,
-        shape: [usize; D],
-        kind: WeightKind,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Result<Tensor<B, D>, ModelError> {
+impl<F: FnMut(usize, usize)> Source<'_, F> {
+    /// The tensor `name` on the host, in its stored dtype (GGUF: dequantized to f32), with HF
+    /// conventions.
+    fn host_data(&mut self, name: &str, shape: &[usize], kind: WeightKind) -> Result<TensorData, ModelError> {
         let mismatch = |actual: &[usize]| ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), actual: actual.to_vec() };
         let data = match &self.checkpoint.format {
             Format::Hf { shards, index } => {
@@ -238,7 +233,40 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
             }
         };
         (self.progress)(self.used.len(), self.total);
+        Ok(data)
+    }
+}
+
+impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
+    fn load<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, ModelError> {
+        let data = self.host_data(name, &shape, kind)?;
         Ok(Tensor::from_data(data, (device, dtype)))
+    }
+
+    fn load_row_chunks(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        rows_per_chunk: usize,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Vec<Tensor<B, 2>>, ModelError> {
+        let data = self.host_data(name, &shape, WeightKind::Matrix)?;
+        let row_bytes = shape[1] * data.dtype.size();
+        let bytes = data.as_bytes();
+        Ok(row_chunks(shape[0], rows_per_chunk)
+            .map(|rows| {
+                let block = bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+                Tensor::from_data(TensorData::from_bytes_vec(block, [rows.len(), shape[1]], data.dtype), (device, dtype))
+            })
+            .collect())
     }
 }
 

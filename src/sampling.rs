@@ -196,12 +196,12 @@ mod tests {
         let d = sampler(|c| c.top_k = Some(2)).distribution(&logits);
         assert_eq!(d.len(), 2);
         assert!(close(d[0].1, 0.625) && close(d[1].1, 0.375));
-        let d = sampler(|c| c.top_p = Some(0.8)).distribution(&logits);
+        let d = sampler(|c| c.top_p = Some(0.79)).distribution(&logits);
         assert_eq!(d.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1]);
         let d = sampler(|c| c.top_p = Some(0.81)).distribution(&logits);
         assert_eq!(d.len(), 3);
         assert!(close(d[2].1, 0.15 / 0.95));
-        let d = sampler(|c| c.min_p = Some(0.3)).distribution(&logits);
+        let d = sampler(|c| c.min_p = Some(0.29)).distribution(&logits);
         assert_eq!(d.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert!(close(d[0].1, 0.5 / 0.95));
     }

@@ -111,6 +111,10 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
         let t = WeightSource::<B>::load(&mut self.0, name, shape, kind, dtype, device)?;
         Ok(if name == "model.norm.weight" { t.add_scalar(f32::NAN) } else { t })
     }
+
+    fn load_row_chunks(&mut self, name: &str, shape: [usize; 2], rows: usize, dtype: DType, device: &B::Device) -> Result<Vec<Tensor<B, 2>>, ModelError> {
+        WeightSource::<B>::load_row_chunks(&mut self.0, name, shape, rows, dtype, device)
+    }
 }
 
 #[test]

@@ -55,7 +55,7 @@ fn run_case<B: GemmaBackend>(case: &Case, device: &B::Device) {
     let mut produced = Vec::new();
     for _ in 0..want.len() {
         let logits = model.forward_last(to_ids::<B>(&next, device), &mut cache).unwrap();
-        let token = logits.argmax(1).into_data().to_vec::<i64>().unwrap()[0] as u32;
+        let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
         produced.push(token);
         next = vec![token];
     }

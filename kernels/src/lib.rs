@@ -84,8 +84,9 @@ pub trait GemmaBackend: Backend {
 
     /// Embedding gather scaled by `scale`: `table[ids] * scale`, in the table's dtype.
     ///
-    /// - `table`: `[vocab, hidden]`, `ids`: `[batch, seq]`; returns `[batch, seq, hidden]`.
-    fn embed(table: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
+    /// - `table`: the `[vocab, hidden]` table as consecutive row blocks (GPU APIs cap the size
+    ///   of one buffer); `ids`: `[batch, seq]`; returns `[batch, seq, hidden]`.
+    fn embed(table: &[Tensor<Self, 2>], ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
         embedding::reference(table, ids, scale)
     }
 

@@ -235,11 +235,15 @@ impl<B: GemmaBackend> DecoderLayer<B> {
     }
 }
 
+/// Largest block of the embedding table kept in one device buffer: wgpu's default limit on a
+/// storage binding (128 MiB), which every adapter supports.
+pub const MAX_CHUNK_BYTES: usize = 1 << 27;
+
 /// A Gemma causal language model with tied embeddings.
 #[derive(Module, Debug)]
 pub struct Gemma<B: GemmaBackend> {
-    /// `[vocab, hidden]`, also the lm_head.
-    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// `[vocab, hidden]` in row blocks of at most [`MAX_CHUNK_BYTES`]; also the lm_head.
+    pub embed_tokens: Vec<Param<Tensor<B, 2>>>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
     #[module(skip)]
@@ -255,12 +259,17 @@ impl<B: GemmaBackend> Gemma<B> {
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) {
             return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
         }
-        let embed_tokens = source.load("model.embed_tokens.weight", [config.vocab_size, config.hidden_size], WeightKind::Matrix, dtype, device)?;
+        let rows_per_chunk = (MAX_CHUNK_BYTES / (config.hidden_size * dtype.size())).max(1);
+        let embed_tokens = source
+            .load_row_chunks("model.embed_tokens.weight", [config.vocab_size, config.hidden_size], rows_per_chunk, dtype, device)?
+            .into_iter()
+            .map(Param::from_tensor)
+            .collect();
         let layers = (0..config.num_hidden_layers)
             .map(|i| DecoderLayer::load(source, i, &config, dtype, device))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
-        Ok(Self { embed_tokens: Param::from_tensor(embed_tokens), layers, norm, config, dtype })
+        Ok(Self { embed_tokens, layers, norm, config, dtype })
     }
 
     /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
@@ -294,7 +303,8 @@ impl<B: GemmaBackend> Gemma<B> {
             return Err(ModelError::InvalidInput(format!("batch of {batch} sequences for a KV cache of {}", cache.batch())));
         }
         cache.check_room(seq)?;
-        let embedded = B::embed(self.embed_tokens.val(), ids, self.embed_scale());
+        let tables: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| t.val()).collect();
+        let embedded = B::embed(&tables, ids, self.embed_scale());
         let mut residual = embedded.cast(DType::F32);
         let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm);
         let mut normed = first_norm.forward(residual.clone()).cast(self.dtype);
@@ -309,7 +319,9 @@ impl<B: GemmaBackend> Gemma<B> {
     /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
     fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
-        let logits = matmul_transposed(hidden.reshape([batch * seq, h]), self.embed_tokens.val())
+        let hidden = hidden.reshape([batch * seq, h]);
+        let blocks: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| matmul_transposed(hidden.clone(), t.val())).collect();
+        let logits = Tensor::cat(blocks, 1)
             .cast(DType::F32)
             .reshape([batch, seq, self.config.vocab_size]);
         match self.config.final_logit_softcapping {
@@ -335,7 +347,7 @@ impl<B: GemmaBackend> Gemma<B> {
 
     /// The device the weights live on.
     pub fn device(&self) -> B::Device {
-        self.embed_tokens.val().device()
+        self.norm.weight.val().device()
     }
 
     /// The architecture this model was built for.

@@ -30,6 +30,24 @@ pub trait WeightSource<B: Backend> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, ModelError>;
+
+    /// Loads the `[rows, cols]` matrix `name` as consecutive row blocks of at most
+    /// `rows_per_chunk` rows, never holding the whole matrix on the device at once (GPU APIs
+    /// cap the size of one buffer).
+    fn load_row_chunks(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        rows_per_chunk: usize,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Vec<Tensor<B, 2>>, ModelError>;
+}
+
+/// Row ranges of `rows` rows cut into blocks of at most `per_chunk` rows.
+pub fn row_chunks(rows: usize, per_chunk: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let per_chunk = per_chunk.max(1);
+    (0..rows.div_ceil(per_chunk)).map(move |i| i * per_chunk..((i + 1) * per_chunk).min(rows))
 }
 
 /// Random weights from a seed (normal, std 0.02; norm weights 0), generated on the device: the
@@ -72,5 +90,18 @@ impl<B: Backend> WeightSource<B> for RandomWeights {
                 Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 0.02), device).cast(dtype)
             }
         })
+    }
+
+    fn load_row_chunks(
+        &mut self,
+        name: &str,
+        [rows, cols]: [usize; 2],
+        rows_per_chunk: usize,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Vec<Tensor<B, 2>>, ModelError> {
+        row_chunks(rows, rows_per_chunk)
+            .map(|r| WeightSource::<B>::load(self, name, [r.len(), cols], WeightKind::Matrix, dtype, device))
+            .collect()
     }
 }
