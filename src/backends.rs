@@ -91,6 +91,25 @@ fn usable<B: GemmaBackend>(device: &B::Device) -> bool {
     .is_some_and(|v| v == 4.0)
 }
 
+/// Fails unless backend `B` can run a matrix product in `dtype` on `device`. Some backends
+/// report a dtype as supported but cannot multiply in it (Candle's CPU matmul and bf16).
+pub fn check_dtype<B: GemmaBackend>(device: &B::Device, dtype: burn::tensor::DType) -> Result<(), Error> {
+    let backend = B::name(device);
+    let device = device.clone();
+    let works = B::supports_dtype(&device, dtype)
+        && probe(move || {
+            let a = burn::tensor::Tensor::<B, 2>::ones([2, 2], (&device, dtype));
+            let v: f32 = burn::tensor::ElementConversion::elem(a.clone().matmul(a).sum().cast(burn::tensor::DType::F32).into_scalar());
+            v
+        })
+        .is_some_and(|v| v == 8.0);
+    if works {
+        Ok(())
+    } else {
+        Err(burn_gemma_model::ModelError::BackendDtype { backend, dtype }.into())
+    }
+}
+
 fn not_compiled(name: &str, feature: &str) -> Error {
     Error::Backend(format!("the {name} backend is not compiled in; rebuild with `--features {feature}`"))
 }

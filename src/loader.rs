@@ -120,6 +120,7 @@ impl Checkpoint {
         device: &B::Device,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<(Gemma<B>, LoadReport), Error> {
+        crate::backends::check_dtype::<B>(device, dtype)?;
         let total = self.tensors_to_load();
         let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut progress, total };
         let model = Gemma::load(self.config.clone(), &mut source, dtype, device)?;

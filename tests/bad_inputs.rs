@@ -243,3 +243,42 @@ fn gguf_missing_tensor_is_named() {
     let message = load_err(&path);
     assert!(message.contains("missing tensor `token_embd.weight"), "{message}");
 }
+
+#[test]
+fn sharded_checkpoint_loads_like_the_single_file() {
+    let src = common::fixtures().join("tiny-gemma/gemma3");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let dir = scratch("sharded");
+    std::fs::write(dir.join("config.json"), tiny_config()).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    let names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    for (shard, chunk) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+        let mut shard_header = serde_json::Map::new();
+        let mut shard_data = Vec::new();
+        for name in chunk {
+            let entry = &header[name.as_str()];
+            let offsets = entry["data_offsets"].as_array().unwrap();
+            let (s, e) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
+            let mut entry = entry.clone();
+            entry["data_offsets"] = serde_json::json!([shard_data.len(), shard_data.len() + e - s]);
+            shard_data.extend_from_slice(&data[s..e]);
+            shard_header.insert((*name).clone(), entry);
+            weight_map.insert((*name).clone(), file.clone().into());
+        }
+        std::fs::write(dir.join(&file), safetensors_bytes(&serde_json::Value::Object(shard_header).to_string(), &shard_data)).unwrap();
+    }
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": weight_map}).to_string()).unwrap();
+
+    let logits = |path: &std::path::Path| {
+        let (model, report) = Checkpoint::open(path).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+        assert!(report.unused_tensors.is_empty());
+        let mut cache = model.new_cache(1, 4).unwrap();
+        let ids = burn::tensor::Tensor::<NdArray, 2, burn::tensor::Int>::from_data([[2i64, 17, 99, 300]], &Default::default());
+        model.forward(ids, &mut cache).unwrap().into_data()
+    };
+    assert_eq!(logits(&dir), logits(&src));
+}

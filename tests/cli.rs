@@ -82,6 +82,9 @@ fn not_a_model_and_missing_backend() {
     let (code, _, stderr) = run(&["--model", &tiny(), "--prompt", "hi", "--backend", "ndarray"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("tokenizer.json"), "{stderr}");
+    let (code, _, stderr) = run(&["--model", &tiny(), "--prompt", "hi", "--backend", "ndarray", "--dtype", "bf16"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("does not support dtype BF16"), "{stderr}");
     let (code, stdout, _) = run(&["--list-devices"]);
     assert_eq!(code, 0);
     assert!(stdout.contains("ndarray"), "{stdout}");
