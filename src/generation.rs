@@ -70,6 +70,9 @@ impl Stats {
 
 impl std::fmt::Display for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.generated_tokens == 0 {
+            return write!(f, "prompt tokens: {} | generated tokens: 0 (stopped before the first token)", self.prompt_tokens);
+        }
         write!(
             f,
             "prompt tokens: {} | time to first token: {:.1} ms | prefill: {:.1} tok/s | generated tokens: {} | decode: {:.2} tok/s",
