@@ -274,3 +274,80 @@ impl Spm {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small SentencePiece-style vocabulary: control tokens, byte fallback, pieces with `▁`.
+    fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+        let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"].map(String::from).to_vec();
+        let mut types = vec![3; 6];
+        tokens.push("\n".into());
+        types.push(4);
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(6);
+        }
+        for piece in ["a", "b", "c", "▁", "ab", "▁a", "▁ab", "abc", "bc"] {
+            tokens.push(piece.into());
+            types.push(1);
+        }
+        let scores = (0..tokens.len()).map(|i| i as f32 * 0.01).collect();
+        (tokens, scores, types)
+    }
+
+    fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
+        t.encode(text, false).unwrap().iter().map(|&id| String::from_utf8_lossy(t.token_bytes(id)).into_owned()).collect()
+    }
+
+    #[test]
+    fn spm_merges_by_score_with_specials_and_byte_fallback() {
+        let (tokens, scores, types) = vocab();
+        let t = Tokenizer::from_vocab(tokens, scores, types, 2).unwrap();
+        // "bc" (higher id, higher score) beats "ab"; then nothing merges "a" + "bc" except "abc".
+        assert_eq!(pieces(&t, "abc"), ["abc"]);
+        assert_eq!(pieces(&t, "ab ab"), ["ab", " ab"]);
+        assert_eq!(pieces(&t, "<start_of_turn>a\n"), ["<start_of_turn>", "a", "\n"]);
+        // "é" is not in the vocabulary: two byte tokens that decode back to it.
+        let ids = t.encode("é", true).unwrap();
+        assert_eq!(ids.len(), 3);
+        assert_eq!(t.decode(&ids), "é");
+        assert_eq!(t.decode(&t.encode("ab <end_of_turn>\nc", true).unwrap()), "ab <end_of_turn>\nc");
+    }
+
+    #[test]
+    fn mismatched_vocab_arrays_are_an_error() {
+        let (tokens, scores, mut types) = vocab();
+        types.pop();
+        assert!(Tokenizer::from_vocab(tokens, scores, types, 2).is_err());
+    }
+
+    #[test]
+    fn tokenizer_json_through_the_tokenizers_crate() {
+        let (tokens, _, _) = vocab();
+        let vocab: serde_json::Map<String, serde_json::Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i.into())).collect();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [
+                {"id": 2, "content": "<bos>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 4, "content": "<start_of_turn>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+            ],
+            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            "pre_tokenizer": null,
+            "post_processor": null,
+            "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                      "vocab": vocab, "merges": [["a", "b"], ["▁", "ab"]]}
+        });
+        let path = std::env::temp_dir().join(format!("burn-gemma-tokenizer-{}.json", std::process::id()));
+        std::fs::write(&path, json.to_string()).unwrap();
+        let t = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(t.bos_id(), 2);
+        assert_eq!(pieces(&t, "<start_of_turn>ab ab"), ["<start_of_turn>", "ab", " ab"]);
+        let ids = t.encode("é ab", true).unwrap();
+        assert_eq!(t.decode(&ids), "é ab");
+        assert!(Tokenizer::from_file(&path.with_extension("missing")).is_err());
+    }
+}
