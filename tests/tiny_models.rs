@@ -25,6 +25,12 @@ fn to_ids<B: Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
 
 /// Largest logit error over all positions, and the greedy continuation.
 fn run_case<B: GemmaBackend>(case: &Case, device: &B::Device) {
+    run_case_within::<B>(case, case.tolerance, device)
+}
+
+/// Like [`run_case`] with another tolerance.
+fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Device) {
+    let case = &Case { name: case.name, tolerance };
     let dir = common::fixtures().join("tiny-gemma").join(case.name);
     let reference = common::read_json(dir.join("reference.json"));
     let checkpoint = Checkpoint::open(&dir).expect("open checkpoint");
@@ -82,5 +88,16 @@ fn tiny_models_match_reference_on_candle() {
 fn tiny_models_match_reference_on_wgpu() {
     for case in &CASES {
         run_case::<burn_gemma::backends::Wgpu>(case, &Default::default());
+    }
+}
+
+/// CubeCL's CUDA matmul accumulates f32 products at reduced (TF32-class) precision on
+/// Hopper: measured 2e-4 (gemma1) to 1.24e-3 (gemma2) on an H100, so GPU parity is held to the
+/// bf16 tolerance.
+#[cfg(feature = "cuda")]
+#[test]
+fn tiny_models_match_reference_on_cuda() {
+    for case in &CASES {
+        run_case_within::<burn_gemma::backends::Cuda>(case, 1e-2, &Default::default());
     }
 }

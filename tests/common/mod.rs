@@ -3,9 +3,13 @@
 
 use std::path::PathBuf;
 
-/// `../shared/fixtures` beside the repository.
+/// `$BURN_GEMMA_FIXTURES`, else `../shared/fixtures` beside the repository (the override lets
+/// test binaries built here run on a GPU machine with the fixtures copied elsewhere).
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+    match std::env::var_os("BURN_GEMMA_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"),
+    }
 }
 
 /// The real Gemma 3 270M GGUF: `$BURN_GEMMA_MODEL`, or the default model's cache location.
