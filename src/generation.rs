@@ -96,6 +96,12 @@ pub struct GenerationOutput {
     pub stats: Stats,
 }
 
+/// One sequence of token ids as the model's `[1, len]` input.
+pub fn token_tensor<B: burn::tensor::backend::Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
+    let data: Vec<i64> = ids.iter().map(|&t| i64::from(t)).collect();
+    Tensor::from_data(TensorData::new(data, [1, ids.len()]), device)
+}
+
 /// Emits only complete UTF-8 characters from a stream of token bytes.
 #[derive(Default)]
 pub struct Utf8Stream {
@@ -240,10 +246,6 @@ impl<B: GemmaBackend> Generator<B> {
         self.ensure_cache(needed.min(limit))?;
         let stops: Vec<u32> = self.default_stops.iter().chain(&config.stop_tokens).copied().collect();
         let device = self.model.device();
-        let to_tensor = |ids: &[u32]| {
-            let data: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-            Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &device)
-        };
 
         let start = Instant::now();
         let mut stats = Stats { prompt_tokens: ids.len(), ..Default::default() };
@@ -260,7 +262,7 @@ impl<B: GemmaBackend> Generator<B> {
             }
             let step = tokens.len();
             let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
-            let logits = self.model.forward_last(to_tensor(&input), cache)?;
+            let logits = self.model.forward_last(token_tensor(&input, &device), cache)?;
             self.context.extend_from_slice(&input);
             let mut logits = logits.into_data().into_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
             if logits.iter().any(|l| !l.is_finite()) {
@@ -315,10 +317,7 @@ impl<B: GemmaBackend> Generator<B> {
         let mut cache = self.model.new_cache(1, capacity)?;
         if !self.context.is_empty() {
             // Re-run the conversation into the larger cache.
-            let device = self.model.device();
-            let data: Vec<i64> = self.context.iter().map(|&t| t as i64).collect();
-            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, self.context.len()]), &device);
-            self.model.forward_last(ids, &mut cache)?;
+            self.model.forward_last(token_tensor(&self.context, &self.model.device()), &mut cache)?;
         }
         self.cache = Some(cache);
         Ok(())

@@ -3,7 +3,8 @@
 
 mod common;
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::DType;
+use burn_gemma::generation::token_tensor;
 use burn_gemma::{Checkpoint, Gemma, GemmaBackend};
 
 const LOGIT_TOLERANCE: f32 = 2e-2;
@@ -22,11 +23,6 @@ fn load<B: GemmaBackend>(device: &B::Device) -> Option<Loaded<B>> {
     Some(Loaded { model, reference })
 }
 
-fn to_ids<B: Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
-    let data: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    Tensor::from_data(TensorData::new(data, [1, ids.len()]), device)
-}
-
 /// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
 fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str]) {
     for case in loaded.reference["cases"].as_array().unwrap() {
@@ -40,7 +36,7 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
 
         // Teacher forced: one pass over prompt + greedy[:-1].
         let mut cache = loaded.model.new_cache(1, sequence.len()).unwrap();
-        let logits = loaded.model.forward(to_ids::<B>(&sequence, device), &mut cache).unwrap();
+        let logits = loaded.model.forward(token_tensor::<B>(&sequence, device), &mut cache).unwrap();
         let vocab = loaded.model.config.vocab_size;
         let logits = logits.into_data().to_vec::<f32>().unwrap();
         assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
@@ -65,7 +61,7 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         let mut next = prompt.clone();
         let mut produced = Vec::new();
         for _ in 0..checked {
-            let logits = loaded.model.forward_last(to_ids::<B>(&next, device), &mut cache).unwrap();
+            let logits = loaded.model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
             let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
             produced.push(token);
             next = vec![token];

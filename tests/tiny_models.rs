@@ -2,7 +2,8 @@
 
 mod common;
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::DType;
+use burn_gemma::generation::token_tensor;
 use burn_gemma::{Checkpoint, GemmaBackend};
 
 struct Case {
@@ -17,11 +18,6 @@ const CASES: [Case; 5] = [
     Case { name: "gemma3-bf16", tolerance: 1e-2 },
     Case { name: "gemma3-legacy-config", tolerance: 1e-3 },
 ];
-
-fn to_ids<B: Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
-    let data: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    Tensor::from_data(TensorData::new(data, [1, ids.len()]), device)
-}
 
 /// Largest logit error over all positions, and the greedy continuation.
 fn run_case<B: GemmaBackend>(case: &Case, device: &B::Device) {
@@ -39,7 +35,7 @@ fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Dev
 
     let input = common::ids(&reference["input_ids"]);
     let mut cache = model.new_cache(1, input.len()).unwrap();
-    let logits = model.forward(to_ids::<B>(&input, device), &mut cache).unwrap();
+    let logits = model.forward(token_tensor::<B>(&input, device), &mut cache).unwrap();
     let got = logits.into_data().to_vec::<f32>().unwrap();
     let expected: Vec<f32> = reference["logits"]
         .as_array()
@@ -60,7 +56,7 @@ fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Dev
     let mut next = prompt.clone();
     let mut produced = Vec::new();
     for _ in 0..want.len() {
-        let logits = model.forward_last(to_ids::<B>(&next, device), &mut cache).unwrap();
+        let logits = model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
         let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
         produced.push(token);
         next = vec![token];
