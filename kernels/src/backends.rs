@@ -1,9 +1,11 @@
 //! Which implementation each backend gets.
 
-use crate::GemmaBackend;
+use crate::{cube, GemmaBackend};
+use burn::tensor::{DType, Tensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-/// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation.
+/// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
+/// operation's `kernel` module.
 impl<R, F, I, BT> GemmaBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -11,6 +13,27 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn rms_norm<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 1>, eps: f64) -> Tensor<Self, D> {
+        cube::tensor(crate::rms_norm::kernel::rms_norm(cube::float(x), cube::float(weight), eps))
+    }
+
+    fn add_rms_norm(
+        residual: Tensor<Self, 3>,
+        x: Tensor<Self, 3>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        out_dtype: DType,
+    ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
+        let residual = residual.cast(DType::F32);
+        let (sum, normed) = crate::rms_norm::kernel::add_rms_norm(
+            cube::float(residual),
+            cube::float(x),
+            cube::float(weight),
+            eps,
+            out_dtype,
+        );
+        (cube::tensor(sum), cube::tensor(normed))
+    }
 }
 
 #[cfg(feature = "ndarray")]

@@ -15,6 +15,10 @@
 //! - Attention tensors are `[batch, heads, seq, head_dim]`.
 //! - Normalization and softmax accumulate in f32 whatever the activation dtype.
 
+#[cfg(test)]
+#[macro_use]
+pub(crate) mod gpu_test;
+
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
@@ -23,6 +27,7 @@ pub mod rope;
 pub mod softcap;
 
 mod backends;
+mod cube;
 
 pub use attention::AttentionMask;
 

@@ -30,6 +30,147 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
     x * inv_rms * scale
 }
 
+/// CubeCL kernels: one cube per row, `THREADS` units striding over the row, f32 accumulation.
+pub(crate) mod kernel {
+    use crate::cube::{cube_index, cube_sum, empty, grid};
+    use burn::tensor::DType;
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    const THREADS: usize = 256;
+
+    #[cube(launch)]
+    fn rms_norm_kernel<F: Float, W: Float>(
+        x: &Tensor<F>,
+        weight: &Tensor<W>,
+        out: &mut Tensor<F>,
+        n: u32,
+        eps: f32,
+        #[comptime] threads: usize,
+        #[define(F, W)] _dtypes: [StorageType; 2],
+    ) {
+        let n = n as usize;
+        let row = cube_index();
+        if row * n >= x.len() {
+            terminate!();
+        }
+        let base = row * n;
+        let mut scratch = SharedMemory::<f32>::new(threads);
+        let mut partial = 0.0f32;
+        let mut c = UNIT_POS_X as usize;
+        while c < n {
+            let v = f32::cast_from(x[base + c]);
+            partial += v * v;
+            c += threads;
+        }
+        let total = cube_sum(partial, &mut scratch);
+        let inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps);
+        let mut c = UNIT_POS_X as usize;
+        while c < n {
+            let scale = 1.0f32 + f32::cast_from(weight[c]);
+            out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * inv_rms * scale);
+            c += threads;
+        }
+    }
+
+    #[cube(launch)]
+    fn add_rms_norm_kernel<F: Float, W: Float, O: Float>(
+        residual: &Tensor<f32>,
+        x: &Tensor<F>,
+        weight: &Tensor<W>,
+        sum: &mut Tensor<f32>,
+        out: &mut Tensor<O>,
+        n: u32,
+        eps: f32,
+        #[comptime] threads: usize,
+        #[define(F, W, O)] _dtypes: [StorageType; 3],
+    ) {
+        let n = n as usize;
+        let row = cube_index();
+        if row * n >= x.len() {
+            terminate!();
+        }
+        let base = row * n;
+        let mut scratch = SharedMemory::<f32>::new(threads);
+        let mut partial = 0.0f32;
+        let mut c = UNIT_POS_X as usize;
+        while c < n {
+            let v = residual[base + c] + f32::cast_from(x[base + c]);
+            sum[base + c] = v;
+            partial += v * v;
+            c += threads;
+        }
+        let total = cube_sum(partial, &mut scratch);
+        let inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps);
+        // Each unit reads back only the elements it wrote itself.
+        let mut c = UNIT_POS_X as usize;
+        while c < n {
+            let scale = 1.0f32 + f32::cast_from(weight[c]);
+            out[base + c] = O::cast_from(sum[base + c] * inv_rms * scale);
+            c += threads;
+        }
+    }
+
+    /// `x`: contiguous `[..., n]`; `weight`: `[n]`.
+    pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
+        let shape = x.meta.shape().clone();
+        let n = shape[shape.num_dims() - 1];
+        let rows = shape.num_elements() / n.max(1);
+        let out = empty(&x, shape, x.dtype);
+        if rows == 0 || n == 0 {
+            return out;
+        }
+        let dtypes = [x.dtype.into(), weight.dtype.into()];
+        rms_norm_kernel::launch::<R>(
+            &x.client,
+            grid(rows),
+            CubeDim::new_1d(THREADS as u32),
+            x.clone().into_tensor_arg(),
+            weight.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            n as u32,
+            eps as f32,
+            THREADS,
+            dtypes,
+        );
+        out
+    }
+
+    /// `residual` (f32) and `x`: contiguous `[..., n]`. Returns `(residual + x, normed)`.
+    pub fn add_rms_norm<R: CubeRuntime>(
+        residual: CubeTensor<R>,
+        x: CubeTensor<R>,
+        weight: CubeTensor<R>,
+        eps: f64,
+        out_dtype: DType,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let shape = x.meta.shape().clone();
+        let n = shape[shape.num_dims() - 1];
+        let rows = shape.num_elements() / n.max(1);
+        let sum = empty(&x, shape.clone(), DType::F32);
+        let out = empty(&x, shape, out_dtype);
+        if rows == 0 || n == 0 {
+            return (sum, out);
+        }
+        let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into()];
+        add_rms_norm_kernel::launch::<R>(
+            &x.client,
+            grid(rows),
+            CubeDim::new_1d(THREADS as u32),
+            residual.into_tensor_arg(),
+            x.clone().into_tensor_arg(),
+            weight.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            n as u32,
+            eps as f32,
+            THREADS,
+            dtypes,
+        );
+        (sum, out)
+    }
+}
+
 #[cfg(all(test, feature = "ndarray"))]
 mod tests {
     use super::*;
@@ -50,4 +191,50 @@ mod tests {
         }
         out.assert_approx_eq::<f32>(&TensorData::new(expected, [2, 3]), Default::default());
     }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    const NORMAL: Distribution = Distribution::Normal(0.0, 1.0);
+
+    /// Odd widths and row counts, Gemma's hidden sizes, a 4-D input (QK-norm's shape).
+    pub fn rms_norm<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "rms_norm");
+        for (rows, n) in [(1, 640), (7, 1152), (3, 2560), (5, 37), (2, 3840), (300, 13)] {
+            let x = Tensor::<B, 2>::random([rows, n], Distribution::Normal(0.5, 2.0), device).cast(dtype);
+            let w = Tensor::<B, 1>::random([n], NORMAL, device);
+            let got = B::rms_norm(x.clone(), w.clone(), 1e-6);
+            assert_eq!(got.dtype(), dtype);
+            let expected = super::reference(x.cast(DType::F32), w, 1e-6);
+            assert_close(got, expected, tolerance(dtype), &format!("rms_norm {rows}x{n}"));
+        }
+        let x = Tensor::<B, 4>::random([2, 3, 5, 256], NORMAL, device).cast(dtype);
+        let w = Tensor::<B, 1>::random([256], NORMAL, device);
+        let expected = super::reference(x.clone().cast(DType::F32), w.clone(), 1e-6);
+        assert_close(B::rms_norm(x, w, 1e-6), expected, tolerance(dtype), "rms_norm 4-D");
+    }
+
+    pub fn add_rms_norm<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "add_rms_norm");
+        for (batch, seq, n) in [(1, 1, 640), (2, 9, 1152), (1, 3, 2560), (3, 5, 33)] {
+            let residual = Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
+            let x = Tensor::<B, 3>::random([batch, seq, n], NORMAL, device).cast(dtype);
+            let w = Tensor::<B, 1>::random([n], NORMAL, device);
+            for out_dtype in [DType::F32, dtype] {
+                let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), w.clone(), 1e-6, out_dtype);
+                assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, out_dtype));
+                let (e_sum, e_normed) =
+                    super::add_reference(residual.clone(), x.clone().cast(DType::F32), w.clone(), 1e-6, DType::F32);
+                let what = format!("add_rms_norm {batch}x{seq}x{n} -> {out_dtype:?}");
+                assert_close(sum, e_sum, tolerance(DType::F32), &format!("{what} (sum)"));
+                assert_close(normed, e_normed, tolerance(out_dtype), &what);
+            }
+        }
+    }
+
+    gpu_tests!(rms_norm_matches_reference => rms_norm, add_rms_norm_matches_reference => add_rms_norm);
 }

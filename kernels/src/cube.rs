@@ -1,0 +1,129 @@
+//! Plumbing shared by the CubeCL kernels: moving tensors in and out of `CubeTensor`, launch
+//! grids, and a block-wide reduction that uses only shared memory (no plane/subgroup operations,
+//! which lavapipe and some other Vulkan drivers lack).
+
+use burn::tensor::{ops::FloatTensor, DType, Int, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::{
+    kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor, BoolElement, CubeBackend,
+    CubeRuntime, FloatElement, IntElement,
+};
+use cubecl::prelude::*;
+
+/// Shorthand for the unfused CubeCL backend.
+pub(crate) type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+/// Largest cube count along one grid axis that every runtime accepts.
+const MAX_GRID_X: usize = 65_535;
+
+/// The contiguous primitive of a float tensor.
+pub(crate) fn float<R, F, I, BT, const D: usize>(t: Tensor<Cb<R, F, I, BT>, D>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    into_contiguous(t.into_primitive().tensor())
+}
+
+/// The primitive of a float tensor, strides kept (for kernels that index by stride).
+pub(crate) fn float_strided<R, F, I, BT, const D: usize>(t: Tensor<Cb<R, F, I, BT>, D>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    t.into_primitive().tensor()
+}
+
+/// The contiguous primitive of an int tensor.
+pub(crate) fn int<R, F, I, BT, const D: usize>(t: Tensor<Cb<R, F, I, BT>, D, Int>) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    into_contiguous(t.into_primitive())
+}
+
+/// Wraps a primitive back into a float tensor.
+pub(crate) fn tensor<R, F, I, BT, const D: usize>(t: FloatTensor<Cb<R, F, I, BT>>) -> Tensor<Cb<R, F, I, BT>, D>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// Wraps a primitive back into an int tensor.
+pub(crate) fn int_tensor<R, F, I, BT, const D: usize>(t: CubeTensor<R>) -> Tensor<Cb<R, F, I, BT>, D, Int>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Tensor::from_primitive(t)
+}
+
+/// A new contiguous tensor on `like`'s device.
+pub(crate) fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+}
+
+/// A 2-D grid of at least `cubes` cubes; kernels recover the index with [`cube_index`].
+pub(crate) fn grid(cubes: usize) -> CubeCount {
+    let x = cubes.clamp(1, MAX_GRID_X);
+    let y = cubes.div_ceil(x).max(1);
+    CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// Grid for elementwise kernels: one unit per element, `threads` units per cube.
+pub(crate) fn elementwise(elements: usize, threads: u32) -> (CubeCount, CubeDim) {
+    (grid(elements.div_ceil(threads as usize)), CubeDim::new_1d(threads))
+}
+
+/// Linear index of this cube in a [`grid`].
+#[cube]
+pub(crate) fn cube_index() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// Linear index of this unit in an [`elementwise`] grid.
+#[cube]
+pub(crate) fn unit_index() -> usize {
+    cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize
+}
+
+/// Sum of `value` over the cube's units (a power of two along x), returned to every unit.
+/// `scratch` holds at least `CUBE_DIM_X` values.
+#[cube]
+pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    scratch[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            scratch[unit] = scratch[unit] + scratch[unit + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = scratch[0];
+    sync_cube();
+    total
+}
+
+/// Largest power of two not above `n` (and at least 1).
+pub(crate) fn pow2_floor(n: usize) -> usize {
+    if n <= 1 {
+        1
+    } else {
+        1 << (usize::BITS - 1 - n.leading_zeros())
+    }
+}
