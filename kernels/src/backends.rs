@@ -1,7 +1,7 @@
 //! Which implementation each backend gets.
 
 use crate::{cube, GemmaBackend};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
@@ -33,6 +33,36 @@ where
             out_dtype,
         );
         (cube::tensor(sum), cube::tensor(normed))
+    }
+
+    fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        cube::tensor(crate::gelu::kernel::gelu_mul(cube::float(gate), cube::float(up)))
+    }
+
+    fn rope(
+        x: Tensor<Self, 4>,
+        cos: Tensor<Self, 2>,
+        sin: Tensor<Self, 2>,
+        offset: usize,
+        norm: Option<(Tensor<Self, 1>, f64)>,
+    ) -> Tensor<Self, 4> {
+        let norm = norm.map(|(w, eps)| (cube::float(w), eps));
+        cube::tensor(crate::rope::kernel::rope(
+            cube::float_strided(x),
+            cube::float(cos.cast(DType::F32)),
+            cube::float(sin.cast(DType::F32)),
+            offset,
+            norm,
+        ))
+    }
+
+    fn softcap<const D: usize>(x: Tensor<Self, D>, cap: f64) -> Tensor<Self, D> {
+        cube::tensor(crate::softcap::kernel::softcap(cube::float(x), cap))
+    }
+
+    fn embed(table: &[Tensor<Self, 2>], ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
+        let blocks = table.iter().map(|b| cube::float(b.clone())).collect();
+        cube::tensor(crate::embedding::kernel::embed(blocks, cube::int(ids), scale))
     }
 }
 

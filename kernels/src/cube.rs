@@ -127,3 +127,21 @@ pub(crate) fn pow2_floor(n: usize) -> usize {
         1 << (usize::BITS - 1 - n.leading_zeros())
     }
 }
+
+/// `tanh` that stays finite for any input (the textbook `(e^2x - 1) / (e^2x + 1)` that some
+/// shader compilers emit overflows to NaN past |x| ~ 44).
+#[cube]
+pub(crate) fn tanh_f32(x: f32) -> f32 {
+    let e = f32::exp(-2.0f32 * f32::abs(x));
+    let t = (1.0f32 - e) / (1.0f32 + e);
+    if x < 0.0f32 {
+        -t
+    } else {
+        t
+    }
+}
+
+/// Smallest power of two not below `n` (and at least 1).
+pub(crate) fn pow2_ceil(n: usize) -> usize {
+    n.max(1).next_power_of_two()
+}

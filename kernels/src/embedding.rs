@@ -34,6 +34,89 @@ pub fn reference<B: Backend>(table: &[Tensor<B, 2>], ids: Tensor<B, 2, Int>, sca
     out.reshape([batch, seq, hidden]).mul_scalar(scale)
 }
 
+/// CubeCL kernel: one launch per row block, one cube per token, units striding over the row.
+pub(crate) mod kernel {
+    use crate::cube::{cube_index, empty, grid};
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    const THREADS: u32 = 128;
+
+    /// Writes the rows of the tokens whose id falls in `[start, start + rows)`. The launch with
+    /// `zero_others` also zeroes the rows of ids outside `[0, vocab)`, so every row is written.
+    #[cube(launch)]
+    fn embed_kernel<T: Float, I: Int>(
+        block: &Tensor<T>,
+        ids: &Tensor<I>,
+        out: &mut Tensor<T>,
+        start: u32,
+        rows: u32,
+        vocab: u32,
+        hidden: u32,
+        scale: f32,
+        #[comptime] zero_others: bool,
+        #[define(T, I)] _dtypes: [StorageType; 2],
+    ) {
+        let token = cube_index();
+        if token >= ids.len() {
+            terminate!();
+        }
+        let hidden = hidden as usize;
+        let id = i64::cast_from(ids[token]);
+        let base = token * hidden;
+        if id >= i64::cast_from(start) && id < i64::cast_from(start + rows) {
+            let row = (id - i64::cast_from(start)) as usize * hidden;
+            // Rounded to the table dtype first, as Hugging Face multiplies by a tensor of it.
+            let scale = f32::cast_from(T::cast_from(scale));
+            let mut c = UNIT_POS_X as usize;
+            while c < hidden {
+                out[base + c] = T::cast_from(f32::cast_from(block[row + c]) * scale);
+                c += CUBE_DIM_X as usize;
+            }
+        } else if zero_others && (id < 0 || id >= i64::cast_from(vocab)) {
+            let mut c = UNIT_POS_X as usize;
+            while c < hidden {
+                out[base + c] = T::cast_from(0.0f32);
+                c += CUBE_DIM_X as usize;
+            }
+        }
+    }
+
+    /// `blocks`: contiguous `[rows_i, hidden]` row blocks; `ids`: contiguous `[batch, seq]`.
+    pub fn embed<R: CubeRuntime>(blocks: Vec<CubeTensor<R>>, ids: CubeTensor<R>, scale: f64) -> CubeTensor<R> {
+        let [batch, seq] = [ids.meta.shape()[0], ids.meta.shape()[1]];
+        let hidden = blocks.first().map_or(0, |b| b.meta.shape()[1]);
+        let vocab: usize = blocks.iter().map(|b| b.meta.shape()[0]).sum();
+        let dtype = blocks.first().map_or(burn::tensor::DType::F32, |b| b.dtype);
+        let out = empty(&ids, [batch, seq, hidden], dtype);
+        if batch * seq == 0 || hidden == 0 {
+            return out;
+        }
+        let mut start = 0usize;
+        for (i, block) in blocks.into_iter().enumerate() {
+            let rows = block.meta.shape()[0];
+            let dtypes = [block.dtype.into(), ids.dtype.into()];
+            embed_kernel::launch::<R>(
+                &ids.client,
+                grid(batch * seq),
+                CubeDim::new_1d(THREADS),
+                block.into_tensor_arg(),
+                ids.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                start as u32,
+                rows as u32,
+                vocab as u32,
+                hidden as u32,
+                scale as f32,
+                i == 0,
+                dtypes,
+            );
+            start += rows;
+        }
+        out
+    }
+}
+
 #[cfg(all(test, feature = "ndarray"))]
 mod tests {
     use super::*;
@@ -50,4 +133,31 @@ mod tests {
         let split = reference(&blocks, ids, 2.0);
         whole.into_data().assert_approx_eq::<f32>(&split.into_data(), Default::default());
     }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
+
+    /// Unequal row blocks, ids at block edges, and a single-block table.
+    pub fn embed<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        let seed = seed::<B>(device, "embed");
+        let (vocab, hidden) = (1001, 67);
+        let table = Tensor::<B, 2>::random([vocab, hidden], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+        let mut ids: Vec<i64> = vec![0, 300, 299, 700, 1000, 699, 1, 3];
+        ids.extend((0..13).map(|i| ((seed as i64).wrapping_mul(2_654_435_761).wrapping_add(i * 7919)).rem_euclid(vocab as i64)));
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [3, 7]), device);
+        let blocks: Vec<_> = [0..300, 300..700, 700..1001].into_iter().map(|r| table.clone().slice([r, 0..hidden])).collect();
+        let scale = (hidden as f64).sqrt();
+        let expected = super::reference(&[table.clone().cast(DType::F32)], ids.clone(), scale);
+        let got = B::embed(&blocks, ids.clone(), scale);
+        assert_eq!(got.dtype(), dtype);
+        // The kernel rounds the scale to the table dtype (as HF does); allow for that in bf16.
+        assert_close(got, expected.clone(), 2.0 * tolerance(dtype), "embed (3 blocks)");
+        assert_close(B::embed(&[table], ids, scale), expected, 2.0 * tolerance(dtype), "embed (1 block)");
+    }
+
+    gpu_tests!(embed_matches_reference => embed);
 }

@@ -6,3 +6,66 @@ use burn::tensor::{activation::gelu_approximate, backend::Backend, Tensor};
 pub fn reference<B: Backend>(gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 3> {
     gelu_approximate(gate) * up
 }
+
+/// CubeCL kernel: one unit per element, computed in f32.
+pub(crate) mod kernel {
+    use crate::cube::{elementwise, empty, tanh_f32, unit_index};
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    #[cube(launch)]
+    fn gelu_mul_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+        let i = unit_index();
+        if i >= out.len() {
+            terminate!();
+        }
+        let g = f32::cast_from(gate[i]);
+        // sqrt(2 / pi)
+        let inner = 0.7978845608f32 * (g + 0.044715f32 * g * g * g);
+        out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(up[i]));
+    }
+
+    /// `gate`, `up`: contiguous, same shape and dtype.
+    pub fn gelu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+        let shape = gate.meta.shape().clone();
+        let out = empty(&gate, shape.clone(), gate.dtype);
+        let elements = shape.num_elements();
+        if elements == 0 {
+            return out;
+        }
+        let (count, dim) = elementwise(elements, 256);
+        let dtype = gate.dtype.into();
+        gelu_mul_kernel::launch::<R>(
+            &gate.client,
+            count,
+            dim,
+            gate.clone().into_tensor_arg(),
+            up.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dtype,
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    /// Odd sizes, Gemma's intermediate widths, and gate values large enough to saturate tanh.
+    pub fn gelu_mul<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "gelu_mul");
+        for (shape, spread) in [([1, 1, 2048], 1.0), ([2, 7, 6912], 3.0), ([1, 3, 1001], 25.0), ([3, 1, 10240], 1.0)] {
+            let gate = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, spread), device).cast(dtype);
+            let up = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let got = B::gelu_mul(gate.clone(), up.clone());
+            assert_eq!(got.dtype(), dtype);
+            let expected = super::reference(gate.cast(DType::F32), up.cast(DType::F32));
+            assert_close(got, expected, tolerance(dtype), &format!("gelu_mul {shape:?} (gate std {spread})"));
+        }
+    }
+
+    gpu_tests!(gelu_mul_matches_reference => gelu_mul);
+}

@@ -50,3 +50,138 @@ pub fn tables(max_positions: usize, head_dim: usize, theta: f64, factor: f64) ->
     }
     (cos, sin)
 }
+
+/// CubeCL kernel: one cube per `(batch, head, position)` row, one unit per rotated pair. Reads
+/// `x` through its strides (so the `[batch, seq, heads, dim] -> [batch, heads, seq, dim]` swap
+/// of the projections costs nothing) and writes a contiguous result. QK-norm and the rotation
+/// are computed in f32 and rounded once.
+pub(crate) mod kernel {
+    use crate::cube::{cube_index, cube_sum, empty, grid, pow2_ceil};
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    #[cube(launch)]
+    fn rope_kernel<F: Float, W: Float>(
+        x: &Tensor<F>,
+        cos: &Tensor<f32>,
+        sin: &Tensor<f32>,
+        weight: &Tensor<W>,
+        out: &mut Tensor<F>,
+        offset: u32,
+        eps: f32,
+        #[comptime] norm: bool,
+        #[define(F, W)] _dtypes: [StorageType; 2],
+    ) {
+        let heads = x.shape(1);
+        let seq = x.shape(2);
+        let dim = x.shape(3);
+        let half = dim / 2;
+        let row = cube_index();
+        if row >= x.shape(0) * heads * seq {
+            terminate!();
+        }
+        let s = row % seq;
+        let h = (row / seq) % heads;
+        let b = row / (seq * heads);
+        let base = b * x.stride(0) + h * x.stride(1) + s * x.stride(2);
+        let step = x.stride(3);
+        let mut inv_rms = 1.0f32;
+        if norm {
+            let mut scratch = SharedMemory::<f32>::new(256usize);
+            let mut partial = 0.0f32;
+            let mut p = UNIT_POS_X as usize;
+            while p < dim {
+                let v = f32::cast_from(x[base + p * step]);
+                partial += v * v;
+                p += CUBE_DIM_X as usize;
+            }
+            let total = cube_sum(partial, &mut scratch);
+            inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(dim as u32) + eps);
+        }
+        let table = (offset as usize + s) * half;
+        let out_base = row * dim;
+        let mut p = UNIT_POS_X as usize;
+        while p < half {
+            let mut x1 = f32::cast_from(x[base + p * step]) * inv_rms;
+            let mut x2 = f32::cast_from(x[base + (p + half) * step]) * inv_rms;
+            if norm {
+                x1 *= 1.0f32 + f32::cast_from(weight[p]);
+                x2 *= 1.0f32 + f32::cast_from(weight[p + half]);
+            }
+            let c = cos[table + p];
+            let sn = sin[table + p];
+            out[out_base + p] = F::cast_from(x1 * c - x2 * sn);
+            out[out_base + p + half] = F::cast_from(x2 * c + x1 * sn);
+            p += CUBE_DIM_X as usize;
+        }
+    }
+
+    /// `x`: `[batch, heads, seq, head_dim]`, any strides; `cos`/`sin`: contiguous f32 tables;
+    /// `norm`: QK-norm weight `[head_dim]` and epsilon.
+    pub fn rope<R: CubeRuntime>(
+        x: CubeTensor<R>,
+        cos: CubeTensor<R>,
+        sin: CubeTensor<R>,
+        offset: usize,
+        norm: Option<(CubeTensor<R>, f64)>,
+    ) -> CubeTensor<R> {
+        let shape = x.meta.shape().clone();
+        let out = empty(&x, shape.clone(), x.dtype);
+        let rows = shape[0] * shape[1] * shape[2];
+        if rows == 0 || shape[3] == 0 {
+            return out;
+        }
+        let threads = pow2_ceil(shape[3] / 2).min(256);
+        let has_norm = norm.is_some();
+        // Without QK-norm the weight is never read; the cos table stands in for it.
+        let (weight, eps) = norm.unwrap_or_else(|| (cos.clone(), 0.0));
+        let dtypes = [x.dtype.into(), weight.dtype.into()];
+        rope_kernel::launch::<R>(
+            &x.client,
+            grid(rows),
+            CubeDim::new_1d(threads as u32),
+            x.clone().into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            offset as u32,
+            eps as f32,
+            has_norm,
+            dtypes,
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
+
+    /// Head dims 64 to 256, 1 to 8 heads, position offsets, strided (swapped) inputs, with and
+    /// without QK-norm.
+    pub fn rope<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "rope");
+        for (batch, heads, seq, dim, offset) in [(1, 4, 7, 256, 0), (2, 1, 1, 64, 300), (1, 8, 5, 128, 17), (3, 3, 2, 16, 9)] {
+            let (cos, sin) = super::tables(offset + seq + 3, dim, 10_000.0, 1.0);
+            let table = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [offset + seq + 3, dim / 2]), (device, DType::F32));
+            let (cos, sin) = (table(cos), table(sin));
+            // As the model produces them: [batch, seq, heads, dim] swapped to [batch, heads, seq, dim].
+            let x = Tensor::<B, 4>::random([batch, seq, heads, dim], Distribution::Normal(0.0, 2.0), device)
+                .cast(dtype)
+                .swap_dims(1, 2);
+            let w = Tensor::<B, 1>::random([dim], Distribution::Normal(0.0, 0.5), device);
+            for norm in [None, Some((w.clone(), 1e-6))] {
+                let got = B::rope(x.clone(), cos.clone(), sin.clone(), offset, norm.clone());
+                assert_eq!(got.dtype(), dtype);
+                let expected = super::reference(x.clone().cast(DType::F32), cos.clone(), sin.clone(), offset, norm.clone());
+                let what = format!("rope b{batch} h{heads} s{seq} d{dim} offset {offset} norm {}", norm.is_some());
+                assert_close(got, expected, tolerance(dtype), &what);
+            }
+        }
+    }
+
+    gpu_tests!(rope_matches_reference => rope);
+}
