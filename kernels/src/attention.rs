@@ -75,6 +75,374 @@ pub fn reference<B: Backend>(
     probs.matmul(v).reshape([batch, q_heads, q_len, head_dim])
 }
 
+/// CubeCL flash attention (prefill and decode share one kernel).
+///
+/// Each cube owns one KV head of one sequence and `BQ` consecutive rows of the `[groups * q_len]`
+/// query rows that share that KV head (GQA/MQA: the query heads of a group read the same K/V
+/// tiles, repeated KV heads are never materialized). It walks the key tiles its rows can see
+/// (causal and sliding-window bounds skip whole tiles), staging `BK` keys and values in shared
+/// memory, and keeps an online softmax (running max and sum per row) in f32 with the output
+/// accumulators in registers. For decode and short prompts the key range is also split across
+/// cubes (`splits` along the grid's z axis); a second kernel merges the partial results.
+/// Only shared memory and barriers are used (no plane operations), so lavapipe runs it.
+pub(crate) mod kernel {
+    use super::AttentionMask;
+    use crate::cube::{elementwise, empty, pow2_ceil, pow2_floor, tanh_f32, unit_index};
+    use burn::tensor::DType;
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    // Scores of masked (query, key) pairs are -3e38; anything below -1e38 counts as masked.
+    // The running maximum starts at -1e30: finite, so `exp(m_old - m_new)` never sees inf - inf.
+
+    /// Comptime launch configuration.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct Tiling {
+        /// Query rows per cube.
+        pub bq: usize,
+        /// Keys per shared-memory tile.
+        pub bk: usize,
+        /// Units per query row (`bq * tpr` units per cube).
+        pub tpr: usize,
+        /// Output columns each unit accumulates (`ceil(head_dim / tpr)`).
+        pub cols: usize,
+        /// Head dimension.
+        pub dim: usize,
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    fn flash_attention_kernel<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        out: &mut Tensor<F>,
+        partial: &mut Tensor<f32>,
+        stats: &mut Tensor<f32>,
+        q_offset: u32,
+        k_offset: u32,
+        window: u32,
+        scale: f32,
+        cap: f32,
+        #[comptime] tiling: Tiling,
+        #[comptime] has_window: bool,
+        #[comptime] has_cap: bool,
+        #[comptime] split: bool,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let bq = tiling.bq;
+        let bk = tiling.bk;
+        let tpr = tiling.tpr;
+        let dim = tiling.dim;
+        let threads = bq * tpr;
+        let q_heads = q.shape(1);
+        let q_len = q.shape(2);
+        let kv_heads = k.shape(1);
+        let k_len = k.shape(2);
+        let groups = q_heads / kv_heads;
+        let rows = groups * q_len;
+        let b = CUBE_POS_Y as usize / kv_heads;
+        let kvh = CUBE_POS_Y as usize % kv_heads;
+        let splits = CUBE_COUNT_Z as usize;
+        let split_index = CUBE_POS_Z as usize;
+        let tid = UNIT_POS_X as usize;
+
+        // Rows of this cube and the positions they cover.
+        let r0 = CUBE_POS_X as usize * bq;
+        let r_last = min(r0 + bq, rows) - 1;
+        let mut i_min = 0usize;
+        let mut i_max = q_len - 1;
+        if r0 / q_len == r_last / q_len {
+            i_min = r0 % q_len;
+            i_max = r_last % q_len;
+        }
+        // Visible key range [j_lo, j_hi), as key indices.
+        let mut j_hi = i64::cast_from(q_offset as usize + i_max) - i64::cast_from(k_offset) + 1;
+        j_hi = min(j_hi, i64::cast_from(k_len));
+        let mut j_lo = 0i64;
+        if has_window {
+            j_lo = max(i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset), 0i64);
+        }
+        let mut t_lo = 0usize;
+        let mut t_hi = 0usize;
+        if j_hi > j_lo {
+            t_lo = usize::cast_from(j_lo) / bk;
+            t_hi = (usize::cast_from(j_hi) + bk - 1) / bk;
+        }
+        let per_split = (t_hi - t_lo + splits - 1) / splits;
+        let t_begin = min(t_lo + split_index * per_split, t_hi);
+        let t_end = min(t_begin + per_split, t_hi);
+
+        let mut k_tile = SharedMemory::<f32>::new(tiling.bk * tiling.dim);
+        let mut v_tile = SharedMemory::<f32>::new(tiling.bk * tiling.dim);
+        let mut s_tile = SharedMemory::<f32>::new(tiling.bq * tiling.bk);
+
+        // This unit's row and columns for the softmax and output phase.
+        let my_row = tid / tpr;
+        let my_col = tid % tpr;
+        let mut acc = Array::<f32>::new(tiling.cols);
+        #[unroll]
+        for i in 0..tiling.cols {
+            acc[i] = 0.0f32;
+        }
+        let mut m = f32::new(-1.0e30);
+        let mut l = 0.0f32;
+
+        let k_base = b * k.stride(0) + kvh * k.stride(1);
+        let v_base = b * v.stride(0) + kvh * v.stride(1);
+        for tile in t_begin..t_end {
+            let key0 = tile * bk;
+            // Stage K and V (f32) for this tile.
+            sync_cube();
+            let mut idx = tid;
+            while idx < bk * dim {
+                let j = idx / dim;
+                let c = idx % dim;
+                let key = key0 + j;
+                let mut kv = 0.0f32;
+                let mut vv = 0.0f32;
+                if key < k_len {
+                    kv = f32::cast_from(k[k_base + key * k.stride(2) + c * k.stride(3)]);
+                    vv = f32::cast_from(v[v_base + key * v.stride(2) + c * v.stride(3)]);
+                }
+                k_tile[idx] = kv;
+                v_tile[idx] = vv;
+                idx += threads;
+            }
+            sync_cube();
+            // Scores of the cube's rows against the tile.
+            let mut idx = tid;
+            while idx < bq * bk {
+                let rq = idx / bk;
+                let j = idx % bk;
+                let r = r0 + rq;
+                let key = key0 + j;
+                let mut score = f32::new(-3.0e38);
+                if r < rows && key < k_len {
+                    let g = r / q_len;
+                    let i = r % q_len;
+                    let q_pos = q_offset as usize + i;
+                    let k_pos = k_offset as usize + key;
+                    let mut visible = k_pos <= q_pos;
+                    if has_window {
+                        visible = visible && q_pos - k_pos < window as usize;
+                    }
+                    if visible {
+                        let q_base = b * q.stride(0) + (kvh * groups + g) * q.stride(1) + i * q.stride(2);
+                        let mut dot = 0.0f32;
+                        for c in 0..dim {
+                            dot += f32::cast_from(q[q_base + c * q.stride(3)]) * k_tile[j * dim + c];
+                        }
+                        score = dot * scale;
+                        if has_cap {
+                            score = tanh_f32(score / cap) * cap;
+                        }
+                    }
+                }
+                s_tile[idx] = score;
+                idx += threads;
+            }
+            sync_cube();
+            // Online softmax and P.V for this unit's row and columns.
+            let mut tile_max = f32::new(-1.0e30);
+            for j in 0..bk {
+                tile_max = tile_max.max(s_tile[my_row * bk + j]);
+            }
+            let m_new = m.max(tile_max);
+            let correction = f32::exp(m - m_new);
+            l *= correction;
+            #[unroll]
+            for i in 0..tiling.cols {
+                acc[i] *= correction;
+            }
+            for j in 0..bk {
+                let s = s_tile[my_row * bk + j];
+                if s > -1.0e38f32 {
+                    let p = f32::exp(s - m_new);
+                    l += p;
+                    #[unroll]
+                    for i in 0..tiling.cols {
+                        let c = my_col + i * tpr;
+                        if c < dim {
+                            acc[i] += p * v_tile[j * dim + c];
+                        }
+                    }
+                }
+            }
+            m = m_new;
+        }
+
+        let r = r0 + my_row;
+        if r < rows {
+            if split {
+                // Partial results [splits, batch, kv_heads, rows, dim] and (max, sum) stats.
+                let slot = ((split_index * k.shape(0) + b) * kv_heads + kvh) * rows + r;
+                #[unroll]
+                for i in 0..tiling.cols {
+                    let c = my_col + i * tpr;
+                    if c < dim {
+                        partial[slot * dim + c] = acc[i];
+                    }
+                }
+                if my_col == 0 {
+                    stats[slot * 2] = m;
+                    stats[slot * 2 + 1] = l;
+                }
+            } else {
+                let g = r / q_len;
+                let i = r % q_len;
+                let o_base = ((b * q_heads + kvh * groups + g) * q_len + i) * dim;
+                let mut inv = 0.0f32;
+                if l > 0.0f32 {
+                    inv = 1.0f32 / l;
+                }
+                #[unroll]
+                for i in 0..tiling.cols {
+                    let c = my_col + i * tpr;
+                    if c < dim {
+                        out[o_base + c] = F::cast_from(acc[i] * inv);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Merges the per-split partial results: one unit per output element.
+    #[cube(launch)]
+    fn merge_splits_kernel<F: Float>(
+        partial: &Tensor<f32>,
+        stats: &Tensor<f32>,
+        out: &mut Tensor<F>,
+        splits: u32,
+        kv_heads: u32,
+        q_len: u32,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let idx = unit_index();
+        if idx >= out.len() {
+            terminate!();
+        }
+        let dim = out.shape(3);
+        let q_heads = out.shape(1);
+        let batch = out.shape(0);
+        let kv_heads = kv_heads as usize;
+        let q_len = q_len as usize;
+        let groups = q_heads / kv_heads;
+        let rows = groups * q_len;
+        let c = idx % dim;
+        let i = (idx / dim) % q_len;
+        let h = (idx / (dim * q_len)) % q_heads;
+        let b = idx / (dim * q_len * q_heads);
+        let kvh = h / groups;
+        let r = (h % groups) * q_len + i;
+        let mut m = f32::new(-1.0e30);
+        for s in 0..splits as usize {
+            let slot = ((s * batch + b) * kv_heads + kvh) * rows + r;
+            m = m.max(stats[slot * 2]);
+        }
+        let mut l = 0.0f32;
+        let mut o = 0.0f32;
+        for s in 0..splits as usize {
+            let slot = ((s * batch + b) * kv_heads + kvh) * rows + r;
+            let w = f32::exp(stats[slot * 2] - m);
+            l += stats[slot * 2 + 1] * w;
+            o += partial[slot * dim + c] * w;
+        }
+        let mut value = 0.0f32;
+        if l > 0.0f32 {
+            value = o / l;
+        }
+        out[idx] = F::cast_from(value);
+    }
+
+    /// Cubes that keep a GPU busy; fewer than this and the key range is split.
+    const TARGET_CUBES: usize = 128;
+    const MAX_SPLITS: usize = 64;
+
+    /// Chooses the tiling for `rows` query rows of `dim` columns under `shared_bytes`.
+    pub fn tiling(rows: usize, dim: usize, shared_bytes: usize) -> Tiling {
+        let bq = pow2_ceil(rows).min(16);
+        let tpr = (256 / bq).min(pow2_ceil(dim)).max(1);
+        let budget = shared_bytes.min(48 * 1024);
+        let bk = pow2_floor(budget / ((2 * dim + bq) * 4)).clamp(1, 64);
+        Tiling { bq, bk, tpr, cols: dim.div_ceil(tpr), dim }
+    }
+
+    /// `q`: `[batch, q_heads, q_len, dim]`, `k`/`v`: `[batch, kv_heads, k_len, dim]`, any
+    /// strides. Returns a contiguous `[batch, q_heads, q_len, dim]` in `q`'s dtype.
+    pub fn attention<R: CubeRuntime>(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> CubeTensor<R> {
+        let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+        let [kv_heads, k_len] = [k.meta.shape()[1], k.meta.shape()[2]];
+        let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
+        if batch * q_heads * q_len * dim == 0 {
+            return out;
+        }
+        let rows = (q_heads / kv_heads) * q_len;
+        let shared = q.client.properties().hardware.max_shared_memory_size;
+        let tiling = tiling(rows, dim, shared);
+        let row_blocks = rows.div_ceil(tiling.bq);
+        let base_cubes = row_blocks * batch * kv_heads;
+        let tiles = k_len.div_ceil(tiling.bk);
+        let splits = TARGET_CUBES.div_ceil(base_cubes).min(tiles.div_ceil(2)).clamp(1, MAX_SPLITS);
+        let split = splits > 1;
+        let (partial, stats) = if split {
+            (
+                empty(&q, [splits * batch * kv_heads * rows, dim], DType::F32),
+                empty(&q, [splits * batch * kv_heads * rows, 2], DType::F32),
+            )
+        } else {
+            // Never written: stand-ins for the unused arguments.
+            (empty(&q, [1], DType::F32), empty(&q, [1], DType::F32))
+        };
+        let dtype: StorageType = q.dtype.into();
+        let client = q.client.clone();
+        flash_attention_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(row_blocks as u32, (batch * kv_heads) as u32, splits as u32),
+            CubeDim::new_1d((tiling.bq * tiling.tpr) as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            partial.clone().into_tensor_arg(),
+            stats.clone().into_tensor_arg(),
+            mask.q_offset as u32,
+            mask.k_offset as u32,
+            mask.window.unwrap_or(0) as u32,
+            scale as f32,
+            softcap.unwrap_or(1.0) as f32,
+            tiling,
+            mask.window.is_some(),
+            softcap.is_some(),
+            split,
+            dtype,
+        );
+        if split {
+            let (count, cube_dim) = elementwise(batch * q_heads * q_len * dim, 256);
+            merge_splits_kernel::launch::<R>(
+                &client,
+                count,
+                cube_dim,
+                partial.into_tensor_arg(),
+                stats.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                splits as u32,
+                kv_heads as u32,
+                q_len as u32,
+                dtype,
+            );
+        }
+        out
+    }
+}
+
 #[cfg(all(test, feature = "ndarray"))]
 mod tests {
     use super::*;
@@ -132,4 +500,57 @@ mod tests {
         assert!(!AttentionMask { q_offset: 10, k_offset: 8, window: Some(3) }.masks_anything(1, 3));
         assert!(AttentionMask { q_offset: 10, k_offset: 7, window: Some(3) }.masks_anything(1, 4));
     }
+}
+
+#[cfg(test)]
+mod gpu {
+    use super::AttentionMask;
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
+    type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
+
+    const CASES: [Case; 11] = [
+        // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
+        (1, 4, 1, 37, 37, 256, 0, 0, None, None),
+        // Sliding window smaller than the prompt, crossing tile edges.
+        (1, 8, 8, 45, 45, 64, 0, 0, Some(16), None),
+        (2, 4, 2, 19, 19, 128, 0, 0, Some(7), Some(50.0)),
+        // Gemma 2 attention softcap, batch 2.
+        (2, 8, 4, 23, 23, 256, 0, 0, None, Some(50.0)),
+        // Decode over a long cache (split over the sequence), global and sliding.
+        (1, 4, 1, 1, 1000, 256, 999, 0, None, None),
+        (1, 8, 2, 1, 512, 128, 1300, 789, Some(512), None),
+        (2, 16, 16, 1, 77, 128, 76, 0, None, Some(50.0)),
+        // Chunked prefill continuing a cache; head_dim not a power of two.
+        (1, 4, 2, 5, 45, 96, 40, 0, None, None),
+        // Multi-query attention with a tiny window, and a long window-bound chunk.
+        (1, 8, 1, 9, 9, 256, 0, 0, Some(4), None),
+        (1, 4, 1, 70, 582, 256, 530, 18, Some(512), None),
+        // 16 KV heads, several query rows.
+        (1, 16, 16, 3, 70, 128, 67, 0, None, None),
+    ];
+
+    pub fn attention<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "attention");
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (batch, hq, hkv, tq, tk, dim, q_offset, k_offset, window, softcap) in CASES {
+            // Projections come out as [batch, seq, heads, dim]; attention sees them swapped.
+            let q = Tensor::<B, 4>::random([batch, tq, hq, dim], normal, device).cast(dtype).swap_dims(1, 2);
+            let k = Tensor::<B, 4>::random([batch, tk, hkv, dim], normal, device).cast(dtype).swap_dims(1, 2);
+            let v = Tensor::<B, 4>::random([batch, hkv, tk, dim], normal, device).cast(dtype);
+            let mask = AttentionMask { q_offset, k_offset, window };
+            let scale = 1.0 / (dim as f64).sqrt() * 2.0;
+            let got = B::grouped_attention(q.clone(), k.clone(), v.clone(), mask, scale, softcap);
+            assert_eq!(got.dtype(), dtype);
+            let f32s = |t: Tensor<B, 4>| t.cast(DType::F32);
+            let expected = super::reference(f32s(q), f32s(k), f32s(v), mask, scale, softcap);
+            let what = format!("attention b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?}");
+            assert_close(got, expected, tolerance(dtype), &what);
+        }
+    }
+
+    gpu_tests!(attention_matches_reference => attention);
 }

@@ -1,6 +1,6 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, GemmaBackend};
+use crate::{cube, AttentionMask, GemmaBackend};
 use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -63,6 +63,18 @@ where
     fn embed(table: &[Tensor<Self, 2>], ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
         let blocks = table.iter().map(|b| cube::float(b.clone())).collect();
         cube::tensor(crate::embedding::kernel::embed(blocks, cube::int(ids), scale))
+    }
+
+    fn grouped_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<Self, 4> {
+        let (q, k, v) = (cube::float_strided(q), cube::float_strided(k), cube::float_strided(v));
+        cube::tensor(crate::attention::kernel::attention(q, k, v, mask, scale, softcap))
     }
 }
 
