@@ -1,7 +1,7 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, AttentionMask, GemmaBackend};
-use burn::tensor::{DType, Int, Tensor};
+use crate::{cube, AttentionMask, GemmaBackend, SamplingParams};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
@@ -75,6 +75,16 @@ where
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (cube::float_strided(q), cube::float_strided(k), cube::float_strided(v));
         cube::tensor(crate::attention::kernel::attention(q, k, v, mask, scale, softcap))
+    }
+
+    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
+        let [batch, _] = logits.dims();
+        let device = logits.device();
+        let mut draws = uniform.to_vec();
+        draws.resize(batch, 0.0);
+        let uniform = Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32));
+        let logits = cube::float(logits.cast(DType::F32));
+        cube::int_tensor(crate::sampling::kernel::sample(logits, cube::float(uniform), params, I::dtype()))
     }
 }
 

@@ -24,12 +24,14 @@ pub mod embedding;
 pub mod gelu;
 pub mod rms_norm;
 pub mod rope;
+pub mod sampling;
 pub mod softcap;
 
 mod backends;
 mod cube;
 
 pub use attention::AttentionMask;
+pub use sampling::SamplingParams;
 
 use burn::tensor::{backend::Backend, Int, Tensor};
 
@@ -110,6 +112,22 @@ pub trait GemmaBackend: Backend {
         softcap: Option<f64>,
     ) -> Tensor<Self, 4> {
         attention::reference(q, k, v, mask, scale, softcap)
+    }
+
+    /// Picks one token per row of `logits` (`[batch, vocab]`, f32) with `params`, using
+    /// `uniform[row]` in [0, 1) as the random draw. Returns the `[batch]` token ids; only they
+    /// leave the device. The default reads the logits back and runs [`sampling::reference`].
+    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
+        let [batch, vocab] = logits.dims();
+        let device = logits.device();
+        let values = logits.cast(burn::tensor::DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let ids: Vec<i64> = (0..batch)
+            .map(|r| {
+                let row = values.get(r * vocab..(r + 1) * vocab).unwrap_or(&[]);
+                sampling::reference(row, params, uniform.get(r).copied().unwrap_or(0.0)) as i64
+            })
+            .collect();
+        Tensor::from_data(burn::tensor::TensorData::new(ids, [batch]), &device)
     }
 }
 

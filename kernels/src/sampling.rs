@@ -1,0 +1,423 @@
+//! Choosing the next token on the device: greedy (argmax) or temperature sampling with top-k,
+//! top-p and min-p, returning only token ids so the vocabulary-wide logits stay on the device.
+//!
+//! Filters are expressed as thresholds on the logit value, which a GPU finds without sorting:
+//! - top-k keeps `x >= t_k`, the k-th largest logit;
+//! - top-p keeps `x >= t_p`, the largest threshold whose kept probability mass (within the top-k
+//!   set) still reaches `p`: the same set as the sorted-prefix definition;
+//! - min-p keeps tokens with `exp((x - max) / T) >= min_p`.
+//!
+//! Ties at a threshold are all kept. The kept tokens are then sampled by inverse CDF over the
+//! vocabulary in index order with a uniform number `u` drawn on the host: the same distribution
+//! as sampling in probability order, so one `u` can pick a different (equally distributed) token
+//! than a sorted sampler would.
+
+/// Sampling parameters the device sampler understands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 selects the argmax (first index on ties).
+    pub temperature: f32,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub const GREEDY: Self = Self { temperature: 0.0, top_k: None, top_p: None, min_p: None };
+}
+
+/// Index of the largest value, the first one on ties.
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in values.iter().enumerate() {
+        if *v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The tokens the filters keep, with their unnormalized weights `exp((x - max) / T)`, in index
+/// order. Reference for the device kernel (computed by sorting, in f64 where it sums).
+pub fn kept(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
+    if logits.is_empty() {
+        return Vec::new();
+    }
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let t = params.temperature.max(f32::MIN_POSITIVE);
+    let weight = |x: f32| (((x - max) / t) as f64).exp();
+    let mut sorted = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let k = params.top_k.unwrap_or(sorted.len()).clamp(1, sorted.len());
+    let t_k = sorted[k - 1];
+    let mut threshold = t_k;
+    if let Some(p) = params.top_p {
+        let top: Vec<f32> = sorted.iter().cloned().take_while(|&x| x >= t_k).collect();
+        let total: f64 = top.iter().map(|&x| weight(x)).sum();
+        let mut cumulative = 0.0;
+        for &x in &top {
+            cumulative += weight(x);
+            if cumulative >= p as f64 * total {
+                threshold = threshold.max(x);
+                break;
+            }
+        }
+    }
+    let min_p = params.min_p.unwrap_or(0.0) as f64;
+    logits
+        .iter()
+        .enumerate()
+        .filter(|(_, &x)| x >= threshold && weight(x) >= min_p)
+        .map(|(i, &x)| (i as u32, weight(x)))
+        .collect()
+}
+
+/// Reference sampler: argmax when greedy, else the kept token where the cumulative weight (in
+/// index order) first exceeds `u` times the total, `u` in [0, 1).
+pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
+    if params.temperature == 0.0 {
+        return argmax(logits);
+    }
+    let kept = kept(logits, params);
+    let total: f64 = kept.iter().map(|k| k.1).sum();
+    let target = u as f64 * total;
+    let mut cumulative = 0.0;
+    for &(id, w) in &kept {
+        cumulative += w;
+        if cumulative > target {
+            return id;
+        }
+    }
+    argmax(logits)
+}
+
+/// CubeCL kernel: one cube per sequence, `THREADS` units, shared-memory reductions only.
+///
+/// Greedy: one pass for the argmax. Sampling: a pass for max/min, bisection passes over the
+/// logit value for the top-k and top-p thresholds (each pass counts and sums the kept weights;
+/// the interval stops shrinking at adjacent floats, at most `MAX_STEPS` passes per threshold),
+/// then a chunked prefix sum to find the sampled index.
+pub(crate) mod kernel {
+    use super::SamplingParams;
+    use crate::cube::empty;
+    use burn::tensor::DType;
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    const THREADS: usize = 256;
+    const MAX_STEPS: u32 = 64;
+
+    /// Max (first index on ties) and min of row `base..base + n`, to every unit.
+    #[cube]
+    fn max_min(logits: &Tensor<f32>, base: usize, n: usize, #[comptime] threads: usize) -> (f32, u32, f32) {
+        let tid = UNIT_POS_X as usize;
+        let mut best = f32::new(-3.0e38);
+        let mut best_at = n as u32;
+        let mut low = f32::new(3.0e38);
+        let mut i = tid;
+        while i < n {
+            let x = logits[base + i];
+            if x > best {
+                best = x;
+                best_at = i as u32;
+            }
+            low = low.min(x);
+            i += threads;
+        }
+        let mut values = SharedMemory::<f32>::new(threads);
+        let mut index = SharedMemory::<u32>::new(threads);
+        let mut lows = SharedMemory::<f32>::new(threads);
+        values[tid] = best;
+        index[tid] = best_at;
+        lows[tid] = low;
+        sync_cube();
+        let mut stride = CUBE_DIM_X as usize / 2;
+        while stride > 0 {
+            if tid < stride {
+                let (v, j) = (values[tid + stride], index[tid + stride]);
+                if v > values[tid] || (v == values[tid] && j < index[tid]) {
+                    values[tid] = v;
+                    index[tid] = j;
+                }
+                lows[tid] = lows[tid].min(lows[tid + stride]);
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        let result = (values[0], index[0], lows[0]);
+        sync_cube();
+        result
+    }
+
+    /// Number of logits `>= tau` and their summed weights (only those also `>= floor`).
+    #[cube]
+    fn count_mass(
+        logits: &Tensor<f32>,
+        base: usize,
+        n: usize,
+        tau: f32,
+        max: f32,
+        inv_t: f32,
+        scratch: &mut SharedMemory<f32>,
+        #[comptime] threads: usize,
+    ) -> (f32, f32) {
+        let mut count = 0.0f32;
+        let mut mass = 0.0f32;
+        let mut i = UNIT_POS_X as usize;
+        while i < n {
+            let x = logits[base + i];
+            if x >= tau {
+                count += 1.0f32;
+                mass += f32::exp((x - max) * inv_t);
+            }
+            i += threads;
+        }
+        let count = crate::cube::cube_sum(count, scratch);
+        let mass = crate::cube::cube_sum(mass, scratch);
+        (count, mass)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    fn sample_kernel<I: Int>(
+        logits: &Tensor<f32>,
+        uniform: &Tensor<f32>,
+        out: &mut Tensor<I>,
+        vocab: u32,
+        inv_t: f32,
+        top_k: u32,
+        top_p: f32,
+        min_p: f32,
+        #[comptime] greedy: bool,
+        #[comptime] threads: usize,
+        #[define(I)] _dtype: StorageType,
+    ) {
+        let row = CUBE_POS_X as usize;
+        let n = vocab as usize;
+        let base = row * n;
+        let tid = UNIT_POS_X as usize;
+        let (max, max_at, lowest) = max_min(logits, base, n, threads);
+        if greedy {
+            if tid == 0 {
+                out[row] = I::cast_from(max_at);
+            }
+            terminate!();
+        }
+        let mut scratch = SharedMemory::<f32>::new(threads);
+
+        // Top-k threshold: the largest tau with count(x >= tau) >= k.
+        let mut t_k = lowest;
+        let (count_at_max, _m) = count_mass(logits, base, n, max, max, inv_t, &mut scratch, threads);
+        if count_at_max >= f32::cast_from(top_k) {
+            t_k = max;
+        } else if top_k < vocab {
+            let mut lo = lowest;
+            let mut hi = max;
+            let mut steps = 0u32;
+            let mut mid = lo + (hi - lo) * 0.5f32;
+            while steps < MAX_STEPS && mid > lo && mid < hi {
+                let (count, _mass) = count_mass(logits, base, n, mid, max, inv_t, &mut scratch, threads);
+                if count >= f32::cast_from(top_k) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+                mid = lo + (hi - lo) * 0.5f32;
+                steps += 1;
+            }
+            t_k = lo;
+        }
+
+        // Top-p threshold inside the top-k set: the largest tau whose mass reaches p of it.
+        let mut tau = t_k;
+        if top_p < 1.0f32 {
+            let (_count, total) = count_mass(logits, base, n, t_k, max, inv_t, &mut scratch, threads);
+            let target = top_p * total;
+            let (_c, mass_at_max) = count_mass(logits, base, n, max, max, inv_t, &mut scratch, threads);
+            if mass_at_max >= target {
+                tau = max;
+            } else {
+                let mut lo = t_k;
+                let mut hi = max;
+                let mut steps = 0u32;
+                let mut mid = lo + (hi - lo) * 0.5f32;
+                while steps < MAX_STEPS && mid > lo && mid < hi {
+                    let (_count, mass) = count_mass(logits, base, n, mid, max, inv_t, &mut scratch, threads);
+                    if mass >= target {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                    mid = lo + (hi - lo) * 0.5f32;
+                    steps += 1;
+                }
+                tau = lo;
+            }
+        }
+
+        // Inverse CDF in index order: each unit owns a contiguous chunk.
+        let chunk = (n + threads - 1) / threads;
+        let start = min(tid * chunk, n);
+        let end = min(start + chunk, n);
+        let mut mass = 0.0f32;
+        for i in start..end {
+            let x = logits[base + i];
+            let w = f32::exp((x - max) * inv_t);
+            if x >= tau && w >= min_p {
+                mass += w;
+            }
+        }
+        let mut sums = SharedMemory::<f32>::new(threads);
+        sums[tid] = mass;
+        sync_cube();
+        if tid == 0 {
+            let mut total = 0.0f32;
+            for t in 0..threads {
+                total += sums[t];
+            }
+            let target = uniform[row] * total;
+            let mut acc = 0.0f32;
+            let mut chosen = max_at;
+            let mut found = false;
+            let mut t = 0usize;
+            while t < threads && !found {
+                let s = sums[t];
+                if acc + s > target && s > 0.0f32 {
+                    // Walk the chunk.
+                    let c0 = min(t * chunk, n);
+                    let c1 = min(c0 + chunk, n);
+                    let mut i = c0;
+                    while i < c1 && !found {
+                        let x = logits[base + i];
+                        let w = f32::exp((x - max) * inv_t);
+                        if x >= tau && w >= min_p {
+                            acc += w;
+                            if acc > target {
+                                chosen = i as u32;
+                                found = true;
+                            }
+                        }
+                        i += 1;
+                    }
+                    // Rounding left the target past this chunk's last kept token: take the
+                    // chunk's last kept token.
+                    found = true;
+                    if acc <= target {
+                        let mut j = c1;
+                        while j > c0 {
+                            j -= 1;
+                            let x = logits[base + j];
+                            if x >= tau && f32::exp((x - max) * inv_t) >= min_p {
+                                chosen = j as u32;
+                                j = c0;
+                            }
+                        }
+                    }
+                } else {
+                    acc += s;
+                }
+                t += 1;
+            }
+            out[row] = I::cast_from(chosen);
+        }
+    }
+
+    /// `logits`: contiguous f32 `[batch, vocab]`; `uniform`: f32 `[batch]` in [0, 1).
+    /// Returns `[batch]` token ids in `int_dtype`.
+    pub fn sample<R: CubeRuntime>(
+        logits: CubeTensor<R>,
+        uniform: CubeTensor<R>,
+        params: &SamplingParams,
+        int_dtype: DType,
+    ) -> CubeTensor<R> {
+        let [batch, vocab] = [logits.meta.shape()[0], logits.meta.shape()[1]];
+        let out = empty(&logits, [batch], int_dtype);
+        if batch == 0 || vocab == 0 {
+            return out;
+        }
+        let greedy = params.temperature == 0.0;
+        let top_k = params.top_k.unwrap_or(vocab).clamp(1, vocab);
+        sample_kernel::launch::<R>(
+            &logits.client,
+            CubeCount::Static(batch as u32, 1, 1),
+            CubeDim::new_1d(THREADS as u32),
+            logits.clone().into_tensor_arg(),
+            uniform.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            vocab as u32,
+            1.0 / params.temperature.max(f32::MIN_POSITIVE),
+            top_k as u32,
+            params.top_p.unwrap_or(1.0),
+            params.min_p.unwrap_or(0.0),
+            greedy,
+            THREADS,
+            int_dtype.into(),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use super::SamplingParams;
+    use crate::gpu_test::seed;
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    /// Uniform numbers far enough (relative 1e-4) from every CDF boundary of the reference that
+    /// f32 summation order cannot move them across one.
+    fn safe_uniforms(logits: &[f32], params: &SamplingParams, state: &mut u64) -> Vec<f32> {
+        let kept = super::kept(logits, params);
+        let total: f64 = kept.iter().map(|k| k.1).sum();
+        let mut bounds = vec![0.0];
+        let mut acc = 0.0;
+        for k in &kept {
+            acc += k.1;
+            bounds.push(acc / total);
+        }
+        let mut out = Vec::new();
+        while out.len() < 8 {
+            *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let u = ((*state >> 40) as f64) / (1u64 << 24) as f64;
+            if bounds.iter().all(|b| (b - u).abs() > 1e-4) {
+                out.push(u as f32);
+            }
+        }
+        out
+    }
+
+    /// Greedy and filtered sampling on odd vocabularies (and the real 262,144), batch 2, checked
+    /// token for token against the reference.
+    pub fn sample<B: GemmaBackend>(device: &B::Device, _dtype: DType) {
+        let mut state = seed::<B>(device, "sample");
+        let configs = [
+            SamplingParams::GREEDY,
+            SamplingParams { temperature: 1.0, top_k: None, top_p: None, min_p: None },
+            SamplingParams { temperature: 0.7, top_k: Some(40), top_p: Some(0.9), min_p: None },
+            SamplingParams { temperature: 1.3, top_k: Some(1), top_p: None, min_p: None },
+            SamplingParams { temperature: 0.8, top_k: None, top_p: Some(0.5), min_p: Some(0.05) },
+            SamplingParams { temperature: 2.0, top_k: Some(300), top_p: None, min_p: Some(0.2) },
+        ];
+        for vocab in [1, 7, 1001, 262_144] {
+            let logits = Tensor::<B, 2>::random([2, vocab], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
+            let rows: Vec<Vec<f32>> = (0..2)
+                .map(|r| logits.clone().slice([r..r + 1, 0..vocab]).into_data().to_vec::<f32>().expect("f32"))
+                .collect();
+            assert!(rows.iter().flatten().all(|x| x.is_finite()));
+            for params in &configs {
+                let draws: Vec<Vec<f32>> = rows.iter().map(|r| safe_uniforms(r, params, &mut state)).collect();
+                for d in 0..8 {
+                    let uniform = [draws[0][d], draws[1][d]];
+                    let got = B::sample(logits.clone(), params, &uniform);
+                    let got: Vec<i64> = got.into_data().convert::<i64>().to_vec().expect("ids");
+                    let expected: Vec<i64> =
+                        (0..2).map(|r| super::reference(&rows[r], params, uniform[r]) as i64).collect();
+                    assert_eq!(got, expected, "vocab {vocab}, {params:?}, u {uniform:?}");
+                }
+            }
+        }
+    }
+
+    gpu_tests!(sample_matches_reference => sample);
+}
