@@ -264,11 +264,12 @@ impl<B: GemmaBackend> Generator<B> {
             let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
             let logits = self.model.forward_last(token_tensor(&input, &device), cache)?;
             self.context.extend_from_slice(&input);
-            let mut logits = logits.into_data().into_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-            if logits.iter().any(|l| !l.is_finite()) {
+            let ids = sampler.sample_on_device(logits, &self.context).into_data().convert::<i64>();
+            let token = ids.as_slice::<i64>().ok().and_then(|ids| ids.first().copied()).unwrap_or(vocab as i64);
+            if token < 0 || token as usize >= vocab {
                 return Err(Error::NonFiniteLogits { step });
             }
-            let token = sampler.sample(&mut logits, &self.context);
+            let token = token as u32;
             if step == 0 {
                 stats.prefill = start.elapsed();
                 stats.time_to_first_token = start.elapsed();

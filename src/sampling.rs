@@ -1,6 +1,8 @@
 //! Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty, seeded.
 
-use crate::Error;
+use crate::{Error, GemmaBackend};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn_gemma_kernels::sampling::{self as kernel, SamplingParams};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// How the next token is chosen from the logits.
@@ -133,33 +135,61 @@ impl Sampler {
         candidates
     }
 
-    /// Chooses the next token from `logits` (penalized in place) given the tokens so far.
+    /// The filters in the form the device sampler takes.
+    pub fn params(&self) -> SamplingParams {
+        let c = &self.config;
+        SamplingParams { temperature: c.temperature, top_k: c.top_k, top_p: c.top_p, min_p: c.min_p }
+    }
+
+    /// Chooses the next token from host `logits` (penalized in place) given the tokens so far:
+    /// the same algorithm as [`Sampler::sample_on_device`] (the kernels' reference sampler), so
+    /// the kept tokens are [`Sampler::distribution`]'s, ties at a threshold included. Returns
+    /// `logits.len()` if a logit is not finite.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         self.penalize(logits, history);
-        if self.config.temperature == 0.0 {
-            return argmax(logits);
+        let u = self.draw();
+        kernel::reference(logits, &self.params(), u)
+    }
+
+    /// Chooses the next token of each row of the device `logits` (`[batch, vocab]`): the
+    /// repetition penalty and the sampler run on the device and only the `[batch]` ids come back.
+    /// An id equal to `vocab` means a logit was not finite.
+    pub fn sample_on_device<B: GemmaBackend>(&mut self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 1, Int> {
+        let logits = self.penalize_on_device(logits, history);
+        let [batch, _] = logits.dims();
+        let uniform: Vec<f32> = if self.config.temperature == 0.0 { vec![0.0; batch] } else { (0..batch).map(|_| self.draw()).collect() };
+        B::sample(logits, &self.params(), &uniform)
+    }
+
+    /// The repetition penalty applied to device logits with tensor ops (a gather and a scatter
+    /// of the few penalized entries).
+    fn penalize_on_device<B: GemmaBackend>(&self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 2> {
+        let penalty = self.config.repeat_penalty;
+        let [_, vocab] = logits.dims();
+        let window = &history[history.len().saturating_sub(self.config.repeat_last_n)..];
+        let mut ids: Vec<i64> = window.iter().filter(|&&t| (t as usize) < vocab).map(|&t| t as i64).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if penalty == 1.0 || ids.is_empty() {
+            return logits;
         }
-        let dist = self.distribution(logits);
-        let mut r: f32 = self.rng.random();
-        for &(id, p) in &dist {
-            if r < p {
-                return id;
-            }
-            r -= p;
-        }
-        dist.last().map_or_else(|| argmax(logits), |c| c.0)
+        let device = logits.device();
+        let n = ids.len();
+        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), &device);
+        let picked = logits.clone().select(1, index.clone());
+        let positive = picked.clone().greater_elem(0.0);
+        let penalized = picked.clone().mul_scalar(penalty).mask_where(positive, picked.clone().div_scalar(penalty));
+        logits.select_assign(1, index, penalized - picked, IndexingUpdateOp::Add)
+    }
+
+    fn draw(&mut self) -> f32 {
+        self.rng.random()
     }
 }
 
 /// Index of the largest value (the first one on ties).
 pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in values.iter().enumerate() {
-        if *v > values[best] {
-            best = i;
-        }
-    }
-    best as u32
+    kernel::argmax(values)
 }
 
 #[cfg(test)]
@@ -241,6 +271,47 @@ mod tests {
         }
         for (count, p) in counts.iter().zip([0.6, 0.3, 0.1]) {
             assert!((*count as f64 / 20_000.0 - p).abs() < 0.02, "{counts:?}");
+        }
+    }
+
+    /// On tie-free logits the thresholds keep exactly the sorted distribution's tokens.
+    #[test]
+    fn device_thresholds_keep_the_distribution() {
+        let logits: Vec<f32> = (0..200).map(|i| ((i * 7919 % 200) as f32 * 0.173).sin() * 4.0 + i as f32 * 1e-4).collect();
+        for f in [
+            (|c: &mut SamplingConfig| c.top_k = Some(17)) as fn(&mut SamplingConfig),
+            |c| c.top_p = Some(0.6),
+            |c| c.min_p = Some(0.1),
+            |c| {
+                c.temperature = 0.5;
+                c.top_k = Some(50);
+                c.top_p = Some(0.8);
+                c.min_p = Some(0.02);
+            },
+        ] {
+            let s = sampler(f);
+            let mut expected: Vec<u32> = s.distribution(&logits).iter().map(|c| c.0).collect();
+            expected.sort_unstable();
+            let kept: Vec<u32> = kernel::kept(&logits, &s.params()).iter().map(|k| k.0).collect();
+            assert_eq!(kept, expected, "{:?}", s.params());
+        }
+    }
+
+    #[test]
+    fn device_path_matches_host_path() {
+        use burn::backend::NdArray;
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 31 % 300) as f32 * 0.05).cos() * 3.0).collect();
+        let history = [3u32, 17, 17, 250];
+        let config = |c: &mut SamplingConfig| {
+            c.top_k = Some(40);
+            c.repeat_penalty = 1.3;
+            c.seed = 9;
+        };
+        let (mut host, mut device) = (sampler(config), sampler(config));
+        for _ in 0..10 {
+            let t = Tensor::<NdArray, 2>::from_data(TensorData::new(logits.clone(), [1, 300]), &Default::default());
+            let on_device: Vec<i64> = device.sample_on_device(t, &history).into_data().convert::<i64>().to_vec().unwrap();
+            assert_eq!(on_device, vec![host.sample(&mut logits.clone(), &history) as i64]);
         }
     }
 

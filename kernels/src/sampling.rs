@@ -74,8 +74,12 @@ pub fn kept(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
 }
 
 /// Reference sampler: argmax when greedy, else the kept token where the cumulative weight (in
-/// index order) first exceeds `u` times the total, `u` in [0, 1).
+/// index order) first exceeds `u` times the total, `u` in [0, 1). Returns `logits.len()` (an
+/// id outside the vocabulary) when a logit is NaN or infinite.
 pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
+    if logits.iter().any(|x| !x.is_finite()) {
+        return logits.len() as u32;
+    }
     if params.temperature == 0.0 {
         return argmax(logits);
     }
@@ -108,16 +112,21 @@ pub(crate) mod kernel {
     const THREADS: usize = 256;
     const MAX_STEPS: u32 = 64;
 
-    /// Max (first index on ties) and min of row `base..base + n`, to every unit.
+    /// Max (first index on ties), min, and whether a value is NaN or infinite, over row
+    /// `base..base + n`, to every unit.
     #[cube]
-    fn max_min(logits: &Tensor<f32>, base: usize, n: usize, #[comptime] threads: usize) -> (f32, u32, f32) {
+    fn max_min(logits: &Tensor<f32>, base: usize, n: usize, #[comptime] threads: usize) -> (f32, u32, f32, u32) {
         let tid = UNIT_POS_X as usize;
         let mut best = f32::new(-3.0e38);
         let mut best_at = n as u32;
         let mut low = f32::new(3.0e38);
+        let mut bad = 0u32;
         let mut i = tid;
         while i < n {
             let x = logits[base + i];
+            if f32::is_nan(x) || f32::is_inf(x) {
+                bad = 1u32;
+            }
             if x > best {
                 best = x;
                 best_at = i as u32;
@@ -128,9 +137,11 @@ pub(crate) mod kernel {
         let mut values = SharedMemory::<f32>::new(threads);
         let mut index = SharedMemory::<u32>::new(threads);
         let mut lows = SharedMemory::<f32>::new(threads);
+        let mut flags = SharedMemory::<u32>::new(threads);
         values[tid] = best;
         index[tid] = best_at;
         lows[tid] = low;
+        flags[tid] = bad;
         sync_cube();
         let mut stride = CUBE_DIM_X as usize / 2;
         while stride > 0 {
@@ -141,11 +152,12 @@ pub(crate) mod kernel {
                     index[tid] = j;
                 }
                 lows[tid] = lows[tid].min(lows[tid + stride]);
+                flags[tid] = flags[tid] | flags[tid + stride];
             }
             sync_cube();
             stride /= 2;
         }
-        let result = (values[0], index[0], lows[0]);
+        let result = (values[0], index[0], lows[0], flags[0]);
         sync_cube();
         result
     }
@@ -197,7 +209,13 @@ pub(crate) mod kernel {
         let n = vocab as usize;
         let base = row * n;
         let tid = UNIT_POS_X as usize;
-        let (max, max_at, lowest) = max_min(logits, base, n, threads);
+        let (max, max_at, lowest, bad) = max_min(logits, base, n, threads);
+        if bad != 0u32 {
+            if tid == 0 {
+                out[row] = I::cast_from(vocab);
+            }
+            terminate!();
+        }
         if greedy {
             if tid == 0 {
                 out[row] = I::cast_from(max_at);
@@ -419,5 +437,19 @@ mod gpu {
         }
     }
 
-    gpu_tests!(sample_matches_reference => sample);
+    /// A NaN or infinite logit yields the out-of-vocabulary id `vocab`, greedy or not.
+    pub fn sample_non_finite<B: GemmaBackend>(device: &B::Device, _dtype: DType) {
+        seed::<B>(device, "sample_non_finite");
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut values = vec![0.5f32; 2 * 513];
+            values[513 + 77] = bad;
+            let logits = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [2, 513]), (device, DType::F32));
+            for params in [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }] {
+                let got: Vec<i64> = B::sample(logits.clone(), &params, &[0.3, 0.3]).into_data().convert::<i64>().to_vec().expect("ids");
+                assert_eq!(got, vec![0, 513], "{bad} with {params:?}");
+            }
+        }
+    }
+
+    gpu_tests!(sample_matches_reference => sample, sample_non_finite_is_flagged => sample_non_finite);
 }
