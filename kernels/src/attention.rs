@@ -87,7 +87,7 @@ pub fn reference<B: Backend>(
 /// Only shared memory and barriers are used (no plane operations), so lavapipe runs it.
 pub(crate) mod kernel {
     use super::AttentionMask;
-    use crate::cube::{elementwise, empty, pow2_ceil, pow2_floor, tanh_f32, unit_index};
+    use crate::cube::{elementwise, empty, pow2_ceil, tanh_f32, unit_index};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -108,6 +108,8 @@ pub(crate) mod kernel {
         pub cols: usize,
         /// Head dimension.
         pub dim: usize,
+        /// Units sharing one (row, key) dot product.
+        pub lanes: usize,
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -173,7 +175,12 @@ pub(crate) mod kernel {
         let t_begin = min(t_lo + split_index * per_split, t_hi);
         let t_end = min(t_begin + per_split, t_hi);
 
-        let mut k_tile = SharedMemory::<f32>::new(tiling.bk * tiling.dim);
+        // K rows are padded by one float so that units reading different keys at the same
+        // column hit different shared-memory banks.
+        let kstride = dim + 1;
+        let lanes = tiling.lanes;
+        let mut k_tile = SharedMemory::<f32>::new(tiling.bk * (tiling.dim + 1));
+        let mut s_part = SharedMemory::<f32>::new(tiling.bq * tiling.bk * tiling.lanes);
         let mut v_tile = SharedMemory::<f32>::new(tiling.bk * tiling.dim);
         let mut s_tile = SharedMemory::<f32>::new(tiling.bq * tiling.bk);
 
@@ -205,33 +212,51 @@ pub(crate) mod kernel {
                     kv = f32::cast_from(k[k_base + key * k.stride(2) + c * k.stride(3)]);
                     vv = f32::cast_from(v[v_base + key * v.stride(2) + c * v.stride(3)]);
                 }
-                k_tile[idx] = kv;
+                k_tile[j * kstride + c] = kv;
                 v_tile[idx] = vv;
                 idx += threads;
             }
             sync_cube();
-            // Scores of the cube's rows against the tile.
+            // Scores of the cube's rows against the tile: each (row, key) pair's dot product
+            // is split over `lanes` units, whose partial sums are then added.
             let mut idx = tid;
-            while idx < bq * bk {
-                let rq = idx / bk;
-                let j = idx % bk;
-                let r = r0 + rq;
+            while idx < bq * bk * lanes {
+                let pair = idx / lanes;
+                let lane = idx % lanes;
+                let r = r0 + pair / bk;
+                let j = pair % bk;
                 let key = key0 + j;
-                let mut score = f32::new(-3.0e38);
+                let mut dot = 0.0f32;
                 if r < rows && key < k_len {
                     let g = r / q_len;
                     let i = r % q_len;
-                    let q_pos = q_offset as usize + i;
+                    let q_base = b * q.stride(0) + (kvh * groups + g) * q.stride(1) + i * q.stride(2);
+                    let mut c = lane;
+                    while c < dim {
+                        dot += f32::cast_from(q[q_base + c * q.stride(3)]) * k_tile[j * kstride + c];
+                        c += lanes;
+                    }
+                }
+                s_part[idx] = dot;
+                idx += threads;
+            }
+            sync_cube();
+            let mut pair = tid;
+            while pair < bq * bk {
+                let r = r0 + pair / bk;
+                let key = key0 + pair % bk;
+                let mut score = f32::new(-3.0e38);
+                if r < rows && key < k_len {
+                    let q_pos = q_offset as usize + r % q_len;
                     let k_pos = k_offset as usize + key;
                     let mut visible = k_pos <= q_pos;
                     if has_window {
                         visible = visible && q_pos - k_pos < window as usize;
                     }
                     if visible {
-                        let q_base = b * q.stride(0) + (kvh * groups + g) * q.stride(1) + i * q.stride(2);
                         let mut dot = 0.0f32;
-                        for c in 0..dim {
-                            dot += f32::cast_from(q[q_base + c * q.stride(3)]) * k_tile[j * dim + c];
+                        for lane in 0..lanes {
+                            dot += s_part[pair * lanes + lane];
                         }
                         score = dot * scale;
                         if has_cap {
@@ -239,8 +264,8 @@ pub(crate) mod kernel {
                         }
                     }
                 }
-                s_tile[idx] = score;
-                idx += threads;
+                s_tile[pair] = score;
+                pair += threads;
             }
             sync_cube();
             // Online softmax and P.V for this unit's row and columns.
@@ -356,16 +381,24 @@ pub(crate) mod kernel {
     }
 
     /// Cubes that keep a GPU busy; fewer than this and the key range is split.
-    const TARGET_CUBES: usize = 128;
-    const MAX_SPLITS: usize = 64;
+    const TARGET_CUBES: usize = 512;
+    const MAX_SPLITS: usize = 256;
 
     /// Chooses the tiling for `rows` query rows of `dim` columns under `shared_bytes`.
     pub fn tiling(rows: usize, dim: usize, shared_bytes: usize) -> Tiling {
         let bq = pow2_ceil(rows).min(16);
         let tpr = (256 / bq).min(pow2_ceil(dim)).max(1);
+        let threads = bq * tpr;
         let budget = shared_bytes.min(48 * 1024);
-        let bk = pow2_floor(budget / ((2 * dim + bq) * 4)).clamp(1, 64);
-        Tiling { bq, bk, tpr, cols: dim.div_ceil(tpr), dim }
+        // Shared floats: K (padded) and V tiles, scores, and at most `threads` partial dots
+        // (or one per pair when there are more pairs than units).
+        let bytes = |bk: usize| (bk * (2 * dim + 1) + bq * bk + threads.max(bq * bk)) * 4;
+        let mut bk = 64;
+        while bk > 1 && bytes(bk) > budget {
+            bk /= 2;
+        }
+        let lanes = (threads / (bq * bk)).max(1);
+        Tiling { bq, bk, tpr, cols: dim.div_ceil(tpr), dim, lanes }
     }
 
     /// `q`: `[batch, q_heads, q_len, dim]`, `k`/`v`: `[batch, kv_heads, k_len, dim]`, any
@@ -443,36 +476,54 @@ pub(crate) mod kernel {
     }
 }
 
+/// Naive attention on host vectors in f64 (`[batch, heads, len, dim]`, contiguous), for checking
+/// the reference and the kernel without depending on any backend's matmul precision.
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn naive(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    [batch, hq, hkv, tq, tk, d]: [usize; 6],
+    mask: AttentionMask,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Vec<f32> {
+    let mut out = vec![0.0; batch * hq * tq * d];
+    for b in 0..batch {
+        for h in 0..hq {
+            let kh = h / (hq / hkv);
+            let qb = (b * hq + h) * tq;
+            let kb = (b * hkv + kh) * tk;
+            for i in 0..tq {
+                let s: Vec<Option<f64>> = (0..tk)
+                    .map(|j| {
+                        if !mask.visible(mask.q_offset + i, mask.k_offset + j) {
+                            return None;
+                        }
+                        let dot: f64 = (0..d).map(|c| q[(qb + i) * d + c] as f64 * k[(kb + j) * d + c] as f64).sum();
+                        let s = dot * scale;
+                        Some(softcap.map_or(s, |cap| (s / cap).tanh() * cap))
+                    })
+                    .collect();
+                let m = s.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
+                let z: f64 = p.iter().sum();
+                for c in 0..d {
+                    let o: f64 = (0..tk).map(|j| p[j] * v[(kb + j) * d + c] as f64).sum();
+                    out[(qb + i) * d + c] = (o / z) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(all(test, feature = "ndarray"))]
 mod tests {
     use super::*;
     use crate::test_util::TestBackend;
     use burn::tensor::{Distribution, TensorData};
-
-    /// Naive per-element attention on host vectors, for checking the reference itself.
-    fn naive(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5], mask: AttentionMask, scale: f32) -> Vec<f32> {
-        let [hq, hkv, tq, tk, d] = dims;
-        let mut out = vec![0.0; hq * tq * d];
-        for h in 0..hq {
-            let kh = h / (hq / hkv);
-            for i in 0..tq {
-                let mut s: Vec<f32> = (0..tk)
-                    .map(|j| {
-                        if !mask.visible(mask.q_offset + i, mask.k_offset + j) {
-                            return f32::NEG_INFINITY;
-                        }
-                        (0..d).map(|c| q[(h * tq + i) * d + c] * k[(kh * tk + j) * d + c]).sum::<f32>() * scale
-                    })
-                    .collect();
-                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let z: f32 = s.iter_mut().map(|x| { *x = (*x - m).exp(); *x }).sum();
-                for c in 0..d {
-                    out[(h * tq + i) * d + c] = (0..tk).map(|j| s[j] / z * v[(kh * tk + j) * d + c]).sum();
-                }
-            }
-        }
-        out
-    }
 
     #[test]
     fn reference_matches_naive_with_gqa_and_window() {
@@ -487,7 +538,7 @@ mod tests {
             let scale = 0.37;
             let got = reference(q.clone(), k.clone(), v.clone(), mask, scale, None).into_data();
             let vec = |t: Tensor<TestBackend, 4>| t.into_data().to_vec::<f32>().unwrap();
-            let expected = naive(&vec(q), &vec(k), &vec(v), [hq, hkv, tq, tk, d], mask, scale as f32);
+            let expected = super::naive(&vec(q), &vec(k), &vec(v), [1, hq, hkv, tq, tk, d], mask, scale, None);
             assert!(got.to_vec::<f32>().unwrap().iter().all(|x| x.is_finite()));
             got.assert_approx_eq::<f32>(&TensorData::new(expected, [1, hq, tq, d]), Default::default());
         }
@@ -507,7 +558,7 @@ mod gpu {
     use super::AttentionMask;
     use crate::gpu_test::{assert_close, seed, tolerance};
     use crate::GemmaBackend;
-    use burn::tensor::{DType, Distribution, Tensor};
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
     type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
@@ -545,8 +596,12 @@ mod gpu {
             let scale = 1.0 / (dim as f64).sqrt() * 2.0;
             let got = B::grouped_attention(q.clone(), k.clone(), v.clone(), mask, scale, softcap);
             assert_eq!(got.dtype(), dtype);
-            let f32s = |t: Tensor<B, 4>| t.cast(DType::F32);
-            let expected = super::reference(f32s(q), f32s(k), f32s(v), mask, scale, softcap);
+            // Against f64 host attention on the same (rounded) inputs: a reference through the
+            // backend's matmul would inherit its precision (TF32-class on CUDA).
+            let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+            let dims = [batch, hq, hkv, tq, tk, dim];
+            let expected = super::naive(&host(q), &host(k), &host(v), dims, mask, scale, softcap);
+            let expected = Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, tq, dim]), (device, DType::F32));
             let what = format!("attention b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?}");
             assert_close(got, expected, tolerance(dtype), &what);
         }

@@ -119,14 +119,6 @@ pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
     total
 }
 
-/// Largest power of two not above `n` (and at least 1).
-pub(crate) fn pow2_floor(n: usize) -> usize {
-    if n <= 1 {
-        1
-    } else {
-        1 << (usize::BITS - 1 - n.leading_zeros())
-    }
-}
 
 /// `tanh` that stays finite for any input (the textbook `(e^2x - 1) / (e^2x + 1)` that some
 /// shader compilers emit overflows to NaN past |x| ~ 44).
@@ -144,4 +136,13 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
 /// Smallest power of two not below `n` (and at least 1).
 pub(crate) fn pow2_ceil(n: usize) -> usize {
     n.max(1).next_power_of_two()
+}
+
+/// Largest power of two not above `n` (and at least 1).
+pub(crate) fn pow2_floor(n: usize) -> usize {
+    if n <= 1 {
+        1
+    } else {
+        1 << (usize::BITS - 1 - n.leading_zeros())
+    }
 }

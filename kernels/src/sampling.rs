@@ -96,7 +96,7 @@ pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
     argmax(logits)
 }
 
-/// CubeCL kernel: one cube per sequence, `THREADS` units, shared-memory reductions only.
+/// CubeCL kernel: one cube per sequence (up to 1024 units), shared-memory reductions only.
 ///
 /// Greedy: one pass for the argmax. Sampling: a pass for max/min, bisection passes over the
 /// logit value for the top-k and top-p thresholds (each pass counts and sums the kept weights;
@@ -109,13 +109,27 @@ pub(crate) mod kernel {
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
-    const THREADS: usize = 256;
+    /// Units per cube: one cube streams a whole vocabulary row, so it takes as many as the
+    /// device allows (up to 1024) to keep enough loads in flight.
+    const MAX_THREADS: usize = 1024;
     const MAX_STEPS: u32 = 64;
 
     /// Max (first index on ties), min, and whether a value is NaN or infinite, over row
     /// `base..base + n`, to every unit.
+    /// The shared arrays are allocated by the kernel itself: CUDA code generation does not
+    /// declare shared memory allocated inside a helper.
+    #[allow(clippy::too_many_arguments)]
     #[cube]
-    fn max_min(logits: &Tensor<f32>, base: usize, n: usize, #[comptime] threads: usize) -> (f32, u32, f32, u32) {
+    fn max_min(
+        logits: &Tensor<f32>,
+        base: usize,
+        n: usize,
+        values: &mut SharedMemory<f32>,
+        index: &mut SharedMemory<u32>,
+        lows: &mut SharedMemory<f32>,
+        flags: &mut SharedMemory<u32>,
+        #[comptime] threads: usize,
+    ) -> (f32, u32, f32, u32) {
         let tid = UNIT_POS_X as usize;
         let mut best = f32::new(-3.0e38);
         let mut best_at = n as u32;
@@ -134,10 +148,6 @@ pub(crate) mod kernel {
             low = low.min(x);
             i += threads;
         }
-        let mut values = SharedMemory::<f32>::new(threads);
-        let mut index = SharedMemory::<u32>::new(threads);
-        let mut lows = SharedMemory::<f32>::new(threads);
-        let mut flags = SharedMemory::<u32>::new(threads);
         values[tid] = best;
         index[tid] = best_at;
         lows[tid] = low;
@@ -173,6 +183,7 @@ pub(crate) mod kernel {
         inv_t: f32,
         scratch: &mut SharedMemory<f32>,
         #[comptime] threads: usize,
+        #[comptime] with_mass: bool,
     ) -> (f32, f32) {
         let mut count = 0.0f32;
         let mut mass = 0.0f32;
@@ -181,12 +192,16 @@ pub(crate) mod kernel {
             let x = logits[base + i];
             if x >= tau {
                 count += 1.0f32;
-                mass += f32::exp((x - max) * inv_t);
+                if with_mass {
+                    mass += f32::exp((x - max) * inv_t);
+                }
             }
             i += threads;
         }
         let count = crate::cube::cube_sum(count, scratch);
-        let mass = crate::cube::cube_sum(mass, scratch);
+        if with_mass {
+            mass = crate::cube::cube_sum(mass, scratch);
+        }
         (count, mass)
     }
 
@@ -209,7 +224,15 @@ pub(crate) mod kernel {
         let n = vocab as usize;
         let base = row * n;
         let tid = UNIT_POS_X as usize;
-        let (max, max_at, lowest, bad) = max_min(logits, base, n, threads);
+        let mut values = SharedMemory::<f32>::new(threads);
+        let mut index = SharedMemory::<u32>::new(threads);
+        let mut lows = SharedMemory::<f32>::new(threads);
+        let mut flags = SharedMemory::<u32>::new(threads);
+        let (max, max_at, lowest, bad) = max_min(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
+        // The reduction buffers are free again: reused as scratch and per-unit sums (CUDA code
+        // generation left shared arrays first touched after the early exits undeclared).
+        let scratch = &mut values;
+        let sums = &mut lows;
         if bad != 0u32 {
             if tid == 0 {
                 out[row] = I::cast_from(vocab);
@@ -222,11 +245,10 @@ pub(crate) mod kernel {
             }
             terminate!();
         }
-        let mut scratch = SharedMemory::<f32>::new(threads);
 
         // Top-k threshold: the largest tau with count(x >= tau) >= k.
         let mut t_k = lowest;
-        let (count_at_max, _m) = count_mass(logits, base, n, max, max, inv_t, &mut scratch, threads);
+        let (count_at_max, _m) = count_mass(logits, base, n, max, max, inv_t, scratch, threads, false);
         if count_at_max >= f32::cast_from(top_k) {
             t_k = max;
         } else if top_k < vocab {
@@ -235,7 +257,7 @@ pub(crate) mod kernel {
             let mut steps = 0u32;
             let mut mid = lo + (hi - lo) * 0.5f32;
             while steps < MAX_STEPS && mid > lo && mid < hi {
-                let (count, _mass) = count_mass(logits, base, n, mid, max, inv_t, &mut scratch, threads);
+                let (count, _mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, false);
                 if count >= f32::cast_from(top_k) {
                     lo = mid;
                 } else {
@@ -250,9 +272,9 @@ pub(crate) mod kernel {
         // Top-p threshold inside the top-k set: the largest tau whose mass reaches p of it.
         let mut tau = t_k;
         if top_p < 1.0f32 {
-            let (_count, total) = count_mass(logits, base, n, t_k, max, inv_t, &mut scratch, threads);
+            let (_count, total) = count_mass(logits, base, n, t_k, max, inv_t, scratch, threads, true);
             let target = top_p * total;
-            let (_c, mass_at_max) = count_mass(logits, base, n, max, max, inv_t, &mut scratch, threads);
+            let (_c, mass_at_max) = count_mass(logits, base, n, max, max, inv_t, scratch, threads, true);
             if mass_at_max >= target {
                 tau = max;
             } else {
@@ -261,7 +283,7 @@ pub(crate) mod kernel {
                 let mut steps = 0u32;
                 let mut mid = lo + (hi - lo) * 0.5f32;
                 while steps < MAX_STEPS && mid > lo && mid < hi {
-                    let (_count, mass) = count_mass(logits, base, n, mid, max, inv_t, &mut scratch, threads);
+                    let (_count, mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, true);
                     if mass >= target {
                         lo = mid;
                     } else {
@@ -286,7 +308,6 @@ pub(crate) mod kernel {
                 mass += w;
             }
         }
-        let mut sums = SharedMemory::<f32>::new(threads);
         sums[tid] = mass;
         sync_cube();
         if tid == 0 {
@@ -355,11 +376,13 @@ pub(crate) mod kernel {
             return out;
         }
         let greedy = params.temperature == 0.0;
+        let limit = logits.client.properties().hardware.max_units_per_cube as usize;
+        let threads = crate::cube::pow2_floor(limit.min(MAX_THREADS));
         let top_k = params.top_k.unwrap_or(vocab).clamp(1, vocab);
         sample_kernel::launch::<R>(
             &logits.client,
             CubeCount::Static(batch as u32, 1, 1),
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(threads as u32),
             logits.clone().into_tensor_arg(),
             uniform.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -369,7 +392,7 @@ pub(crate) mod kernel {
             params.top_p.unwrap_or(1.0),
             params.min_p.unwrap_or(0.0),
             greedy,
-            THREADS,
+            threads,
             int_dtype.into(),
         );
         out
@@ -446,7 +469,9 @@ mod gpu {
             let logits = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [2, 513]), (device, DType::F32));
             for params in [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }] {
                 let got: Vec<i64> = B::sample(logits.clone(), &params, &[0.3, 0.3]).into_data().convert::<i64>().to_vec().expect("ids");
-                assert_eq!(got, vec![0, 513], "{bad} with {params:?}");
+                // Row 0 is finite (all ties: every token is kept); row 1 is flagged.
+                let row0 = super::reference(&[0.5f32; 513], &params, 0.3) as i64;
+                assert_eq!(got, vec![row0, 513], "{bad} with {params:?}");
             }
         }
     }

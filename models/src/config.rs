@@ -263,6 +263,42 @@ impl GemmaConfig {
         Ok(config)
     }
 
+    /// Names accepted by [`GemmaConfig::preset`].
+    pub const PRESETS: [&'static str; 4] = ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b"];
+
+    /// The published configuration of a Gemma 3 text model (as in its HF `config.json`), for
+    /// synthetic (random-weight) models in tests and benchmarks: `gemma3-270m`, `gemma3-1b`,
+    /// `gemma3-4b` or `gemma3-12b`.
+    pub fn preset(name: &str) -> Result<Self, ModelError> {
+        // (hidden, intermediate, layers, heads, kv heads, sliding window, global RoPE factor, context)
+        let (hidden, inter, layers, heads, kv, window, factor, context) = match name {
+            "gemma3-270m" => (640, 2048, 18, 4, 1, 512, None, 32_768),
+            "gemma3-1b" => (1152, 6912, 26, 4, 1, 512, None, 32_768),
+            "gemma3-4b" => (2560, 10240, 34, 8, 4, 1024, Some(8.0), 131_072),
+            "gemma3-12b" => (3840, 15360, 48, 16, 8, 1024, Some(8.0), 131_072),
+            other => {
+                return Err(ModelError::UnsupportedConfig {
+                    field: "preset",
+                    value: format!("{other} (known: {})", Self::PRESETS.join(", ")),
+                })
+            }
+        };
+        let full_rope = match factor {
+            Some(f) => format!(r#"{{"rope_theta": 1000000.0, "rope_type": "linear", "factor": {f}}}"#),
+            None => r#"{"rope_theta": 1000000.0, "rope_type": "default"}"#.to_string(),
+        };
+        let json = format!(
+            r#"{{"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": {hidden},
+            "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv}, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "sliding_window": {window}, "_sliding_window_pattern": 6, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106],
+            "rope_parameters": {{"full_attention": {full_rope},
+                "sliding_attention": {{"rope_theta": 10000.0, "rope_type": "default"}}}}}}"#
+        );
+        Self::from_hf_json(&json)
+    }
+
     /// Checks every value before anything is allocated.
     pub fn validate(&self) -> Result<(), ModelError> {
         const MAX_DIM: usize = 1 << 20;
@@ -430,5 +466,24 @@ mod tests {
         assert!(edit("hidden_activation", "relu".into()).contains("hidden_activation"));
         assert!(GemmaConfig::from_hf_json("[1, 2]").unwrap_err().to_string().contains("JSON object"));
         assert!(GemmaConfig::from_hf_json("{not json").unwrap_err().to_string().contains("not valid JSON"));
+    }
+}
+
+#[cfg(test)]
+mod preset_tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_published_sizes() {
+        // Parameter counts of the published models (text weights, tied embedding).
+        for (name, approx) in [("gemma3-270m", 268e6), ("gemma3-1b", 1.0e9), ("gemma3-4b", 3.88e9), ("gemma3-12b", 11.77e9)] {
+            let c = GemmaConfig::preset(name).unwrap();
+            c.validate().unwrap();
+            let n = c.num_parameters() as f64;
+            assert!((n / approx - 1.0).abs() < 0.03, "{name}: {n}");
+        }
+        let c = GemmaConfig::preset("gemma3-4b").unwrap();
+        assert_eq!((c.rope(LayerType::FullAttention).factor, c.sliding_window), (8.0, Some(1024)));
+        assert!(GemmaConfig::preset("gemma3-2b").unwrap_err().to_string().contains("gemma3-1b"));
     }
 }
