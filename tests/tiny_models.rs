@@ -100,8 +100,10 @@ fn tiny_models_match_reference_on_cuda() {
 
 /// Random weights drawn on the host (uniform, std 0.02; norms uniform in +-0.1), so every
 /// backend gets bit-identical tensors.
+#[cfg(all(feature = "cuda", feature = "candle"))]
 struct HostRandomWeights(u64);
 
+#[cfg(all(feature = "cuda", feature = "candle"))]
 impl HostRandomWeights {
     fn values(&mut self, n: usize, half_width: f32) -> Vec<f32> {
         (0..n)
@@ -117,6 +119,7 @@ impl HostRandomWeights {
     }
 }
 
+#[cfg(all(feature = "cuda", feature = "candle"))]
 impl<B: GemmaBackend> burn_gemma_model::WeightSource<B> for HostRandomWeights {
     fn load<const D: usize>(
         &mut self,
@@ -150,7 +153,7 @@ impl<B: GemmaBackend> burn_gemma_model::WeightSource<B> for HostRandomWeights {
 
 /// Last-position logits of a 530-token prompt (crossing the 512 sliding window) and of 6
 /// greedy decode steps after it.
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "candle"))]
 fn random_1b_logits<B: GemmaBackend>(dtype: DType, device: &B::Device) -> Vec<Vec<f32>> {
     let config = burn_gemma::GemmaConfig::preset("gemma3-1b").unwrap();
     let vocab = config.vocab_size;

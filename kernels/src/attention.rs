@@ -85,6 +85,8 @@ pub fn reference<B: Backend>(
 /// accumulators in registers. For decode and short prompts the key range is also split across
 /// cubes (`splits` along the grid's z axis); a second kernel merges the partial results.
 /// Only shared memory and barriers are used (no plane operations), so lavapipe runs it.
+// Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
+#[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use super::AttentionMask;
     use crate::cube::{elementwise, empty, pow2_ceil, tanh_f32, unit_index};

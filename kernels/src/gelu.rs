@@ -21,7 +21,7 @@ pub(crate) mod kernel {
         }
         let g = f32::cast_from(gate[i]);
         // sqrt(2 / pi)
-        let inner = 0.7978845608f32 * (g + 0.044715f32 * g * g * g);
+        let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
         out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(up[i]));
     }
 

@@ -102,6 +102,8 @@ pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
 /// logit value for the top-k and top-p thresholds (each pass counts and sums the kept weights;
 /// the interval stops shrinking at adjacent floats, at most `MAX_STEPS` passes per threshold),
 /// then a chunked prefix sum to find the sampled index.
+// Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
+#[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use super::SamplingParams;
     use crate::cube::empty;
