@@ -77,6 +77,10 @@ where
         cube::tensor(crate::attention::kernel::attention(q, k, v, mask, scale, softcap))
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+    }
+
     fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
         let [batch, _] = logits.dims();
         let device = logits.device();

@@ -114,6 +114,12 @@ pub trait GemmaBackend: Backend {
         attention::reference(q, k, v, mask, scale, softcap)
     }
 
+    /// Device memory currently reserved by the backend's allocator, in bytes, where the backend
+    /// reports it (`None` for host backends).
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// Picks one token per row of `logits` (`[batch, vocab]`, f32) with `params`, using
     /// `uniform[row]` in [0, 1) as the random draw. Returns the `[batch]` token ids; only they
     /// leave the device. The default reads the logits back and runs [`sampling::reference`].

@@ -1,0 +1,172 @@
+//! Prefill and decode speed of a Gemma model on one backend, llama-bench style.
+//!
+//! ```text
+//! cargo run --release --features cuda --example bench -- \
+//!     --model synthetic:gemma3-1b --backend cuda --dtype bf16 --prompt-len 512 --gen 128 --depth 0 --reps 5
+//! ```
+//!
+//! `--model` is a GGUF file, an HF directory, or `synthetic:<preset>` (random weights built on
+//! the device from a seed in the published shapes: gemma3-270m, gemma3-1b, gemma3-4b,
+//! gemma3-12b). Each rep fills `--depth` tokens of context (untimed), then times a prefill of
+//! `--prompt-len` tokens (to the first sampled token: time to first token) and, after refilling
+//! the same context, `--gen` greedy decode steps (each sampled on the device, its id read back:
+//! the device is synchronized every token). Medians, minima and maxima over the reps follow a
+//! warm-up rep.
+
+use burn::tensor::DType;
+use burn_gemma::{
+    backends::{dispatch, BackendKind, BackendTask},
+    generation::token_tensor,
+    Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
+};
+use burn_gemma_kernels::SamplingParams;
+use clap::Parser;
+use std::time::Instant;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// GGUF file, HF directory, or synthetic:<gemma3-270m|gemma3-1b|gemma3-4b|gemma3-12b>.
+    #[arg(long)]
+    model: String,
+    /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// f32, f16 or bf16 (default bf16 on CUDA/ROCm, f32 elsewhere).
+    #[arg(long)]
+    dtype: Option<String>,
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    /// Context already in the cache before the timed prefill and decode.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Seed of synthetic weights and of the token ids.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+struct Bench(Args);
+
+fn ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
+    (0..n)
+        .map(|_| {
+            *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((*state >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Feeds `tokens` in chunks of at most 512 (bounds the activation memory), returns the last
+/// chunk's greedy token id.
+fn feed<B: GemmaBackend>(model: &Gemma<B>, cache: &mut KvCache<B>, tokens: &[u32], device: &B::Device) -> Result<u32, Error> {
+    let mut last = 0;
+    for chunk in tokens.chunks(512) {
+        let logits = model.forward_last(token_tensor::<B>(chunk, device), cache)?;
+        let id = B::sample(logits, &SamplingParams::GREEDY, &[0.0]).into_data().convert::<i64>();
+        last = id.as_slice::<i64>().ok().and_then(|v| v.first().copied()).unwrap_or(0) as u32;
+    }
+    Ok(last)
+}
+
+struct Stat {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+fn stat(mut v: Vec<f64>) -> Stat {
+    v.sort_by(f64::total_cmp);
+    Stat { median: v[v.len() / 2], min: v[0], max: v[v.len() - 1] }
+}
+
+impl BackendTask for Bench {
+    type Output = Result<(), Error>;
+
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+        let a = self.0;
+        let dtype = match a.dtype.as_deref() {
+            Some("f32") => DType::F32,
+            Some("f16") => DType::F16,
+            Some("bf16") => DType::BF16,
+            Some(other) => return Err(Error::Backend(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
+            None if name.starts_with("cuda") || name.starts_with("rocm") => DType::BF16,
+            None => DType::F32,
+        };
+        if a.prompt_len == 0 || a.gen == 0 {
+            return Err(Error::Backend("--prompt-len and --gen must be at least 1".into()));
+        }
+        burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
+        let load = Instant::now();
+        let model = match a.model.strip_prefix("synthetic:") {
+            Some(preset) => Gemma::<B>::random(GemmaConfig::preset(preset)?, a.seed, dtype, &device)?,
+            None => Checkpoint::open(&a.model)?.load_model::<B>(dtype, &device, |_, _| {})?.0,
+        };
+        let _ = B::sync(&device);
+        let config = model.config.clone();
+        eprintln!(
+            "model {} ({:.2} B parameters), backend {name}, dtype {dtype:?}, loaded in {:.1} s",
+            a.model,
+            config.num_parameters() as f64 / 1e9,
+            load.elapsed().as_secs_f64()
+        );
+        let capacity = a.depth + a.prompt_len.max(a.gen) + 1;
+        let mut cache = model.new_cache(1, capacity)?;
+        let mut state = a.seed;
+        let context = ids(a.depth, config.vocab_size, &mut state);
+        let prompt = ids(a.prompt_len, config.vocab_size, &mut state);
+        let (mut pp, mut tg, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
+        let mut peak = 0u64;
+        for rep in 0..=a.reps {
+            // Prefill at depth.
+            cache.reset();
+            feed(&model, &mut cache, &context, &device)?;
+            let _ = B::sync(&device);
+            let start = Instant::now();
+            let mut token = feed(&model, &mut cache, &prompt, &device)?;
+            let prefill = start.elapsed();
+            peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+            // Decode at depth.
+            cache.reset();
+            feed(&model, &mut cache, &context, &device)?;
+            let _ = B::sync(&device);
+            let start = Instant::now();
+            for _ in 0..a.gen {
+                token = feed(&model, &mut cache, &[token], &device)?;
+            }
+            let decode = start.elapsed();
+            peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+            if rep == 0 {
+                continue; // warm-up
+            }
+            pp.push(a.prompt_len as f64 / prefill.as_secs_f64());
+            tg.push(a.gen as f64 / decode.as_secs_f64());
+            ttft.push(prefill.as_secs_f64() * 1e3);
+        }
+        let (pp, tg, ttft) = (stat(pp), stat(tg), stat(ttft));
+        let show = |what: &str, s: &Stat, unit: &str| {
+            println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
+        };
+        println!("{} | {name} | {dtype:?} | depth {} | {} reps", a.model, a.depth, a.reps);
+        show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
+        show(&format!("decode tg{}", a.gen), &tg, "tok/s");
+        show("time to first token", &ttft, "ms");
+        match B::memory_reserved(&device) {
+            Some(_) => println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64),
+            None => println!("{:<28} not reported by this backend", "peak device memory"),
+        }
+        println!(
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"peak_bytes\":{peak}}}",
+            a.model, a.depth, pp.median, tg.median, ttft.median
+        );
+        Ok(())
+    }
+}
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let kind: BackendKind = args.backend.parse()?;
+    dispatch(kind, Bench(args.clone()), &mut |note| eprintln!("{note}"))?
+}
