@@ -13,6 +13,16 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernel, larger
+    /// ones to the backend's matmul, which wins once the weight is reused across rows.
+    fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
+            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight)))
+        } else {
+            crate::linear::reference(x, weight)
+        }
+    }
+
     fn rms_norm<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 1>, eps: f64) -> Tensor<Self, D> {
         cube::tensor(crate::rms_norm::kernel::rms_norm(cube::float(x), cube::float(weight), eps))
     }

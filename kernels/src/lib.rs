@@ -22,6 +22,7 @@ pub(crate) mod gpu_test;
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
+pub mod linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
@@ -39,6 +40,11 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 ///
 /// Implemented for every backend the crate supports; see the crate docs.
 pub trait GemmaBackend: Backend {
+    /// `x [n, in] @ weight[out, in]^T -> [n, out]`, the weight in its checkpoint layout.
+    fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        linear::reference(x, weight)
+    }
+
     /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in
     /// f32 and returned in `x`'s dtype.
     ///

@@ -14,12 +14,6 @@ use burn::{
 };
 use burn_gemma_kernels::GemmaBackend;
 
-/// `x [n, in] @ weight[out, in]^T -> [n, out]`, computed as `(weight @ x^T)^T` so that the
-/// large weight is read in its stored row-major layout and only the small activation is
-/// transposed (a transposed view of the weight makes CPU backends copy it on every call).
-fn matmul_transposed<B: GemmaBackend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
-    weight.matmul(x.transpose()).transpose()
-}
 
 /// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
 #[derive(Module, Debug)]
@@ -38,7 +32,7 @@ impl<B: GemmaBackend> Linear<B> {
         let [batch, seq, inp] = x.dims();
         let weight = self.weight.val();
         let out = weight.dims()[0];
-        matmul_transposed(x.reshape([batch * seq, inp]), weight).reshape([batch, seq, out])
+        B::project(x.reshape([batch * seq, inp]), weight).reshape([batch, seq, out])
     }
 }
 
@@ -320,7 +314,7 @@ impl<B: GemmaBackend> Gemma<B> {
     fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
         let hidden = hidden.reshape([batch * seq, h]);
-        let blocks: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| matmul_transposed(hidden.clone(), t.val())).collect();
+        let blocks: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| B::project(hidden.clone(), t.val())).collect();
         let logits = Tensor::cat(blocks, 1)
             .cast(DType::F32)
             .reshape([batch, seq, self.config.vocab_size]);

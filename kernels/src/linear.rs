@@ -1,0 +1,142 @@
+//! Bias-free linear layer with the weight stored `[out, in]` as in checkpoints, and its
+//! matrix-vector kernel for decode.
+
+use burn::tensor::{backend::Backend, Tensor};
+
+/// Reference: `x [n, in] @ weight[out, in]^T -> [n, out]`, computed as `(weight @ x^T)^T` so
+/// that the large weight is read in its stored row-major layout and only the small activation is
+/// transposed (a transposed view of the weight makes CPU backends copy it on every call).
+pub fn reference<B: Backend>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+    weight.matmul(x.transpose()).transpose()
+}
+
+/// Most activation rows the matrix-vector kernel takes; larger inputs use the backend's matmul.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// CubeCL matrix-vector kernel for `n <= GEMV_MAX_ROWS` activation rows (decode): each cube
+/// owns `ROWS` output features, `32` units per feature stride over the input dimension reading
+/// the weight row once, coalesced, and accumulate all activation rows in f32; a shared-memory
+/// tree adds the 32 partial sums.
+#[allow(clippy::manual_div_ceil)]
+pub(crate) mod kernel {
+    use crate::cube::{cube_index, empty, grid};
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    const ROWS: usize = 8;
+    const LANES: usize = 32;
+
+    #[cube(launch)]
+    fn gemv_kernel<F: Float>(
+        x: &Tensor<F>,
+        w: &Tensor<F>,
+        out: &mut Tensor<F>,
+        #[comptime] m: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let k = w.shape(1);
+        let n_out = w.shape(0);
+        let threads = ROWS * LANES;
+        let unit = UNIT_POS_X as usize;
+        let local = unit / LANES;
+        let lane = unit % LANES;
+        let row = cube_index() * ROWS + local;
+        let mut partial = SharedMemory::<f32>::new(ROWS * LANES * m);
+        let mut acc = Array::<f32>::new(m);
+        #[unroll]
+        for t in 0..m {
+            acc[t] = 0.0f32;
+        }
+        if row < n_out {
+            let base = row * k;
+            let mut c = lane;
+            while c < k {
+                let wv = f32::cast_from(w[base + c]);
+                #[unroll]
+                for t in 0..m {
+                    acc[t] += wv * f32::cast_from(x[t * k + c]);
+                }
+                c += LANES;
+            }
+        }
+        #[unroll]
+        for t in 0..m {
+            partial[t * threads + unit] = acc[t];
+        }
+        sync_cube();
+        // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = ROWS * LANES).
+        let mut stride = CUBE_DIM_X as usize / (2 * ROWS);
+        while stride > 0 {
+            if lane < stride {
+                #[unroll]
+                for t in 0..m {
+                    partial[t * threads + unit] = partial[t * threads + unit] + partial[t * threads + unit + stride];
+                }
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        if lane == 0 && row < n_out {
+            #[unroll]
+            for t in 0..m {
+                out[t * n_out + row] = F::cast_from(partial[t * threads + unit]);
+            }
+        }
+    }
+
+    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
+    /// dtype. Returns `[n, out]`.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R> {
+        let [n, _] = [x.meta.shape()[0], x.meta.shape()[1]];
+        let out_features = w.meta.shape()[0];
+        let out = empty(&x, [n, out_features], x.dtype);
+        if n == 0 || out_features == 0 {
+            return out;
+        }
+        let dtype = x.dtype.into();
+        gemv_kernel::launch::<R>(
+            &x.client,
+            grid(out_features.div_ceil(ROWS)),
+            CubeDim::new_1d((ROWS * LANES) as u32),
+            x.clone().into_tensor_arg(),
+            w.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            n,
+            dtype,
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    /// 1 to 8 activation rows (the kernel) and 9 (the matmul path), odd and Gemma sizes.
+    pub fn linear<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "linear");
+        for (n, inp, out) in [(1, 640, 1024), (1, 1152, 6912), (3, 2560, 37), (8, 333, 1001), (5, 17, 3), (9, 640, 256), (1, 640, 52_428)] {
+            let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
+            let got = B::project(x.clone(), w.clone());
+            assert_eq!(got.dtype(), dtype);
+            // f64 on the host, so the check does not inherit the backend matmul's precision.
+            let host = |t: Tensor<B, 2>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+            let (xs, ws) = (host(x), host(w));
+            let expected: Vec<f32> = (0..n)
+                .flat_map(|r| {
+                    let (xs, ws) = (&xs, &ws);
+                    (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
+                })
+                .collect();
+            let expected = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(expected, [n, out]), (device, DType::F32));
+            // Sums of hundreds of products: scale the tolerance with the input width.
+            let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+            assert_close(got, expected, tol, &format!("linear {n}x{inp} -> {out}"));
+        }
+    }
+
+    gpu_tests!(linear_matches_reference => linear);
+}
