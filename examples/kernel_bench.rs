@@ -8,7 +8,7 @@ use burn_gemma::{
     backends::{dispatch, BackendKind, BackendTask},
     Error, GemmaBackend,
 };
-use burn_gemma_kernels::{attention, embedding, gelu, rms_norm, rope, softcap, AttentionMask, SamplingParams};
+use burn_gemma_kernels::{attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, SamplingParams};
 use clap::Parser;
 use std::time::Instant;
 
@@ -89,6 +89,15 @@ impl BackendTask for Bench {
         let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
         let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
         row("rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * 2.0 * e);
+
+        // Decode projections (matrix-vector kernel): 4B's MLP up projection and an lm_head block.
+        for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 640, 52_428), (4, 2560, 10240)] {
+            let x = rand(vec![n * inp], dt).reshape([n, inp]);
+            let w = rand(vec![out * inp], dt).reshape([out, inp]);
+            let k = time::<B, _>(d, reps, || B::project(x.clone(), w.clone()));
+            let r = time::<B, _>(d, reps, || linear::reference(x.clone(), w.clone()));
+            row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
+        }
 
         // GELU(gate) * up: 512 tokens of 4B's intermediate size.
         let inter = 10240;
