@@ -13,9 +13,8 @@
 //! the device is synchronized every token). Medians, minima and maxima over the reps follow a
 //! warm-up rep.
 
-use burn::tensor::DType;
 use burn_gemma::{
-    backends::{dispatch, BackendKind, BackendTask},
+    backends::{default_dtype, dispatch, parse_dtype, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
@@ -88,12 +87,8 @@ impl BackendTask for Bench {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let a = self.0;
         let dtype = match a.dtype.as_deref() {
-            Some("f32") => DType::F32,
-            Some("f16") => DType::F16,
-            Some("bf16") => DType::BF16,
-            Some(other) => return Err(Error::Backend(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
-            None if name.starts_with("cuda") || name.starts_with("rocm") => DType::BF16,
-            None => DType::F32,
+            Some(d) => parse_dtype(d)?,
+            None => default_dtype(name),
         };
         if a.prompt_len == 0 || a.gen == 0 {
             return Err(Error::Backend("--prompt-len and --gen must be at least 1".into()));

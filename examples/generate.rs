@@ -10,7 +10,7 @@
 
 use burn::tensor::DType;
 use burn_gemma::{
-    backends::{dispatch, list_devices, BackendKind, BackendTask},
+    backends::{default_dtype, dispatch, list_devices, parse_dtype, BackendKind, BackendTask},
     Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use clap::Parser;
@@ -66,15 +66,6 @@ struct Args {
     list_devices: bool,
 }
 
-fn parse_dtype(s: &str) -> Result<DType, Error> {
-    match s.to_ascii_lowercase().as_str() {
-        "f32" | "float32" => Ok(DType::F32),
-        "f16" | "float16" => Ok(DType::F16),
-        "bf16" | "bfloat16" => Ok(DType::BF16),
-        other => Err(Error::Request(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
-    }
-}
-
 fn progress_bar(message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
     bar.set_style(ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} ({elapsed})").unwrap_or(ProgressStyle::default_bar()).progress_chars("=> "));
@@ -97,8 +88,7 @@ impl BackendTask for Run {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let dtype = match &self.args.dtype {
             Some(d) => parse_dtype(d)?,
-            None if name.starts_with("cuda") || name.starts_with("rocm") => DType::BF16,
-            None => DType::F32,
+            None => default_dtype(name),
         };
         eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}");
         let checkpoint = Checkpoint::open(&self.model_path)?;

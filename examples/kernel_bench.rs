@@ -5,7 +5,7 @@
 
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_gemma::{
-    backends::{dispatch, BackendKind, BackendTask},
+    backends::{dispatch, parse_dtype, BackendKind, BackendTask},
     Error, GemmaBackend,
 };
 use burn_gemma_kernels::{attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, SamplingParams};
@@ -183,12 +183,7 @@ impl BackendTask for Bench {
 
 fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        other => return Err(Error::Backend(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
-    };
+    let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
     dispatch(kind, Bench { dtype, reps: args.reps.max(1) }, &mut |note| eprintln!("{note}"))?
 }

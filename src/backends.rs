@@ -28,6 +28,28 @@ pub type Cuda = burn::backend::Cuda;
 #[cfg(feature = "rocm")]
 pub type Rocm = burn::backend::Rocm;
 
+/// Parses a compute dtype name: `f32`/`float32`, `f16`/`float16` or `bf16`/`bfloat16`.
+pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
+    use burn::tensor::DType;
+    match s.to_ascii_lowercase().as_str() {
+        "f32" | "float32" => Ok(DType::F32),
+        "f16" | "float16" => Ok(DType::F16),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        other => Err(Error::Request(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
+    }
+}
+
+/// The dtype to run in when none is asked for: bf16 on CUDA and ROCm (`backend_name` as
+/// [`BackendTask::run`] receives it), f32 elsewhere (CPU backends and wgpu drivers without
+/// bf16).
+pub fn default_dtype(backend_name: &str) -> burn::tensor::DType {
+    if backend_name.starts_with("cuda") || backend_name.starts_with("rocm") {
+        burn::tensor::DType::BF16
+    } else {
+        burn::tensor::DType::F32
+    }
+}
+
 /// Backends selectable at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {

@@ -76,18 +76,23 @@ impl Sampler {
     /// `history`.
     pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
         let penalty = self.config.repeat_penalty;
-        if penalty == 1.0 {
-            return;
+        for id in self.penalized_ids(history, logits.len()) {
+            let l = &mut logits[id as usize];
+            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        }
+    }
+
+    /// The distinct in-vocabulary tokens of the last `repeat_last_n` of `history`, ascending;
+    /// empty when the penalty is off.
+    fn penalized_ids(&self, history: &[u32], vocab: usize) -> Vec<u32> {
+        if self.config.repeat_penalty == 1.0 {
+            return Vec::new();
         }
         let window = &history[history.len().saturating_sub(self.config.repeat_last_n)..];
-        let mut seen = std::collections::HashSet::new();
-        for &id in window {
-            if let Some(l) = logits.get_mut(id as usize) {
-                if seen.insert(id) {
-                    *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
-                }
-            }
-        }
+        let mut ids: Vec<u32> = window.iter().copied().filter(|&t| (t as usize) < vocab).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// The candidate distribution after temperature, top-k, top-p and min-p, as
@@ -166,11 +171,8 @@ impl Sampler {
     fn penalize_on_device<B: GemmaBackend>(&self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 2> {
         let penalty = self.config.repeat_penalty;
         let [_, vocab] = logits.dims();
-        let window = &history[history.len().saturating_sub(self.config.repeat_last_n)..];
-        let mut ids: Vec<i64> = window.iter().filter(|&&t| (t as usize) < vocab).map(|&t| t as i64).collect();
-        ids.sort_unstable();
-        ids.dedup();
-        if penalty == 1.0 || ids.is_empty() {
+        let ids: Vec<i64> = self.penalized_ids(history, vocab).into_iter().map(i64::from).collect();
+        if ids.is_empty() {
             return logits;
         }
         let device = logits.device();
@@ -187,10 +189,7 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value (the first one on ties).
-pub fn argmax(values: &[f32]) -> u32 {
-    kernel::argmax(values)
-}
+pub use burn_gemma_kernels::sampling::argmax;
 
 #[cfg(test)]
 mod tests {

@@ -93,12 +93,17 @@ where
 
     fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
         let [batch, _] = logits.dims();
-        let device = logits.device();
-        let mut draws = uniform.to_vec();
-        draws.resize(batch, 0.0);
-        let uniform = Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32));
         let logits = cube::float(logits.cast(DType::F32));
-        cube::int_tensor(crate::sampling::kernel::sample(logits, cube::float(uniform), params, I::dtype()))
+        // Greedy never reads the draws: the logits stand in, so decoding uploads nothing.
+        let uniform = if params.temperature == 0.0 {
+            logits.clone()
+        } else {
+            let mut draws = uniform.to_vec();
+            draws.resize(batch, 0.0);
+            let device = logits.device.clone();
+            cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
+        };
+        cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
     }
 }
 

@@ -39,6 +39,19 @@ pub(crate) mod kernel {
 
     const THREADS: usize = 256;
 
+    /// `1 / sqrt(mean(x^2) + eps)` of a row from each unit's partial sum of squares.
+    #[cube]
+    fn inv_rms(partial: f32, scratch: &mut SharedMemory<f32>, n: usize, eps: f32) -> f32 {
+        let total = cube_sum(partial, scratch);
+        1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps)
+    }
+
+    /// `(rows, n)` of a `[..., n]` shape.
+    fn rows_and_width(shape: &burn::tensor::Shape) -> (usize, usize) {
+        let n = shape[shape.num_dims() - 1];
+        (shape.num_elements() / n.max(1), n)
+    }
+
     #[cube(launch)]
     fn rms_norm_kernel<F: Float, W: Float>(
         x: &Tensor<F>,
@@ -63,12 +76,11 @@ pub(crate) mod kernel {
             partial += v * v;
             c += threads;
         }
-        let total = cube_sum(partial, &mut scratch);
-        let inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps);
+        let inv = inv_rms(partial, &mut scratch, n, eps);
         let mut c = UNIT_POS_X as usize;
         while c < n {
             let scale = 1.0f32 + f32::cast_from(weight[c]);
-            out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * inv_rms * scale);
+            out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * inv * scale);
             c += threads;
         }
     }
@@ -100,13 +112,12 @@ pub(crate) mod kernel {
             partial += v * v;
             c += threads;
         }
-        let total = cube_sum(partial, &mut scratch);
-        let inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps);
+        let inv = inv_rms(partial, &mut scratch, n, eps);
         // Each unit reads back only the elements it wrote itself.
         let mut c = UNIT_POS_X as usize;
         while c < n {
             let scale = 1.0f32 + f32::cast_from(weight[c]);
-            out[base + c] = O::cast_from(sum[base + c] * inv_rms * scale);
+            out[base + c] = O::cast_from(sum[base + c] * inv * scale);
             c += threads;
         }
     }
@@ -114,8 +125,7 @@ pub(crate) mod kernel {
     /// `x`: contiguous `[..., n]`; `weight`: `[n]`.
     pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
         let shape = x.meta.shape().clone();
-        let n = shape[shape.num_dims() - 1];
-        let rows = shape.num_elements() / n.max(1);
+        let (rows, n) = rows_and_width(&shape);
         let out = empty(&x, shape, x.dtype);
         if rows == 0 || n == 0 {
             return out;
@@ -145,8 +155,7 @@ pub(crate) mod kernel {
         out_dtype: DType,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
         let shape = x.meta.shape().clone();
-        let n = shape[shape.num_dims() - 1];
-        let rows = shape.num_elements() / n.max(1);
+        let (rows, n) = rows_and_width(&shape);
         let sum = empty(&x, shape.clone(), DType::F32);
         let out = empty(&x, shape, out_dtype);
         if rows == 0 || n == 0 {

@@ -207,6 +207,55 @@ pub(crate) mod kernel {
         (count, mass)
     }
 
+    /// Weight `exp((x - max) / T)` of a token the filters keep, -1 for one they drop.
+    #[cube]
+    fn kept_weight(x: f32, max: f32, inv_t: f32, tau: f32, min_p: f32) -> f32 {
+        let w = f32::exp((x - max) * inv_t);
+        let mut kept = f32::new(-1.0);
+        if x >= tau && w >= min_p {
+            kept = w;
+        }
+        kept
+    }
+
+    /// Bisection for the largest threshold whose kept count (or mass, `by_mass`) still reaches
+    /// `target`: `low` reaches it, `high` does not; stops at adjacent floats or `MAX_STEPS`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn bisect(
+        logits: &Tensor<f32>,
+        base: usize,
+        n: usize,
+        low: f32,
+        high: f32,
+        target: f32,
+        max: f32,
+        inv_t: f32,
+        scratch: &mut SharedMemory<f32>,
+        #[comptime] threads: usize,
+        #[comptime] by_mass: bool,
+    ) -> f32 {
+        let mut lo = low;
+        let mut hi = high;
+        let mut steps = 0u32;
+        let mut mid = lo + (hi - lo) * 0.5f32;
+        while steps < MAX_STEPS && mid > lo && mid < hi {
+            let (count, mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, by_mass);
+            let mut value = count;
+            if by_mass {
+                value = mass;
+            }
+            if value >= target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+            mid = lo + (hi - lo) * 0.5f32;
+            steps += 1;
+        }
+        lo
+    }
+
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn sample_kernel<I: Int>(
@@ -254,21 +303,7 @@ pub(crate) mod kernel {
         if count_at_max >= f32::cast_from(top_k) {
             t_k = max;
         } else if top_k < vocab {
-            let mut lo = lowest;
-            let mut hi = max;
-            let mut steps = 0u32;
-            let mut mid = lo + (hi - lo) * 0.5f32;
-            while steps < MAX_STEPS && mid > lo && mid < hi {
-                let (count, _mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, false);
-                if count >= f32::cast_from(top_k) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-                mid = lo + (hi - lo) * 0.5f32;
-                steps += 1;
-            }
-            t_k = lo;
+            t_k = bisect(logits, base, n, lowest, max, f32::cast_from(top_k), max, inv_t, scratch, threads, false);
         }
 
         // Top-p threshold inside the top-k set: the largest tau whose mass reaches p of it.
@@ -280,21 +315,7 @@ pub(crate) mod kernel {
             if mass_at_max >= target {
                 tau = max;
             } else {
-                let mut lo = t_k;
-                let mut hi = max;
-                let mut steps = 0u32;
-                let mut mid = lo + (hi - lo) * 0.5f32;
-                while steps < MAX_STEPS && mid > lo && mid < hi {
-                    let (_count, mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, true);
-                    if mass >= target {
-                        lo = mid;
-                    } else {
-                        hi = mid;
-                    }
-                    mid = lo + (hi - lo) * 0.5f32;
-                    steps += 1;
-                }
-                tau = lo;
+                tau = bisect(logits, base, n, t_k, max, target, max, inv_t, scratch, threads, true);
             }
         }
 
@@ -304,11 +325,7 @@ pub(crate) mod kernel {
         let end = min(start + chunk, n);
         let mut mass = 0.0f32;
         for i in start..end {
-            let x = logits[base + i];
-            let w = f32::exp((x - max) * inv_t);
-            if x >= tau && w >= min_p {
-                mass += w;
-            }
+            mass += kept_weight(logits[base + i], max, inv_t, tau, min_p).max(0.0f32);
         }
         sums[tid] = mass;
         sync_cube();
@@ -325,36 +342,21 @@ pub(crate) mod kernel {
             while t < threads && !found {
                 let s = sums[t];
                 if acc + s > target && s > 0.0f32 {
-                    // Walk the chunk.
+                    // The target falls in this chunk. `chosen` follows the kept tokens, so if
+                    // rounding leaves the target past the chunk's end, its last kept token wins.
                     let c0 = min(t * chunk, n);
                     let c1 = min(c0 + chunk, n);
                     let mut i = c0;
                     while i < c1 && !found {
-                        let x = logits[base + i];
-                        let w = f32::exp((x - max) * inv_t);
-                        if x >= tau && w >= min_p {
+                        let w = kept_weight(logits[base + i], max, inv_t, tau, min_p);
+                        if w >= 0.0f32 {
+                            chosen = i as u32;
                             acc += w;
-                            if acc > target {
-                                chosen = i as u32;
-                                found = true;
-                            }
+                            found = acc > target;
                         }
                         i += 1;
                     }
-                    // Rounding left the target past this chunk's last kept token: take the
-                    // chunk's last kept token.
                     found = true;
-                    if acc <= target {
-                        let mut j = c1;
-                        while j > c0 {
-                            j -= 1;
-                            let x = logits[base + j];
-                            if x >= tau && f32::exp((x - max) * inv_t) >= min_p {
-                                chosen = j as u32;
-                                j = c0;
-                            }
-                        }
-                    }
                 } else {
                     acc += s;
                 }
