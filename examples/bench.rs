@@ -20,11 +20,13 @@ use burn_gemma::{
 };
 use burn_gemma_kernels::SamplingParams;
 use clap::Parser;
-use std::time::Instant;
+use burn::tensor::{Int, Tensor};
+use std::time::{Duration, Instant};
 
 #[derive(Parser, Clone)]
 struct Args {
-    /// GGUF file, HF directory, or synthetic:<gemma3-270m|gemma3-1b|gemma3-4b|gemma3-12b>.
+    /// GGUF file, HF directory, `default` (the default model, fetched once), or
+    /// synthetic:<gemma3-270m|gemma3-1b|gemma3-4b|gemma3-12b>.
     #[arg(long)]
     model: String,
     /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.
@@ -64,10 +66,15 @@ fn feed<B: GemmaBackend>(model: &Gemma<B>, cache: &mut KvCache<B>, tokens: &[u32
     let mut last = 0;
     for chunk in tokens.chunks(512) {
         let logits = model.forward_last(token_tensor::<B>(chunk, device), cache)?;
-        let id = B::sample(logits, &SamplingParams::GREEDY, &[0.0]).into_data().convert::<i64>();
-        last = id.as_slice::<i64>().ok().and_then(|v| v.first().copied()).unwrap_or(0) as u32;
+        last = first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, &[0.0]));
     }
     Ok(last)
+}
+
+/// Reads a sampled id back to the host (this waits for the device).
+fn first_id<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> u32 {
+    let ids = ids.into_data().convert::<i64>();
+    ids.as_slice::<i64>().ok().and_then(|v| v.first().copied()).unwrap_or(0) as u32
 }
 
 struct Stat {
@@ -90,10 +97,14 @@ impl BackendTask for Bench {
             Some(d) => parse_dtype(d)?,
             None => default_dtype(name),
         };
-        if a.prompt_len == 0 || a.gen == 0 {
-            return Err(Error::Backend("--prompt-len and --gen must be at least 1".into()));
+        if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
+            return Err(Error::Backend("--prompt-len, --gen and --reps must be at least 1".into()));
         }
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
+        let mut a = a;
+        if a.model == "default" {
+            a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
+        }
         let load = Instant::now();
         let model = match a.model.strip_prefix("synthetic:") {
             Some(preset) => Gemma::<B>::random(GemmaConfig::preset(preset)?, a.seed, dtype, &device)?,
@@ -112,7 +123,7 @@ impl BackendTask for Bench {
         let mut state = a.seed;
         let context = ids(a.depth, config.vocab_size, &mut state);
         let prompt = ids(a.prompt_len, config.vocab_size, &mut state);
-        let (mut pp, mut tg, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut peak = 0u64;
         for rep in 0..=a.reps {
             // Prefill at depth.
@@ -128,8 +139,13 @@ impl BackendTask for Bench {
             feed(&model, &mut cache, &context, &device)?;
             let _ = B::sync(&device);
             let start = Instant::now();
+            let mut enqueue = Duration::ZERO;
             for _ in 0..a.gen {
-                token = feed(&model, &mut cache, &[token], &device)?;
+                let step = Instant::now();
+                let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
+                let next = B::sample(logits, &SamplingParams::GREEDY, &[0.0]);
+                enqueue += step.elapsed();
+                token = first_id::<B>(next);
             }
             let decode = start.elapsed();
             peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
@@ -138,9 +154,10 @@ impl BackendTask for Bench {
             }
             pp.push(a.prompt_len as f64 / prefill.as_secs_f64());
             tg.push(a.gen as f64 / decode.as_secs_f64());
+            host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
             ttft.push(prefill.as_secs_f64() * 1e3);
         }
-        let (pp, tg, ttft) = (stat(pp), stat(tg), stat(ttft));
+        let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
         let show = |what: &str, s: &Stat, unit: &str| {
             println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
         };
@@ -148,13 +165,15 @@ impl BackendTask for Bench {
         show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
+        show("decode host time per token", &host, "ms");
+        println!("{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)", "decode time per token", 1e3 / tg.median);
         match B::memory_reserved(&device) {
             Some(_) => println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64),
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"peak_bytes\":{peak}}}",
-            a.model, a.depth, pp.median, tg.median, ttft.median
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
+            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, config.num_parameters() * dtype.size()
         );
         Ok(())
     }

@@ -23,11 +23,15 @@ struct Args {
     /// Timed repetitions per kernel (after 3 warm-up runs); the median is reported.
     #[arg(long, default_value_t = 30)]
     reps: usize,
+    /// Only the launch-cost table (host time per small operation).
+    #[arg(long)]
+    launch_only: bool,
 }
 
 struct Bench {
     dtype: DType,
     reps: usize,
+    launch_only: bool,
 }
 
 /// Median seconds of `f` over `reps` synchronized runs, after warm-up.
@@ -49,134 +53,184 @@ fn time<B: GemmaBackend, T>(device: &B::Device, reps: usize, mut f: impl FnMut()
     times[times.len() / 2]
 }
 
+/// The per-kernel table: each kernel against its plain-Burn reference, bandwidth vs copy.
+fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
+    let size = |t: DType| t.size() as f64;
+    let e = size(dt);
+    let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
+
+    let copy = rand(vec![64 << 20], DType::F32);
+    let copy_s = time::<B, _>(d, reps, || copy.clone().mul_scalar(1.0));
+    let copy_bw = 2.0 * (64 << 20) as f64 * 4.0 / copy_s / 1e9;
+    println!("copy (read + write 256 MiB f32): {:.3} ms, {copy_bw:.0} GB/s\n", copy_s * 1e3);
+    println!("| kernel | shape | kernel ms | reference ms | bytes moved | kernel GB/s | % of copy |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let row = |what: &str, shape: &str, kernel: f64, reference: f64, bytes: f64| {
+        let bw = bytes / kernel / 1e9;
+        println!(
+            "| {what} | {shape} | {:.4} | {:.4} | {:.1} MB | {bw:.0} | {:.0}% |",
+            kernel * 1e3,
+            reference * 1e3,
+            bytes / 1e6,
+            100.0 * bw / copy_bw
+        );
+    };
+
+    // Residual add + RMSNorm and RMSNorm: 4096 rows of Gemma 3 4B's hidden size.
+    let (rows, hidden) = (4096, 2560);
+    let residual = rand(vec![rows * hidden], DType::F32).reshape([1, rows, hidden]);
+    let x = rand(vec![rows * hidden], dt).reshape([1, rows, hidden]);
+    let w = rand(vec![hidden], DType::F32);
+    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
+    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
+    row("add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + e + 4.0 + e));
+    let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
+    let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
+    row("rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * 2.0 * e);
+
+    // Decode projections (matrix-vector kernel): 4B's MLP up projection and an lm_head block.
+    for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 640, 52_428), (4, 2560, 10240)] {
+        let x = rand(vec![n * inp], dt).reshape([n, inp]);
+        let w = rand(vec![out * inp], dt).reshape([out, inp]);
+        let k = time::<B, _>(d, reps, || B::project(x.clone(), w.clone()));
+        let r = time::<B, _>(d, reps, || linear::reference(x.clone(), w.clone()));
+        row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
+    }
+
+    // GELU(gate) * up: 512 tokens of 4B's intermediate size.
+    let inter = 10240;
+    let gate = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
+    let up = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
+    let k = time::<B, _>(d, reps, || B::gelu_mul(gate.clone(), up.clone()));
+    let r = time::<B, _>(d, reps, || gelu::reference(gate.clone(), up.clone()));
+    row("gelu_mul", "512 x 10240", k, r, (512 * inter) as f64 * 3.0 * e);
+
+    // RoPE + QK-norm on 512 positions of 8 heads x 256, read through the projection's swap.
+    let (cos, sin) = rope::tables(4096, 256, 10_000.0, 1.0);
+    let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [4096, 128]), d);
+    let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [4096, 128]), d);
+    let q = rand(vec![512 * 8 * 256], dt).reshape([1, 512, 8, 256]).swap_dims(1, 2);
+    let qn = rand(vec![256], DType::F32);
+    let norm = Some((qn.clone(), 1e-6));
+    let k = time::<B, _>(d, reps, || B::rope(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
+    let r = time::<B, _>(d, reps, || rope::reference(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
+    row("rope + qk_norm", "8 x 512 x 256", k, r, (512 * 8 * 256) as f64 * 2.0 * e + 512.0 * 256.0 * 4.0);
+
+    // Softcap on a batch of 4 logit rows.
+    let logits = rand(vec![4 * 262_144], DType::F32).reshape([4, 262_144]).mul_scalar(10.0);
+    let k = time::<B, _>(d, reps, || B::softcap(logits.clone(), 30.0));
+    let r = time::<B, _>(d, reps, || softcap::reference(logits.clone(), 30.0));
+    row("softcap", "4 x 262144 f32", k, r, 4.0 * 262_144.0 * 8.0);
+
+    // Embedding gather: 4096 tokens from a 262144 x 2560 table in 128 MiB blocks.
+    let block_rows = (128usize << 20) / (hidden * dt.size());
+    let blocks: Vec<Tensor<B, 2>> = (0..262_144usize.div_ceil(block_rows))
+        .map(|i| {
+            let n = block_rows.min(262_144 - i * block_rows);
+            rand(vec![n * hidden], dt).reshape([n, hidden])
+        })
+        .collect();
+    let ids: Vec<i64> = (0..4096i64).map(|i| (i * 104_729) % 262_144).collect();
+    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, 4096]), d);
+    let k = time::<B, _>(d, reps, || B::embed(&blocks, ids.clone(), 50.6));
+    let r = time::<B, _>(d, reps, || embedding::reference(&blocks, ids.clone(), 50.6));
+    row("embed", "4096 ids x 2560", k, r, 4096.0 * hidden as f64 * 2.0 * e);
+
+    // Decode attention over a long cache (4B heads: 8 query, 4 KV, head_dim 256).
+    for depth in [1024usize, 8192] {
+        let q = rand(vec![8 * 256], dt).reshape([1, 8, 1, 256]);
+        let kc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
+        let vc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
+        let mask = AttentionMask { q_offset: depth - 1, k_offset: 0, window: None };
+        let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        row("decode attention", &format!("8q/4kv x {depth}"), k, r, (2 * 4 * depth * 256) as f64 * e);
+    }
+
+    // Prefill attention (compute-bound: also reported as TFLOP/s).
+    let t = 2048;
+    let q = rand(vec![8 * t * 256], dt).reshape([1, 8, t, 256]);
+    let kc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
+    let vc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
+    for window in [None, Some(1024)] {
+        let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
+        let k = time::<B, _>(d, reps.min(10), || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        let r = time::<B, _>(d, reps.min(10), || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        let visible = (0..t).map(|i| window.map_or(i + 1, |w| (i + 1).min(w))).sum::<usize>() as f64;
+        let flops = 8.0 * visible * 256.0 * 4.0;
+        row(&format!("prefill attention ({:.1} TFLOP/s)", flops / k / 1e12), &format!("8q/4kv x {t}, window {window:?}"), k, r, (3 * 4 * t * 256 + 8 * t * 256) as f64 * e);
+    }
+
+    // Sampling over the full vocabulary (only the id comes back).
+    let row_logits = rand(vec![262_144], DType::F32).reshape([1, 262_144]).mul_scalar(3.0);
+    for (what, params) in [
+        ("sample greedy", SamplingParams::GREEDY),
+        ("sample T=1 top-k 64 top-p 0.95", SamplingParams { temperature: 1.0, top_k: Some(64), top_p: Some(0.95), min_p: None }),
+    ] {
+        let k = time::<B, _>(d, reps, || B::sample(row_logits.clone(), &params, &[0.5]).into_data());
+        let host = time::<B, _>(d, reps, || {
+            let v = row_logits.clone().into_data().to_vec::<f32>().unwrap_or_default();
+            burn_gemma_kernels::sampling::reference(&v, &params, 0.5)
+        });
+        row(what, "1 x 262144 f32 (incl. id readback)", k, host, 262_144.0 * 4.0);
+    }
+    println!("\nreference ms for sampling = copy the logits to the host and sample there");
+
+}
+
+fn random<B: GemmaBackend>(shape: Vec<usize>, dtype: DType, d: &B::Device) -> Tensor<B, 1> {
+    Tensor::<B, 1>::random([shape.iter().product::<usize>()], Distribution::Normal(0.0, 1.0), d).cast(dtype)
+}
+
+const LAUNCHES: usize = 2000;
+
+/// Host microseconds per call of `f` issued `LAUNCHES` times without waiting, and wall
+/// microseconds per call until the device has finished them all.
+fn launch_cost<B: GemmaBackend, T>(device: &B::Device, what: &str, mut f: impl FnMut() -> T) {
+    for _ in 0..50 {
+        drop(f());
+    }
+    let _ = B::sync(device);
+    let start = Instant::now();
+    for _ in 0..LAUNCHES {
+        drop(f());
+    }
+    let host = start.elapsed().as_secs_f64();
+    let _ = B::sync(device);
+    let wall = start.elapsed().as_secs_f64();
+    let per = |s: f64| s * 1e6 / LAUNCHES as f64;
+    println!("| {what} | {:.1} | {:.1} |", per(host), per(wall));
+}
+
 impl BackendTask for Bench {
     type Output = Result<(), Error>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let (dt, reps, d) = (self.dtype, self.reps, &device);
-        let size = |t: DType| t.size() as f64;
-        let e = size(dt);
-        let rand = |shape: Vec<usize>, dtype: DType| {
-            Tensor::<B, 1>::random([shape.iter().product::<usize>()], Distribution::Normal(0.0, 1.0), d).cast(dtype)
-        };
+        let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
         println!("backend {name}, dtype {dt:?}, medians of {reps} runs after warm-up, device synchronized\n");
 
-        let copy = rand(vec![64 << 20], DType::F32);
-        let copy_s = time::<B, _>(d, reps, || copy.clone().mul_scalar(1.0));
-        let copy_bw = 2.0 * (64 << 20) as f64 * 4.0 / copy_s / 1e9;
-        println!("copy (read + write 256 MiB f32): {:.3} ms, {copy_bw:.0} GB/s\n", copy_s * 1e3);
-        println!("| kernel | shape | kernel ms | reference ms | bytes moved | kernel GB/s | % of copy |");
-        println!("|---|---|---:|---:|---:|---:|---:|");
-        let row = |what: &str, shape: &str, kernel: f64, reference: f64, bytes: f64| {
-            let bw = bytes / kernel / 1e9;
-            println!(
-                "| {what} | {shape} | {:.4} | {:.4} | {:.1} MB | {bw:.0} | {:.0}% |",
-                kernel * 1e3,
-                reference * 1e3,
-                bytes / 1e6,
-                100.0 * bw / copy_bw
-            );
-        };
-
-        // Residual add + RMSNorm and RMSNorm: 4096 rows of Gemma 3 4B's hidden size.
-        let (rows, hidden) = (4096, 2560);
-        let residual = rand(vec![rows * hidden], DType::F32).reshape([1, rows, hidden]);
-        let x = rand(vec![rows * hidden], dt).reshape([1, rows, hidden]);
-        let w = rand(vec![hidden], DType::F32);
-        let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
-        let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
-        row("add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + e + 4.0 + e));
-        let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
-        let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
-        row("rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * 2.0 * e);
-
-        // Decode projections (matrix-vector kernel): 4B's MLP up projection and an lm_head block.
-        for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 640, 52_428), (4, 2560, 10240)] {
-            let x = rand(vec![n * inp], dt).reshape([n, inp]);
-            let w = rand(vec![out * inp], dt).reshape([out, inp]);
-            let k = time::<B, _>(d, reps, || B::project(x.clone(), w.clone()));
-            let r = time::<B, _>(d, reps, || linear::reference(x.clone(), w.clone()));
-            row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
+        if !self.launch_only {
+            kernels::<B>(d, dt, reps);
         }
 
-        // GELU(gate) * up: 512 tokens of 4B's intermediate size.
-        let inter = 10240;
-        let gate = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
-        let up = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
-        let k = time::<B, _>(d, reps, || B::gelu_mul(gate.clone(), up.clone()));
-        let r = time::<B, _>(d, reps, || gelu::reference(gate.clone(), up.clone()));
-        row("gelu_mul", "512 x 10240", k, r, (512 * inter) as f64 * 3.0 * e);
-
-        // RoPE + QK-norm on 512 positions of 8 heads x 256, read through the projection's swap.
-        let (cos, sin) = rope::tables(4096, 256, 10_000.0, 1.0);
-        let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [4096, 128]), d);
-        let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [4096, 128]), d);
-        let q = rand(vec![512 * 8 * 256], dt).reshape([1, 512, 8, 256]).swap_dims(1, 2);
-        let qn = rand(vec![256], DType::F32);
-        let norm = Some((qn.clone(), 1e-6));
-        let k = time::<B, _>(d, reps, || B::rope(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
-        let r = time::<B, _>(d, reps, || rope::reference(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
-        row("rope + qk_norm", "8 x 512 x 256", k, r, (512 * 8 * 256) as f64 * 2.0 * e + 512.0 * 256.0 * 4.0);
-
-        // Softcap on a batch of 4 logit rows.
-        let logits = rand(vec![4 * 262_144], DType::F32).reshape([4, 262_144]).mul_scalar(10.0);
-        let k = time::<B, _>(d, reps, || B::softcap(logits.clone(), 30.0));
-        let r = time::<B, _>(d, reps, || softcap::reference(logits.clone(), 30.0));
-        row("softcap", "4 x 262144 f32", k, r, 4.0 * 262_144.0 * 8.0);
-
-        // Embedding gather: 4096 tokens from a 262144 x 2560 table in 128 MiB blocks.
-        let block_rows = (128usize << 20) / (hidden * dt.size());
-        let blocks: Vec<Tensor<B, 2>> = (0..262_144usize.div_ceil(block_rows))
-            .map(|i| {
-                let n = block_rows.min(262_144 - i * block_rows);
-                rand(vec![n * hidden], dt).reshape([n, hidden])
-            })
-            .collect();
-        let ids: Vec<i64> = (0..4096i64).map(|i| (i * 104_729) % 262_144).collect();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, 4096]), d);
-        let k = time::<B, _>(d, reps, || B::embed(&blocks, ids.clone(), 50.6));
-        let r = time::<B, _>(d, reps, || embedding::reference(&blocks, ids.clone(), 50.6));
-        row("embed", "4096 ids x 2560", k, r, 4096.0 * hidden as f64 * 2.0 * e);
-
-        // Decode attention over a long cache (4B heads: 8 query, 4 KV, head_dim 256).
-        for depth in [1024usize, 8192] {
-            let q = rand(vec![8 * 256], dt).reshape([1, 8, 1, 256]);
-            let kc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
-            let vc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
-            let mask = AttentionMask { q_offset: depth - 1, k_offset: 0, window: None };
-            let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-            let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-            row("decode attention", &format!("8q/4kv x {depth}"), k, r, (2 * 4 * depth * 256) as f64 * e);
-        }
-
-        // Prefill attention (compute-bound: also reported as TFLOP/s).
-        let t = 2048;
-        let q = rand(vec![8 * t * 256], dt).reshape([1, 8, t, 256]);
-        let kc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
-        let vc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
-        for window in [None, Some(1024)] {
-            let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
-            let k = time::<B, _>(d, reps.min(10), || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-            let r = time::<B, _>(d, reps.min(10), || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-            let visible = (0..t).map(|i| window.map_or(i + 1, |w| (i + 1).min(w))).sum::<usize>() as f64;
-            let flops = 8.0 * visible * 256.0 * 4.0;
-            row(&format!("prefill attention ({:.1} TFLOP/s)", flops / k / 1e12), &format!("8q/4kv x {t}, window {window:?}"), k, r, (3 * 4 * t * 256 + 8 * t * 256) as f64 * e);
-        }
-
-        // Sampling over the full vocabulary (only the id comes back).
-        let row_logits = rand(vec![262_144], DType::F32).reshape([1, 262_144]).mul_scalar(3.0);
-        for (what, params) in [
-            ("sample greedy", SamplingParams::GREEDY),
-            ("sample T=1 top-k 64 top-p 0.95", SamplingParams { temperature: 1.0, top_k: Some(64), top_p: Some(0.95), min_p: None }),
-        ] {
-            let k = time::<B, _>(d, reps, || B::sample(row_logits.clone(), &params, &[0.5]).into_data());
-            let host = time::<B, _>(d, reps, || {
-                let v = row_logits.clone().into_data().to_vec::<f32>().unwrap_or_default();
-                burn_gemma_kernels::sampling::reference(&v, &params, 0.5)
-            });
-            row(what, "1 x 262144 f32 (incl. id readback)", k, host, 262_144.0 * 4.0);
-        }
-        println!("\nreference ms for sampling = copy the logits to the host and sample there");
+        // Launch cost: decode issues hundreds of small launches per token, so the host time per
+        // launch bounds decode speed when each kernel is short.
+        println!("\n| small operation ({LAUNCHES} issued back to back) | host us per call | wall us per call (until synchronized) |");
+        println!("|---|---:|---:|");
+        let tiny = rand(vec![640], dt).reshape([1, 640]);
+        let weight = rand(vec![64 * 640], dt).reshape([64, 640]);
+        let norm_w = rand(vec![640], DType::F32);
+        let cache = rand(vec![256 * 256], dt).reshape([1, 1, 256, 256]);
+        let new_k = rand(vec![256], dt).reshape([1, 1, 1, 256]);
+        let heads = rand(vec![4 * 256], dt).reshape([1, 1, 4, 256]).swap_dims(1, 2);
+        launch_cost::<B, _>(d, "burn mul_scalar (1 x 640)", || tiny.clone().mul_scalar(1.0));
+        launch_cost::<B, _>(d, "softcap kernel (1 x 640)", || B::softcap(tiny.clone(), 30.0));
+        launch_cost::<B, _>(d, "rms_norm kernel (1 x 640)", || B::rms_norm(tiny.clone(), norm_w.clone(), 1e-6));
+        launch_cost::<B, _>(d, "project GEMV kernel (640 -> 64)", || B::project(tiny.clone(), weight.clone()));
+        launch_cost::<B, _>(d, "KV append: slice_assign one row", || cache.clone().slice_assign([0..1, 0..1, 5..6, 0..256], new_k.clone()));
+        launch_cost::<B, _>(d, "swap_dims + reshape (copy)", || heads.clone().reshape([1, 4 * 256]));
+        launch_cost::<B, _>(d, "token upload (1 x 1 ids)", || Tensor::<B, 2, Int>::from_data(TensorData::new(vec![5i64], [1, 1]), d));
         Ok(())
     }
 }
@@ -185,5 +239,5 @@ fn main() -> Result<(), Error> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
-    dispatch(kind, Bench { dtype, reps: args.reps.max(1) }, &mut |note| eprintln!("{note}"))?
+    dispatch(kind, Bench { dtype, reps: args.reps.max(1), launch_only: args.launch_only }, &mut |note| eprintln!("{note}"))?
 }

@@ -87,6 +87,10 @@ where
         cube::tensor(crate::attention::kernel::attention(q, k, v, mask, scale, softcap))
     }
 
+    fn pack<const D: usize>(weight: Tensor<Self, D>) -> Tensor<Self, D> {
+        cube::tensor(cube::float(weight))
+    }
+
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
     }

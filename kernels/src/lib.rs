@@ -122,6 +122,13 @@ pub trait GemmaBackend: Backend {
 
     /// Device memory currently reserved by the backend's allocator, in bytes, where the backend
     /// reports it (`None` for host backends).
+    /// A weight in the layout the kernels read fastest, done once at load: CubeCL allocates
+    /// `[rows, cols]` tensors with rows padded to an aligned pitch, which the kernels would
+    /// otherwise copy to a packed layout on every call.
+    fn pack<const D: usize>(weight: Tensor<Self, D>) -> Tensor<Self, D> {
+        weight
+    }
+
     fn memory_reserved(_device: &Self::Device) -> Option<u64> {
         None
     }

@@ -24,7 +24,7 @@ pub struct Linear<B: GemmaBackend> {
 impl<B: GemmaBackend> Linear<B> {
     fn load(source: &mut impl WeightSource<B>, name: &str, out: usize, inp: usize, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
         let weight = source.load(&format!("{name}.weight"), [out, inp], WeightKind::Matrix, dtype, device)?;
-        Ok(Self { weight: Param::from_tensor(weight) })
+        Ok(Self { weight: Param::from_tensor(B::pack(weight)) })
     }
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.
@@ -160,7 +160,10 @@ impl<B: GemmaBackend> Attention<B> {
 
         let (keys, values, mask) = cache.append(s.index, k, v);
         let out = B::grouped_attention(q, keys, values, mask, s.scale, s.softcap);
-        self.o_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, s.num_heads * s.head_dim]))
+        // `[batch, heads, seq, d]` -> `[batch, seq, heads * d]`; with one position both orders
+        // are the same memory, so decode skips the transposing copy.
+        let out = if seq == 1 { out } else { out.swap_dims(1, 2) };
+        self.o_proj.forward(out.reshape([batch, seq, s.num_heads * s.head_dim]))
     }
 }
 
@@ -257,7 +260,7 @@ impl<B: GemmaBackend> Gemma<B> {
         let embed_tokens = source
             .load_row_chunks("model.embed_tokens.weight", [config.vocab_size, config.hidden_size], rows_per_chunk, dtype, device)?
             .into_iter()
-            .map(Param::from_tensor)
+            .map(|block| Param::from_tensor(B::pack(block)))
             .collect();
         let layers = (0..config.num_hidden_layers)
             .map(|i| DecoderLayer::load(source, i, &config, dtype, device))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# burn-gemma on the CPU backends side by side with llama.cpp's CPU build, on the same GGUF files.
+#
+#   scripts/bench-cpu.sh [GGUF ...]
+#
+# Default files: the default model (real Gemma 3 270M, Q4_K_M; fetched by the library if missing)
+# and, when present, /tmp/gguf/270m-F16.gguf (random weights from the kit's gen_gguf.py). Builds
+# llama.cpp from the kit ($GPU_BENCH_KIT, default ../shared/gpu-bench) in /tmp/lcpp-cpu without
+# -march=native (its native build dies with "Illegal instruction" on CPUs that report AMX), about
+# 10 minutes on 2 cores. Prompt 128, 64 generated tokens, 3 reps, all cores.
+# Results: bench-cpu-out/ (ours.txt, llama.jsonl, table.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kit=${GPU_BENCH_KIT:-../shared/gpu-bench}
+lcpp=${LCPP_CPU:-/tmp/lcpp-cpu}
+out=${OUT:-bench-cpu-out}
+threads=$(nproc)
+mkdir -p "$out"
+if [ ! -x "$lcpp/build/bin/llama-bench" ]; then
+  command -v cmake > /dev/null || python3 -m pip install -q cmake
+  mkdir -p "$lcpp" && tar xzf "$kit/llama.cpp-src.tgz" -C "$lcpp"
+  (cd "$lcpp" && cmake -B build -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null &&
+    cmake --build build -j"$threads" --target llama-bench > /dev/null)
+fi
+cargo build --release --example bench
+files=("$@")
+if [ ${#files[@]} -eq 0 ]; then
+  # The default model's cached path (fetched on first use).
+  target/release/examples/bench --model default --backend ndarray --prompt-len 1 --gen 1 --reps 1 > "$out/default.txt" 2>&1
+  files+=("$(sed -n 's/^JSON {"model":"\([^"]*\)".*/\1/p' "$out/default.txt")")
+  [ -s /tmp/gguf/270m-F16.gguf ] && files+=(/tmp/gguf/270m-F16.gguf)
+fi
+: > "$out/ours.txt"; : > "$out/llama.jsonl"
+for f in "${files[@]}"; do
+  LD_LIBRARY_PATH=$lcpp/build/bin "$lcpp/build/bin/llama-bench" -m "$f" -p 128 -n 64 -r 3 -t "$threads" -o jsonl >> "$out/llama.jsonl" 2> /dev/null
+  for backend in candle ndarray; do
+    target/release/examples/bench --model "$f" --backend $backend --dtype f32 --prompt-len 128 --gen 64 --reps 3 >> "$out/ours.txt" 2>&1
+  done
+done
+python3 - "$out" <<'EOF' | tee "$out/table.md"
+import json, os, statistics, sys
+out = sys.argv[1]
+llama = {}
+for line in open(os.path.join(out, "llama.jsonl")):
+    r = json.loads(line)
+    llama[(r["model_filename"], "pp" if r["n_prompt"] else "tg")] = statistics.median(r["samples_ts"])
+print(f"| model file | backend | llama.cpp pp128 | ours pp128 | ratio | llama.cpp tg64 | ours tg64 | ratio |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+for line in open(os.path.join(out, "ours.txt")):
+    if line.startswith("JSON "):
+        r = json.loads(line[5:])
+        lpp, ltg = llama.get((r["model"], "pp"), float("nan")), llama.get((r["model"], "tg"), float("nan"))
+        print(f"| {os.path.basename(r['model'])} | {r['backend']} ({r['dtype']}) | {lpp:.1f} | {r['pp']:.1f} | {r['pp'] / lpp:.2f} | {ltg:.1f} | {r['tg']:.1f} | {r['tg'] / ltg:.2f} |")
+EOF
