@@ -23,11 +23,13 @@ if [ ! -x "$lcpp/build/bin/llama-bench" ]; then
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF > /dev/null &&
     cmake --build build -j"$threads" --target llama-bench > /dev/null)
 fi
-cargo build --release --example bench
+# BENCH_BIN: an already built bench executable (any feature set that includes the CPU backends).
+bench=${BENCH_BIN:-target/release/examples/bench}
+[ -n "${BENCH_BIN:-}" ] || cargo build --release --example bench
 files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
   # The default model's cached path (fetched on first use).
-  target/release/examples/bench --model default --backend ndarray --prompt-len 1 --gen 1 --reps 1 > "$out/default.txt" 2>&1
+  "$bench" --model default --backend ndarray --prompt-len 1 --gen 1 --reps 1 > "$out/default.txt" 2>&1
   files+=("$(sed -n 's/^JSON {"model":"\([^"]*\)".*/\1/p' "$out/default.txt")")
   [ -s /tmp/gguf/270m-F16.gguf ] && files+=(/tmp/gguf/270m-F16.gguf)
 fi
@@ -35,7 +37,7 @@ fi
 for f in "${files[@]}"; do
   LD_LIBRARY_PATH=$lcpp/build/bin "$lcpp/build/bin/llama-bench" -m "$f" -p 128 -n 64 -r 3 -t "$threads" -o jsonl >> "$out/llama.jsonl" 2> /dev/null
   for backend in candle ndarray; do
-    target/release/examples/bench --model "$f" --backend $backend --dtype f32 --prompt-len 128 --gen 64 --reps 3 >> "$out/ours.txt" 2>&1
+    "$bench" --model "$f" --backend $backend --dtype f32 --prompt-len 128 --gen 64 --reps 3 >> "$out/ours.txt" 2>&1
   done
 done
 python3 - "$out" <<'EOF' | tee "$out/table.md"
