@@ -13,6 +13,7 @@
 //! the device is synchronized every token). Medians, minima and maxima over the reps follow a
 //! warm-up rep.
 
+use burn::tensor::{Int, Tensor};
 use burn_gemma::{
     backends::{default_dtype, dispatch, parse_dtype, BackendKind, BackendTask},
     generation::token_tensor,
@@ -20,7 +21,6 @@ use burn_gemma::{
 };
 use burn_gemma_kernels::SamplingParams;
 use clap::Parser;
-use burn::tensor::{Int, Tensor};
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Clone)]
@@ -92,7 +92,7 @@ impl BackendTask for Bench {
     type Output = Result<(), Error>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
-        let a = self.0;
+        let mut a = self.0;
         let dtype = match a.dtype.as_deref() {
             Some(d) => parse_dtype(d)?,
             None => default_dtype(name),
@@ -101,7 +101,6 @@ impl BackendTask for Bench {
             return Err(Error::Backend("--prompt-len, --gen and --reps must be at least 1".into()));
         }
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
-        let mut a = a;
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }

@@ -55,8 +55,7 @@ fn time<B: GemmaBackend, T>(device: &B::Device, reps: usize, mut f: impl FnMut()
 
 /// The per-kernel table: each kernel against its plain-Burn reference, bandwidth vs copy.
 fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
-    let size = |t: DType| t.size() as f64;
-    let e = size(dt);
+    let e = dt.size() as f64;
     let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
 
     let copy = rand(vec![64 << 20], DType::F32);
@@ -91,7 +90,8 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     // Decode projections (matrix-vector kernel): 4B's MLP up projection and an lm_head block.
     for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 640, 52_428), (4, 2560, 10240)] {
         let x = rand(vec![n * inp], dt).reshape([n, inp]);
-        let w = rand(vec![out * inp], dt).reshape([out, inp]);
+        // Packed as the model loads it (a pitched 640-wide weight would be copied per call).
+        let w = B::pack(rand(vec![out * inp], dt).reshape([out, inp]));
         let k = time::<B, _>(d, reps, || B::project(x.clone(), w.clone()));
         let r = time::<B, _>(d, reps, || linear::reference(x.clone(), w.clone()));
         row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
@@ -219,7 +219,7 @@ impl BackendTask for Bench {
         println!("\n| small operation ({LAUNCHES} issued back to back) | host us per call | wall us per call (until synchronized) |");
         println!("|---|---:|---:|");
         let tiny = rand(vec![640], dt).reshape([1, 640]);
-        let weight = rand(vec![64 * 640], dt).reshape([64, 640]);
+        let weight = B::pack(rand(vec![64 * 640], dt).reshape([64, 640]));
         let norm_w = rand(vec![640], DType::F32);
         let cache = rand(vec![256 * 256], dt).reshape([1, 1, 256, 256]);
         let new_k = rand(vec![256], dt).reshape([1, 1, 1, 256]);

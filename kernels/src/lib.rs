@@ -120,8 +120,6 @@ pub trait GemmaBackend: Backend {
         attention::reference(q, k, v, mask, scale, softcap)
     }
 
-    /// Device memory currently reserved by the backend's allocator, in bytes, where the backend
-    /// reports it (`None` for host backends).
     /// A weight in the layout the kernels read fastest, done once at load: CubeCL allocates
     /// `[rows, cols]` tensors with rows padded to an aligned pitch, which the kernels would
     /// otherwise copy to a packed layout on every call.
@@ -129,6 +127,8 @@ pub trait GemmaBackend: Backend {
         weight
     }
 
+    /// Device memory currently reserved by the backend's allocator, in bytes, where the backend
+    /// reports it (`None` for host backends).
     fn memory_reserved(_device: &Self::Device) -> Option<u64> {
         None
     }

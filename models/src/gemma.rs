@@ -14,7 +14,6 @@ use burn::{
 };
 use burn_gemma_kernels::GemmaBackend;
 
-
 /// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
 #[derive(Module, Debug)]
 pub struct Linear<B: GemmaBackend> {
