@@ -1,7 +1,7 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, AttentionMask, GemmaBackend, SamplingParams};
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, QuantizedMatrix, SamplingParams};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 /// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
@@ -21,6 +21,29 @@ where
         } else {
             crate::linear::reference(x, weight)
         }
+    }
+
+    /// Codes packed into `u32` words; scales in f16 where the device has it.
+    fn upload_quantized(host: &HostQuantized, device: &Self::Device) -> QuantizedMatrix<Self> {
+        let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
+        QuantizedMatrix::upload(host, true, scale_dtype, device)
+    }
+
+    /// Decode-sized inputs read the codes directly; larger ones dequantize the matrix once and
+    /// use the backend's matmul.
+    fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
+        let packed = packed(weight);
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
+            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed))
+        } else {
+            let dense = cube::tensor(crate::quant::kernel::dequantize(&packed, x.dtype()));
+            crate::linear::reference(x, dense)
+        }
+    }
+
+    fn embed_quantized(table: &[QuantizedMatrix<Self>], ids: Tensor<Self, 2, Int>, scale: f64, dtype: DType) -> Tensor<Self, 3> {
+        let blocks: Vec<_> = table.iter().map(packed).collect();
+        cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype))
     }
 
     fn rms_norm<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 1>, eps: f64) -> Tensor<Self, D> {
@@ -108,6 +131,22 @@ where
             cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
         };
         cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
+    }
+}
+
+/// The device tensors of a quantized matrix as kernel arguments.
+fn packed<R, F, I, BT>(w: &QuantizedMatrix<CubeBackend<R, F, I, BT>>) -> Packed<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    Packed {
+        codes: cube::int(w.codes.val()),
+        scales: cube::float(w.scales.val()),
+        offsets: w.offsets.as_ref().map(|o| cube::float(o.val())),
+        format: w.format,
     }
 }
 

@@ -23,6 +23,7 @@ pub mod attention;
 pub mod embedding;
 pub mod gelu;
 pub mod linear;
+pub mod quant;
 pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
@@ -32,6 +33,7 @@ mod backends;
 mod cube;
 
 pub use attention::AttentionMask;
+pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
 pub use sampling::SamplingParams;
 
 use burn::tensor::{backend::Backend, Int, Tensor};
@@ -43,6 +45,28 @@ pub trait GemmaBackend: Backend {
     /// `x [n, in] @ weight[out, in]^T -> [n, out]`, the weight in its checkpoint layout.
     fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
         linear::reference(x, weight)
+    }
+
+    /// Uploads a host-quantized matrix in the code layout this backend's kernels read (the
+    /// reference keeps one `U8` code per weight and f32 scales).
+    fn upload_quantized(host: &HostQuantized, device: &Self::Device) -> QuantizedMatrix<Self> {
+        QuantizedMatrix::upload(host, false, burn::tensor::DType::F32, device)
+    }
+
+    /// `x [n, in] @ dequantize(weight)^T -> [n, out]` in `x`'s dtype, `weight` from
+    /// [`GemmaBackend::upload_quantized`].
+    fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
+        quant::project_reference(x, weight)
+    }
+
+    /// [`GemmaBackend::embed`] over a quantized table, returning `dtype`.
+    fn embed_quantized(
+        table: &[QuantizedMatrix<Self>],
+        ids: Tensor<Self, 2, Int>,
+        scale: f64,
+        dtype: burn::tensor::DType,
+    ) -> Tensor<Self, 3> {
+        quant::embed_reference(table, ids, scale, dtype)
     }
 
     /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in
