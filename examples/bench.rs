@@ -15,10 +15,11 @@
 
 use burn::tensor::{Int, Tensor};
 use burn_gemma::{
-    backends::{default_dtype, dispatch, parse_dtype, BackendKind, BackendTask},
+    backends::{dispatch, resolve_weights, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
+use burn_gemma_model::RandomWeights;
 use burn_gemma_kernels::SamplingParams;
 use clap::Parser;
 use std::time::{Duration, Instant};
@@ -32,9 +33,13 @@ struct Args {
     /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// f32, f16 or bf16 (default bf16 on CUDA/ROCm, f32 elsewhere).
+    /// f32, f16 or bf16 compute dtype (default bf16 on CUDA/ROCm, f32 elsewhere).
     #[arg(long)]
     dtype: Option<String>,
+    /// auto, native, q8, q4, bf16, f16 or f32: how weight matrices are kept on the device
+    /// (`auto`: native on GPUs, dense on CPU backends).
+    #[arg(long, default_value = "auto")]
+    weights: String,
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
     #[arg(long, default_value_t = 128)]
@@ -93,10 +98,7 @@ impl BackendTask for Bench {
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let mut a = self.0;
-        let dtype = match a.dtype.as_deref() {
-            Some(d) => parse_dtype(d)?,
-            None => default_dtype(name),
-        };
+        let (weights, dtype) = resolve_weights(&a.weights, a.dtype.as_deref(), name)?;
         if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
             return Err(Error::Backend("--prompt-len, --gen and --reps must be at least 1".into()));
         }
@@ -106,15 +108,16 @@ impl BackendTask for Bench {
         }
         let load = Instant::now();
         let model = match a.model.strip_prefix("synthetic:") {
-            Some(preset) => Gemma::<B>::random(GemmaConfig::preset(preset)?, a.seed, dtype, &device)?,
-            None => Checkpoint::open(&a.model)?.load_model::<B>(dtype, &device, |_, _| {})?.0,
+            Some(preset) => Gemma::<B>::load_as(GemmaConfig::preset(preset)?, &mut RandomWeights::new(a.seed), dtype, weights, &device)?,
+            None => Checkpoint::open(&a.model)?.load_model_as::<B>(dtype, weights, &device, |_, _| {})?.0,
         };
         let _ = B::sync(&device);
         let config = model.config.clone();
         eprintln!(
-            "model {} ({:.2} B parameters), backend {name}, dtype {dtype:?}, loaded in {:.1} s",
+            "model {} ({:.2} B parameters, {:.2} GB of weights on the device), backend {name}, dtype {dtype:?}, weights {weights}, loaded in {:.1} s",
             a.model,
             config.num_parameters() as f64 / 1e9,
+            model.weight_bytes() as f64 / 1e9,
             load.elapsed().as_secs_f64()
         );
         let capacity = a.depth + a.prompt_len.max(a.gen) + 1;
@@ -160,7 +163,7 @@ impl BackendTask for Bench {
         let show = |what: &str, s: &Stat, unit: &str| {
             println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
         };
-        println!("{} | {name} | {dtype:?} | depth {} | {} reps", a.model, a.depth, a.reps);
+        println!("{} | {name} | {dtype:?} | weights {weights} | depth {} | {} reps", a.model, a.depth, a.reps);
         show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
@@ -171,8 +174,8 @@ impl BackendTask for Bench {
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
-            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, config.num_parameters() * dtype.size()
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
+            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes()
         );
         Ok(())
     }

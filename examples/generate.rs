@@ -10,7 +10,7 @@
 
 use burn::tensor::DType;
 use burn_gemma::{
-    backends::{default_dtype, dispatch, list_devices, parse_dtype, BackendKind, BackendTask},
+    backends::{dispatch, list_devices, resolve_weights, BackendKind, BackendTask},
     Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use clap::Parser;
@@ -58,9 +58,14 @@ struct Args {
     /// auto | cuda | rocm | vulkan | wgpu | metal | candle | ndarray
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// f32 | f16 | bf16; default: bf16 on CUDA/ROCm, f32 elsewhere.
+    /// f32 | f16 | bf16: compute dtype; default: bf16 on CUDA/ROCm, f32 elsewhere.
     #[arg(long)]
     dtype: Option<String>,
+    /// auto | native | q8 | q4 | bf16 | f16 | f32: how weight matrices are kept on the device
+    /// (`native`: a GGUF's own block format where a kernel reads it, dense for safetensors;
+    /// `auto`: native on GPUs, dense on CPU backends, which dequantize on every product).
+    #[arg(long, default_value = "auto")]
+    weights: String,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -86,17 +91,14 @@ impl BackendTask for Run {
     type Output = Result<(), Error>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
-        let dtype = match &self.args.dtype {
-            Some(d) => parse_dtype(d)?,
-            None => default_dtype(name),
-        };
-        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}");
+        let (weights, dtype) = resolve_weights(&self.args.weights, self.args.dtype.as_deref(), name)?;
+        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}");
         let checkpoint = Checkpoint::open(&self.model_path)?;
         if dtype == DType::F16 {
             eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
         }
         let bar = progress_bar("loading");
-        let (model, report) = checkpoint.load_model::<B>(dtype, &device, |done, total| {
+        let (model, report) = checkpoint.load_model_as::<B>(dtype, weights, &device, |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
         })?;
@@ -166,9 +168,7 @@ fn real_main(args: Args) -> Result<(), Error> {
     }
     // Everything the user typed is checked before any download or model load.
     let kind: BackendKind = args.backend.parse()?;
-    if let Some(d) = &args.dtype {
-        parse_dtype(d)?;
-    }
+    resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,

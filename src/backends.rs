@@ -39,6 +39,38 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
     }
 }
 
+/// Resolves `--weights` (`auto`, `native`, `q8`, `q4`, or a dense dtype `bf16`/`f16`/`f32`) and
+/// `--dtype` into the weight format and the compute dtype. A dense weight dtype is also the
+/// compute dtype, so a different `--dtype` beside it is refused; otherwise the compute dtype is
+/// `--dtype` or the backend's default (see [`default_dtype`]).
+pub fn resolve_weights(
+    weights: &str,
+    dtype: Option<&str>,
+    backend_name: &str,
+) -> Result<(burn_gemma_model::WeightFormat, burn::tensor::DType), Error> {
+    use burn_gemma_kernels::QuantFormat;
+    use burn_gemma_model::WeightFormat;
+    let asked = dtype.map(parse_dtype).transpose()?;
+    let cpu = backend_name.starts_with("candle") || backend_name.starts_with("ndarray");
+    let format = match weights.to_ascii_lowercase().as_str() {
+        // CPU backends dequantize a quantized matrix on every product (the reference path), so
+        // dense weights are much faster there; GPU kernels read the codes directly.
+        "auto" if cpu => WeightFormat::Dense,
+        "auto" | "native" => WeightFormat::Native,
+        "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
+        "q4" => WeightFormat::Quantized(QuantFormat::Q4),
+        other => {
+            let dense = parse_dtype(other)
+                .map_err(|_| Error::Request(format!("unknown --weights {other:?}; expected auto, native, q8, q4, bf16, f16 or f32")))?;
+            if let Some(asked) = asked.filter(|&a| a != dense) {
+                return Err(Error::Request(format!("--weights {other} computes in {dense:?}, but --dtype asks for {asked:?}; drop one")));
+            }
+            return Ok((WeightFormat::Dense, dense));
+        }
+    };
+    Ok((format, asked.unwrap_or_else(|| default_dtype(backend_name))))
+}
+
 /// The dtype to run in when none is asked for: bf16 on CUDA and ROCm (`backend_name` as
 /// [`BackendTask::run`] receives it), f32 elsewhere (CPU backends and wgpu drivers without
 /// bf16).

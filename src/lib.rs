@@ -30,8 +30,8 @@ pub mod safetensors;
 pub mod sampling;
 pub mod tokenizer;
 
-pub use burn_gemma_kernels::GemmaBackend;
-pub use burn_gemma_model::{Gemma, GemmaConfig, KvCache, ModelError};
+pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
+pub use burn_gemma_model::{Gemma, GemmaConfig, KvCache, ModelError, WeightFormat};
 pub use error::Error;
 pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason};
 pub use loader::{Checkpoint, LoadReport};

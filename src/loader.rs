@@ -7,10 +7,11 @@ use crate::{
     Error, Tokenizer,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
-use burn_gemma_kernels::GemmaBackend;
+use burn_gemma_kernels::{GemmaBackend, HostQuantized, QuantFormat};
 use burn_gemma_model::{
-    config::default_layer_types, weights::{row_chunks, WeightKind}, Architecture, Gemma, GemmaConfig, ModelError, RopeConfig,
-    WeightSource,
+    config::default_layer_types,
+    weights::{quantize, row_chunks, WeightKind},
+    Architecture, Gemma, GemmaConfig, ModelError, RopeConfig, WeightFormat, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -113,17 +114,30 @@ impl Checkpoint {
         2 + per_layer * self.config.num_hidden_layers
     }
 
-    /// Loads the model onto `device` in `dtype`, calling `progress(done, total)` per tensor.
+    /// Loads the model onto `device` with dense weights in `dtype`, calling
+    /// `progress(done, total)` per tensor.
     pub fn load_model<B: GemmaBackend>(
         &self,
         dtype: DType,
+        device: &B::Device,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<(Gemma<B>, LoadReport), Error> {
+        self.load_model_as(dtype, WeightFormat::Dense, device, progress)
+    }
+
+    /// Loads the model with its matrices in `format` (activations and dense weights in
+    /// `dtype`), calling `progress(done, total)` per tensor.
+    pub fn load_model_as<B: GemmaBackend>(
+        &self,
+        dtype: DType,
+        format: WeightFormat,
         device: &B::Device,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<(Gemma<B>, LoadReport), Error> {
         crate::backends::check_dtype::<B>(device, dtype)?;
         let total = self.tensors_to_load();
         let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut progress, total };
-        let model = Gemma::load(self.config.clone(), &mut source, dtype, device)?;
+        let model = Gemma::load_as(self.config.clone(), &mut source, dtype, format, device)?;
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
@@ -238,7 +252,46 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
     }
 }
 
+impl<F: FnMut(usize, usize)> Source<'_, F> {
+    /// A matrix block-quantized on the host (see [`WeightSource::load_host_quantized`]).
+    fn host_quantized(&mut self, name: &str, shape: [usize; 2], format: Option<QuantFormat>) -> Result<Option<HostQuantized>, ModelError> {
+        let q = match &self.checkpoint.format {
+            Format::Hf { .. } => {
+                let Some(format) = format else { return Ok(None) };
+                let data = self.host_data(name, &shape, WeightKind::Matrix)?;
+                let values = data.convert::<f32>().into_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                return quantize(name, &values, shape, format).map(Some);
+            }
+            Format::Gguf(file) => {
+                let arch = self.checkpoint.config.model_type;
+                let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+                if info.shape != shape {
+                    return Err(ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), actual: info.shape.clone() });
+                }
+                let q = file.block_quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
+                if q.is_some() {
+                    self.used.insert(stored);
+                    (self.progress)(self.used.len(), self.total);
+                }
+                q
+            }
+        };
+        Ok(q)
+    }
+}
+
 impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
+    fn load_host_quantized(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        format: Option<QuantFormat>,
+        _device: &B::Device,
+    ) -> Result<Option<HostQuantized>, ModelError> {
+        self.host_quantized(name, shape, format)
+    }
+
     fn load<const D: usize>(
         &mut self,
         name: &str,

@@ -1,8 +1,8 @@
 //! Block-quantized weight matrices: the formats, host-side quantization, and the device form.
 //!
 //! Two formats, both with blocks of [`BLOCK`] consecutive weights along a row:
-//! - [`QuantFormat::Q8`]: symmetric int8, `w = scale * q` with `q` in `-127..=127` (GGUF's Q8_0
-//!   maps onto it exactly);
+//! - [`QuantFormat::Q8`]: symmetric int8, `w = scale * q` with `q` in `-128..=127` (GGUF's Q8_0
+//!   maps onto it exactly; our quantizer uses `-127..=127`);
 //! - [`QuantFormat::Q4`]: asymmetric 4-bit, `w = scale * q + offset` with `q` in `0..=15`
 //!   (GGUF's Q4_0 and Q4_1 map onto it exactly, Q4_K up to rounding its two-level scales).
 //!
@@ -48,7 +48,7 @@ impl QuantFormat {
     /// Largest code.
     fn max_code(self) -> u8 {
         match self {
-            Self::Q8 => 254,
+            Self::Q8 => 255,
             Self::Q4 => 15,
         }
     }
@@ -84,7 +84,7 @@ pub enum QuantError {
 }
 
 /// A quantized matrix on the host: one code per weight (row-major, unsigned: Q8 stores
-/// `q + 127`), and one scale (and for Q4 one offset) per block, row-major `[rows, cols / 32]`.
+/// `q + 128`), and one scale (and for Q4 one offset) per block, row-major `[rows, cols / 32]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostQuantized {
     pub format: QuantFormat,
@@ -125,7 +125,7 @@ impl HostQuantized {
                     let scale = f16_round(amax / 127.0);
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                     for (d, &v) in dst.iter_mut().zip(src) {
-                        *d = ((v * inv).round().clamp(-127.0, 127.0) + 127.0) as u8;
+                        *d = ((v * inv).round().clamp(-127.0, 127.0) + 128.0) as u8;
                     }
                     out.scales.push(scale);
                 }
@@ -187,7 +187,7 @@ impl HostQuantized {
     pub fn value(&self, i: usize) -> f32 {
         let block = i / BLOCK;
         match self.format {
-            QuantFormat::Q8 => self.scales[block] * (self.codes[i] as f32 - 127.0),
+            QuantFormat::Q8 => self.scales[block] * (self.codes[i] as f32 - 128.0),
             QuantFormat::Q4 => self.scales[block] * self.codes[i] as f32 + self.offsets[block],
         }
     }
@@ -280,7 +280,7 @@ pub fn dequantize_reference<B: Backend>(w: &QuantizedMatrix<B>, dtype: DType) ->
     let scales = w.scales.val().cast(DType::F32).reshape([rows, blocks, 1]);
     let values = match (&w.offsets, w.format) {
         (Some(offsets), QuantFormat::Q4) => codes * scales + offsets.val().cast(DType::F32).reshape([rows, blocks, 1]),
-        _ => codes.sub_scalar(127.0) * scales,
+        _ => codes.sub_scalar(128.0) * scales,
     };
     values.reshape([rows, cols]).cast(dtype)
 }
@@ -358,7 +358,7 @@ pub(crate) mod kernel {
         if q4 {
             f32::cast_from((word >> (n as u32 * 4)) & 15u32)
         } else {
-            f32::cast_from((word >> (n as u32 * 8)) & 255u32) - 127.0f32
+            f32::cast_from((word >> (n as u32 * 8)) & 255u32) - 128.0f32
         }
     }
 
@@ -677,7 +677,7 @@ mod tests {
         let mut v = vec![0.0; 32];
         v[5] = f32::NAN;
         assert!(matches!(HostQuantized::quantize(&v, 1, 32, QuantFormat::Q4), Err(QuantError::NotFinite { index: 5, .. })));
-        assert!(HostQuantized::from_parts(QuantFormat::Q4, 1, 32, vec![16; 32], vec![1.0], vec![0.0]).is_err());
+        assert!(matches!(HostQuantized::from_parts(QuantFormat::Q4, 1, 32, vec![16; 32], vec![1.0], vec![0.0]), Err(QuantError::Code { index: 0, .. })));
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub enum ModelError {
     /// The input is malformed (for example an empty batch or token ids past the vocabulary).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// A weight cannot be quantized to the requested format.
+    #[error("cannot quantize `{name}`: {source}")]
+    Quantize { name: String, source: burn_gemma_kernels::quant::QuantError },
     /// The weight source failed (I/O, format).
     #[error(transparent)]
     Source(Box<dyn std::error::Error + Send + Sync>),

@@ -5,33 +5,67 @@
 //! weight dtype.
 
 use crate::{
-    weights::{WeightKind, WeightSource},
+    weights::{row_chunks, MatrixWeight, WeightFormat, WeightKind, WeightSource},
     Architecture, GemmaConfig, KvCache, LayerType, ModelError,
 };
+use burn_gemma_kernels::{QuantFormat, QuantizedMatrix};
 use burn::{
     module::{Module, Param},
     tensor::{DType, Int, Tensor},
 };
 use burn_gemma_kernels::GemmaBackend;
 
+/// How the model's weights are loaded: the activation/dense dtype and the matrix format.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightSettings {
+    pub dtype: DType,
+    pub format: WeightFormat,
+}
+
+impl WeightSettings {
+    /// The block format a matrix is requested in: `None` for the checkpoint's own.
+    fn request(&self) -> Option<Option<QuantFormat>> {
+        match self.format {
+            WeightFormat::Native => Some(None),
+            WeightFormat::Quantized(q) => Some(Some(q)),
+            WeightFormat::Dense => None,
+        }
+    }
+}
+
+/// Loads one `[out, in]` matrix in the requested format.
+fn load_matrix<B: GemmaBackend>(
+    source: &mut impl WeightSource<B>,
+    name: &str,
+    shape: [usize; 2],
+    settings: WeightSettings,
+    device: &B::Device,
+) -> Result<MatrixWeight<B>, ModelError> {
+    if let Some(request) = settings.request() {
+        if let Some(host) = source.load_host_quantized(name, shape, request, device)? {
+            return Ok(MatrixWeight::Quantized(B::upload_quantized(&host, device)));
+        }
+    }
+    let weight = source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?;
+    Ok(MatrixWeight::Dense(Param::from_tensor(B::pack(weight))))
+}
+
 /// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
 #[derive(Module, Debug)]
 pub struct Linear<B: GemmaBackend> {
-    pub weight: Param<Tensor<B, 2>>,
+    pub weight: MatrixWeight<B>,
 }
 
 impl<B: GemmaBackend> Linear<B> {
-    fn load(source: &mut impl WeightSource<B>, name: &str, out: usize, inp: usize, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
-        let weight = source.load(&format!("{name}.weight"), [out, inp], WeightKind::Matrix, dtype, device)?;
-        Ok(Self { weight: Param::from_tensor(B::pack(weight)) })
+    fn load(source: &mut impl WeightSource<B>, name: &str, out: usize, inp: usize, settings: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+        Ok(Self { weight: load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device)? })
     }
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, inp] = x.dims();
-        let weight = self.weight.val();
-        let out = weight.dims()[0];
-        B::project(x.reshape([batch * seq, inp]), weight).reshape([batch, seq, out])
+        let out = self.weight.dims()[0];
+        self.weight.project(x.reshape([batch * seq, inp])).reshape([batch, seq, out])
     }
 }
 
@@ -69,7 +103,7 @@ pub struct Mlp<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Mlp<B> {
-    fn load(source: &mut impl WeightSource<B>, prefix: &str, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(source: &mut impl WeightSource<B>, prefix: &str, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
         Ok(Self {
             gate_proj: Linear::load(source, &format!("{prefix}.gate_proj"), inter, hidden, dtype, device)?,
@@ -112,7 +146,7 @@ pub struct Attention<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Attention<B> {
-    fn load(source: &mut impl WeightSource<B>, prefix: &str, index: usize, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(source: &mut impl WeightSource<B>, prefix: &str, index: usize, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
         let (hidden, d) = (c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
         let qk_norm = |source: &mut _, name: &str| -> Result<Option<RmsNorm<B>>, ModelError> {
@@ -179,7 +213,7 @@ pub struct DecoderLayer<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> DecoderLayer<B> {
-    fn load(source: &mut impl WeightSource<B>, index: usize, c: &GemmaConfig, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(source: &mut impl WeightSource<B>, index: usize, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
         let prefix = format!("model.layers.{index}");
         let norm = |source: &mut _, name: &str| RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device);
         let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, dtype, device)?;
@@ -235,11 +269,81 @@ impl<B: GemmaBackend> DecoderLayer<B> {
 /// storage binding (128 MiB), which every adapter supports.
 pub const MAX_CHUNK_BYTES: usize = 1 << 27;
 
+/// The `[vocab, hidden]` embedding table, also the tied lm_head, in row blocks of at most
+/// [`MAX_CHUNK_BYTES`] (GPU APIs cap the size of one buffer).
+#[derive(Module, Debug)]
+pub enum Embedding<B: GemmaBackend> {
+    Dense(Vec<Param<Tensor<B, 2>>>),
+    /// At least Q8: the table feeds both ends of the model.
+    Quantized(Vec<QuantizedMatrix<B>>),
+}
+
+impl<B: GemmaBackend> Embedding<B> {
+    const NAME: &'static str = "model.embed_tokens.weight";
+
+    fn load(source: &mut impl WeightSource<B>, c: &GemmaConfig, settings: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+        let shape = [c.vocab_size, c.hidden_size];
+        let host = match settings.request() {
+            None => None,
+            Some(request) => {
+                // Q4 is not enough for the table: ask for Q8, or requantize a Q4 checkpoint's.
+                let request = request.map(|_| QuantFormat::Q8);
+                match source.load_host_quantized(Self::NAME, shape, request, device)? {
+                    Some(q) if q.format == QuantFormat::Q4 => Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?),
+                    other => other,
+                }
+            }
+        };
+        Ok(match host {
+            Some(host) => {
+                let rows_per_chunk = (MAX_CHUNK_BYTES / host.cols).max(1);
+                Self::Quantized(row_chunks(host.rows, rows_per_chunk).map(|r| B::upload_quantized(&host.rows_slice(r), device)).collect())
+            }
+            None => {
+                let rows_per_chunk = (MAX_CHUNK_BYTES / (c.hidden_size * settings.dtype.size())).max(1);
+                let blocks = source.load_row_chunks(Self::NAME, shape, rows_per_chunk, settings.dtype, device)?;
+                Self::Dense(blocks.into_iter().map(|b| Param::from_tensor(B::pack(b))).collect())
+            }
+        })
+    }
+
+    /// `table[ids] * scale` in `dtype`: `[batch, seq]` -> `[batch, seq, hidden]`.
+    fn embed(&self, ids: Tensor<B, 2, Int>, scale: f64, dtype: DType) -> Tensor<B, 3> {
+        match self {
+            Self::Dense(blocks) => {
+                let tables: Vec<Tensor<B, 2>> = blocks.iter().map(|t| t.val()).collect();
+                B::embed(&tables, ids, scale)
+            }
+            Self::Quantized(blocks) => B::embed_quantized(blocks, ids, scale, dtype),
+        }
+    }
+
+    /// `hidden [n, hidden] @ table^T -> [n, vocab]`, one product per row block.
+    fn project(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
+        let blocks: Vec<Tensor<B, 2>> = match self {
+            Self::Dense(blocks) => blocks.iter().map(|t| B::project(hidden.clone(), t.val())).collect(),
+            Self::Quantized(blocks) => blocks.iter().map(|t| B::project_quantized(hidden.clone(), t)).collect(),
+        };
+        if blocks.len() == 1 {
+            blocks.into_iter().next().unwrap_or(hidden)
+        } else {
+            Tensor::cat(blocks, 1)
+        }
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        match self {
+            Self::Dense(blocks) => blocks.iter().map(|b| b.val().shape().num_elements() * b.val().dtype().size()).sum(),
+            Self::Quantized(blocks) => blocks.iter().map(|b| b.device_bytes()).sum(),
+        }
+    }
+}
+
 /// A Gemma causal language model with tied embeddings.
 #[derive(Module, Debug)]
 pub struct Gemma<B: GemmaBackend> {
-    /// `[vocab, hidden]` in row blocks of at most [`MAX_CHUNK_BYTES`]; also the lm_head.
-    pub embed_tokens: Vec<Param<Tensor<B, 2>>>,
+    pub embed_tokens: Embedding<B>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
     #[module(skip)]
@@ -249,20 +353,29 @@ pub struct Gemma<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Gemma<B> {
-    /// Builds the model from a weight source, in `dtype` (weights and matrix products).
+    /// Builds the model from a weight source with dense weights in `dtype` (weights and matrix
+    /// products).
     pub fn load(config: GemmaConfig, source: &mut impl WeightSource<B>, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+        Self::load_as(config, source, dtype, WeightFormat::Dense, device)
+    }
+
+    /// Builds the model with its matrices in `format` (see [`WeightFormat`]); activations and
+    /// dense weights in `dtype`.
+    pub fn load_as(
+        config: GemmaConfig,
+        source: &mut impl WeightSource<B>,
+        dtype: DType,
+        format: WeightFormat,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         config.validate()?;
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) {
             return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
         }
-        let rows_per_chunk = (MAX_CHUNK_BYTES / (config.hidden_size * dtype.size())).max(1);
-        let embed_tokens = source
-            .load_row_chunks("model.embed_tokens.weight", [config.vocab_size, config.hidden_size], rows_per_chunk, dtype, device)?
-            .into_iter()
-            .map(|block| Param::from_tensor(B::pack(block)))
-            .collect();
+        let settings = WeightSettings { dtype, format };
+        let embed_tokens = Embedding::load(source, &config, settings, device)?;
         let layers = (0..config.num_hidden_layers)
-            .map(|i| DecoderLayer::load(source, i, &config, dtype, device))
+            .map(|i| DecoderLayer::load(source, i, &config, settings, device))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
         Ok(Self { embed_tokens, layers, norm, config, dtype })
@@ -271,6 +384,21 @@ impl<B: GemmaBackend> Gemma<B> {
     /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
     pub fn random(config: GemmaConfig, seed: u64, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
         Self::load(config, &mut crate::RandomWeights::new(seed), dtype, device)
+    }
+
+    /// Bytes the weights occupy on the device.
+    pub fn weight_bytes(&self) -> usize {
+        let linear = |l: &Linear<B>| l.weight.device_bytes();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.self_attn;
+                let m = &l.mlp;
+                linear(&a.q_proj) + linear(&a.k_proj) + linear(&a.v_proj) + linear(&a.o_proj) + linear(&m.gate_proj) + linear(&m.up_proj) + linear(&m.down_proj)
+            })
+            .sum();
+        self.embed_tokens.device_bytes() + layers
     }
 
     /// A KV cache for `batch` sequences of up to `capacity` positions.
@@ -299,8 +427,7 @@ impl<B: GemmaBackend> Gemma<B> {
             return Err(ModelError::InvalidInput(format!("batch of {batch} sequences for a KV cache of {}", cache.batch())));
         }
         cache.check_room(seq)?;
-        let tables: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| t.val()).collect();
-        let embedded = B::embed(&tables, ids, self.embed_scale());
+        let embedded = self.embed_tokens.embed(ids, self.embed_scale(), self.dtype);
         let mut residual = embedded.cast(DType::F32);
         let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm);
         let mut normed = first_norm.forward(residual.clone()).cast(self.dtype);
@@ -316,8 +443,9 @@ impl<B: GemmaBackend> Gemma<B> {
     fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
         let hidden = hidden.reshape([batch * seq, h]);
-        let blocks: Vec<Tensor<B, 2>> = self.embed_tokens.iter().map(|t| B::project(hidden.clone(), t.val())).collect();
-        let logits = Tensor::cat(blocks, 1)
+        let logits = self
+            .embed_tokens
+            .project(hidden)
             .cast(DType::F32)
             .reshape([batch, seq, self.config.vocab_size]);
         match self.config.final_logit_softcapping {

@@ -15,4 +15,4 @@ pub use cache::KvCache;
 pub use config::{Architecture, GemmaConfig, LayerType, RopeConfig};
 pub use error::ModelError;
 pub use gemma::Gemma;
-pub use weights::{RandomWeights, WeightSource};
+pub use weights::{MatrixWeight, RandomWeights, WeightFormat, WeightSource};

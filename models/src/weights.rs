@@ -5,7 +5,67 @@
 //! requested dtype, or says precisely what is wrong.
 
 use crate::ModelError;
-use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
+use burn::{
+    module::{Module, Param},
+    tensor::{backend::Backend, DType, Distribution, Tensor},
+};
+use burn_gemma_kernels::{GemmaBackend, HostQuantized, QuantFormat, QuantizedMatrix};
+
+/// How weight matrices are kept on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// The checkpoint's own format where a kernel reads it: GGUF Q8_0 as Q8; Q4_0, Q4_1 and Q4_K
+    /// as Q4; other GGUF block types requantized to Q8; float tensors dense in the model dtype.
+    #[default]
+    Native,
+    /// Every matrix quantized to this format (the embedding table at least Q8).
+    Quantized(QuantFormat),
+    /// Every matrix dense in the model dtype.
+    Dense,
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Native => f.write_str("native"),
+            Self::Quantized(q) => write!(f, "{q}"),
+            Self::Dense => f.write_str("dense"),
+        }
+    }
+}
+
+/// A weight matrix `[out, in]` as stored on the device.
+#[derive(Module, Debug)]
+pub enum MatrixWeight<B: GemmaBackend> {
+    Dense(Param<Tensor<B, 2>>),
+    Quantized(QuantizedMatrix<B>),
+}
+
+impl<B: GemmaBackend> MatrixWeight<B> {
+    /// `x [n, in] @ self^T -> [n, out]`.
+    pub fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self {
+            Self::Dense(w) => B::project(x, w.val()),
+            Self::Quantized(w) => B::project_quantized(x, w),
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Self::Dense(w) => w.val().dims(),
+            Self::Quantized(w) => w.shape,
+        }
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        match self {
+            Self::Dense(w) => w.val().shape().num_elements() * w.val().dtype().size(),
+            Self::Quantized(w) => w.device_bytes(),
+        }
+    }
+}
 
 /// What a weight is used for; sources that store weights differently per kind (GGUF keeps RMSNorm
 /// weights with the `+1` folded in) use it to convert to the Hugging Face convention.
@@ -42,6 +102,27 @@ pub trait WeightSource<B: Backend> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Vec<Tensor<B, 2>>, ModelError>;
+
+    /// The `[rows, cols]` matrix `name` block-quantized on the host: to `format`, or with `None`
+    /// in the checkpoint's own block format, where it has one (`Ok(None)` for float tensors).
+    /// The default reads the dense matrix back from the device and quantizes it.
+    fn load_host_quantized(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        format: Option<QuantFormat>,
+        device: &B::Device,
+    ) -> Result<Option<HostQuantized>, ModelError> {
+        let Some(format) = format else { return Ok(None) };
+        let dense: Tensor<B, 2> = self.load(name, shape, WeightKind::Matrix, DType::F32, device)?;
+        let values = dense.into_data().to_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+        quantize(name, &values, shape, format).map(Some)
+    }
+}
+
+/// Quantizes host values, naming the tensor in the error.
+pub fn quantize(name: &str, values: &[f32], [rows, cols]: [usize; 2], format: QuantFormat) -> Result<HostQuantized, ModelError> {
+    HostQuantized::quantize(values, rows, cols, format).map_err(|source| ModelError::Quantize { name: name.to_string(), source })
 }
 
 /// Row ranges of `rows` rows cut into blocks of at most `per_chunk` rows.
