@@ -15,7 +15,7 @@
 
 use burn::tensor::{Int, Tensor};
 use burn_gemma::{
-    backends::{dispatch, resolve_weights, BackendKind, BackendTask},
+    backends::{dispatch, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
@@ -40,6 +40,10 @@ struct Args {
     /// (`auto`: native on GPUs, dense on CPU backends).
     #[arg(long, default_value = "auto")]
     weights: String,
+    /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
+    /// compute dtype; `int8`: one scale per position and head, read directly by attention).
+    #[arg(long, default_value = "auto")]
+    kv_cache: String,
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
     #[arg(long, default_value_t = 128)]
@@ -99,6 +103,7 @@ impl BackendTask for Bench {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let mut a = self.0;
         let (weights, dtype) = resolve_weights(&a.weights, a.dtype.as_deref(), name)?;
+        let kv_cache = parse_kv_cache(&a.kv_cache, dtype)?;
         if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
             return Err(Error::Backend("--prompt-len, --gen and --reps must be at least 1".into()));
         }
@@ -107,14 +112,15 @@ impl BackendTask for Bench {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }
         let load = Instant::now();
-        let model = match a.model.strip_prefix("synthetic:") {
+        let mut model = match a.model.strip_prefix("synthetic:") {
             Some(preset) => Gemma::<B>::load_as(GemmaConfig::preset(preset)?, &mut RandomWeights::new(a.seed), dtype, weights, &device)?,
             None => Checkpoint::open(&a.model)?.load_model_as::<B>(dtype, weights, &device, |_, _| {})?.0,
         };
+        model.kv_cache = kv_cache;
         let _ = B::sync(&device);
         let config = model.config.clone();
         eprintln!(
-            "model {} ({:.2} B parameters, {:.2} GB of weights on the device), backend {name}, dtype {dtype:?}, weights {weights}, loaded in {:.1} s",
+            "model {} ({:.2} B parameters, {:.2} GB of weights on the device), backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}, loaded in {:.1} s",
             a.model,
             config.num_parameters() as f64 / 1e9,
             model.weight_bytes() as f64 / 1e9,
@@ -163,7 +169,7 @@ impl BackendTask for Bench {
         let show = |what: &str, s: &Stat, unit: &str| {
             println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
         };
-        println!("{} | {name} | {dtype:?} | weights {weights} | depth {} | {} reps", a.model, a.depth, a.reps);
+        println!("{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps", a.model, a.depth, a.reps);
         show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
@@ -174,7 +180,7 @@ impl BackendTask for Bench {
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
             a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes()
         );
         Ok(())

@@ -10,7 +10,7 @@
 
 use burn::tensor::DType;
 use burn_gemma::{
-    backends::{dispatch, list_devices, resolve_weights, BackendKind, BackendTask},
+    backends::{dispatch, list_devices, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
     Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use clap::Parser;
@@ -66,6 +66,10 @@ struct Args {
     /// `auto`: native on GPUs, dense on CPU backends, which dequantize on every product).
     #[arg(long, default_value = "auto")]
     weights: String,
+    /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
+    /// compute dtype; `int8`: one scale per position and head, read directly by attention).
+    #[arg(long, default_value = "auto")]
+    kv_cache: String,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -92,16 +96,18 @@ impl BackendTask for Run {
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let (weights, dtype) = resolve_weights(&self.args.weights, self.args.dtype.as_deref(), name)?;
-        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}");
+        let kv_cache = parse_kv_cache(&self.args.kv_cache, dtype)?;
+        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
         let checkpoint = Checkpoint::open(&self.model_path)?;
         if dtype == DType::F16 {
             eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
         }
         let bar = progress_bar("loading");
-        let (model, report) = checkpoint.load_model_as::<B>(dtype, weights, &device, |done, total| {
+        let (mut model, report) = checkpoint.load_model_as::<B>(dtype, weights, &device, |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
         })?;
+        model.kv_cache = kv_cache;
         bar.finish_and_clear();
         if !report.unused_tensors.is_empty() {
             eprintln!("note: {} tensors not used by the text model (e.g. {})", report.unused_tensors.len(), report.unused_tensors[0]);
@@ -168,7 +174,8 @@ fn real_main(args: Args) -> Result<(), Error> {
     }
     // Everything the user typed is checked before any download or model load.
     let kind: BackendKind = args.backend.parse()?;
-    resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
+    let (_, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
+    parse_kv_cache(&args.kv_cache, dtype)?;
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,

@@ -71,6 +71,18 @@ pub fn resolve_weights(
     Ok((format, asked.unwrap_or_else(|| default_dtype(backend_name))))
 }
 
+/// Parses `--kv-cache`: `auto` (the compute dtype), `bf16`, `f16`, `f32` or `int8`.
+pub fn parse_kv_cache(s: &str, compute: burn::tensor::DType) -> Result<burn_gemma_model::KvFormat, Error> {
+    use burn_gemma_model::KvFormat;
+    match s.to_ascii_lowercase().as_str() {
+        "auto" => Ok(KvFormat::Dense(compute)),
+        "int8" | "i8" | "q8" => Ok(KvFormat::Int8),
+        other => parse_dtype(other)
+            .map(KvFormat::Dense)
+            .map_err(|_| Error::Request(format!("unknown --kv-cache {other:?}; expected auto, bf16, f16, f32 or int8"))),
+    }
+}
+
 /// The dtype to run in when none is asked for: bf16 on CUDA and ROCm (`backend_name` as
 /// [`BackendTask::run`] receives it), f32 elsewhere (CPU backends and wgpu drivers without
 /// bf16).

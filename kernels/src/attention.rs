@@ -123,6 +123,11 @@ pub(crate) mod kernel {
         out: &mut Tensor<F>,
         partial: &mut Tensor<f32>,
         stats: &mut Tensor<f32>,
+        k_codes: &Tensor<u32>,
+        k_scales: &Tensor<f32>,
+        v_codes: &Tensor<u32>,
+        v_scales: &Tensor<f32>,
+        kv_len: u32,
         q_offset: u32,
         k_offset: u32,
         window: u32,
@@ -132,6 +137,7 @@ pub(crate) mod kernel {
         #[comptime] has_window: bool,
         #[comptime] has_cap: bool,
         #[comptime] split: bool,
+        #[comptime] int8: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let bq = tiling.bq;
@@ -141,8 +147,14 @@ pub(crate) mod kernel {
         let threads = bq * tpr;
         let q_heads = q.shape(1);
         let q_len = q.shape(2);
-        let kv_heads = k.shape(1);
-        let k_len = k.shape(2);
+        // int8 keys and values: packed codes `[batch, kv_heads, slots, dim / 4]` and scales
+        // `[batch, kv_heads, slots]`, of which the first `kv_len` slots are attended.
+        let mut kv_heads = k.shape(1);
+        let mut k_len = k.shape(2);
+        if int8 {
+            kv_heads = k_scales.shape(1);
+            k_len = kv_len as usize;
+        }
         let groups = q_heads / kv_heads;
         let rows = groups * q_len;
         let b = CUBE_POS_Y as usize / kv_heads;
@@ -211,8 +223,16 @@ pub(crate) mod kernel {
                 let mut kv = 0.0f32;
                 let mut vv = 0.0f32;
                 if key < k_len {
-                    kv = f32::cast_from(k[k_base + key * k.stride(2) + c * k.stride(3)]);
-                    vv = f32::cast_from(v[v_base + key * v.stride(2) + c * v.stride(3)]);
+                    if int8 {
+                        let slot = (b * kv_heads + kvh) * k_scales.shape(2) + key;
+                        let word = slot * (dim / 4) + c / 4;
+                        let shift = (c % 4) as u32 * 8;
+                        kv = (f32::cast_from((k_codes[word] >> shift) & 255u32) - 128.0f32) * k_scales[slot];
+                        vv = (f32::cast_from((v_codes[word] >> shift) & 255u32) - 128.0f32) * v_scales[slot];
+                    } else {
+                        kv = f32::cast_from(k[k_base + key * k.stride(2) + c * k.stride(3)]);
+                        vv = f32::cast_from(v[v_base + key * v.stride(2) + c * v.stride(3)]);
+                    }
                 }
                 k_tile[j * kstride + c] = kv;
                 v_tile[idx] = vv;
@@ -303,7 +323,7 @@ pub(crate) mod kernel {
         if r < rows {
             if split {
                 // Partial results [splits, batch, kv_heads, rows, dim] and (max, sum) stats.
-                let slot = ((split_index * k.shape(0) + b) * kv_heads + kvh) * rows + r;
+                let slot = ((split_index * q.shape(0) + b) * kv_heads + kvh) * rows + r;
                 #[unroll]
                 for i in 0..tiling.cols {
                     let c = my_col + i * tpr;
@@ -403,6 +423,15 @@ pub(crate) mod kernel {
         Tiling { bq, bk, tpr, cols: dim.div_ceil(tpr), dim, lanes }
     }
 
+    /// Keys and values as the kernel reads them.
+    pub enum Kv<R: CubeRuntime> {
+        /// `[batch, kv_heads, k_len, dim]` each, any strides.
+        Dense { k: CubeTensor<R>, v: CubeTensor<R> },
+        /// Packed int8 codes `[batch, kv_heads, slots, dim / 4]` and f32 scales `[batch,
+        /// kv_heads, slots]`; the first `len` slots are attended.
+        Int8 { k_codes: CubeTensor<R>, k_scales: CubeTensor<R>, v_codes: CubeTensor<R>, v_scales: CubeTensor<R>, len: usize },
+    }
+
     /// `q`: `[batch, q_heads, q_len, dim]`, `k`/`v`: `[batch, kv_heads, k_len, dim]`, any
     /// strides. Returns a contiguous `[batch, q_heads, q_len, dim]` in `q`'s dtype.
     pub fn attention<R: CubeRuntime>(
@@ -413,8 +442,16 @@ pub(crate) mod kernel {
         scale: f64,
         softcap: Option<f64>,
     ) -> CubeTensor<R> {
+        attention_kv(q, Kv::Dense { k, v }, mask, scale, softcap)
+    }
+
+    /// Attention over dense or int8 keys and values.
+    pub fn attention_kv<R: CubeRuntime>(q: CubeTensor<R>, kv: Kv<R>, mask: AttentionMask, scale: f64, softcap: Option<f64>) -> CubeTensor<R> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
-        let [kv_heads, k_len] = [k.meta.shape()[1], k.meta.shape()[2]];
+        let (kv_heads, k_len) = match &kv {
+            Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2]),
+            Kv::Int8 { k_scales, len, .. } => (k_scales.meta.shape()[1], *len),
+        };
         let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
         if batch * q_heads * q_len * dim == 0 {
             return out;
@@ -438,6 +475,15 @@ pub(crate) mod kernel {
         };
         let dtype: StorageType = q.dtype.into();
         let client = q.client.clone();
+        let int8 = matches!(kv, Kv::Int8 { .. });
+        // Never-read stand-ins for the arguments of the other storage.
+        let (k, v, k_codes, k_scales, v_codes, v_scales) = match kv {
+            Kv::Dense { k, v } => {
+                let (codes, scales) = (empty(&q, [1], DType::U32), empty(&q, [1], DType::F32));
+                (k, v, codes.clone(), scales.clone(), codes, scales)
+            }
+            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales),
+        };
         flash_attention_kernel::launch::<R>(
             &client,
             CubeCount::Static(row_blocks as u32, (batch * kv_heads) as u32, splits as u32),
@@ -448,6 +494,11 @@ pub(crate) mod kernel {
             out.clone().into_tensor_arg(),
             partial.clone().into_tensor_arg(),
             stats.clone().into_tensor_arg(),
+            k_codes.into_tensor_arg(),
+            k_scales.into_tensor_arg(),
+            v_codes.into_tensor_arg(),
+            v_scales.into_tensor_arg(),
+            k_len as u32,
             mask.q_offset as u32,
             mask.k_offset as u32,
             mask.window.unwrap_or(0) as u32,
@@ -457,6 +508,7 @@ pub(crate) mod kernel {
             mask.window.is_some(),
             softcap.is_some(),
             split,
+            int8,
             dtype,
         );
         if split {

@@ -1,6 +1,6 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, QuantizedMatrix, SamplingParams};
+use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, QuantizedMatrix, SamplingParams};
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -112,6 +112,46 @@ where
 
     fn pack<const D: usize>(weight: Tensor<Self, D>) -> Tensor<Self, D> {
         cube::tensor(cube::float(weight))
+    }
+
+    /// Four codes per `u32` word: `[batch, kv_heads, slots, head_dim / 4]`.
+    fn kv_int8_zeros([b, h, slots, dim]: [usize; 4], device: &Self::Device) -> Int8Kv<Self> {
+        Int8Kv {
+            codes: Tensor::zeros([b, h, slots, dim / 4], (device, DType::U32)),
+            scales: Tensor::zeros([b, h, slots], (device, DType::F32)),
+            shape: [b, h, slots, dim],
+        }
+    }
+
+    /// Quantizes in place into the cache's buffers (the cache owns them).
+    fn kv_int8_store(cache: Int8Kv<Self>, x: Tensor<Self, 4>, slot: usize) -> Int8Kv<Self> {
+        let (codes, scales) = (cube::int(cache.codes), cube::float(cache.scales));
+        crate::kv_quant::kernel::store(cube::float_strided(x), &codes, &scales, slot);
+        Int8Kv { codes: cube::int_tensor(codes), scales: cube::tensor(scales), shape: cache.shape }
+    }
+
+    fn kv_int8_load(cache: &Int8Kv<Self>, range: std::ops::Range<usize>, dtype: DType) -> Tensor<Self, 4> {
+        let (codes, scales) = (cube::int(cache.codes.clone()), cube::float(cache.scales.clone()));
+        cube::tensor(crate::kv_quant::kernel::load(&codes, &scales, range.start, range.len(), dtype))
+    }
+
+    fn grouped_attention_int8(
+        q: Tensor<Self, 4>,
+        k: &Int8Kv<Self>,
+        v: &Int8Kv<Self>,
+        len: usize,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<Self, 4> {
+        let kv = crate::attention::kernel::Kv::Int8 {
+            k_codes: cube::int(k.codes.clone()),
+            k_scales: cube::float(k.scales.clone()),
+            v_codes: cube::int(v.codes.clone()),
+            v_scales: cube::float(v.scales.clone()),
+            len,
+        };
+        cube::tensor(crate::attention::kernel::attention_kv(cube::float_strided(q), kv, mask, scale, softcap))
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {

@@ -22,6 +22,7 @@ pub(crate) mod gpu_test;
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
+pub mod kv_quant;
 pub mod linear;
 pub mod quant;
 pub mod rms_norm;
@@ -33,6 +34,7 @@ mod backends;
 mod cube;
 
 pub use attention::AttentionMask;
+pub use kv_quant::Int8Kv;
 pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
 pub use sampling::SamplingParams;
 
@@ -142,6 +144,40 @@ pub trait GemmaBackend: Backend {
         softcap: Option<f64>,
     ) -> Tensor<Self, 4> {
         attention::reference(q, k, v, mask, scale, softcap)
+    }
+
+    /// An int8 KV store of `shape` = `[batch, kv_heads, slots, head_dim]` (`head_dim` a
+    /// multiple of 4), every slot zero.
+    fn kv_int8_zeros(shape: [usize; 4], device: &Self::Device) -> Int8Kv<Self> {
+        kv_quant::zeros_reference(shape, device)
+    }
+
+    /// Quantizes `x` (`[batch, kv_heads, t, head_dim]`) into slots `slot..slot + t`, one scale
+    /// per (sequence, head, position).
+    fn kv_int8_store(cache: Int8Kv<Self>, x: Tensor<Self, 4>, slot: usize) -> Int8Kv<Self> {
+        kv_quant::store_reference(cache, x, slot)
+    }
+
+    /// Slots `range` dequantized to `dtype`: `[batch, kv_heads, range.len(), head_dim]`.
+    fn kv_int8_load(cache: &Int8Kv<Self>, range: std::ops::Range<usize>, dtype: burn::tensor::DType) -> Tensor<Self, 4> {
+        kv_quant::load_reference(cache, range, dtype)
+    }
+
+    /// [`GemmaBackend::grouped_attention`] over the first `len` slots of int8 keys and values;
+    /// returns `q`'s dtype. The CubeCL kernel reads the codes directly.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_attention_int8(
+        q: Tensor<Self, 4>,
+        k: &Int8Kv<Self>,
+        v: &Int8Kv<Self>,
+        len: usize,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<Self, 4> {
+        let dtype = q.dtype();
+        let (k, v) = (Self::kv_int8_load(k, 0..len, dtype), Self::kv_int8_load(v, 0..len, dtype));
+        Self::grouped_attention(q, k, v, mask, scale, softcap)
     }
 
     /// A weight in the layout the kernels read fastest, done once at load: CubeCL allocates

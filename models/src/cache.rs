@@ -7,7 +7,36 @@
 
 use crate::{GemmaConfig, LayerType, ModelError};
 use burn::tensor::{backend::Backend, s, DType, Tensor};
-use burn_gemma_kernels::{rope, AttentionMask};
+use burn_gemma_kernels::{rope, AttentionMask, GemmaBackend, Int8Kv};
+
+/// How keys and values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFormat {
+    /// Dense in this dtype (f32, f16 or bf16).
+    Dense(DType),
+    /// int8 codes with one f32 scale per (sequence, KV head, position), quantized on append;
+    /// attention reads the codes directly.
+    Int8,
+}
+
+impl std::fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Dense(DType::BF16) => f.write_str("bf16"),
+            Self::Dense(DType::F16) => f.write_str("f16"),
+            Self::Dense(DType::F32) => f.write_str("f32"),
+            Self::Dense(other) => write!(f, "{other:?}"),
+            Self::Int8 => f.write_str("int8"),
+        }
+    }
+}
+
+/// Keys and values of one layer.
+#[derive(Debug)]
+enum Storage<B: GemmaBackend> {
+    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
+    Int8 { keys: Int8Kv<B>, values: Int8Kv<B> },
+}
 
 /// cos/sin tables `[capacity, head_dim / 2]` (f32) for one layer type.
 #[derive(Debug, Clone)]
@@ -18,16 +47,15 @@ pub struct RopeTables<B: Backend> {
 
 /// Keys and values of one layer: `[batch, kv_heads, slots, head_dim]`.
 #[derive(Debug)]
-struct LayerCache<B: Backend> {
-    keys: Option<Tensor<B, 4>>,
-    values: Option<Tensor<B, 4>>,
+struct LayerCache<B: GemmaBackend> {
+    storage: Option<Storage<B>>,
     /// Ring size for sliding-window layers, `None` for global layers.
     window: Option<usize>,
 }
 
 /// The KV cache of a whole model, for a fixed batch size and capacity.
 #[derive(Debug)]
-pub struct KvCache<B: Backend> {
+pub struct KvCache<B: GemmaBackend> {
     layers: Vec<LayerCache<B>>,
     len: usize,
     capacity: usize,
@@ -36,11 +64,20 @@ pub struct KvCache<B: Backend> {
     rope_sliding: RopeTables<B>,
 }
 
-impl<B: Backend> KvCache<B> {
-    /// Allocates a cache for `batch` sequences of up to `capacity` positions, in `dtype`.
-    pub fn new(config: &GemmaConfig, batch: usize, capacity: usize, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+impl<B: GemmaBackend> KvCache<B> {
+    /// Allocates a cache for `batch` sequences of up to `capacity` positions, stored as `format`.
+    pub fn new(config: &GemmaConfig, batch: usize, capacity: usize, format: KvFormat, device: &B::Device) -> Result<Self, ModelError> {
         if batch == 0 || capacity == 0 {
             return Err(ModelError::InvalidInput(format!("KV cache needs a positive batch and capacity, got {batch} and {capacity}")));
+        }
+        match format {
+            KvFormat::Int8 if config.head_dim % 4 != 0 => {
+                return Err(ModelError::InvalidInput(format!("an int8 KV cache needs head_dim divisible by 4, the model has {}", config.head_dim)));
+            }
+            KvFormat::Dense(dtype) if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) => {
+                return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
+            }
+            _ => {}
         }
         let layers = config
             .layer_types
@@ -49,11 +86,11 @@ impl<B: Backend> KvCache<B> {
                 let window = config.window(layer_type);
                 let slots = window.map_or(capacity, |w| w.min(capacity));
                 let shape = [batch, config.num_key_value_heads, slots, config.head_dim];
-                LayerCache {
-                    keys: Some(Tensor::zeros(shape, (device, dtype))),
-                    values: Some(Tensor::zeros(shape, (device, dtype))),
-                    window: window.map(|_| slots),
-                }
+                let storage = match format {
+                    KvFormat::Dense(dtype) => Storage::Dense { keys: Tensor::zeros(shape, (device, dtype)), values: Tensor::zeros(shape, (device, dtype)) },
+                    KvFormat::Int8 => Storage::Int8 { keys: B::kv_int8_zeros(shape, device), values: B::kv_int8_zeros(shape, device) },
+                };
+                LayerCache { storage: Some(storage), window: window.map(|_| slots) }
             })
             .collect();
         let tables = |layer_type: LayerType| {
@@ -122,90 +159,189 @@ impl<B: Backend> KvCache<B> {
         self.len += new_tokens;
     }
 
-    /// Appends the keys and values of positions `len..len + t` to layer `layer` and returns the
-    /// keys and values to attend to with their mask.
+    /// Appends the keys and values of positions `len..len + t` to layer `layer` and attends to
+    /// them and the layer's earlier positions (causal, the layer's window).
     ///
-    /// - `keys`, `values`: `[batch, kv_heads, t, head_dim]`.
-    pub(crate) fn append(
+    /// - `q`: `[batch, q_heads, t, head_dim]`; `keys`, `values`: `[batch, kv_heads, t, head_dim]`;
+    /// - returns `[batch, q_heads, t, head_dim]`.
+    pub(crate) fn attend(
         &mut self,
         layer: usize,
+        q: Tensor<B, 4>,
         keys: Tensor<B, 4>,
         values: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>, AttentionMask) {
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<B, 4> {
         let offset = self.len;
         let entry = &mut self.layers[layer];
-        let (cache_k, cache_v) = match (entry.keys.take(), entry.values.take()) {
-            (Some(k), Some(v)) => (k, v),
-            _ => unreachable!("layer cache tensors are always restored after use"),
+        let window = entry.window;
+        let Some(storage) = entry.storage.take() else {
+            unreachable!("layer storage is always restored after use")
         };
-        let t = keys.dims()[2];
-        let (new_k, new_v, out_k, out_v, mask) = match entry.window {
-            None => {
-                let end = offset + t;
-                let cache_k = cache_k.slice_assign(s![.., .., offset..end, ..], keys);
-                let cache_v = cache_v.slice_assign(s![.., .., offset..end, ..], values);
-                let out_k = cache_k.clone().slice(s![.., .., 0..end, ..]);
-                let out_v = cache_v.clone().slice(s![.., .., 0..end, ..]);
-                (cache_k, cache_v, out_k, out_v, AttentionMask { q_offset: offset, k_offset: 0, window: None })
+        let (storage, out) = match storage {
+            Storage::Dense { keys: cache_k, values: cache_v } => {
+                let (cache_k, cache_v, out_k, out_v, mask) = append_dense(cache_k, cache_v, keys, values, offset, window);
+                let out = B::grouped_attention(q, out_k, out_v, mask, scale, softcap);
+                (Storage::Dense { keys: cache_k, values: cache_v }, out)
             }
-            Some(w) if t == 1 => {
-                // One new position: after overwriting the oldest slot the ring holds exactly the
-                // window, in rotated order; attention does not depend on key order.
-                let slot = offset % w;
-                let cache_k = cache_k.slice_assign(s![.., .., slot..slot + 1, ..], keys);
-                let cache_v = cache_v.slice_assign(s![.., .., slot..slot + 1, ..], values);
-                let filled = (offset + 1).min(w);
-                let out_k = cache_k.clone().slice(s![.., .., 0..filled, ..]);
-                let out_v = cache_v.clone().slice(s![.., .., 0..filled, ..]);
-                let mask = AttentionMask { q_offset: offset, k_offset: offset + 1 - filled, window: Some(w) };
-                (cache_k, cache_v, out_k, out_v, mask)
-            }
-            Some(w) => {
-                // Several positions: attend over [previous window in order] ++ [new keys], then
-                // keep the last `w` positions in the ring.
-                let previous = offset.min(w);
-                let ordered = |cache: &Tensor<B, 4>| -> Option<Tensor<B, 4>> {
-                    if previous == 0 {
-                        None
-                    } else if offset <= w {
-                        Some(cache.clone().slice(s![.., .., 0..offset, ..]))
-                    } else {
-                        let start = offset % w;
-                        Some(Tensor::cat(
-                            vec![cache.clone().slice(s![.., .., start..w, ..]), cache.clone().slice(s![.., .., 0..start, ..])],
-                            2,
-                        ))
-                    }
-                };
-                let join = |old: Option<Tensor<B, 4>>, new: Tensor<B, 4>| match old {
-                    Some(old) => Tensor::cat(vec![old, new], 2),
-                    None => new,
-                };
-                let out_k = join(ordered(&cache_k), keys.clone());
-                let out_v = join(ordered(&cache_v), values.clone());
-                let mask = AttentionMask { q_offset: offset, k_offset: offset - previous, window: Some(w) };
-                let kept = t.min(w);
-                let first = offset + t - kept;
-                let cache_k = write_ring(cache_k, keys.slice(s![.., .., t - kept..t, ..]), first, w);
-                let cache_v = write_ring(cache_v, values.slice(s![.., .., t - kept..t, ..]), first, w);
-                (cache_k, cache_v, out_k, out_v, mask)
-            }
+            Storage::Int8 { keys: cache_k, values: cache_v } => attend_int8(cache_k, cache_v, q, keys, values, offset, window, scale, softcap),
         };
-        entry.keys = Some(new_k);
-        entry.values = Some(new_v);
-        (out_k, out_v, mask)
+        entry.storage = Some(storage);
+        out
+    }
+
+    /// Bytes the keys and values occupy on the device.
+    pub fn device_bytes(&self) -> usize {
+        let size4 = |t: &Tensor<B, 4>| t.shape().num_elements() * t.dtype().size();
+        let int8 = |kv: &Int8Kv<B>| kv.codes.shape().num_elements() * kv.codes.dtype().size() + kv.scales.shape().num_elements() * 4;
+        self.layers
+            .iter()
+            .map(|l| match &l.storage {
+                Some(Storage::Dense { keys, values }) => size4(keys) + size4(values),
+                Some(Storage::Int8 { keys, values }) => int8(keys) + int8(values),
+                None => 0,
+            })
+            .sum()
     }
 }
 
-/// Writes `rows` (positions `first..first + n`, `n <= w`) into ring slots `pos % w`.
-fn write_ring<B: Backend>(ring: Tensor<B, 4>, rows: Tensor<B, 4>, first: usize, w: usize) -> Tensor<B, 4> {
-    let n = rows.dims()[2];
-    let start = first % w;
-    let head = n.min(w - start);
-    let ring = ring.slice_assign(s![.., .., start..start + head, ..], rows.clone().slice(s![.., .., 0..head, ..]));
-    if head < n {
-        ring.slice_assign(s![.., .., 0..n - head, ..], rows.slice(s![.., .., head..n, ..]))
-    } else {
-        ring
+/// Dense append: writes positions `offset..offset + t` and returns the caches and the keys and
+/// values to attend to with their mask.
+fn append_dense<B: Backend>(
+    cache_k: Tensor<B, 4>,
+    cache_v: Tensor<B, 4>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    offset: usize,
+    window: Option<usize>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, AttentionMask) {
+    let t = keys.dims()[2];
+    match window {
+        None => {
+            let end = offset + t;
+            let cache_k = cache_k.slice_assign(s![.., .., offset..end, ..], keys);
+            let cache_v = cache_v.slice_assign(s![.., .., offset..end, ..], values);
+            let out_k = cache_k.clone().slice(s![.., .., 0..end, ..]);
+            let out_v = cache_v.clone().slice(s![.., .., 0..end, ..]);
+            (cache_k, cache_v, out_k, out_v, AttentionMask { q_offset: offset, k_offset: 0, window: None })
+        }
+        Some(w) if t == 1 => {
+            // One new position: after overwriting the oldest slot the ring holds exactly the
+            // window, in rotated order; attention does not depend on key order.
+            let slot = offset % w;
+            let cache_k = cache_k.slice_assign(s![.., .., slot..slot + 1, ..], keys);
+            let cache_v = cache_v.slice_assign(s![.., .., slot..slot + 1, ..], values);
+            let filled = (offset + 1).min(w);
+            let out_k = cache_k.clone().slice(s![.., .., 0..filled, ..]);
+            let out_v = cache_v.clone().slice(s![.., .., 0..filled, ..]);
+            (cache_k, cache_v, out_k, out_v, ring_mask(offset, filled, w))
+        }
+        Some(w) => {
+            // Several positions: attend over [previous window in order] ++ [new keys], then
+            // keep the last `w` positions in the ring.
+            let ordered = |cache: &Tensor<B, 4>| ordered_window(offset, w, |r| cache.clone().slice(s![.., .., r, ..]));
+            let out_k = join(ordered(&cache_k), keys.clone());
+            let out_v = join(ordered(&cache_v), values.clone());
+            let mask = AttentionMask { q_offset: offset, k_offset: offset - offset.min(w), window: Some(w) };
+            let mut cache_k = Some(cache_k);
+            let mut cache_v = Some(cache_v);
+            for (rows, slot) in ring_writes(offset, t, w) {
+                cache_k = cache_k.map(|c| c.slice_assign(s![.., .., slot..slot + rows.len(), ..], keys.clone().slice(s![.., .., rows.clone(), ..])));
+                cache_v = cache_v.map(|c| c.slice_assign(s![.., .., slot..slot + rows.len(), ..], values.clone().slice(s![.., .., rows.clone(), ..])));
+            }
+            match (cache_k, cache_v) {
+                (Some(k), Some(v)) => (k, v, out_k, out_v, mask),
+                _ => unreachable!("both caches are kept through the writes"),
+            }
+        }
     }
+}
+
+/// int8 append and attention: decode and global layers attend over the codes directly;
+/// a multi-position window attends over the dequantized window and the new (unquantized) rows.
+#[allow(clippy::too_many_arguments)]
+fn attend_int8<B: GemmaBackend>(
+    cache_k: Int8Kv<B>,
+    cache_v: Int8Kv<B>,
+    q: Tensor<B, 4>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    offset: usize,
+    window: Option<usize>,
+    scale: f64,
+    softcap: Option<f64>,
+) -> (Storage<B>, Tensor<B, 4>) {
+    let t = keys.dims()[2];
+    match window {
+        None => {
+            let cache_k = B::kv_int8_store(cache_k, keys, offset);
+            let cache_v = B::kv_int8_store(cache_v, values, offset);
+            let mask = AttentionMask { q_offset: offset, k_offset: 0, window: None };
+            let out = B::grouped_attention_int8(q, &cache_k, &cache_v, offset + t, mask, scale, softcap);
+            (Storage::Int8 { keys: cache_k, values: cache_v }, out)
+        }
+        Some(w) if t == 1 => {
+            let slot = offset % w;
+            let cache_k = B::kv_int8_store(cache_k, keys, slot);
+            let cache_v = B::kv_int8_store(cache_v, values, slot);
+            let filled = (offset + 1).min(w);
+            let out = B::grouped_attention_int8(q, &cache_k, &cache_v, filled, ring_mask(offset, filled, w), scale, softcap);
+            (Storage::Int8 { keys: cache_k, values: cache_v }, out)
+        }
+        Some(w) => {
+            let dtype = q.dtype();
+            let out_k = join(ordered_window(offset, w, |r| B::kv_int8_load(&cache_k, r, dtype)), keys.clone());
+            let out_v = join(ordered_window(offset, w, |r| B::kv_int8_load(&cache_v, r, dtype)), values.clone());
+            let mask = AttentionMask { q_offset: offset, k_offset: offset - offset.min(w), window: Some(w) };
+            let out = B::grouped_attention(q, out_k, out_v, mask, scale, softcap);
+            let (mut cache_k, mut cache_v) = (cache_k, cache_v);
+            for (rows, slot) in ring_writes(offset, t, w) {
+                cache_k = B::kv_int8_store(cache_k, keys.clone().slice(s![.., .., rows.clone(), ..]), slot);
+                cache_v = B::kv_int8_store(cache_v, values.clone().slice(s![.., .., rows, ..]), slot);
+            }
+            (Storage::Int8 { keys: cache_k, values: cache_v }, out)
+        }
+    }
+}
+
+/// Mask of one query at `offset` over a ring holding `filled` positions in rotated order: every
+/// key in the ring is inside the window, so the order does not matter.
+fn ring_mask(offset: usize, filled: usize, w: usize) -> AttentionMask {
+    AttentionMask { q_offset: offset, k_offset: offset + 1 - filled, window: Some(w) }
+}
+
+/// The ring's previous positions (up to `w` before `offset`) in position order, read through
+/// `slots(range)`; `None` when there are none.
+fn ordered_window<B: Backend>(offset: usize, w: usize, slots: impl Fn(std::ops::Range<usize>) -> Tensor<B, 4>) -> Option<Tensor<B, 4>> {
+    if offset == 0 {
+        None
+    } else if offset <= w {
+        Some(slots(0..offset))
+    } else {
+        let start = offset % w;
+        Some(Tensor::cat(vec![slots(start..w), slots(0..start)], 2))
+    }
+}
+
+fn join<B: Backend>(old: Option<Tensor<B, 4>>, new: Tensor<B, 4>) -> Tensor<B, 4> {
+    match old {
+        Some(old) => Tensor::cat(vec![old, new], 2),
+        None => new,
+    }
+}
+
+/// Where the last `min(t, w)` of `t` new positions (starting at `offset`) go in a ring of `w`
+/// slots: `(rows of the new block, first slot)`, at most two contiguous writes.
+fn ring_writes(offset: usize, t: usize, w: usize) -> Vec<(std::ops::Range<usize>, usize)> {
+    let kept = t.min(w);
+    let first = offset + t - kept;
+    let start = first % w;
+    let head = kept.min(w - start);
+    let skip = t - kept;
+    let mut writes = vec![(skip..skip + head, start)];
+    if head < kept {
+        writes.push((skip + head..t, 0));
+    }
+    writes
 }

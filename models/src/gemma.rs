@@ -6,6 +6,7 @@
 
 use crate::{
     weights::{row_chunks, MatrixWeight, WeightFormat, WeightKind, WeightSource},
+    cache::KvFormat,
     Architecture, GemmaConfig, KvCache, LayerType, ModelError,
 };
 use burn_gemma_kernels::{QuantFormat, QuantizedMatrix};
@@ -191,8 +192,7 @@ impl<B: GemmaBackend> Attention<B> {
         let q = B::rope(q, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.q_norm));
         let k = B::rope(k, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.k_norm));
 
-        let (keys, values, mask) = cache.append(s.index, k, v);
-        let out = B::grouped_attention(q, keys, values, mask, s.scale, s.softcap);
+        let out = cache.attend(s.index, q, k, v, s.scale, s.softcap);
         // `[batch, heads, seq, d]` -> `[batch, seq, heads * d]`; with one position both orders
         // are the same memory, so decode skips the transposing copy.
         let out = if seq == 1 { out } else { out.swap_dims(1, 2) };
@@ -350,6 +350,9 @@ pub struct Gemma<B: GemmaBackend> {
     pub config: GemmaConfig,
     #[module(skip)]
     pub dtype: DType,
+    /// How [`Gemma::new_cache`] stores keys and values (dense in `dtype` after loading).
+    #[module(skip)]
+    pub kv_cache: KvFormat,
 }
 
 impl<B: GemmaBackend> Gemma<B> {
@@ -378,7 +381,7 @@ impl<B: GemmaBackend> Gemma<B> {
             .map(|i| DecoderLayer::load(source, i, &config, settings, device))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
-        Ok(Self { embed_tokens, layers, norm, config, dtype })
+        Ok(Self { embed_tokens, layers, norm, config, dtype, kv_cache: KvFormat::Dense(dtype) })
     }
 
     /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
@@ -403,7 +406,7 @@ impl<B: GemmaBackend> Gemma<B> {
 
     /// A KV cache for `batch` sequences of up to `capacity` positions.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<B>, ModelError> {
-        KvCache::new(&self.config, batch, capacity, self.dtype, &self.device())
+        KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
     }
 
     /// The embedding scale `sqrt(hidden_size)`, rounded to the activation dtype as the reference

@@ -11,7 +11,7 @@ pub mod error;
 pub mod gemma;
 pub mod weights;
 
-pub use cache::KvCache;
+pub use cache::{KvCache, KvFormat};
 pub use config::{Architecture, GemmaConfig, LayerType, RopeConfig};
 pub use error::ModelError;
 pub use gemma::Gemma;

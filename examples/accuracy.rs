@@ -1,0 +1,209 @@
+//! Accuracy of quantized weights and KV caches on the real model, against an f32 reference.
+//!
+//! ```text
+//! cargo run --release --features cuda --example accuracy -- --backend cuda \
+//!     --fixture ../shared/fixtures/gemma3-270m-reference.json
+//! ```
+//!
+//! Every fixture prompt plus its reference greedy continuation is fed token by token (`--mode
+//! decode`, the decode kernels and the KV cache at every step) or in one pass (`--mode
+//! prefill`) through the reference (f32 weights dequantized from the file, f32 KV cache,
+//! f32 compute) and through each variant `weights:kv` in lockstep. Per variant: top-1
+//! agreement with the reference, top-1 agreement with the HF transformers fixture, and the mean
+//! and largest KL divergence `KL(reference || variant)` of the next-token distributions.
+
+use burn::tensor::{DType, Tensor};
+use burn_gemma::{
+    backends::{dispatch, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
+    generation::token_tensor,
+    Checkpoint, Error, Gemma, GemmaBackend, KvCache, WeightFormat,
+};
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// GGUF file or HF directory; default: the default model (fetched once).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The HF transformers reference (`gemma3-270m-reference.json`).
+    #[arg(long)]
+    fixture: PathBuf,
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Comma-separated `weights:kv` pairs (`--weights` and `--kv-cache` values).
+    #[arg(long, default_value = "f32:f32,bf16:bf16,bf16:int8,q8:bf16,q8:int8,q4:bf16,q4:int8,native:bf16,native:int8")]
+    variants: String,
+    /// decode (token by token) or prefill (one pass per prompt).
+    #[arg(long, default_value = "decode")]
+    mode: String,
+    /// Only the first N fixture cases (all by default).
+    #[arg(long)]
+    cases: Option<usize>,
+}
+
+struct Case {
+    name: String,
+    sequence: Vec<u32>,
+    /// HF's top-1 at every position.
+    hf_top1: Vec<u32>,
+}
+
+fn read_cases(path: &PathBuf) -> Result<Vec<Case>, Error> {
+    let bad = |why: &str| Error::Request(format!("{}: {why}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.clone(), source })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&e.to_string()))?;
+    let ids = |v: &serde_json::Value| -> Option<Vec<u32>> { v.as_array()?.iter().map(|x| x.as_u64().map(|x| x as u32)).collect() };
+    json["cases"]
+        .as_array()
+        .ok_or_else(|| bad("no `cases` array"))?
+        .iter()
+        .map(|c| {
+            let prompt = ids(&c["prompt_ids"]).ok_or_else(|| bad("case without prompt_ids"))?;
+            let greedy = ids(&c["greedy_ids"]).ok_or_else(|| bad("case without greedy_ids"))?;
+            let top: Vec<u32> = c["top_ids"]
+                .as_array()
+                .ok_or_else(|| bad("case without top_ids"))?
+                .iter()
+                .map(|r| ids(r).and_then(|r| r.first().copied()).ok_or_else(|| bad("empty top_ids row")))
+                .collect::<Result<_, _>>()?;
+            let sequence: Vec<u32> = prompt.iter().chain(&greedy[..greedy.len().saturating_sub(1)]).copied().collect();
+            if top.len() != sequence.len() {
+                return Err(bad("top_ids and the teacher-forced sequence differ in length"));
+            }
+            Ok(Case { name: c["name"].as_str().unwrap_or("?").to_string(), sequence, hf_top1: top })
+        })
+        .collect()
+}
+
+#[derive(Default, Clone)]
+struct Stats {
+    positions: usize,
+    top1_ref: usize,
+    top1_hf: usize,
+    kl_sum: f64,
+    kl_max: f64,
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    let log_z = max + sum.ln();
+    logits.iter().map(|&v| v as f64 - log_z).collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0 as u32
+}
+
+struct Variant<B: GemmaBackend> {
+    label: String,
+    model: Gemma<B>,
+    stats: Stats,
+}
+
+/// Logits of every position of `ids` run after nothing, `[positions][vocab]`.
+fn run_case<B: GemmaBackend>(model: &Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Vec<Vec<f32>>, Error> {
+    let vocab = model.config.vocab_size;
+    let mut cache: KvCache<B> = model.new_cache(1, ids.len())?;
+    let rows = |t: Tensor<B, 3>| -> Result<Vec<Vec<f32>>, Error> {
+        let data = t.cast(DType::F32).into_data().to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+        Ok(data.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    };
+    if decode {
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            out.extend(rows(model.forward(token_tensor::<B>(&[id], device), &mut cache)?)?);
+        }
+        Ok(out)
+    } else {
+        rows(model.forward(token_tensor::<B>(ids, device), &mut cache)?)
+    }
+}
+
+struct Accuracy(Args);
+
+impl BackendTask for Accuracy {
+    type Output = Result<(), Error>;
+
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+        let a = self.0;
+        let decode = match a.mode.as_str() {
+            "decode" => true,
+            "prefill" => false,
+            other => return Err(Error::Request(format!("unknown --mode {other:?}; expected decode or prefill"))),
+        };
+        let mut cases = read_cases(&a.fixture)?;
+        if let Some(n) = a.cases {
+            cases.truncate(n);
+        }
+        let path = match a.model {
+            Some(p) => p,
+            None => burn_gemma::fetch::default_model(|_, _| {})?,
+        };
+        let checkpoint = Checkpoint::open(&path)?;
+        let reference = checkpoint.load_model_as::<B>(DType::F32, WeightFormat::Dense, &device, |_, _| {})?.0;
+        let mut variants = Vec::new();
+        for spec in a.variants.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (weights, kv) = spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv")))?;
+            let (format, dtype) = resolve_weights(weights, None, name)?;
+            let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
+            model.kv_cache = parse_kv_cache(kv, dtype)?;
+            let label = format!("{weights} ({format}, {:.0} MB) | {} | {dtype:?}", model.weight_bytes() as f64 / 1e6, model.kv_cache);
+            variants.push(Variant { label, model, stats: Stats::default() });
+        }
+        eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
+        let mut ref_hf = Stats::default();
+        for case in &cases {
+            let ref_logits = run_case(&reference, &case.sequence, decode, &device)?;
+            let ref_logp: Vec<Vec<f64>> = ref_logits.iter().map(|l| log_softmax(l)).collect();
+            let ref_top: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
+            ref_hf.positions += ref_top.len();
+            ref_hf.top1_hf += ref_top.iter().zip(&case.hf_top1).filter(|(a, b)| a == b).count();
+            for v in &mut variants {
+                let logits = run_case(&v.model, &case.sequence, decode, &device)?;
+                for (pos, l) in logits.iter().enumerate() {
+                    if l.iter().any(|x| !x.is_finite()) {
+                        return Err(Error::Backend(format!("{}: non-finite logits in case {} at position {pos}", v.label, case.name)));
+                    }
+                    let top = argmax(l);
+                    let logq = log_softmax(l);
+                    let kl: f64 = ref_logp[pos].iter().zip(&logq).map(|(&p, &q)| p.exp() * (p - q)).sum();
+                    let s = &mut v.stats;
+                    s.positions += 1;
+                    s.top1_ref += usize::from(top == ref_top[pos]);
+                    s.top1_hf += usize::from(top == case.hf_top1[pos]);
+                    s.kl_sum += kl;
+                    s.kl_max = s.kl_max.max(kl);
+                }
+            }
+            eprintln!("case {} ({} positions) done", case.name, case.sequence.len());
+        }
+        println!(
+            "reference (f32 weights dequantized from the file, f32 KV, f32 compute): top-1 agreement with HF {:.2}% over {} positions",
+            100.0 * ref_hf.top1_hf as f64 / ref_hf.positions.max(1) as f64,
+            ref_hf.positions
+        );
+        println!("| weights | KV cache | compute | top-1 vs f32 reference | top-1 vs HF | mean KL | max KL |");
+        println!("| --- | --- | --- | ---: | ---: | ---: | ---: |");
+        for v in &variants {
+            let s = &v.stats;
+            let n = s.positions.max(1) as f64;
+            println!(
+                "| {} | {:.2}% | {:.2}% | {:.2e} | {:.2e} |",
+                v.label,
+                100.0 * s.top1_ref as f64 / n,
+                100.0 * s.top1_hf as f64 / n,
+                s.kl_sum / n,
+                s.kl_max
+            );
+        }
+        Ok(())
+    }
+}
+
+fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let kind: BackendKind = args.backend.parse()?;
+    dispatch(kind, Accuracy(args), &mut |note| eprintln!("{note}"))?
+}
