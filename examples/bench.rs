@@ -19,7 +19,7 @@ use burn_gemma::{
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
-use burn_gemma_model::RandomWeights;
+use burn_gemma_model::{KvFormat, RandomWeights};
 use burn_gemma_kernels::SamplingParams;
 use clap::Parser;
 use std::time::{Duration, Instant};
@@ -59,6 +59,21 @@ struct Args {
 }
 
 struct Bench(Args);
+
+/// Bytes of keys and values one decode step reads at `position` (sliding layers read at most
+/// their window).
+fn kv_read_bytes(config: &GemmaConfig, kv: KvFormat, position: usize) -> usize {
+    let per_position = match kv {
+        KvFormat::Dense(dtype) => config.head_dim * dtype.size(),
+        // Codes plus one f32 scale per position and head.
+        KvFormat::Int8 => config.head_dim + 4,
+    };
+    config
+        .layer_types
+        .iter()
+        .map(|&t| 2 * config.num_key_value_heads * per_position * config.window(t).map_or(position, |w| w.min(position)))
+        .sum()
+}
 
 fn ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
     (0..n)
@@ -180,8 +195,8 @@ impl BackendTask for Bench {
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"peak_bytes\":{peak}}}",
-            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes()
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak}}}",
+            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2)
         );
         Ok(())
     }

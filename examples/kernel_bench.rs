@@ -8,7 +8,7 @@ use burn_gemma::{
     backends::{dispatch, parse_dtype, BackendKind, BackendTask},
     Error, GemmaBackend,
 };
-use burn_gemma_kernels::{attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, SamplingParams};
+use burn_gemma_kernels::{attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, HostQuantized, QuantFormat, SamplingParams};
 use clap::Parser;
 use std::time::Instant;
 
@@ -145,6 +145,27 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
         let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
         row("decode attention", &format!("8q/4kv x {depth}"), k, r, (2 * 4 * depth * 256) as f64 * e);
+        // The same over an int8 cache (codes + one f32 scale per position and head); the
+        // reference column is the dense kernel above.
+        let store = |x: &Tensor<B, 4>| B::kv_int8_store(B::kv_int8_zeros([1, 4, depth, 256], d), x.clone(), 0);
+        let (ki, vi) = (store(&kc), store(&vc));
+        let k8 = time::<B, _>(d, reps, || B::grouped_attention_int8(q.clone(), &ki, &vi, depth, mask, 0.0625, None));
+        row("decode attention, int8 KV", &format!("8q/4kv x {depth}"), k8, k, (2 * 4 * depth * (256 + 4)) as f64);
+    }
+
+    // Quantized decode projections (the reference column is the dense GEMV of the same shape).
+    for format in [QuantFormat::Q8, QuantFormat::Q4] {
+        for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 10240, 2560), (1, 640, 52_428), (4, 2560, 10240)] {
+            let x = rand(vec![n * inp], dt).reshape([n, inp]);
+            let values: Vec<f32> = rand(vec![out * inp], DType::F32).mul_scalar(0.02).into_data().to_vec::<f32>().unwrap_or_default();
+            let Ok(host) = HostQuantized::quantize(&values, out, inp, format) else { continue };
+            let wq = B::upload_quantized(&host, d);
+            let dense = B::pack(Tensor::<B, 2>::from_data(TensorData::new(values, [out, inp]), d).cast(dt));
+            let k = time::<B, _>(d, reps, || B::project_quantized(x.clone(), &wq));
+            let r = time::<B, _>(d, reps, || B::project(x.clone(), dense.clone()));
+            let bytes = wq.device_bytes() + (n * inp + n * out) * dt.size();
+            row(&format!("project {format} (GEMV)"), &format!("{n} x {inp} -> {out}"), k, r, bytes as f64);
+        }
     }
 
     // Prefill attention (compute-bound: also reported as TFLOP/s).

@@ -14,6 +14,16 @@
 #                                          than one device call allows, so use prepare, then run)
 #   bash .gpu-bench/bench-gpu.sh profile   only the decode profile (GGUFs if prepared, else
 #                                          synthetic models of the same shapes; no llama.cpp)
+#   bash .gpu-bench/bench-gpu.sh quant     quantized weights and KV caches: llama-bench (F16 and
+#                                          q8_0 KV) and ours (bf16 and int8 KV) on the Q8_0 and
+#                                          Q4_K_M files at depths 512 and 8192, the kernel table
+#                                          with the quantized GEMVs ($OUT/quant.md)
+#   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16)
+#   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
+#                                          ($MODEL_FILE, see `chunks`) against the HF fixture
+# The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
+# splits it into .gpu-model-1 .. .gpu-model-N; calls carrying them in turn, each within 30 s
+# of the previous one, run `cat .gpu-model-K/part >> $MODEL_FILE` there.
 #
 # Knobs (environment): MODELS="270m 1b 4b", QUANTS="Q8_0" (F16 is always written), REPS=5,
 # DEPTH_RUNS="1b:Q8_0:8192" (extra tg128/pp512 runs at depth; "none" for none), PROFILE="270m 4b"
@@ -24,6 +34,10 @@ MODELS=${MODELS:-"270m 1b 4b"}
 QUANTS=${QUANTS:-"Q8_0"}
 REPS=${REPS:-5}
 DEPTH_RUNS=${DEPTH_RUNS:-"1b:Q8_0:8192"}
+QMODELS=${QMODELS:-"1b 4b"}
+QFILES=${QFILES:-"Q8_0 Q4_K_M"}
+QDEPTHS=${QDEPTHS:-"512 8192"}
+MODEL_FILE=${MODEL_FILE:-/tmp/gemma3-270m-q4_k_m.gguf}
 PROFILE=${PROFILE:-"270m 4b"}
 HF=${HF:-1}
 LCPP=${LCPP:-/tmp/lcpp}
@@ -35,11 +49,16 @@ bundle() {
   local kit=${GPU_BENCH_KIT:-../shared/gpu-bench}
   rm -rf .gpu-bench && mkdir -p .gpu-bench/kit
   grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
-  cargo build --release --features cuda --example bench --example kernel_bench
-  for exe in bench kernel_bench; do
+  cargo build --release --features cuda --example bench --example kernel_bench --example accuracy
+  for exe in bench kernel_bench accuracy; do
     strip -o .gpu-bench/$exe target/release/examples/$exe && gzip -9 .gpu-bench/$exe
   done
-  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/decode_profile.py .gpu-bench/
+  local tests
+  tests=$(cargo test --release -p burn-gemma-kernels --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["lib"]][0])')
+  strip -o .gpu-bench/kernel_tests "$tests" && gzip -9 .gpu-bench/kernel_tests
+  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py .gpu-bench/
+  cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
   du -sh .gpu-bench
 }
@@ -88,6 +107,87 @@ unpack() {
   bin=/tmp/burn-gemma-bench
   gzip -dc "$here/bench.gz" > $bin && chmod +x $bin
   gzip -dc "$here/kernel_bench.gz" > /tmp/burn-gemma-kernel-bench && chmod +x /tmp/burn-gemma-kernel-bench
+  gzip -dc "$here/accuracy.gz" > /tmp/burn-gemma-accuracy && chmod +x /tmp/burn-gemma-accuracy
+  gzip -dc "$here/kernel_tests.gz" > /tmp/burn-gemma-kernel-tests && chmod +x /tmp/burn-gemma-kernel-tests
+}
+
+copy_bandwidth() {
+  [ -s "$OUT/env.txt" ] && return
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.memory --format=csv,noheader
+    python3 - <<'EOF'
+import torch
+n = 1 << 30
+x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+times = []
+for _ in range(20):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); b.synchronize(); times.append(a.elapsed_time(b) / 1e3)
+times.sort()
+print(f"copy_bw_GBps {2 * n / times[len(times) // 2] / 1e9:.1f}  (device-to-device copy of 1 GiB, bytes read + written, median of 20)")
+EOF
+  } > "$OUT/env.txt" 2>&1
+  log "$(tr '\n' ' ' < "$OUT/env.txt")"
+}
+
+# Quantized weights (the files' own Q8_0 / Q4_K blocks on the device) with bf16 and int8 KV,
+# against llama.cpp with F16 and q8_0 KV, at each depth of $QDEPTHS.
+quant() {
+  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
+  unpack
+  copy_bandwidth
+  for m in $QMODELS; do
+    for q in $QFILES; do
+      f=$GGUF/$m-$q.gguf
+      [ -s "$f" ] || { log "missing $f"; continue; }
+      for d in $QDEPTHS; do
+        for kv in f16 q8_0; do
+          log "llama-bench $m $q depth $d KV $kv"
+          "$LCPP/build/bin/llama-bench" -m "$f" -p 512 -n 128 -d "$d" -fa 1 -ngl 99 -r "$REPS" -ctk $kv -ctv $kv -o jsonl \
+            >> "$OUT/quant-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f depth $d KV $kv"
+        done
+        for kv in bf16 int8; do
+          log "ours $m $q depth $d KV $kv"
+          "$bin" --model "$f" --backend cuda --dtype bf16 --weights native --kv-cache $kv --prompt-len 512 --gen 128 \
+            --depth "$d" --reps "$REPS" >> "$OUT/quant-ours.txt" 2>&1 || log "our bench failed on $f depth $d KV $kv"
+        done
+      done
+    done
+  done
+  /tmp/burn-gemma-kernel-bench --backend cuda --dtype bf16 > "$OUT/kernels.txt" 2>> "$OUT/log.txt" || log "kernel_bench failed"
+  python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
+}
+
+accuracy() {
+  unpack
+  [ -s "$MODEL_FILE" ] || { log "no $MODEL_FILE"; return 1; }
+  sha256sum "$MODEL_FILE" | tee -a "$OUT/log.txt"
+  /tmp/burn-gemma-accuracy --backend cuda --model "$MODEL_FILE" --fixture "$here/gemma3-270m-reference.json" --mode "${ACC_MODE:-decode}" \
+    > "$OUT/accuracy-${ACC_MODE:-decode}.md" 2>> "$OUT/log.txt" || log "accuracy failed"
+  cat "$OUT/accuracy-${ACC_MODE:-decode}.md"
+}
+
+kernel_tests() {
+  unpack
+  /tmp/burn-gemma-kernel-tests --test-threads 1 > "$OUT/kernel-tests.txt" 2>&1; local rc=$?
+  grep -E "^test |test result" "$OUT/kernel-tests.txt"
+  return $rc
+}
+
+chunks() {
+  cd "$(dirname "$0")/.."
+  local src=${1:-$HOME/.cache/burn-gemma/gemma-3-270m-q4_k_m.gguf}
+  rm -rf .gpu-model-* && mkdir -p /tmp/gpu-model-split && rm -f /tmp/gpu-model-split/part*
+  split -b 60M -d "$src" /tmp/gpu-model-split/part
+  local i=1
+  for p in /tmp/gpu-model-split/part*; do
+    mkdir -p .gpu-model-$i && mv "$p" .gpu-model-$i/part
+    grep -qxF "/.gpu-model-$i/" .git/info/exclude 2>/dev/null || echo "/.gpu-model-$i/" >> .git/info/exclude
+    i=$((i + 1))
+  done
+  ls -la .gpu-model-*
 }
 
 # Where decode time goes, per model in $PROFILE: our tg128 (wall and host time per token, unless
@@ -112,22 +212,7 @@ run() {
   export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
   [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
   unpack
-  {
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.memory --format=csv,noheader
-    python3 - <<'EOF'
-import torch
-n = 1 << 30
-x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-for _ in range(3): y.copy_(x)
-times = []
-for _ in range(20):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); y.copy_(x); b.record(); b.synchronize(); times.append(a.elapsed_time(b) / 1e3)
-times.sort()
-print(f"copy_bw_GBps {2 * n / times[len(times) // 2] / 1e9:.1f}  (device-to-device copy of 1 GiB, bytes read + written, median of 20)")
-EOF
-  } > "$OUT/env.txt" 2>&1
-  log "$(tr '\n' ' ' < "$OUT/env.txt")"
+  copy_bandwidth
   for m in $MODELS; do
     for q in F16 $QUANTS; do
       f=$GGUF/$m-$q.gguf
@@ -153,6 +238,10 @@ case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
   profile) unpack && profile && cat "$OUT/profile.txt" ;;
+  quant) quant ;;
+  accuracy) accuracy ;;
+  tests) kernel_tests ;;
+  chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
-  *) echo "usage: $0 bundle|prepare|run|profile|all" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|chunks" >&2; exit 2 ;;
 esac

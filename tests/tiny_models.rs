@@ -191,3 +191,58 @@ fn random_gemma3_1b_matches_cpu_on_cuda() {
         }
     }
 }
+
+/// Teacher-forced logits of the fixture input, one token at a time (the decode kernels and the
+/// KV cache at every step), with matrices in `weights` and the cache in `kv`.
+fn decode_logits<B: GemmaBackend>(name: &str, weights: burn_gemma::WeightFormat, kv: burn_gemma::KvFormat, device: &B::Device) -> Vec<Vec<f32>> {
+    let dir = common::fixtures().join("tiny-gemma").join(name);
+    let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
+    let (mut model, _) = Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
+    model.kv_cache = kv;
+    let mut cache = model.new_cache(1, input.len()).unwrap();
+    input
+        .iter()
+        .map(|&id| model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap().into_data().to_vec::<f32>().unwrap())
+        .collect()
+}
+
+/// Q8 and Q4 weights and the int8 KV cache against the dense f32 run of the same backend, on
+/// every tiny architecture. Bounds (max |logit error| over the logit scale, share of positions
+/// whose top-1 changes) are about 3x what the NdArray reference measured.
+fn quantized_formats_track_dense<B: GemmaBackend>(device: &B::Device) {
+    use burn_gemma::{KvFormat, QuantFormat, WeightFormat};
+    for name in ["gemma1", "gemma2", "gemma3"] {
+        let dense = decode_logits::<B>(name, WeightFormat::Dense, KvFormat::Dense(DType::F32), device);
+        for (weights, kv, max_rel, max_flips) in [
+            (WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Dense(DType::F32), 0.03f32, 0.05f32),
+            (WeightFormat::Dense, KvFormat::Int8, 0.03, 0.05),
+            (WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Int8, 0.05, 0.05),
+            (WeightFormat::Quantized(QuantFormat::Q4), KvFormat::Int8, 0.5, 0.35),
+        ] {
+            let got = decode_logits::<B>(name, weights, kv, device);
+            let (mut worst, mut flips) = (0.0f32, 0usize);
+            for (g, d) in got.iter().zip(&dense) {
+                assert!(g.iter().all(|v| v.is_finite()), "{name} {weights}/{kv}: non-finite logits");
+                let scale = d.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let err = g.iter().zip(d).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                worst = worst.max(err / scale);
+                flips += usize::from(burn_gemma::sampling::argmax(g) != burn_gemma::sampling::argmax(d));
+            }
+            let flip_share = flips as f32 / dense.len() as f32;
+            println!("{name} weights {weights} KV {kv}: max relative logit error {worst:.3e}, top-1 changed at {flips}/{} positions", dense.len());
+            assert!(worst <= max_rel, "{name} {weights}/{kv}: relative logit error {worst} > {max_rel}");
+            assert!(flip_share <= max_flips, "{name} {weights}/{kv}: top-1 changed at {flips} of {} positions", dense.len());
+        }
+    }
+}
+
+#[test]
+fn quantized_formats_track_dense_on_ndarray() {
+    quantized_formats_track_dense::<burn_gemma::backends::NdArray>(&Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn quantized_formats_track_dense_on_wgpu() {
+    quantized_formats_track_dense::<burn_gemma::backends::Wgpu>(&Default::default());
+}
