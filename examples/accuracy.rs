@@ -97,28 +97,50 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 struct Variant<B: GemmaBackend> {
+    spec: String,
     label: String,
     model: Gemma<B>,
-    stats: Stats,
 }
 
-/// Logits of every position of `ids` run after nothing, `[positions][vocab]`.
-fn run_case<B: GemmaBackend>(model: &Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Vec<Vec<f32>>, Error> {
-    let vocab = model.config.vocab_size;
-    let mut cache: KvCache<B> = model.new_cache(1, ids.len())?;
-    let rows = |t: Tensor<B, 3>| -> Result<Vec<Vec<f32>>, Error> {
-        let data = t.cast(DType::F32).into_data().to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-        Ok(data.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
-    };
-    if decode {
-        let mut out = Vec::with_capacity(ids.len());
-        for &id in ids {
-            out.extend(rows(model.forward(token_tensor::<B>(&[id], device), &mut cache)?)?);
-        }
-        Ok(out)
-    } else {
-        rows(model.forward(token_tensor::<B>(ids, device), &mut cache)?)
+/// One model's logits over a case: position by position through its KV cache (decode) or all
+/// at once (prefill).
+struct Stepper<'a, B: GemmaBackend> {
+    model: &'a Gemma<B>,
+    cache: KvCache<B>,
+    /// Prefill mode: every position's logits, computed up front.
+    rows: Option<Vec<Vec<f32>>>,
+}
+
+impl<'a, B: GemmaBackend> Stepper<'a, B> {
+    fn new(model: &'a Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Self, Error> {
+        let mut cache = model.new_cache(1, ids.len())?;
+        let rows = if decode { None } else { Some(rows(model, model.forward(token_tensor::<B>(ids, device), &mut cache)?)?) };
+        Ok(Self { model, cache, rows })
     }
+
+    fn logits(&mut self, pos: usize, id: u32, device: &B::Device) -> Result<Vec<f32>, Error> {
+        match &mut self.rows {
+            Some(rows) => Ok(std::mem::take(&mut rows[pos])),
+            None => Ok(rows(self.model, self.model.forward(token_tensor::<B>(&[id], device), &mut self.cache)?)?.remove(0)),
+        }
+    }
+}
+
+fn rows<B: GemmaBackend>(model: &Gemma<B>, t: Tensor<B, 3>) -> Result<Vec<Vec<f32>>, Error> {
+    let data = t.cast(DType::F32).into_data().to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+    Ok(data.chunks_exact(model.config.vocab_size).map(<[f32]>::to_vec).collect())
+}
+
+/// Adds one position's comparison of `logits` against `reference` (log-probabilities and top-1).
+fn compare(s: &mut Stats, reference: &[f64], reference_top: u32, logits: &[f32], hf_top: u32) {
+    let top = argmax(logits);
+    let logq = log_softmax(logits);
+    let kl: f64 = reference.iter().zip(&logq).map(|(&p, &q)| p.exp() * (p - q)).sum();
+    s.positions += 1;
+    s.top1_ref += usize::from(top == reference_top);
+    s.top1_hf += usize::from(top == hf_top);
+    s.kl_sum += kl;
+    s.kl_max = s.kl_max.max(kl);
 }
 
 struct Accuracy(Args);
@@ -150,31 +172,47 @@ impl BackendTask for Accuracy {
             let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
             model.kv_cache = parse_kv_cache(kv, dtype)?;
             let label = format!("{weights} ({format}, {:.0} MB) | {} | {dtype:?}", model.weight_bytes() as f64 / 1e6, model.kv_cache);
-            variants.push(Variant { label, model, stats: Stats::default() });
+            variants.push(Variant { spec: spec.to_string(), label, model });
         }
         eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
+        // int8-KV variants are also compared with the variant of the same weights and a dense
+        // KV cache (the "relative to the same run with bf16 KV").
+        let siblings: Vec<(usize, usize)> = a
+            .variants
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .enumerate()
+            .filter_map(|(i, spec)| {
+                let (weights, kv) = spec.split_once(':')?;
+                if kv != "int8" {
+                    return None;
+                }
+                let dense = a.variants.split(',').map(str::trim).filter(|s| !s.is_empty()).position(|o| o.split_once(':').is_some_and(|(w, k)| w == weights && k != "int8"))?;
+                Some((i, dense))
+            })
+            .collect();
+        let mut sibling_stats = vec![Stats::default(); siblings.len()];
+        let mut stats = vec![Stats::default(); variants.len()];
         let mut ref_hf = Stats::default();
         for case in &cases {
-            let ref_logits = run_case(&reference, &case.sequence, decode, &device)?;
-            let ref_logp: Vec<Vec<f64>> = ref_logits.iter().map(|l| log_softmax(l)).collect();
-            let ref_top: Vec<u32> = ref_logits.iter().map(|l| argmax(l)).collect();
-            ref_hf.positions += ref_top.len();
-            ref_hf.top1_hf += ref_top.iter().zip(&case.hf_top1).filter(|(a, b)| a == b).count();
-            for v in &mut variants {
-                let logits = run_case(&v.model, &case.sequence, decode, &device)?;
-                for (pos, l) in logits.iter().enumerate() {
+            let mut reference_steps = Stepper::new(&reference, &case.sequence, decode, &device)?;
+            let mut steppers = variants.iter().map(|v| Stepper::new(&v.model, &case.sequence, decode, &device)).collect::<Result<Vec<_>, _>>()?;
+            for (pos, &id) in case.sequence.iter().enumerate() {
+                let r = reference_steps.logits(pos, id, &device)?;
+                let (ref_logp, ref_top) = (log_softmax(&r), argmax(&r));
+                ref_hf.positions += 1;
+                ref_hf.top1_hf += usize::from(ref_top == case.hf_top1[pos]);
+                let logits = steppers.iter_mut().map(|s| s.logits(pos, id, &device)).collect::<Result<Vec<_>, _>>()?;
+                for ((v, s), l) in variants.iter().zip(&mut stats).zip(&logits) {
                     if l.iter().any(|x| !x.is_finite()) {
                         return Err(Error::Backend(format!("{}: non-finite logits in case {} at position {pos}", v.label, case.name)));
                     }
-                    let top = argmax(l);
-                    let logq = log_softmax(l);
-                    let kl: f64 = ref_logp[pos].iter().zip(&logq).map(|(&p, &q)| p.exp() * (p - q)).sum();
-                    let s = &mut v.stats;
-                    s.positions += 1;
-                    s.top1_ref += usize::from(top == ref_top[pos]);
-                    s.top1_hf += usize::from(top == case.hf_top1[pos]);
-                    s.kl_sum += kl;
-                    s.kl_max = s.kl_max.max(kl);
+                    compare(s, &ref_logp, ref_top, l, case.hf_top1[pos]);
+                }
+                for (s, &(int8, dense)) in sibling_stats.iter_mut().zip(&siblings) {
+                    let d = &logits[dense];
+                    compare(s, &log_softmax(d), argmax(d), &logits[int8], case.hf_top1[pos]);
                 }
             }
             eprintln!("case {} ({} positions) done", case.name, case.sequence.len());
@@ -186,8 +224,7 @@ impl BackendTask for Accuracy {
         );
         println!("| weights | KV cache | compute | top-1 vs f32 reference | top-1 vs HF | mean KL | max KL |");
         println!("| --- | --- | --- | ---: | ---: | ---: | ---: |");
-        for v in &variants {
-            let s = &v.stats;
+        for (v, s) in variants.iter().zip(&stats) {
             let n = s.positions.max(1) as f64;
             println!(
                 "| {} | {:.2}% | {:.2}% | {:.2e} | {:.2e} |",
@@ -197,6 +234,16 @@ impl BackendTask for Accuracy {
                 s.kl_sum / n,
                 s.kl_max
             );
+        }
+        if !siblings.is_empty() {
+            println!("\nint8 KV against the same weights with a dense KV cache:\n");
+            println!("| int8 variant (weights:kv) | compared with | top-1 agreement | mean KL | max KL |");
+            println!("| --- | --- | ---: | ---: | ---: |");
+            for (s, &(int8, dense)) in sibling_stats.iter().zip(&siblings) {
+                let n = s.positions.max(1) as f64;
+                let (a, b) = (&variants[int8].spec, &variants[dense].spec);
+                println!("| {a} | {b} | {:.2}% | {:.2e} | {:.2e} |", 100.0 * s.top1_ref as f64 / n, s.kl_sum / n, s.kl_max);
+            }
         }
         Ok(())
     }
