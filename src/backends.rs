@@ -304,3 +304,28 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::DType;
+    use burn_gemma_kernels::QuantFormat;
+    use burn_gemma_model::{KvFormat, WeightFormat};
+
+    #[test]
+    fn weights_and_kv_flags_resolve() {
+        assert_eq!(resolve_weights("auto", None, "candle (CPU)").unwrap(), (WeightFormat::Dense, DType::F32));
+        assert_eq!(resolve_weights("auto", None, "cuda:0").unwrap(), (WeightFormat::Native, DType::BF16));
+        assert_eq!(resolve_weights("Q4", Some("f16"), "cuda:0").unwrap(), (WeightFormat::Quantized(QuantFormat::Q4), DType::F16));
+        assert_eq!(resolve_weights("f32", None, "cuda:0").unwrap(), (WeightFormat::Dense, DType::F32));
+        assert_eq!(resolve_weights("bf16", Some("bf16"), "cuda:0").unwrap(), (WeightFormat::Dense, DType::BF16));
+        let conflict = resolve_weights("f32", Some("bf16"), "cuda:0").unwrap_err().to_string();
+        assert!(conflict.contains("--weights f32") && conflict.contains("--dtype"), "{conflict}");
+        let unknown = resolve_weights("q3", None, "cuda:0").unwrap_err().to_string();
+        assert!(unknown.contains("unknown --weights \"q3\""), "{unknown}");
+        assert_eq!(parse_kv_cache("auto", DType::BF16).unwrap(), KvFormat::Dense(DType::BF16));
+        assert_eq!(parse_kv_cache("INT8", DType::BF16).unwrap(), KvFormat::Int8);
+        assert_eq!(parse_kv_cache("f32", DType::BF16).unwrap(), KvFormat::Dense(DType::F32));
+        assert!(parse_kv_cache("fp8", DType::BF16).unwrap_err().to_string().contains("unknown --kv-cache \"fp8\""));
+    }
+}
