@@ -165,32 +165,30 @@ impl BackendTask for Accuracy {
         };
         let checkpoint = Checkpoint::open(&path)?;
         let reference = checkpoint.load_model_as::<B>(DType::F32, WeightFormat::Dense, &device, |_, _| {})?.0;
-        let mut variants = Vec::new();
-        for spec in a.variants.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (weights, kv) = spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv")))?;
-            let (format, dtype) = resolve_weights(weights, None, name)?;
-            let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
-            model.kv_cache = parse_kv_cache(kv, dtype)?;
-            let label = format!("{weights} ({format}, {:.0} MB) | {} | {dtype:?}", model.weight_bytes() as f64 / 1e6, model.kv_cache);
-            variants.push(Variant { spec: spec.to_string(), label, model });
-        }
-        eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
-        // int8-KV variants are also compared with the variant of the same weights and a dense
-        // KV cache (the "relative to the same run with bf16 KV").
-        let siblings: Vec<(usize, usize)> = a
+        let specs: Vec<(&str, &str)> = a
             .variants
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
+            .map(|spec| spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv"))))
+            .collect::<Result<_, _>>()?;
+        let mut variants = Vec::new();
+        for &(weights, kv) in &specs {
+            let spec = format!("{weights}:{kv}");
+            let (format, dtype) = resolve_weights(weights, None, name)?;
+            let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
+            model.kv_cache = parse_kv_cache(kv, dtype)?;
+            let label = format!("{weights} ({format}, {:.0} MB) | {} | {dtype:?}", model.weight_bytes() as f64 / 1e6, model.kv_cache);
+            variants.push(Variant { spec, label, model });
+        }
+        eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
+        // int8-KV variants are also compared with the variant of the same weights and a dense
+        // KV cache (the "relative to the same run with bf16 KV").
+        let siblings: Vec<(usize, usize)> = specs
+            .iter()
             .enumerate()
-            .filter_map(|(i, spec)| {
-                let (weights, kv) = spec.split_once(':')?;
-                if kv != "int8" {
-                    return None;
-                }
-                let dense = a.variants.split(',').map(str::trim).filter(|s| !s.is_empty()).position(|o| o.split_once(':').is_some_and(|(w, k)| w == weights && k != "int8"))?;
-                Some((i, dense))
-            })
+            .filter(|(_, (_, kv))| *kv == "int8")
+            .filter_map(|(i, (weights, _))| Some((i, specs.iter().position(|(w, k)| w == weights && *k != "int8")?)))
             .collect();
         let mut sibling_stats = vec![Stats::default(); siblings.len()];
         let mut stats = vec![Stats::default(); variants.len()];

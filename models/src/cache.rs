@@ -244,16 +244,13 @@ fn append_dense<B: Backend>(
             let out_k = join(ordered(&cache_k), keys.clone());
             let out_v = join(ordered(&cache_v), values.clone());
             let mask = AttentionMask { q_offset: offset, k_offset: offset - offset.min(w), window: Some(w) };
-            let mut cache_k = Some(cache_k);
-            let mut cache_v = Some(cache_v);
+            let (mut cache_k, mut cache_v) = (cache_k, cache_v);
             for (rows, slot) in ring_writes(offset, t, w) {
-                cache_k = cache_k.map(|c| c.slice_assign(s![.., .., slot..slot + rows.len(), ..], keys.clone().slice(s![.., .., rows.clone(), ..])));
-                cache_v = cache_v.map(|c| c.slice_assign(s![.., .., slot..slot + rows.len(), ..], values.clone().slice(s![.., .., rows.clone(), ..])));
+                let slots = s![.., .., slot..slot + rows.len(), ..];
+                cache_k = cache_k.slice_assign(slots, keys.clone().slice(s![.., .., rows.clone(), ..]));
+                cache_v = cache_v.slice_assign(slots, values.clone().slice(s![.., .., rows, ..]));
             }
-            match (cache_k, cache_v) {
-                (Some(k), Some(v)) => (k, v, out_k, out_v, mask),
-                _ => unreachable!("both caches are kept through the writes"),
-            }
+            (cache_k, cache_v, out_k, out_v, mask)
         }
     }
 }
