@@ -80,9 +80,14 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let residual = rand(vec![rows * hidden], DType::F32).reshape([1, rows, hidden]);
     let x = rand(vec![rows * hidden], dt).reshape([1, rows, hidden]);
     let w = rand(vec![hidden], DType::F32);
-    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
-    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), w.clone(), 1e-6, dt));
+    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), None, w.clone(), 1e-6, dt));
+    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), None, w.clone(), 1e-6, dt));
     row("add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + e + 4.0 + e));
+    // With the post-norm of `x` first (Gemma 2/3's sandwich norms): `x` is read twice.
+    let post = Some(rand(vec![hidden], DType::F32));
+    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt));
+    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt));
+    row("rms_norm + add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + 2.0 * e + 4.0 + e));
     let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
     let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
     row("rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * 2.0 * e);

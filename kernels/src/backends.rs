@@ -1,6 +1,6 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, QuantizedMatrix, SamplingParams};
+use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, KvStore, QkvLayout, QuantizedMatrix, SamplingParams};
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -53,6 +53,7 @@ where
     fn add_rms_norm(
         residual: Tensor<Self, 3>,
         x: Tensor<Self, 3>,
+        x_weight: Option<Tensor<Self, 1>>,
         weight: Tensor<Self, 1>,
         eps: f64,
         out_dtype: DType,
@@ -61,6 +62,7 @@ where
         let (sum, normed) = crate::rms_norm::kernel::add_rms_norm(
             cube::float(residual),
             cube::float(x),
+            x_weight.map(cube::float),
             cube::float(weight),
             eps,
             out_dtype,
@@ -70,6 +72,10 @@ where
 
     fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
         cube::tensor(crate::gelu::kernel::gelu_mul(cube::float(gate), cube::float(up)))
+    }
+
+    fn gelu_mul_halves(x: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        cube::tensor(crate::gelu::kernel::gelu_mul_halves(cube::float(x)))
     }
 
     fn rope(
@@ -87,6 +93,37 @@ where
             offset,
             norm,
         ))
+    }
+
+    /// The kernels write the store's buffers in place (the store owns them).
+    fn qkv_rope_append(qkv: Tensor<Self, 2>, layout: &QkvLayout<Self>, store: KvStore<Self>, slot: usize) -> (Tensor<Self, 4>, KvStore<Self>) {
+        use crate::qkv::kernel::{qkv_rope_append, Layout, Store};
+        let args = Layout {
+            heads: layout.heads,
+            kv_heads: layout.kv_heads,
+            head_dim: layout.head_dim,
+            cos: cube::float(layout.cos.clone().cast(DType::F32)),
+            sin: cube::float(layout.sin.clone().cast(DType::F32)),
+            position: layout.position,
+            norm: layout.norm.clone().map(|(q, k, eps)| (cube::float(q), cube::float(k), eps)),
+        };
+        let qkv = cube::float(qkv);
+        match store {
+            KvStore::Dense { keys, values } => {
+                let (keys, values) = (cube::float_strided(keys), cube::float_strided(values));
+                let q = qkv_rope_append(qkv, &args, Store::Dense { keys: &keys, values: &values }, slot);
+                (cube::tensor(q), KvStore::Dense { keys: cube::tensor(keys), values: cube::tensor(values) })
+            }
+            KvStore::Int8 { keys, values } => {
+                let (k_codes, k_scales) = (cube::int(keys.codes), cube::float(keys.scales));
+                let (v_codes, v_scales) = (cube::int(values.codes), cube::float(values.scales));
+                let store = Store::Int8 { k_codes: &k_codes, k_scales: &k_scales, v_codes: &v_codes, v_scales: &v_scales };
+                let q = qkv_rope_append(qkv, &args, store, slot);
+                let keys = Int8Kv { codes: cube::int_tensor(k_codes), scales: cube::tensor(k_scales), shape: keys.shape };
+                let values = Int8Kv { codes: cube::int_tensor(v_codes), scales: cube::tensor(v_scales), shape: values.shape };
+                (cube::tensor(q), KvStore::Int8 { keys, values })
+            }
+        }
     }
 
     fn softcap<const D: usize>(x: Tensor<Self, D>, cap: f64) -> Tensor<Self, D> {

@@ -119,6 +119,28 @@ pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
     total
 }
 
+/// Largest `value` over the cube's units (a power of two along x), returned to every unit.
+/// `scratch` holds at least `CUBE_DIM_X` values.
+#[cube]
+pub(crate) fn cube_max(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    scratch[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            let other = scratch[unit + stride];
+            if other > scratch[unit] {
+                scratch[unit] = other;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = scratch[0];
+    sync_cube();
+    total
+}
 
 /// `tanh` that stays finite for any input (the textbook `(e^2x - 1) / (e^2x + 1)` that some
 /// shader compilers emit overflows to NaN past |x| ~ 44).

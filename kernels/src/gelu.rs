@@ -7,7 +7,17 @@ pub fn reference<B: Backend>(gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 
     gelu_approximate(gate) * up
 }
 
-/// CubeCL kernel: one unit per element, computed in f32.
+/// Reference for a joined projection: `x` is `[..., 2m]` with the gate in the first `m` columns
+/// and the up projection in the last `m`; returns `[..., m]`.
+pub fn halves_reference<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [batch, seq, width] = x.dims();
+    let m = width / 2;
+    let gate = x.clone().slice([0..batch, 0..seq, 0..m]);
+    let up = x.slice([0..batch, 0..seq, m..width]);
+    reference(gate, up)
+}
+
+/// CubeCL kernels: one unit per output element, computed in f32.
 pub(crate) mod kernel {
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -23,6 +33,37 @@ pub(crate) mod kernel {
         // sqrt(2 / pi)
         let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
         out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(up[i]));
+    }
+
+    /// `x`: rows of `2 * m` values, the gate then the up projection.
+    #[cube(launch)]
+    fn gelu_mul_halves_kernel<F: Float>(x: &Tensor<F>, out: &mut Tensor<F>, m: u32, #[define(F)] _dtype: StorageType) {
+        let i = unit_index();
+        if i >= out.len() {
+            terminate!();
+        }
+        let m = m as usize;
+        let at = (i / m) * 2 * m + i % m;
+        let g = f32::cast_from(x[at]);
+        let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
+        out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(x[at + m]));
+    }
+
+    /// `x`: contiguous `[..., 2m]`; returns `[..., m]`.
+    pub fn gelu_mul_halves<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+        let mut shape = x.meta.shape().clone();
+        let last = shape.num_dims() - 1;
+        let m = shape[last] / 2;
+        shape[last] = m;
+        let out = empty(&x, shape.clone(), x.dtype);
+        let elements = shape.num_elements();
+        if elements == 0 {
+            return out;
+        }
+        let (count, dim) = elementwise(elements, 256);
+        let dtype = x.dtype.into();
+        gelu_mul_halves_kernel::launch::<R>(&x.client, count, dim, x.clone().into_tensor_arg(), out.clone().into_tensor_arg(), m as u32, dtype);
+        out
     }
 
     /// `gate`, `up`: contiguous, same shape and dtype.
@@ -67,5 +108,17 @@ mod gpu {
         }
     }
 
-    gpu_tests!(gelu_mul_matches_reference => gelu_mul);
+    /// The joined form on odd widths (the two halves must not be mixed up).
+    pub fn gelu_mul_halves<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "gelu_mul_halves");
+        for shape in [[1, 1, 2 * 1152], [2, 3, 2 * 37], [1, 5, 2 * 6912]] {
+            let x = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 2.0), device).cast(dtype);
+            let got = B::gelu_mul_halves(x.clone());
+            assert_eq!((got.dims(), got.dtype()), ([shape[0], shape[1], shape[2] / 2], dtype));
+            let expected = super::halves_reference(x.cast(DType::F32));
+            assert_close(got, expected, tolerance(dtype), &format!("gelu_mul_halves {shape:?}"));
+        }
+    }
+
+    gpu_tests!(gelu_mul_matches_reference => gelu_mul, gelu_mul_halves_matches_reference => gelu_mul_halves);
 }

@@ -70,7 +70,7 @@ pub(crate) mod kernel {
 
     /// Packs a code (already offset to `0..=255`) at position `n` of a word.
     #[cube]
-    fn placed(code: f32, #[comptime] n: usize) -> u32 {
+    pub(crate) fn placed(code: f32, #[comptime] n: usize) -> u32 {
         u32::cast_from(code) << (n as u32 * 8)
     }
 
@@ -105,20 +105,7 @@ pub(crate) mod kernel {
                 }
             }
         }
-        scratch[unit] = amax;
-        sync_cube();
-        let mut stride = CUBE_DIM_X as usize / 2;
-        while stride > 0 {
-            if unit < stride {
-                let other = scratch[unit + stride];
-                if other > scratch[unit] {
-                    scratch[unit] = other;
-                }
-            }
-            sync_cube();
-            stride /= 2;
-        }
-        let scale = scratch[0] / 127.0f32;
+        let scale = crate::cube::cube_max(amax, &mut scratch) / 127.0f32;
         let mut inv = 0.0f32;
         if scale > 0.0f32 {
             inv = 1.0f32 / scale;

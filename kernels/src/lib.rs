@@ -24,6 +24,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod kv_quant;
 pub mod linear;
+pub mod qkv;
 pub mod quant;
 pub mod rms_norm;
 pub mod rope;
@@ -35,6 +36,7 @@ mod cube;
 
 pub use attention::AttentionMask;
 pub use kv_quant::Int8Kv;
+pub use qkv::{KvStore, QkvLayout};
 pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
 pub use sampling::SamplingParams;
 
@@ -83,20 +85,29 @@ pub trait GemmaBackend: Backend {
     ///
     /// - `residual`: `[batch, seq, hidden]` in f32 (the residual stream);
     /// - `x`: `[batch, seq, hidden]` in the activation dtype;
+    /// - `x_weight`: a norm applied to `x` first (Gemma 2/3's post-attention and post-MLP norms),
+    ///   its output rounded to `x`'s dtype; both norms use `eps`;
     /// - returns the new residual (f32) and the normalized value cast to `out_dtype`.
     fn add_rms_norm(
         residual: Tensor<Self, 3>,
         x: Tensor<Self, 3>,
+        x_weight: Option<Tensor<Self, 1>>,
         weight: Tensor<Self, 1>,
         eps: f64,
         out_dtype: burn::tensor::DType,
     ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
-        rms_norm::add_reference(residual, x, weight, eps, out_dtype)
+        rms_norm::add_reference(residual, x, x_weight, weight, eps, out_dtype)
     }
 
     /// `gelu_tanh(gate) * up`, elementwise. Shapes `[batch, seq, intermediate]`.
     fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
         gelu::reference(gate, up)
+    }
+
+    /// [`GemmaBackend::gelu_mul`] of a joined gate/up projection: `x` is `[batch, seq, 2m]`
+    /// (gate in the first `m` columns, up in the last `m`); returns `[batch, seq, m]`.
+    fn gelu_mul_halves(x: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        gelu::halves_reference(x)
     }
 
     /// Rotary position embedding (rotate-half layout), optionally preceded by a per-head RMSNorm
@@ -114,6 +125,16 @@ pub trait GemmaBackend: Backend {
         norm: Option<(Tensor<Self, 1>, f64)>,
     ) -> Tensor<Self, 4> {
         rope::reference(x, cos, sin, offset, norm)
+    }
+
+    /// One decode position of an attention layer after its joined `q | k | v` projection:
+    /// QK-norm and RoPE on queries and keys, keys and values written into slot `slot` of
+    /// `store`, in one pass (see [`qkv`]).
+    ///
+    /// - `qkv`: `[batch, layout.width()]`, one position per sequence;
+    /// - returns the queries `[batch, heads, 1, head_dim]` in `qkv`'s dtype, and the store.
+    fn qkv_rope_append(qkv: Tensor<Self, 2>, layout: &QkvLayout<Self>, store: KvStore<Self>, slot: usize) -> (Tensor<Self, 4>, KvStore<Self>) {
+        qkv::reference(qkv, layout, store, slot)
     }
 
     /// `tanh(x / cap) * cap`, elementwise.

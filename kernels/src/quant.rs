@@ -211,6 +211,19 @@ impl HostQuantized {
         }
     }
 
+    /// Appends `other`'s rows below this matrix's when both have the same format and width (one
+    /// product then serves both); gives `other` back otherwise.
+    pub fn append_rows(&mut self, other: HostQuantized) -> Result<(), HostQuantized> {
+        if other.format != self.format || other.cols != self.cols {
+            return Err(other);
+        }
+        self.rows += other.rows;
+        self.codes.extend(other.codes);
+        self.scales.extend(other.scales);
+        self.offsets.extend(other.offsets);
+        Ok(())
+    }
+
     /// Codes packed into `u32` words, lowest bits first: `[rows, cols / codes_per_word]`.
     pub fn packed_words(&self) -> Vec<u32> {
         let bits = self.format.bits();
@@ -694,6 +707,20 @@ mod tests {
         let q = HostQuantized::quantize(&values, 5, 64, QuantFormat::Q4).unwrap();
         let part = q.rows_slice(2..4);
         assert_eq!(part.dequantize(), q.dequantize()[2 * 64..4 * 64]);
+    }
+
+    #[test]
+    fn appended_rows_stack_and_mismatches_are_given_back() {
+        let values = random(5 * 64, 11);
+        let q = HostQuantized::quantize(&values, 5, 64, QuantFormat::Q4).unwrap();
+        let mut top = q.rows_slice(0..2);
+        top.append_rows(q.rows_slice(2..5)).unwrap();
+        assert_eq!(top, q);
+        let q8 = HostQuantized::quantize(&values[..64], 1, 64, QuantFormat::Q8).unwrap();
+        assert_eq!(top.append_rows(q8.clone()), Err(q8));
+        let narrow = HostQuantized::quantize(&values[..32], 1, 32, QuantFormat::Q4).unwrap();
+        assert_eq!(top.append_rows(narrow.clone()), Err(narrow));
+        assert_eq!(top, q);
     }
 }
 

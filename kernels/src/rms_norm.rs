@@ -9,13 +9,20 @@ pub fn reference<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 
 }
 
 /// Reference fused residual add + RMSNorm. `residual` is f32; the sum is computed in f32.
+/// With `x_weight`, `x` is first normalized by it (a post-norm, rounded to `x`'s dtype as the
+/// unfused model does).
 pub fn add_reference<B: Backend>(
     residual: Tensor<B, 3>,
     x: Tensor<B, 3>,
+    x_weight: Option<Tensor<B, 1>>,
     weight: Tensor<B, 1>,
     eps: f64,
     out_dtype: DType,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let x = match x_weight {
+        Some(w) => reference(x, w, eps),
+        None => x,
+    };
     let sum = residual + x.cast(DType::F32);
     let normed = normalize(sum.clone(), weight, eps).cast(out_dtype);
     (sum, normed)
@@ -85,16 +92,19 @@ pub(crate) mod kernel {
         }
     }
 
+    /// With `pre_norm`, `x` is first normalized by `x_weight` and rounded to `F`.
     #[cube(launch)]
     fn add_rms_norm_kernel<F: Float, W: Float, O: Float>(
         residual: &Tensor<f32>,
         x: &Tensor<F>,
+        x_weight: &Tensor<W>,
         weight: &Tensor<W>,
         sum: &mut Tensor<f32>,
         out: &mut Tensor<O>,
         n: u32,
         eps: f32,
         #[comptime] threads: usize,
+        #[comptime] pre_norm: bool,
         #[define(F, W, O)] _dtypes: [StorageType; 3],
     ) {
         let n = n as usize;
@@ -104,10 +114,25 @@ pub(crate) mod kernel {
         }
         let base = row * n;
         let mut scratch = SharedMemory::<f32>::new(threads);
+        let mut x_inv = 1.0f32;
+        if pre_norm {
+            let mut partial = 0.0f32;
+            let mut c = UNIT_POS_X as usize;
+            while c < n {
+                let v = f32::cast_from(x[base + c]);
+                partial += v * v;
+                c += threads;
+            }
+            x_inv = inv_rms(partial, &mut scratch, n, eps);
+        }
         let mut partial = 0.0f32;
         let mut c = UNIT_POS_X as usize;
         while c < n {
-            let v = residual[base + c] + f32::cast_from(x[base + c]);
+            let mut xv = f32::cast_from(x[base + c]);
+            if pre_norm {
+                xv = f32::cast_from(F::cast_from(xv * x_inv * (1.0f32 + f32::cast_from(x_weight[c]))));
+            }
+            let v = residual[base + c] + xv;
             sum[base + c] = v;
             partial += v * v;
             c += threads;
@@ -146,10 +171,12 @@ pub(crate) mod kernel {
         out
     }
 
-    /// `residual` (f32) and `x`: contiguous `[..., n]`. Returns `(residual + x, normed)`.
+    /// `residual` (f32) and `x`: contiguous `[..., n]`; `x_weight`: optional norm of `x` before
+    /// the add. Returns `(residual + x, normed)`.
     pub fn add_rms_norm<R: CubeRuntime>(
         residual: CubeTensor<R>,
         x: CubeTensor<R>,
+        x_weight: Option<CubeTensor<R>>,
         weight: CubeTensor<R>,
         eps: f64,
         out_dtype: DType,
@@ -161,6 +188,9 @@ pub(crate) mod kernel {
         if rows == 0 || n == 0 {
             return (sum, out);
         }
+        let pre_norm = x_weight.is_some();
+        // Without a pre-norm its weight is never read; the main weight stands in.
+        let x_weight = x_weight.unwrap_or_else(|| weight.clone());
         let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into()];
         add_rms_norm_kernel::launch::<R>(
             &x.client,
@@ -168,12 +198,14 @@ pub(crate) mod kernel {
             CubeDim::new_1d(THREADS as u32),
             residual.into_tensor_arg(),
             x.clone().into_tensor_arg(),
+            x_weight.into_tensor_arg(),
             weight.into_tensor_arg(),
             sum.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             n as u32,
             eps as f32,
             THREADS,
+            pre_norm,
             dtypes,
         );
         (sum, out)
@@ -233,12 +265,19 @@ mod gpu {
             let residual = Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
             let x = Tensor::<B, 3>::random([batch, seq, n], NORMAL, device).cast(dtype);
             let w = Tensor::<B, 1>::random([n], NORMAL, device);
-            for out_dtype in [DType::F32, dtype] {
-                let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), w.clone(), 1e-6, out_dtype);
+            let x_w = Tensor::<B, 1>::random([n], NORMAL, device);
+            for (out_dtype, x_weight) in [(DType::F32, None), (dtype, None), (dtype, Some(x_w))] {
+                let pre = x_weight.is_some();
+                let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), x_weight.clone(), w.clone(), 1e-6, out_dtype);
                 assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, out_dtype));
+                // The pre-norm's output is rounded to the activation dtype, as the model's own.
+                let x_ref = match x_weight {
+                    Some(xw) => super::reference(x.clone(), xw, 1e-6),
+                    None => x.clone(),
+                };
                 let (e_sum, e_normed) =
-                    super::add_reference(residual.clone(), x.clone().cast(DType::F32), w.clone(), 1e-6, DType::F32);
-                let what = format!("add_rms_norm {batch}x{seq}x{n} -> {out_dtype:?}");
+                    super::add_reference(residual.clone(), x_ref.cast(DType::F32), None, w.clone(), 1e-6, DType::F32);
+                let what = format!("add_rms_norm {batch}x{seq}x{n} -> {out_dtype:?} (pre-norm {pre})");
                 assert_close(sum, e_sum, tolerance(DType::F32), &format!("{what} (sum)"));
                 assert_close(normed, e_normed, tolerance(out_dtype), &what);
             }

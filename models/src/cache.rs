@@ -7,7 +7,7 @@
 
 use crate::{GemmaConfig, LayerType, ModelError};
 use burn::tensor::{backend::Backend, s, DType, Tensor};
-use burn_gemma_kernels::{rope, AttentionMask, GemmaBackend, Int8Kv};
+use burn_gemma_kernels::{rope, AttentionMask, GemmaBackend, Int8Kv, KvStore as Storage, QkvLayout};
 
 /// How keys and values are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,13 +29,6 @@ impl std::fmt::Display for KvFormat {
             Self::Int8 => f.write_str("int8"),
         }
     }
-}
-
-/// Keys and values of one layer.
-#[derive(Debug)]
-enum Storage<B: GemmaBackend> {
-    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
-    Int8 { keys: Int8Kv<B>, values: Int8Kv<B> },
 }
 
 /// cos/sin tables `[capacity, head_dim / 2]` (f32) for one layer type.
@@ -186,6 +179,43 @@ impl<B: GemmaBackend> KvCache<B> {
                 (Storage::Dense { keys: cache_k, values: cache_v }, out)
             }
             Storage::Int8 { keys: cache_k, values: cache_v } => attend_int8(cache_k, cache_v, q, keys, values, offset, window, scale, softcap),
+        };
+        entry.storage = Some(storage);
+        out
+    }
+
+    /// Decode: appends one position per sequence from the joined projection `qkv` (`[batch,
+    /// width]`, see [`QkvLayout`]; its `position` is this cache's length) and attends to the
+    /// layer's positions. Returns `[batch, q_heads, 1, head_dim]`.
+    pub(crate) fn attend_decode(
+        &mut self,
+        layer: usize,
+        qkv: Tensor<B, 2>,
+        layout: &QkvLayout<B>,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Tensor<B, 4> {
+        let offset = self.len;
+        let entry = &mut self.layers[layer];
+        let Some(storage) = entry.storage.take() else {
+            unreachable!("layer storage is always restored after use")
+        };
+        // A ring holds the window in rotated order once full; attention does not depend on key
+        // order, and every key in the ring is inside the window.
+        let (slot, filled, mask) = match entry.window {
+            None => (offset, offset + 1, AttentionMask { q_offset: offset, k_offset: 0, window: None }),
+            Some(w) => {
+                let filled = (offset + 1).min(w);
+                (offset % w, filled, ring_mask(offset, filled, w))
+            }
+        };
+        let (q, storage) = B::qkv_rope_append(qkv, layout, storage, slot);
+        let out = match &storage {
+            Storage::Dense { keys, values } => {
+                let (k, v) = (keys.clone().slice(s![.., .., 0..filled, ..]), values.clone().slice(s![.., .., 0..filled, ..]));
+                B::grouped_attention(q, k, v, mask, scale, softcap)
+            }
+            Storage::Int8 { keys, values } => B::grouped_attention_int8(q, keys, values, filled, mask, scale, softcap),
         };
         entry.storage = Some(storage);
         out

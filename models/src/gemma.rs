@@ -9,7 +9,7 @@ use crate::{
     cache::KvFormat,
     Architecture, GemmaConfig, KvCache, LayerType, ModelError,
 };
-use burn_gemma_kernels::{QuantFormat, QuantizedMatrix};
+use burn_gemma_kernels::{HostQuantized, QkvLayout, QuantFormat, QuantizedMatrix};
 use burn::{
     module::{Module, Param},
     tensor::{DType, Int, Tensor},
@@ -34,39 +34,97 @@ impl WeightSettings {
     }
 }
 
-/// Loads one `[out, in]` matrix in the requested format.
+/// One matrix as read from the source, before upload: block-quantized on the host or dense on
+/// the device.
+enum Loaded<B: GemmaBackend> {
+    Host(HostQuantized),
+    Dense(Tensor<B, 2>),
+}
+
+/// Reads one `[out, in]` matrix in the requested format.
 fn load_matrix<B: GemmaBackend>(
     source: &mut impl WeightSource<B>,
     name: &str,
     shape: [usize; 2],
     settings: WeightSettings,
     device: &B::Device,
-) -> Result<MatrixWeight<B>, ModelError> {
+) -> Result<Loaded<B>, ModelError> {
     if let Some(request) = settings.request() {
         if let Some(host) = source.load_host_quantized(name, shape, request, device)? {
-            return Ok(MatrixWeight::Quantized(B::upload_quantized(&host, device)));
+            return Ok(Loaded::Host(host));
         }
     }
-    let weight = source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?;
-    Ok(MatrixWeight::Dense(Param::from_tensor(B::pack(weight))))
+    Ok(Loaded::Dense(source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?))
 }
 
-/// A bias-free linear layer stored as in the checkpoint: `weight` is `[out, in]`.
+/// Uploads row blocks read in order, joining neighbours stored alike (same block format and
+/// width, or both dense) into one matrix.
+fn upload_joined<B: GemmaBackend>(blocks: Vec<Loaded<B>>, device: &B::Device) -> Vec<MatrixWeight<B>> {
+    enum Group<B: GemmaBackend> {
+        Host(HostQuantized),
+        Dense(Vec<Tensor<B, 2>>),
+    }
+    let mut groups: Vec<Group<B>> = Vec::new();
+    for block in blocks {
+        match (groups.last_mut(), block) {
+            (Some(Group::Host(last)), Loaded::Host(next)) => {
+                if let Err(next) = last.append_rows(next) {
+                    groups.push(Group::Host(next));
+                }
+            }
+            (Some(Group::Dense(rows)), Loaded::Dense(next)) => rows.push(next),
+            (_, Loaded::Host(next)) => groups.push(Group::Host(next)),
+            (_, Loaded::Dense(next)) => groups.push(Group::Dense(vec![next])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|group| match group {
+            Group::Host(host) => MatrixWeight::Quantized(B::upload_quantized(&host, device)),
+            Group::Dense(rows) => MatrixWeight::Dense(Param::from_tensor(B::pack(Tensor::cat(rows, 0)))),
+        })
+        .collect()
+}
+
+/// A bias-free linear layer, `weight` `[out, in]` as in the checkpoint. Layers that read the
+/// same input (q|k|v, gate|up) are loaded as one, their matrices joined row-wise where they are
+/// stored alike, so decode runs one product instead of several.
 #[derive(Module, Debug)]
 pub struct Linear<B: GemmaBackend> {
-    pub weight: MatrixWeight<B>,
+    /// Consecutive row blocks of the output.
+    pub parts: Vec<MatrixWeight<B>>,
 }
 
 impl<B: GemmaBackend> Linear<B> {
-    fn load(source: &mut impl WeightSource<B>, name: &str, out: usize, inp: usize, settings: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
-        Ok(Self { weight: load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device)? })
+    /// Loads the checkpoint matrices `{name}.weight` (`[out, inp]` each, in the order given) as
+    /// one layer whose output is theirs side by side.
+    fn load(
+        source: &mut impl WeightSource<B>,
+        names: &[(&str, usize)],
+        inp: usize,
+        settings: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let blocks = names
+            .iter()
+            .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { parts: upload_joined(blocks, device) })
     }
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, inp] = x.dims();
-        let out = self.weight.dims()[0];
-        self.weight.project(x.reshape([batch * seq, inp])).reshape([batch, seq, out])
+        let x = x.reshape([batch * seq, inp]);
+        let mut outs: Vec<Tensor<B, 2>> = self.parts.iter().map(|w| w.project(x.clone())).collect();
+        let out = if outs.len() == 1 { outs.pop().unwrap_or(x) } else { Tensor::cat(outs, 1) };
+        let width = out.dims()[1];
+        out.reshape([batch, seq, width])
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        self.parts.iter().map(|w| w.device_bytes()).sum()
     }
 }
 
@@ -89,35 +147,34 @@ impl<B: GemmaBackend> RmsNorm<B> {
         B::rms_norm(x, self.weight.val(), self.eps)
     }
 
-    /// `(residual + x, norm(residual + x))`, residual in f32, the normalized value in `dtype`.
-    pub fn forward_residual(&self, residual: Tensor<B, 3>, x: Tensor<B, 3>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        B::add_rms_norm(residual, x, self.weight.val(), self.eps, dtype)
+    /// `(residual + x', norm(residual + x'))` where `x'` is `x` normalized by `post` (when
+    /// given), residual in f32, the normalized value in `dtype`; one kernel for the chain.
+    pub fn forward_residual(&self, residual: Tensor<B, 3>, x: Tensor<B, 3>, post: Option<&RmsNorm<B>>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        B::add_rms_norm(residual, x, post.map(|n| n.weight.val()), self.weight.val(), self.eps, dtype)
     }
 }
 
 /// Gated MLP: `down(gelu_tanh(gate(x)) * up(x))`.
 #[derive(Module, Debug)]
 pub struct Mlp<B: GemmaBackend> {
-    pub gate_proj: Linear<B>,
-    pub up_proj: Linear<B>,
+    /// `gate_proj` and `up_proj` side by side: `[batch, seq, 2 * intermediate]`.
+    pub gate_up_proj: Linear<B>,
     pub down_proj: Linear<B>,
 }
 
 impl<B: GemmaBackend> Mlp<B> {
     fn load(source: &mut impl WeightSource<B>, prefix: &str, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let (gate, up, down) = (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"), format!("{prefix}.down_proj"));
         Ok(Self {
-            gate_proj: Linear::load(source, &format!("{prefix}.gate_proj"), inter, hidden, dtype, device)?,
-            up_proj: Linear::load(source, &format!("{prefix}.up_proj"), inter, hidden, dtype, device)?,
-            down_proj: Linear::load(source, &format!("{prefix}.down_proj"), hidden, inter, dtype, device)?,
+            gate_up_proj: Linear::load(source, &[(&gate, inter), (&up, inter)], hidden, dtype, device)?,
+            down_proj: Linear::load(source, &[(&down, hidden)], inter, dtype, device)?,
         })
     }
 
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = self.gate_proj.forward(x.clone());
-        let up = self.up_proj.forward(x);
-        self.down_proj.forward(B::gelu_mul(gate, up))
+        self.down_proj.forward(B::gelu_mul_halves(self.gate_up_proj.forward(x)))
     }
 }
 
@@ -136,9 +193,8 @@ pub struct AttentionSettings {
 /// Multi-head attention with grouped KV heads, RoPE and (Gemma 3) QK-norm.
 #[derive(Module, Debug)]
 pub struct Attention<B: GemmaBackend> {
-    pub q_proj: Linear<B>,
-    pub k_proj: Linear<B>,
-    pub v_proj: Linear<B>,
+    /// `q_proj`, `k_proj` and `v_proj` side by side: `[batch, seq, (heads + 2 kv_heads) * head_dim]`.
+    pub qkv_proj: Linear<B>,
     pub o_proj: Linear<B>,
     pub q_norm: Option<RmsNorm<B>>,
     pub k_norm: Option<RmsNorm<B>>,
@@ -157,11 +213,10 @@ impl<B: GemmaBackend> Attention<B> {
                 Ok(None)
             }
         };
+        let (q, k, v, o) = (format!("{prefix}.q_proj"), format!("{prefix}.k_proj"), format!("{prefix}.v_proj"), format!("{prefix}.o_proj"));
         Ok(Self {
-            q_proj: Linear::load(source, &format!("{prefix}.q_proj"), heads * d, hidden, dtype, device)?,
-            k_proj: Linear::load(source, &format!("{prefix}.k_proj"), kv_heads * d, hidden, dtype, device)?,
-            v_proj: Linear::load(source, &format!("{prefix}.v_proj"), kv_heads * d, hidden, dtype, device)?,
-            o_proj: Linear::load(source, &format!("{prefix}.o_proj"), hidden, heads * d, dtype, device)?,
+            qkv_proj: Linear::load(source, &[(&q, heads * d), (&k, kv_heads * d), (&v, kv_heads * d)], hidden, dtype, device)?,
+            o_proj: Linear::load(source, &[(&o, hidden)], heads * d, dtype, device)?,
             q_norm: qk_norm(source, "q_norm")?,
             k_norm: qk_norm(source, "k_norm")?,
             settings: AttentionSettings {
@@ -181,22 +236,42 @@ impl<B: GemmaBackend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
         let s = &self.settings;
         let [batch, seq, _] = x.dims();
-        let heads = |proj: &Linear<B>, n: usize| proj.forward(x.clone()).reshape([batch, seq, n, s.head_dim]).swap_dims(1, 2);
-        let q = heads(&self.q_proj, s.num_heads);
-        let k = heads(&self.k_proj, s.num_kv_heads);
-        let v = heads(&self.v_proj, s.num_kv_heads);
-
+        let d = s.head_dim;
+        let qkv = self.qkv_proj.forward(x);
         let offset = cache.len();
         let rope = cache.rope(s.layer_type);
-        let norm = |n: &Option<RmsNorm<B>>| n.as_ref().map(|n| (n.weight.val(), n.eps));
-        let q = B::rope(q, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.q_norm));
-        let k = B::rope(k, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.k_norm));
-
-        let out = cache.attend(s.index, q, k, v, s.scale, s.softcap);
-        // `[batch, heads, seq, d]` -> `[batch, seq, heads * d]`; with one position both orders
-        // are the same memory, so decode skips the transposing copy.
-        let out = if seq == 1 { out } else { out.swap_dims(1, 2) };
-        self.o_proj.forward(out.reshape([batch, seq, s.num_heads * s.head_dim]))
+        let out = if seq == 1 {
+            // Decode: one kernel splits, normalizes, rotates and appends.
+            let norm = match (&self.q_norm, &self.k_norm) {
+                (Some(q), Some(k)) => Some((q.weight.val(), k.weight.val(), q.eps)),
+                _ => None,
+            };
+            let layout = QkvLayout {
+                heads: s.num_heads,
+                kv_heads: s.num_kv_heads,
+                head_dim: d,
+                cos: rope.cos.clone(),
+                sin: rope.sin.clone(),
+                position: offset,
+                norm,
+            };
+            let width = layout.width();
+            cache.attend_decode(s.index, qkv.reshape([batch, width]), &layout, s.scale, s.softcap)
+        } else {
+            let heads = |first: usize, n: usize| {
+                qkv.clone().slice([0..batch, 0..seq, first * d..(first + n) * d]).reshape([batch, seq, n, d]).swap_dims(1, 2)
+            };
+            let q = heads(0, s.num_heads);
+            let k = heads(s.num_heads, s.num_kv_heads);
+            let v = heads(s.num_heads + s.num_kv_heads, s.num_kv_heads);
+            let norm = |n: &Option<RmsNorm<B>>| n.as_ref().map(|n| (n.weight.val(), n.eps));
+            let q = B::rope(q, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.q_norm));
+            let k = B::rope(k, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.k_norm));
+            // `[batch, heads, seq, d]` -> `[batch, seq, heads, d]`.
+            cache.attend(s.index, q, k, v, s.scale, s.softcap).swap_dims(1, 2)
+        };
+        // With one position both orders are the same memory, so decode needs no transposing copy.
+        self.o_proj.forward(out.reshape([batch, seq, s.num_heads * d]))
     }
 }
 
@@ -252,16 +327,11 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         cache: &mut KvCache<B>,
         dtype: DType,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let mut attn = self.self_attn.forward(normed, cache);
-        if let Some(norm) = &self.post_attention_layernorm {
-            attn = norm.forward(attn);
-        }
-        let (residual, normed) = self.pre_feedforward_layernorm.forward_residual(residual, attn, dtype);
-        let mut mlp = self.mlp.forward(normed);
-        if let Some(norm) = &self.post_feedforward_layernorm {
-            mlp = norm.forward(mlp);
-        }
-        next_norm.forward_residual(residual, mlp, dtype)
+        let attn = self.self_attn.forward(normed, cache);
+        let (residual, normed) =
+            self.pre_feedforward_layernorm.forward_residual(residual, attn, self.post_attention_layernorm.as_ref(), dtype);
+        let mlp = self.mlp.forward(normed);
+        next_norm.forward_residual(residual, mlp, self.post_feedforward_layernorm.as_ref(), dtype)
     }
 }
 
@@ -391,14 +461,12 @@ impl<B: GemmaBackend> Gemma<B> {
 
     /// Bytes the weights occupy on the device.
     pub fn weight_bytes(&self) -> usize {
-        let linear = |l: &Linear<B>| l.weight.device_bytes();
         let layers: usize = self
             .layers
             .iter()
             .map(|l| {
-                let a = &l.self_attn;
-                let m = &l.mlp;
-                linear(&a.q_proj) + linear(&a.k_proj) + linear(&a.v_proj) + linear(&a.o_proj) + linear(&m.gate_proj) + linear(&m.up_proj) + linear(&m.down_proj)
+                let (a, m) = (&l.self_attn, &l.mlp);
+                a.qkv_proj.device_bytes() + a.o_proj.device_bytes() + m.gate_up_proj.device_bytes() + m.down_proj.device_bytes()
             })
             .sum();
         self.embed_tokens.device_bytes() + layers

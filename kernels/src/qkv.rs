@@ -1,0 +1,458 @@
+//! One decode position of an attention layer in one pass: the joined `q | k | v` projection is
+//! split into heads, queries and keys get QK-norm and RoPE, keys and values are written into the
+//! layer's KV store (dense, or quantized to int8 on the way), and the queries come back for
+//! attention.
+//!
+//! Unfused, this is two RoPE launches, two cache writes and the copies that split the
+//! projection; decode issues it once per layer and token, so the launches are what it costs.
+
+use crate::{rope, GemmaBackend, Int8Kv};
+use burn::tensor::{backend::Backend, s, Tensor};
+
+/// The keys and values of one layer: `[batch, kv_heads, slots, head_dim]`.
+#[derive(Debug, Clone)]
+pub enum KvStore<B: Backend> {
+    /// Dense in the tensors' dtype.
+    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
+    /// int8 codes with a scale per (sequence, head, slot).
+    Int8 { keys: Int8Kv<B>, values: Int8Kv<B> },
+}
+
+/// How to read a joined projection and where it sits.
+#[derive(Debug, Clone)]
+pub struct QkvLayout<B: Backend> {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// RoPE tables `[max_positions, head_dim / 2]` (f32) of the layer.
+    pub cos: Tensor<B, 2>,
+    pub sin: Tensor<B, 2>,
+    /// Absolute position of the token (its row of the tables).
+    pub position: usize,
+    /// QK-norm: query weight, key weight (`[head_dim]`, f32) and epsilon.
+    pub norm: Option<(Tensor<B, 1>, Tensor<B, 1>, f64)>,
+}
+
+impl<B: Backend> QkvLayout<B> {
+    /// Width of the joined projection, `(heads + 2 kv_heads) * head_dim`.
+    pub fn width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// Reference: splits with slices, rotates with [`rope::reference`], and writes the store with
+/// `slice_assign` (dense) or [`GemmaBackend::kv_int8_store`] (int8, whose layout is the
+/// backend's).
+///
+/// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence;
+/// - returns the queries `[batch, heads, 1, head_dim]` and the store with slot `slot` written.
+pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, store: KvStore<B>, slot: usize) -> (Tensor<B, 4>, KvStore<B>) {
+    let [batch, _] = qkv.dims();
+    let d = layout.head_dim;
+    let part = |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
+    let (q_norm, k_norm) = match &layout.norm {
+        Some((q, k, eps)) => (Some((q.clone(), *eps)), Some((k.clone(), *eps))),
+        None => (None, None),
+    };
+    let rotate = |x: Tensor<B, 4>, norm| rope::reference(x, layout.cos.clone(), layout.sin.clone(), layout.position, norm);
+    let q = rotate(part(0, layout.heads), q_norm);
+    let k = rotate(part(layout.heads, layout.kv_heads), k_norm);
+    let v = part(layout.heads + layout.kv_heads, layout.kv_heads);
+    let store = match store {
+        KvStore::Dense { keys, values } => {
+            let dtype = keys.dtype();
+            KvStore::Dense {
+                keys: keys.slice_assign(s![.., .., slot..slot + 1, ..], k.cast(dtype)),
+                values: values.slice_assign(s![.., .., slot..slot + 1, ..], v.cast(dtype)),
+            }
+        }
+        KvStore::Int8 { keys, values } => KvStore::Int8 { keys: B::kv_int8_store(keys, k, slot), values: B::kv_int8_store(values, v, slot) },
+    };
+    (q, store)
+}
+
+/// CubeCL kernels: one cube per `(head row, sequence)`, where head rows run over the query,
+/// key and value heads of the joined projection. Each cube stages its row in shared memory
+/// (normalized and rotated in f32, rounded once to the activation dtype, as the unfused RoPE
+/// kernel does), then writes queries out, and keys and values into the cache slot: copied to
+/// the cache dtype, or quantized with the row's `max|x| / 127` scale as the int8 store does.
+#[allow(clippy::manual_div_ceil)]
+pub(crate) mod kernel {
+    use crate::cube::{cube_max, cube_sum, empty, pow2_ceil};
+    use crate::kv_quant::kernel::placed;
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    /// Stages the head row at `base` of `qkv` into `stage[0..dim]`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn stage_row<F: Float, W: Float>(
+        qkv: &Tensor<F>,
+        q_weight: &Tensor<W>,
+        k_weight: &Tensor<W>,
+        cos: &Tensor<f32>,
+        sin: &Tensor<f32>,
+        stage: &mut SharedMemory<f32>,
+        scratch: &mut SharedMemory<f32>,
+        base: usize,
+        table: usize,
+        kind: u32,
+        eps: f32,
+        #[comptime] dim: usize,
+        #[comptime] norm: bool,
+    ) {
+        let half = dim / 2;
+        let threads = CUBE_DIM_X as usize;
+        let mut inv_rms = 1.0f32;
+        // `kind` is the same for the whole cube, so every unit reaches the reduction's barriers.
+        if norm {
+            if kind <= 1u32 {
+                let mut partial = 0.0f32;
+                let mut p = UNIT_POS_X as usize;
+                while p < dim {
+                    let v = f32::cast_from(qkv[base + p]);
+                    partial += v * v;
+                    p += threads;
+                }
+                let total = cube_sum(partial, scratch);
+                inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(dim as u32) + eps);
+            }
+        }
+        let mut p = UNIT_POS_X as usize;
+        while p < half {
+            let mut x1 = f32::cast_from(qkv[base + p]);
+            let mut x2 = f32::cast_from(qkv[base + p + half]);
+            if kind <= 1u32 {
+                if norm {
+                    let mut w1 = f32::cast_from(k_weight[p]);
+                    let mut w2 = f32::cast_from(k_weight[p + half]);
+                    if kind == 0u32 {
+                        w1 = f32::cast_from(q_weight[p]);
+                        w2 = f32::cast_from(q_weight[p + half]);
+                    }
+                    x1 = x1 * inv_rms * (1.0f32 + w1);
+                    x2 = x2 * inv_rms * (1.0f32 + w2);
+                }
+                let c = cos[table + p];
+                let sn = sin[table + p];
+                let r1 = x1 * c - x2 * sn;
+                let r2 = x2 * c + x1 * sn;
+                x1 = r1;
+                x2 = r2;
+            }
+            stage[p] = f32::cast_from(F::cast_from(x1));
+            stage[p + half] = f32::cast_from(F::cast_from(x2));
+            p += threads;
+        }
+        sync_cube();
+    }
+
+    /// The row's role from its index among `heads + 2 kv_heads` head rows: 0 query, 1 key,
+    /// 2 value.
+    #[cube]
+    fn role(r: usize, heads: usize, kv_heads: usize) -> u32 {
+        let mut kind = 0u32;
+        if r >= heads {
+            kind = 1u32;
+        }
+        if r >= heads + kv_heads {
+            kind = 2u32;
+        }
+        kind
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_dense_kernel<F: Float, W: Float, C: Float>(
+        qkv: &Tensor<F>,
+        q_weight: &Tensor<W>,
+        k_weight: &Tensor<W>,
+        cos: &Tensor<f32>,
+        sin: &Tensor<f32>,
+        q_out: &mut Tensor<F>,
+        keys: &mut Tensor<C>,
+        values: &mut Tensor<C>,
+        heads: u32,
+        kv_heads: u32,
+        slot: u32,
+        position: u32,
+        eps: f32,
+        #[comptime] dim: usize,
+        #[comptime] norm: bool,
+        #[define(F, W, C)] _dtypes: [StorageType; 3],
+    ) {
+        let (heads, kv_heads) = (heads as usize, kv_heads as usize);
+        let r = CUBE_POS_X as usize;
+        let b = CUBE_POS_Y as usize;
+        let kind = role(r, heads, kv_heads);
+        let mut stage = SharedMemory::<f32>::new(dim);
+        let mut scratch = SharedMemory::<f32>::new(256usize);
+        let base = b * qkv.stride(0) + r * dim;
+        let table = position as usize * (dim / 2);
+        stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
+        let mut p = UNIT_POS_X as usize;
+        if kind == 0u32 {
+            while p < dim {
+                q_out[(b * heads + r) * dim + p] = F::cast_from(stage[p]);
+                p += CUBE_DIM_X as usize;
+            }
+        } else if kind == 1u32 {
+            let at = b * keys.stride(0) + (r - heads) * keys.stride(1) + slot as usize * keys.stride(2);
+            while p < dim {
+                keys[at + p * keys.stride(3)] = C::cast_from(stage[p]);
+                p += CUBE_DIM_X as usize;
+            }
+        } else {
+            let at = b * values.stride(0) + (r - heads - kv_heads) * values.stride(1) + slot as usize * values.stride(2);
+            while p < dim {
+                values[at + p * values.stride(3)] = C::cast_from(stage[p]);
+                p += CUBE_DIM_X as usize;
+            }
+        }
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_int8_kernel<F: Float, W: Float>(
+        qkv: &Tensor<F>,
+        q_weight: &Tensor<W>,
+        k_weight: &Tensor<W>,
+        cos: &Tensor<f32>,
+        sin: &Tensor<f32>,
+        q_out: &mut Tensor<F>,
+        k_codes: &mut Tensor<u32>,
+        k_scales: &mut Tensor<f32>,
+        v_codes: &mut Tensor<u32>,
+        v_scales: &mut Tensor<f32>,
+        heads: u32,
+        kv_heads: u32,
+        slot: u32,
+        position: u32,
+        eps: f32,
+        #[comptime] dim: usize,
+        #[comptime] norm: bool,
+        #[define(F, W)] _dtypes: [StorageType; 2],
+    ) {
+        let (heads, kv_heads) = (heads as usize, kv_heads as usize);
+        let r = CUBE_POS_X as usize;
+        let b = CUBE_POS_Y as usize;
+        let kind = role(r, heads, kv_heads);
+        let mut stage = SharedMemory::<f32>::new(dim);
+        let mut scratch = SharedMemory::<f32>::new(256usize);
+        let base = b * qkv.stride(0) + r * dim;
+        let table = position as usize * (dim / 2);
+        stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
+        let threads = CUBE_DIM_X as usize;
+        let unit = UNIT_POS_X as usize;
+        if kind == 0u32 {
+            let mut p = unit;
+            while p < dim {
+                q_out[(b * heads + r) * dim + p] = F::cast_from(stage[p]);
+                p += threads;
+            }
+        } else {
+            let mut amax = 0.0f32;
+            let mut p = unit;
+            while p < dim {
+                let a = f32::abs(stage[p]);
+                if a > amax {
+                    amax = a;
+                }
+                p += threads;
+            }
+            let scale = cube_max(amax, &mut scratch) / 127.0f32;
+            let mut inv = 0.0f32;
+            if scale > 0.0f32 {
+                inv = 1.0f32 / scale;
+            }
+            let mut head = r - heads;
+            if kind != 1u32 {
+                head = r - heads - kv_heads;
+            }
+            let words = dim / 4;
+            let row = (b * kv_heads + head) * k_codes.shape(2) + slot as usize;
+            let mut w = unit;
+            while w < words {
+                let mut word = 0u32;
+                #[unroll]
+                for n in 0..4usize {
+                    let q = f32::round(stage[w * 4 + n] * inv).clamp(f32::new(-127.0), 127.0f32) + 128.0f32;
+                    word |= placed(q, n);
+                }
+                if kind == 1u32 {
+                    k_codes[row * words + w] = word;
+                } else {
+                    v_codes[row * words + w] = word;
+                }
+                w += threads;
+            }
+            if unit == 0 {
+                if kind == 1u32 {
+                    k_scales[row] = scale;
+                } else {
+                    v_scales[row] = scale;
+                }
+            }
+        }
+    }
+
+    /// The device tensors of a [`super::QkvLayout`].
+    pub struct Layout<R: CubeRuntime> {
+        pub heads: usize,
+        pub kv_heads: usize,
+        pub head_dim: usize,
+        pub cos: CubeTensor<R>,
+        pub sin: CubeTensor<R>,
+        pub position: usize,
+        pub norm: Option<(CubeTensor<R>, CubeTensor<R>, f64)>,
+    }
+
+    /// Where the keys and values go.
+    pub enum Store<'a, R: CubeRuntime> {
+        /// `[batch, kv_heads, slots, head_dim]`, any strides, written in place.
+        Dense { keys: &'a CubeTensor<R>, values: &'a CubeTensor<R> },
+        /// Packed codes `[batch, kv_heads, slots, head_dim / 4]` and scales `[batch, kv_heads,
+        /// slots]`, contiguous, written in place.
+        Int8 { k_codes: &'a CubeTensor<R>, k_scales: &'a CubeTensor<R>, v_codes: &'a CubeTensor<R>, v_scales: &'a CubeTensor<R> },
+    }
+
+    /// `qkv`: contiguous `[batch, width]`. Writes slot `slot` of `store` and returns the queries
+    /// `[batch, heads, 1, head_dim]`.
+    pub fn qkv_rope_append<R: CubeRuntime>(qkv: CubeTensor<R>, layout: &Layout<R>, store: Store<'_, R>, slot: usize) -> CubeTensor<R> {
+        let batch = qkv.meta.shape()[0];
+        let (heads, kv_heads, dim) = (layout.heads, layout.kv_heads, layout.head_dim);
+        let q = empty(&qkv, [batch, heads, 1, dim], qkv.dtype);
+        if batch == 0 || dim == 0 {
+            return q;
+        }
+        let count = CubeCount::Static((heads + 2 * kv_heads) as u32, batch as u32, 1);
+        let cube_dim = CubeDim::new_1d(pow2_ceil(dim / 2).clamp(32, 256) as u32);
+        let has_norm = layout.norm.is_some();
+        // Without QK-norm the weights are never read; the cos table stands in for them.
+        let (q_weight, k_weight, eps) = layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
+        let client = qkv.client.clone();
+        let (f, w) = (qkv.dtype.into(), q_weight.dtype.into());
+        let common = (qkv.into_tensor_arg(), q_weight.into_tensor_arg(), k_weight.into_tensor_arg());
+        let tables = (layout.cos.clone().into_tensor_arg(), layout.sin.clone().into_tensor_arg());
+        match store {
+            Store::Dense { keys, values } => qkv_dense_kernel::launch::<R>(
+                &client,
+                count,
+                cube_dim,
+                common.0,
+                common.1,
+                common.2,
+                tables.0,
+                tables.1,
+                q.clone().into_tensor_arg(),
+                keys.clone().into_tensor_arg(),
+                values.clone().into_tensor_arg(),
+                heads as u32,
+                kv_heads as u32,
+                slot as u32,
+                layout.position as u32,
+                eps as f32,
+                dim,
+                has_norm,
+                [f, w, keys.dtype.into()],
+            ),
+            Store::Int8 { k_codes, k_scales, v_codes, v_scales } => qkv_int8_kernel::launch::<R>(
+                &client,
+                count,
+                cube_dim,
+                common.0,
+                common.1,
+                common.2,
+                tables.0,
+                tables.1,
+                q.clone().into_tensor_arg(),
+                k_codes.clone().into_tensor_arg(),
+                k_scales.clone().into_tensor_arg(),
+                v_codes.clone().into_tensor_arg(),
+                v_scales.clone().into_tensor_arg(),
+                heads as u32,
+                kv_heads as u32,
+                slot as u32,
+                layout.position as u32,
+                eps as f32,
+                dim,
+                has_norm,
+                [f, w],
+            ),
+        }
+        q
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use super::{KvStore, QkvLayout};
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::{rope, GemmaBackend};
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
+
+    /// Two independent stores holding the same earlier rows (the kernels write in place, so
+    /// the reference needs its own buffers).
+    fn stores<B: GemmaBackend>(int8: bool, shape: [usize; 4], dtype: DType, device: &B::Device) -> (KvStore<B>, KvStore<B>) {
+        let keys = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype).into_data();
+        let values = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype).into_data();
+        let make = || {
+            let (k, v) = (Tensor::<B, 4>::from_data(keys.clone(), device), Tensor::<B, 4>::from_data(values.clone(), device));
+            if int8 {
+                KvStore::Int8 { keys: B::kv_int8_store(B::kv_int8_zeros(shape, device), k, 0), values: B::kv_int8_store(B::kv_int8_zeros(shape, device), v, 0) }
+            } else {
+                KvStore::Dense { keys: k, values: v }
+            }
+        };
+        (make(), make())
+    }
+
+    /// Every slot of a store, dequantized to f32.
+    fn contents<B: GemmaBackend>(store: KvStore<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        match store {
+            KvStore::Dense { keys, values } => (keys.cast(DType::F32), values.cast(DType::F32)),
+            KvStore::Int8 { keys, values } => {
+                let slots = keys.shape[2];
+                (B::kv_int8_load(&keys, 0..slots, DType::F32), B::kv_int8_load(&values, 0..slots, DType::F32))
+            }
+        }
+    }
+
+    /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
+    /// first and last slot, batches of 1 to 3; the untouched slots must stay as they were.
+    pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "qkv_rope_append");
+        let cases = [(1, 4, 1, 256, 9, 8, 517), (2, 8, 4, 128, 5, 0, 3), (3, 3, 3, 12, 4, 2, 0), (1, 2, 1, 64, 7, 6, 40)];
+        for (batch, heads, kv_heads, dim, slots, slot, position) in cases {
+            let positions = position + 5;
+            let (cos, sin) = rope::tables(positions, dim, 10_000.0, 1.0);
+            let table = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [positions, dim / 2]), (device, DType::F32));
+            let weight = || Tensor::<B, 1>::random([dim], Distribution::Normal(0.0, 0.5), device);
+            for (norm, int8) in [(true, false), (false, false), (true, true), (false, true)] {
+                let layout = QkvLayout {
+                    heads,
+                    kv_heads,
+                    head_dim: dim,
+                    cos: table(cos.clone()),
+                    sin: table(sin.clone()),
+                    position,
+                    norm: norm.then(|| (weight(), weight(), 1e-6)),
+                };
+                let qkv = Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
+                let (store, reference_store) = stores::<B>(int8, [batch, kv_heads, slots, dim], dtype, device);
+                let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store, slot);
+                let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store, slot);
+                let what = format!("qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm} int8 {int8}");
+                assert_eq!(q.dtype(), dtype, "{what}");
+                assert_close(q, q_ref, tolerance(dtype), &format!("{what}: queries"));
+                // int8: a rounding at a .5 boundary may move a code by one step (max|x| / 127).
+                let tol = if int8 { tolerance(dtype).max(0.05) } else { tolerance(dtype) };
+                let ((k, v), (k_ref, v_ref)) = (contents(store), contents(reference_store));
+                assert_close(k, k_ref, tol, &format!("{what}: keys"));
+                assert_close(v, v_ref, tol, &format!("{what}: values"));
+            }
+        }
+    }
+
+    gpu_tests!(qkv_rope_append_matches_reference => qkv_rope_append);
+}
