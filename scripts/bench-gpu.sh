@@ -202,7 +202,7 @@ profile() {
     log "decode profile $m ($model)"
     ncu --csv --print-units base --metrics gpu__time_duration.sum --clock-control none --cache-control none \
       --launch-skip 8000 --launch-count 2000 --log-file "/tmp/ncu-$m.csv" \
-      $bin --model "$model" --backend cuda --dtype bf16 --prompt-len 1 --gen 24 --depth 0 --reps 1 > /dev/null 2>> "$OUT/log.txt"
+      $bin --model "$model" --backend cuda --dtype bf16 --prompt-len 1 --gen 64 --depth 0 --reps 1 > /dev/null 2>> "$OUT/log.txt"
     python3 "$here/decode_profile.py" "/tmp/ncu-$m.csv" --label "$m ($model)" --ours "$OUT/ours.txt" --model "$model" \
       >> "$OUT/profile.txt" 2>> "$OUT/log.txt" || log "decode_profile failed for $m"
   done
