@@ -99,17 +99,24 @@ pub(crate) fn unit_index() -> usize {
     cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize
 }
 
-/// Sum of `value` over the cube's units (a power of two along x), returned to every unit.
-/// `scratch` holds at least `CUBE_DIM_X` values.
+/// Sum (or with `max`, the largest) of `value` over the cube's units (a power of two along x),
+/// returned to every unit. `scratch` holds at least `CUBE_DIM_X` values.
 #[cube]
-pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+fn cube_reduce(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] max: bool) -> f32 {
     let unit = UNIT_POS_X as usize;
     scratch[unit] = value;
     sync_cube();
     let mut stride = CUBE_DIM_X as usize / 2;
     while stride > 0 {
         if unit < stride {
-            scratch[unit] = scratch[unit] + scratch[unit + stride];
+            let other = scratch[unit + stride];
+            if max {
+                if other > scratch[unit] {
+                    scratch[unit] = other;
+                }
+            } else {
+                scratch[unit] = scratch[unit] + other;
+            }
         }
         sync_cube();
         stride /= 2;
@@ -119,27 +126,16 @@ pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
     total
 }
 
-/// Largest `value` over the cube's units (a power of two along x), returned to every unit.
-/// `scratch` holds at least `CUBE_DIM_X` values.
+/// Sum of `value` over the cube's units; see [`cube_reduce`].
+#[cube]
+pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    cube_reduce(value, scratch, false)
+}
+
+/// Largest `value` over the cube's units; see [`cube_reduce`].
 #[cube]
 pub(crate) fn cube_max(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
-    let unit = UNIT_POS_X as usize;
-    scratch[unit] = value;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if unit < stride {
-            let other = scratch[unit + stride];
-            if other > scratch[unit] {
-                scratch[unit] = other;
-            }
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let total = scratch[0];
-    sync_cube();
-    total
+    cube_reduce(value, scratch, true)
 }
 
 /// `tanh` that stays finite for any input (the textbook `(e^2x - 1) / (e^2x + 1)` that some

@@ -78,7 +78,8 @@ pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, stor
 /// the cache dtype, or quantized with the row's `max|x| / 127` scale as the int8 store does.
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
-    use crate::cube::{cube_max, cube_sum, empty, pow2_ceil};
+    use crate::cube::{cube_max, empty, pow2_ceil};
+    use crate::rms_norm::kernel::row_inv_rms;
     use crate::kv_quant::kernel::placed;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -107,15 +108,7 @@ pub(crate) mod kernel {
         // `kind` is the same for the whole cube, so every unit reaches the reduction's barriers.
         if norm {
             if kind <= 1u32 {
-                let mut partial = 0.0f32;
-                let mut p = UNIT_POS_X as usize;
-                while p < dim {
-                    let v = f32::cast_from(qkv[base + p]);
-                    partial += v * v;
-                    p += threads;
-                }
-                let total = cube_sum(partial, scratch);
-                inv_rms = 1.0f32 / f32::sqrt(total / f32::cast_from(dim as u32) + eps);
+                inv_rms = row_inv_rms::<F>(qkv, base, dim, scratch, eps);
             }
         }
         let mut p = UNIT_POS_X as usize;

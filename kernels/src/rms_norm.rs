@@ -53,6 +53,19 @@ pub(crate) mod kernel {
         1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps)
     }
 
+    /// [`inv_rms`] of `x[base..base + n]`, the cube's units striding over the row.
+    #[cube]
+    pub(crate) fn row_inv_rms<F: Float>(x: &Tensor<F>, base: usize, n: usize, scratch: &mut SharedMemory<f32>, eps: f32) -> f32 {
+        let mut partial = 0.0f32;
+        let mut c = UNIT_POS_X as usize;
+        while c < n {
+            let v = f32::cast_from(x[base + c]);
+            partial += v * v;
+            c += CUBE_DIM_X as usize;
+        }
+        inv_rms(partial, scratch, n, eps)
+    }
+
     /// `(rows, n)` of a `[..., n]` shape.
     fn rows_and_width(shape: &burn::tensor::Shape) -> (usize, usize) {
         let n = shape[shape.num_dims() - 1];
@@ -76,14 +89,7 @@ pub(crate) mod kernel {
         }
         let base = row * n;
         let mut scratch = SharedMemory::<f32>::new(threads);
-        let mut partial = 0.0f32;
-        let mut c = UNIT_POS_X as usize;
-        while c < n {
-            let v = f32::cast_from(x[base + c]);
-            partial += v * v;
-            c += threads;
-        }
-        let inv = inv_rms(partial, &mut scratch, n, eps);
+        let inv = row_inv_rms::<F>(x, base, n, &mut scratch, eps);
         let mut c = UNIT_POS_X as usize;
         while c < n {
             let scale = 1.0f32 + f32::cast_from(weight[c]);
@@ -116,14 +122,7 @@ pub(crate) mod kernel {
         let mut scratch = SharedMemory::<f32>::new(threads);
         let mut x_inv = 1.0f32;
         if pre_norm {
-            let mut partial = 0.0f32;
-            let mut c = UNIT_POS_X as usize;
-            while c < n {
-                let v = f32::cast_from(x[base + c]);
-                partial += v * v;
-                c += threads;
-            }
-            x_inv = inv_rms(partial, &mut scratch, n, eps);
+            x_inv = row_inv_rms::<F>(x, base, n, &mut scratch, eps);
         }
         let mut partial = 0.0f32;
         let mut c = UNIT_POS_X as usize;
