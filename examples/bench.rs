@@ -56,6 +56,10 @@ struct Args {
     /// Seed of synthetic weights and of the token ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Samples the host's call stacks (2 kHz) during the last rep's decode and writes them to
+    /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
+    #[arg(long)]
+    host_profile: Option<std::path::PathBuf>,
 }
 
 struct Bench(Args);
@@ -161,6 +165,10 @@ impl BackendTask for Bench {
             cache.reset();
             feed(&model, &mut cache, &context, &device)?;
             let _ = B::sync(&device);
+            let profiler = match (&a.host_profile, rep == a.reps) {
+                (Some(_), true) => Some(host_profile::start()?),
+                _ => None,
+            };
             let start = Instant::now();
             let mut enqueue = Duration::ZERO;
             for _ in 0..a.gen {
@@ -171,6 +179,10 @@ impl BackendTask for Bench {
                 token = first_id::<B>(next);
             }
             let decode = start.elapsed();
+            if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
+                host_profile::finish(profiler, path)?;
+                eprintln!("host profile of {} decode tokens written to {}", a.gen, path.display());
+            }
             peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
             if rep == 0 {
                 continue; // warm-up
@@ -199,6 +211,46 @@ impl BackendTask for Bench {
             a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2)
         );
         Ok(())
+    }
+}
+
+/// Sampling the host's stacks with `pprof` (SIGPROF), written as collapsed stacks for
+/// `scripts/host_profile.py`.
+#[cfg(feature = "host-profile")]
+mod host_profile {
+    use burn_gemma::Error;
+    use std::{fmt::Write as _, path::Path};
+
+    pub struct Profiler(pprof::ProfilerGuard<'static>);
+
+    pub fn start() -> Result<Profiler, Error> {
+        pprof::ProfilerGuard::new(1999).map(Profiler).map_err(|e| Error::Backend(format!("host profiler: {e}")))
+    }
+
+    pub fn finish(profiler: Profiler, path: &Path) -> Result<(), Error> {
+        let report = profiler.0.report().build().map_err(|e| Error::Backend(format!("host profiler: {e}")))?;
+        let mut text = String::new();
+        for (frames, count) in &report.data {
+            // Frames run from the sampled instruction outwards, inlined functions innermost first.
+            let names: Vec<String> = frames.frames.iter().rev().flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ":"))).collect();
+            let _ = writeln!(text, "{};{} {count}", frames.thread_name_or_id(), names.join(";"));
+        }
+        std::fs::write(path, text).map_err(|e| Error::Backend(format!("writing {}: {e}", path.display())))
+    }
+}
+
+#[cfg(not(feature = "host-profile"))]
+mod host_profile {
+    use burn_gemma::Error;
+
+    pub enum Profiler {}
+
+    pub fn start() -> Result<Profiler, Error> {
+        Err(Error::Backend("--host-profile needs the bench built with `--features host-profile`".into()))
+    }
+
+    pub fn finish(profiler: Profiler, _: &std::path::Path) -> Result<(), Error> {
+        match profiler {}
     }
 }
 

@@ -18,6 +18,8 @@
 #                                          q8_0 KV) and ours (bf16 and int8 KV) on the Q8_0 and
 #                                          Q4_K_M files at depths 512 and 8192, the kernel table
 #                                          with the quantized GEMVs ($OUT/quant.md)
+#   bash .gpu-bench/bench-gpu.sh hostprof  where the host's time goes while issuing decode work
+#                                          (sampled stacks, synthetic models, $HOSTPROF)
 #   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16)
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
@@ -39,6 +41,7 @@ QFILES=${QFILES:-"Q8_0 Q4_K_M"}
 QDEPTHS=${QDEPTHS:-"512 8192"}
 MODEL_FILE=${MODEL_FILE:-/tmp/gemma3-270m-q4_k_m.gguf}
 PROFILE=${PROFILE:-"270m 4b"}
+HOSTPROF=${HOSTPROF:-"1b:bf16 1b:q4 4b:q8"}
 HF=${HF:-1}
 LCPP=${LCPP:-/tmp/lcpp}
 GGUF=${GGUF:-/tmp/gguf}
@@ -49,15 +52,17 @@ bundle() {
   local kit=${GPU_BENCH_KIT:-../shared/gpu-bench}
   rm -rf .gpu-bench && mkdir -p .gpu-bench/kit
   grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
-  cargo build --release --features cuda --example bench --example kernel_bench --example accuracy
-  for exe in bench kernel_bench accuracy; do
+  cargo build --release --features cuda,host-profile --example bench --example kernel_bench --example accuracy
+  # The bench keeps its symbol table: `hostprof` names the functions the host spends time in.
+  strip --strip-debug -o .gpu-bench/bench target/release/examples/bench && gzip -9 .gpu-bench/bench
+  for exe in kernel_bench accuracy; do
     strip -o .gpu-bench/$exe target/release/examples/$exe && gzip -9 .gpu-bench/$exe
   done
   local tests
   tests=$(cargo test --release -p burn-gemma-kernels --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["lib"]][0])')
   strip -o .gpu-bench/kernel_tests "$tests" && gzip -9 .gpu-bench/kernel_tests
-  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py .gpu-bench/
+  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py scripts/host_profile.py .gpu-bench/
   cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
   du -sh .gpu-bench
@@ -208,6 +213,20 @@ profile() {
   done
 }
 
+# Where the host's time goes while it issues decode work: sampled stacks (bench --host-profile)
+# of synthetic models, one file per HOSTPROF entry (model:weights), summarized by host_profile.py.
+hostprof() {
+  unpack
+  for spec in $HOSTPROF; do
+    IFS=: read -r m w <<< "$spec"
+    log "host profile $m $w"
+    "$bin" --model "synthetic:gemma3-$m" --backend cuda --dtype bf16 --weights "$w" --prompt-len 1 --gen 256 --reps 1 \
+      --host-profile "$OUT/host-$m-$w.txt" > "$OUT/host-$m-$w.log" 2>&1 || { log "host profile $m $w failed"; continue; }
+    python3 "$here/host_profile.py" "$OUT/host-$m-$w.txt" --top 60 > "$OUT/host-$m-$w.md"
+    grep -E "decode (tg|host)" "$OUT/host-$m-$w.log" | tee -a "$OUT/host-$m-$w.md"
+  done
+}
+
 run() {
   export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
   [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
@@ -241,6 +260,7 @@ case "${1:-}" in
   quant) quant ;;
   accuracy) accuracy ;;
   tests) kernel_tests ;;
+  hostprof) hostprof ;;
   chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
   *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|chunks" >&2; exit 2 ;;

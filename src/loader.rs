@@ -120,7 +120,7 @@ impl Checkpoint {
         &self,
         dtype: DType,
         device: &B::Device,
-        progress: impl FnMut(usize, usize),
+        progress: impl FnMut(usize, usize) + Send,
     ) -> Result<(Gemma<B>, LoadReport), Error> {
         self.load_model_as(dtype, WeightFormat::Dense, device, progress)
     }
@@ -132,7 +132,7 @@ impl Checkpoint {
         dtype: DType,
         format: WeightFormat,
         device: &B::Device,
-        mut progress: impl FnMut(usize, usize),
+        mut progress: impl FnMut(usize, usize) + Send,
     ) -> Result<(Gemma<B>, LoadReport), Error> {
         crate::backends::check_dtype::<B>(device, dtype)?;
         let total = self.tensors_to_load();

@@ -260,16 +260,21 @@ impl<B: Backend> QuantizedMatrix<B> {
     }
 
     /// Uploads `host` with the given code layout: `packed` words (`U32`) or one `U8` per code.
+    ///
+    /// Each tensor is uploaded flat and viewed as a matrix: a 2-D upload may pad every row to an
+    /// aligned pitch (CubeCL does for rows of e.g. 72 or 1,152 bytes), and a padded weight would
+    /// be copied to a contiguous one by every kernel call that reads it.
     pub fn upload(host: &HostQuantized, packed: bool, scale_dtype: DType, device: &B::Device) -> Self {
         let blocks = [host.rows, host.cols / BLOCK];
         let codes = if packed {
             let words = host.packed_words();
             let shape = [host.rows, host.cols / host.format.codes_per_word()];
-            Tensor::from_data(TensorData::new(words, shape), (device, DType::U32))
+            Tensor::<B, 1, Int>::from_data(TensorData::new(words, [shape[0] * shape[1]]), (device, DType::U32)).reshape(shape)
         } else {
-            Tensor::from_data(TensorData::new(host.codes.clone(), [host.rows, host.cols]), (device, DType::U8))
+            Tensor::<B, 1, Int>::from_data(TensorData::new(host.codes.clone(), [host.rows * host.cols]), (device, DType::U8))
+                .reshape([host.rows, host.cols])
         };
-        let floats = |v: &[f32]| Tensor::<B, 2>::from_data(TensorData::new(v.to_vec(), blocks), (device, scale_dtype));
+        let floats = |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), (device, scale_dtype)).reshape(blocks);
         Self {
             codes: int_param(codes),
             scales: Param::from_tensor(floats(&host.scales)),

@@ -428,15 +428,21 @@ pub struct Gemma<B: GemmaBackend> {
 impl<B: GemmaBackend> Gemma<B> {
     /// Builds the model from a weight source with dense weights in `dtype` (weights and matrix
     /// products).
-    pub fn load(config: GemmaConfig, source: &mut impl WeightSource<B>, dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+    pub fn load(config: GemmaConfig, source: &mut (impl WeightSource<B> + Send), dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
         Self::load_as(config, source, dtype, WeightFormat::Dense, device)
     }
 
     /// Builds the model with its matrices in `format` (see [`WeightFormat`]); activations and
     /// dense weights in `dtype`.
+    ///
+    /// The weights are allocated in the backend's persistent memory (one buffer each, see
+    /// `Backend::memory_persistent_allocations`), so the pools that serve the activations of
+    /// every step hold only short-lived buffers: CubeCL searches a pool's slices on every
+    /// allocation, and weights kept among them made that search the largest host cost of a
+    /// decode step. What loading allocated and no longer uses is released afterwards.
     pub fn load_as(
         config: GemmaConfig,
-        source: &mut impl WeightSource<B>,
+        source: &mut (impl WeightSource<B> + Send),
         dtype: DType,
         format: WeightFormat,
         device: &B::Device,
@@ -446,12 +452,16 @@ impl<B: GemmaBackend> Gemma<B> {
             return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
         }
         let settings = WeightSettings { dtype, format };
-        let embed_tokens = Embedding::load(source, &config, settings, device)?;
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| DecoderLayer::load(source, i, &config, settings, device))
-            .collect::<Result<Vec<_>, _>>()?;
-        let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
-        Ok(Self { embed_tokens, layers, norm, config, dtype, kv_cache: KvFormat::Dense(dtype) })
+        let model = B::memory_persistent_allocations(device, source, |source| {
+            let embed_tokens = Embedding::load(source, &config, settings, device)?;
+            let layers = (0..config.num_hidden_layers)
+                .map(|i| DecoderLayer::load(source, i, &config, settings, device))
+                .collect::<Result<Vec<_>, _>>()?;
+            let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
+            Ok(Self { embed_tokens, layers, norm, config: config.clone(), dtype, kv_cache: KvFormat::Dense(dtype) })
+        });
+        B::memory_cleanup(device);
+        model
     }
 
     /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
