@@ -34,7 +34,12 @@ struct Bench {
     launch_only: bool,
 }
 
-/// Median seconds of `f` over `reps` synchronized runs, after warm-up.
+/// Calls issued back to back per timed sample: one synchronization (a round trip through the
+/// runtime's queue, tens of microseconds on CUDA) per call would hide kernels of that size.
+const BATCH: usize = 10;
+
+/// Median seconds per call of `f` over `reps` samples of [`BATCH`] calls issued back to back
+/// and then synchronized, after warm-up.
 fn time<B: GemmaBackend, T>(device: &B::Device, reps: usize, mut f: impl FnMut() -> T) -> f64 {
     for _ in 0..3 {
         let _ = f();
@@ -43,10 +48,10 @@ fn time<B: GemmaBackend, T>(device: &B::Device, reps: usize, mut f: impl FnMut()
     let mut times: Vec<f64> = (0..reps)
         .map(|_| {
             let start = Instant::now();
-            let out = f();
+            let outs: Vec<T> = (0..BATCH).map(|_| f()).collect();
             let _ = B::sync(device);
-            drop(out);
-            start.elapsed().as_secs_f64()
+            drop(outs);
+            start.elapsed().as_secs_f64() / BATCH as f64
         })
         .collect();
     times.sort_by(f64::total_cmp);
@@ -234,7 +239,7 @@ impl BackendTask for Bench {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let (dt, reps, d) = (self.dtype, self.reps, &device);
         let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
-        println!("backend {name}, dtype {dt:?}, medians of {reps} runs after warm-up, device synchronized\n");
+        println!("backend {name}, dtype {dt:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
 
         if !self.launch_only {
             kernels::<B>(d, dt, reps);

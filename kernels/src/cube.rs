@@ -87,6 +87,19 @@ pub(crate) fn elementwise(elements: usize, threads: u32) -> (CubeCount, CubeDim)
     (grid(elements.div_ceil(threads as usize)), CubeDim::new_1d(threads))
 }
 
+/// The widest vector (elements per load, at most `max` and what one load instruction of the
+/// runtime moves) that divides a contiguous row of `len` elements of `elem_size` bytes.
+pub(crate) fn load_vector_size<R: CubeRuntime>(client: &ComputeClient<R>, elem_size: usize, len: usize, max: usize) -> usize {
+    client.io_optimized_vector_sizes(elem_size).find(|&v| v <= max && len % v == 0).unwrap_or(1)
+}
+
+/// Whether `plane_sum` over 32 units is available: plane operations supported and every plane
+/// exactly 32 units wide (CUDA warps), so a row owned by 32 consecutive units is one plane.
+pub(crate) fn planes_of_32<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    let props = client.properties();
+    props.features.plane.contains(cubecl::ir::features::Plane::Ops) && props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32
+}
+
 /// Linear index of this cube in a [`grid`].
 #[cube]
 pub(crate) fn cube_index() -> usize {

@@ -15,33 +15,86 @@ pub const GEMV_MAX_ROWS: usize = 8;
 
 /// CubeCL matrix-vector kernel for `n <= GEMV_MAX_ROWS` activation rows (decode): each cube
 /// owns `ROWS` output features, `32` units per feature stride over the input dimension reading
-/// the weight row once, coalesced, and accumulate all activation rows in f32; a shared-memory
-/// tree adds the 32 partial sums.
+/// the weight row once, coalesced, in vectors of up to 16 bytes (the widest load the runtime
+/// offers that divides the row), and accumulate all activation rows in f32; the 32 partial sums
+/// are added by `plane_sum` where a row's units form one 32-wide plane (CUDA), else by a
+/// shared-memory tree.
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
-    use crate::cube::{cube_index, empty, grid};
+    use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
     const ROWS: usize = 8;
     const LANES: usize = 32;
 
+    /// Adds the 32 partial sums of every activation row (`acc`, `m` of them) of each output
+    /// feature and writes the totals from the feature's lane 0: by `plane_sum` when `plane`
+    /// (one feature per 32-wide plane), else through a shared-memory tree.
+    #[cube]
+    pub(crate) fn reduce_and_store<F: Float>(
+        acc: &Array<f32>,
+        out: &mut Tensor<F>,
+        row: usize,
+        n_out: usize,
+        #[comptime] m: usize,
+        #[comptime] plane: bool,
+    ) {
+        let unit = UNIT_POS_X as usize;
+        let lane = unit % LANES;
+        if plane {
+            #[unroll]
+            for t in 0..m {
+                let total = plane_sum(acc[t]);
+                if lane == 0 && row < n_out {
+                    out[t * n_out + row] = F::cast_from(total);
+                }
+            }
+        } else {
+            let threads = ROWS * LANES;
+            let mut partial = SharedMemory::<f32>::new(ROWS * LANES * m);
+            #[unroll]
+            for t in 0..m {
+                partial[t * threads + unit] = acc[t];
+            }
+            sync_cube();
+            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = ROWS * LANES).
+            let mut stride = CUBE_DIM_X as usize / (2 * ROWS);
+            while stride > 0 {
+                if lane < stride {
+                    #[unroll]
+                    for t in 0..m {
+                        partial[t * threads + unit] = partial[t * threads + unit] + partial[t * threads + unit + stride];
+                    }
+                }
+                sync_cube();
+                stride /= 2;
+            }
+            if lane == 0 && row < n_out {
+                #[unroll]
+                for t in 0..m {
+                    out[t * n_out + row] = F::cast_from(partial[t * threads + unit]);
+                }
+            }
+        }
+    }
+
     #[cube(launch)]
-    fn gemv_kernel<F: Float>(
-        x: &Tensor<F>,
-        w: &Tensor<F>,
+    fn gemv_kernel<F: Float, N: Size>(
+        x: &Tensor<Vector<F, N>>,
+        w: &Tensor<Vector<F, N>>,
         out: &mut Tensor<F>,
         #[comptime] m: usize,
+        #[comptime] plane: bool,
         #[define(F)] _dtype: StorageType,
     ) {
-        let k = w.shape(1);
+        let width = w.vector_size();
+        let k = w.shape(1) / width;
         let n_out = w.shape(0);
-        let threads = ROWS * LANES;
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
         let row = cube_index() * ROWS + local;
-        let mut partial = SharedMemory::<f32>::new(ROWS * LANES * m);
         let mut acc = Array::<f32>::new(m);
         #[unroll]
         for t in 0..m {
@@ -51,57 +104,42 @@ pub(crate) mod kernel {
             let base = row * k;
             let mut c = lane;
             while c < k {
-                let wv = f32::cast_from(w[base + c]);
+                let wv = w[base + c];
                 #[unroll]
                 for t in 0..m {
-                    acc[t] += wv * f32::cast_from(x[t * k + c]);
+                    let xv = x[t * k + c];
+                    #[unroll]
+                    for i in 0..width {
+                        acc[t] += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
+                    }
                 }
                 c += LANES;
             }
         }
-        #[unroll]
-        for t in 0..m {
-            partial[t * threads + unit] = acc[t];
-        }
-        sync_cube();
-        // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = ROWS * LANES).
-        let mut stride = CUBE_DIM_X as usize / (2 * ROWS);
-        while stride > 0 {
-            if lane < stride {
-                #[unroll]
-                for t in 0..m {
-                    partial[t * threads + unit] = partial[t * threads + unit] + partial[t * threads + unit + stride];
-                }
-            }
-            sync_cube();
-            stride /= 2;
-        }
-        if lane == 0 && row < n_out {
-            #[unroll]
-            for t in 0..m {
-                out[t * n_out + row] = F::cast_from(partial[t * threads + unit]);
-            }
-        }
+        reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
     /// dtype. Returns `[n, out]`.
     pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R> {
-        let [n, _] = [x.meta.shape()[0], x.meta.shape()[1]];
+        let [n, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
         let out_features = w.meta.shape()[0];
         let out = empty(&x, [n, out_features], x.dtype);
         if n == 0 || out_features == 0 {
             return out;
         }
         let dtype = x.dtype.into();
+        let width = load_vector_size(&x.client, x.dtype.size(), inp, 16);
         gemv_kernel::launch::<R>(
             &x.client,
             grid(out_features.div_ceil(ROWS)),
             CubeDim::new_1d((ROWS * LANES) as u32),
+            width,
             x.clone().into_tensor_arg(),
             w.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             n,
+            planes_of_32(&x.client),
             dtype,
         );
         out

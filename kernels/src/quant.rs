@@ -352,17 +352,18 @@ pub fn embed_reference<B: Backend>(table: &[QuantizedMatrix<B>], ids: Tensor<B, 
 
 /// CubeCL kernels over packed codes (`u32` words, see the module docs):
 /// - `gemv`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
-///   Each cube owns `ROWS` output features; `32` units per feature stride over the row's words,
-///   so a warp reads 128 consecutive bytes of codes per step and every code byte once; the
-///   block's scale (and offset) is read with its first word; sums are kept in f32 and a
-///   shared-memory tree adds the 32 partial sums.
+///   Each cube owns `ROWS` output features; `32` units per feature stride over the row in
+///   vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so a warp reads 512 consecutive
+///   bytes per step and every code byte once), with the vector's block scale (and offset) and
+///   the matching activations in loads as wide as the runtime allows; sums are kept in f32 and
+///   added as in the dense kernel (`plane_sum` on 32-wide planes, else a shared-memory tree).
 /// - `dequantize`: the whole matrix in the activation dtype, for prefill (one unit per word);
 ///   the backend's matmul then runs on it.
 /// - `embed`: the scaled gather of token rows out of a quantized table in row blocks.
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use super::QuantFormat;
-    use crate::cube::{cube_index, elementwise, empty, grid, unit_index};
+    use crate::cube::{cube_index, elementwise, empty, grid, load_vector_size, planes_of_32, unit_index};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -382,78 +383,68 @@ pub(crate) mod kernel {
 
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    fn qgemv_kernel<F: Float, S: Float>(
-        x: &Tensor<F>,
-        codes: &Tensor<u32>,
+    fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
+        x: &Tensor<Vector<F, NX>>,
+        codes: &Tensor<Vector<u32, NW>>,
         scales: &Tensor<S>,
         offsets: &Tensor<S>,
         out: &mut Tensor<F>,
         #[comptime] m: usize,
         #[comptime] q4: bool,
+        #[comptime] plane: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
         let words_per_block = comptime!(32usize / per_word);
-        let words = codes.shape(1);
+        // Words per code vector (1, 2 or 4: never more than a block) and activations per load
+        // (a divisor of `per_word`).
+        let nw = codes.vector_size();
+        let nx = x.vector_size();
+        let groups = comptime!(per_word / nx);
+        let vectors = codes.shape(1) / nw;
         let n_out = codes.shape(0);
         let blocks = scales.shape(1);
-        let k = words * per_word;
-        let threads = ROWS * LANES;
+        let k = codes.shape(1) * per_word;
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
         let row = cube_index() * ROWS + local;
-        let mut partial = SharedMemory::<f32>::new(ROWS * LANES * m);
         let mut acc = Array::<f32>::new(m);
         #[unroll]
         for t in 0..m {
             acc[t] = 0.0f32;
         }
         if row < n_out {
-            let mut w = lane;
-            while w < words {
-                let word = codes[row * words + w];
-                let block = row * blocks + w / words_per_block;
+            let mut v = lane;
+            while v < vectors {
+                let words = codes[row * vectors + v];
+                // A vector never straddles two blocks: one scale (and offset) for all its words.
+                let block = row * blocks + (v * nw) / words_per_block;
                 let scale = f32::cast_from(scales[block]);
                 let mut offset = 0.0f32;
                 if q4 {
                     offset = f32::cast_from(offsets[block]);
                 }
-                let col = w * per_word;
                 #[unroll]
-                for n in 0..per_word {
-                    let value = code(word, n, q4) * scale + offset;
+                for j in 0..nw {
+                    let word = words[j];
+                    let col = (v * nw + j) * per_word;
                     #[unroll]
-                    for t in 0..m {
-                        acc[t] += value * f32::cast_from(x[t * k + col + n]);
+                    for g in 0..groups {
+                        #[unroll]
+                        for t in 0..m {
+                            let xv = x[(t * k + col) / nx + g];
+                            #[unroll]
+                            for i in 0..nx {
+                                acc[t] += (code(word, comptime!(g * nx + i), q4) * scale + offset) * f32::cast_from(xv[i]);
+                            }
+                        }
                     }
                 }
-                w += LANES;
+                v += LANES;
             }
         }
-        #[unroll]
-        for t in 0..m {
-            partial[t * threads + unit] = acc[t];
-        }
-        sync_cube();
-        // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = ROWS * LANES).
-        let mut stride = CUBE_DIM_X as usize / (2 * ROWS);
-        while stride > 0 {
-            if lane < stride {
-                #[unroll]
-                for t in 0..m {
-                    partial[t * threads + unit] = partial[t * threads + unit] + partial[t * threads + unit + stride];
-                }
-            }
-            sync_cube();
-            stride /= 2;
-        }
-        if lane == 0 && row < n_out {
-            #[unroll]
-            for t in 0..m {
-                out[t * n_out + row] = F::cast_from(partial[t * threads + unit]);
-            }
-        }
+        crate::linear::kernel::reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
     }
 
     #[cube(launch)]
@@ -575,10 +566,16 @@ pub(crate) mod kernel {
         }
         let (codes, scales, offsets, q4) = w.args();
         let dtypes = [x.dtype.into(), scales.dtype.into()];
+        // Up to 4 words (16 bytes) per code load: a divisor of the row, and of the block (4 or
+        // 8 words); the activations of one word (4 or 8) in as few loads as the runtime allows.
+        let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
+        let nx = load_vector_size(&x.client, x.dtype.size(), w.format.codes_per_word(), 8);
         qgemv_kernel::launch::<R>(
             &x.client,
             grid(out_features.div_ceil(ROWS)),
             CubeDim::new_1d((ROWS * LANES) as u32),
+            nw,
+            nx,
             x.clone().into_tensor_arg(),
             codes.into_tensor_arg(),
             scales.into_tensor_arg(),
@@ -586,6 +583,7 @@ pub(crate) mod kernel {
             out.clone().into_tensor_arg(),
             n,
             q4,
+            planes_of_32(&x.client),
             dtypes,
         );
         out
