@@ -462,7 +462,9 @@ pub(crate) mod kernel {
         let row_blocks = rows.div_ceil(tiling.bq);
         let base_cubes = row_blocks * batch * kv_heads;
         let tiles = k_len.div_ceil(tiling.bk);
-        let splits = TARGET_CUBES.div_ceil(base_cubes).min(tiles.div_ceil(2)).clamp(1, MAX_SPLITS);
+        // Down to one tile per split: a decode step has one cube per KV head otherwise, and
+        // each tile is a chain of dependent loads and barriers.
+        let splits = TARGET_CUBES.div_ceil(base_cubes).min(tiles).clamp(1, MAX_SPLITS);
         let split = splits > 1;
         let (partial, stats) = if split {
             (

@@ -37,14 +37,22 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
     x * inv_rms * scale
 }
 
-/// CubeCL kernels: one cube per row, `THREADS` units striding over the row, f32 accumulation.
+/// CubeCL kernels: one cube per row, up to `MAX_THREADS` units striding over the row (about two
+/// elements per unit: a decode step normalizes one row, and each pass over it costs a memory
+/// latency per element a unit handles), f32 accumulation.
 pub(crate) mod kernel {
     use crate::cube::{cube_index, cube_sum, empty, grid};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
-    const THREADS: usize = 256;
+    const MAX_THREADS: usize = 1024;
+
+    /// Units per row of `n`: a power of two, at most the runtime's cube size.
+    fn threads<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> usize {
+        let limit = client.properties().hardware.max_units_per_cube as usize;
+        crate::cube::pow2_floor(n.div_ceil(2).next_power_of_two().clamp(32, MAX_THREADS).min(limit))
+    }
 
     /// `1 / sqrt(mean(x^2) + eps)` of a row from each unit's partial sum of squares.
     #[cube]
@@ -155,16 +163,17 @@ pub(crate) mod kernel {
             return out;
         }
         let dtypes = [x.dtype.into(), weight.dtype.into()];
+        let threads = threads(&x.client, n);
         rms_norm_kernel::launch::<R>(
             &x.client,
             grid(rows),
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(threads as u32),
             x.clone().into_tensor_arg(),
             weight.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             n as u32,
             eps as f32,
-            THREADS,
+            threads,
             dtypes,
         );
         out
@@ -191,10 +200,11 @@ pub(crate) mod kernel {
         // Without a pre-norm its weight is never read; the main weight stands in.
         let x_weight = x_weight.unwrap_or_else(|| weight.clone());
         let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into()];
+        let threads = threads(&x.client, n);
         add_rms_norm_kernel::launch::<R>(
             &x.client,
             grid(rows),
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(threads as u32),
             residual.into_tensor_arg(),
             x.clone().into_tensor_arg(),
             x_weight.into_tensor_arg(),
@@ -203,7 +213,7 @@ pub(crate) mod kernel {
             out.clone().into_tensor_arg(),
             n as u32,
             eps as f32,
-            THREADS,
+            threads,
             pre_norm,
             dtypes,
         );
