@@ -263,5 +263,5 @@ case "${1:-}" in
   hostprof) hostprof ;;
   chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
-  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|chunks" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|hostprof|chunks" >&2; exit 2 ;;
 esac

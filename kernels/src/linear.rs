@@ -25,8 +25,10 @@ pub(crate) mod kernel {
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
-    const ROWS: usize = 8;
-    const LANES: usize = 32;
+    /// Output features per cube, and units per output feature; the quantized GEMV shares both
+    /// (and [`reduce_and_store`], which assumes them).
+    pub(crate) const ROWS: usize = 8;
+    pub(crate) const LANES: usize = 32;
 
     /// Adds the 32 partial sums of every activation row (`acc`, `m` of them) of each output
     /// feature and writes the totals from the feature's lane 0: by `plane_sum` when `plane`

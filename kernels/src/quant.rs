@@ -366,10 +366,8 @@ pub(crate) mod kernel {
     use crate::cube::{cube_index, elementwise, empty, grid, load_vector_size, planes_of_32, unit_index};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
     use cubecl::prelude::*;
-
-    const ROWS: usize = 8;
-    const LANES: usize = 32;
 
     /// Weight `n` of a packed word, before scaling: Q8 `q`, Q4 the unsigned code.
     #[cube]
@@ -444,7 +442,7 @@ pub(crate) mod kernel {
                 v += LANES;
             }
         }
-        crate::linear::kernel::reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
+        reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
     }
 
     #[cube(launch)]
