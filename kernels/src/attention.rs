@@ -89,13 +89,24 @@ pub fn reference<B: Backend>(
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use super::AttentionMask;
-    use crate::cube::{elementwise, empty, pow2_ceil, tanh_f32, unit_index};
+    use crate::cube::{elementwise, empty, pow2_ceil, tanh_f32, unit_index, Strides4};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
     // Scores of masked (query, key) pairs are -3e38; anything below -1e38 counts as masked.
     // The running maximum starts at -1e30: finite, so `exp(m_old - m_new)` never sees inf - inf.
+
+    /// Sizes the attention kernels read (their tensors are passed as arrays).
+    #[derive(CubeLaunch, CubeType, Clone, Copy)]
+    pub struct AttentionShape {
+        pub batch: usize,
+        pub q_heads: usize,
+        pub q_len: usize,
+        pub kv_heads: usize,
+        /// Slots per KV head of an int8 cache (unused for dense keys and values).
+        pub slots: usize,
+    }
 
     /// Comptime launch configuration.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -117,16 +128,20 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn flash_attention_kernel<F: Float>(
-        q: &Tensor<F>,
-        k: &Tensor<F>,
-        v: &Tensor<F>,
-        out: &mut Tensor<F>,
-        partial: &mut Tensor<f32>,
-        stats: &mut Tensor<f32>,
-        k_codes: &Tensor<u32>,
-        k_scales: &Tensor<f32>,
-        v_codes: &Tensor<u32>,
-        v_scales: &Tensor<f32>,
+        q: &Array<F>,
+        k: &Array<F>,
+        v: &Array<F>,
+        out: &mut Array<F>,
+        partial: &mut Array<f32>,
+        stats: &mut Array<f32>,
+        k_codes: &Array<u32>,
+        k_scales: &Array<f32>,
+        v_codes: &Array<u32>,
+        v_scales: &Array<f32>,
+        q_strides: Strides4,
+        k_strides: Strides4,
+        v_strides: Strides4,
+        shape: AttentionShape,
         kv_len: u32,
         q_offset: u32,
         k_offset: u32,
@@ -145,16 +160,12 @@ pub(crate) mod kernel {
         let tpr = tiling.tpr;
         let dim = tiling.dim;
         let threads = bq * tpr;
-        let q_heads = q.shape(1);
-        let q_len = q.shape(2);
+        let q_heads = shape.q_heads;
+        let q_len = shape.q_len;
         // int8 keys and values: packed codes `[batch, kv_heads, slots, dim / 4]` and scales
         // `[batch, kv_heads, slots]`, of which the first `kv_len` slots are attended.
-        let mut kv_heads = k.shape(1);
-        let mut k_len = k.shape(2);
-        if int8 {
-            kv_heads = k_scales.shape(1);
-            k_len = kv_len as usize;
-        }
+        let kv_heads = shape.kv_heads;
+        let k_len = kv_len as usize;
         let groups = q_heads / kv_heads;
         let rows = groups * q_len;
         let b = CUBE_POS_Y as usize / kv_heads;
@@ -209,8 +220,8 @@ pub(crate) mod kernel {
         let mut m = f32::new(-1.0e30);
         let mut l = 0.0f32;
 
-        let k_base = b * k.stride(0) + kvh * k.stride(1);
-        let v_base = b * v.stride(0) + kvh * v.stride(1);
+        let k_base = k_strides.at(b, kvh, 0, 0);
+        let v_base = v_strides.at(b, kvh, 0, 0);
         for tile in t_begin..t_end {
             let key0 = tile * bk;
             // Stage K and V (f32) for this tile.
@@ -224,14 +235,14 @@ pub(crate) mod kernel {
                 let mut vv = 0.0f32;
                 if key < k_len {
                     if int8 {
-                        let slot = (b * kv_heads + kvh) * k_scales.shape(2) + key;
+                        let slot = (b * kv_heads + kvh) * shape.slots + key;
                         let word = slot * (dim / 4) + c / 4;
                         let shift = (c % 4) as u32 * 8;
                         kv = (f32::cast_from((k_codes[word] >> shift) & 255u32) - 128.0f32) * k_scales[slot];
                         vv = (f32::cast_from((v_codes[word] >> shift) & 255u32) - 128.0f32) * v_scales[slot];
                     } else {
-                        kv = f32::cast_from(k[k_base + key * k.stride(2) + c * k.stride(3)]);
-                        vv = f32::cast_from(v[v_base + key * v.stride(2) + c * v.stride(3)]);
+                        kv = f32::cast_from(k[k_base + key * k_strides.s + c * k_strides.d]);
+                        vv = f32::cast_from(v[v_base + key * v_strides.s + c * v_strides.d]);
                     }
                 }
                 k_tile[j * kstride + c] = kv;
@@ -252,10 +263,10 @@ pub(crate) mod kernel {
                 if r < rows && key < k_len {
                     let g = r / q_len;
                     let i = r % q_len;
-                    let q_base = b * q.stride(0) + (kvh * groups + g) * q.stride(1) + i * q.stride(2);
+                    let q_base = q_strides.at(b, kvh * groups + g, i, 0);
                     let mut c = lane;
                     while c < dim {
-                        dot += f32::cast_from(q[q_base + c * q.stride(3)]) * k_tile[j * kstride + c];
+                        dot += f32::cast_from(q[q_base + c * q_strides.d]) * k_tile[j * kstride + c];
                         c += lanes;
                     }
                 }
@@ -323,7 +334,7 @@ pub(crate) mod kernel {
         if r < rows {
             if split {
                 // Partial results [splits, batch, kv_heads, rows, dim] and (max, sum) stats.
-                let slot = ((split_index * q.shape(0) + b) * kv_heads + kvh) * rows + r;
+                let slot = ((split_index * shape.batch + b) * kv_heads + kvh) * rows + r;
                 #[unroll]
                 for i in 0..tiling.cols {
                     let c = my_col + i * tpr;
@@ -357,23 +368,22 @@ pub(crate) mod kernel {
     /// Merges the per-split partial results: one unit per output element.
     #[cube(launch)]
     fn merge_splits_kernel<F: Float>(
-        partial: &Tensor<f32>,
-        stats: &Tensor<f32>,
-        out: &mut Tensor<F>,
+        partial: &Array<f32>,
+        stats: &Array<f32>,
+        out: &mut Array<F>,
         splits: u32,
-        kv_heads: u32,
-        q_len: u32,
+        shape: AttentionShape,
+        #[comptime] dim: usize,
         #[define(F)] _dtype: StorageType,
     ) {
         let idx = unit_index();
         if idx >= out.len() {
             terminate!();
         }
-        let dim = out.shape(3);
-        let q_heads = out.shape(1);
-        let batch = out.shape(0);
-        let kv_heads = kv_heads as usize;
-        let q_len = q_len as usize;
+        let q_heads = shape.q_heads;
+        let batch = shape.batch;
+        let kv_heads = shape.kv_heads;
+        let q_len = shape.q_len;
         let groups = q_heads / kv_heads;
         let rows = groups * q_len;
         let c = idx % dim;
@@ -448,9 +458,9 @@ pub(crate) mod kernel {
     /// Attention over dense or int8 keys and values.
     pub fn attention_kv<R: CubeRuntime>(q: CubeTensor<R>, kv: Kv<R>, mask: AttentionMask, scale: f64, softcap: Option<f64>) -> CubeTensor<R> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
-        let (kv_heads, k_len) = match &kv {
-            Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2]),
-            Kv::Int8 { k_scales, len, .. } => (k_scales.meta.shape()[1], *len),
+        let (kv_heads, k_len, slots) = match &kv {
+            Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2], k.meta.shape()[2]),
+            Kv::Int8 { k_scales, len, .. } => (k_scales.meta.shape()[1], *len, k_scales.meta.shape()[2]),
         };
         let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
         if batch * q_heads * q_len * dim == 0 {
@@ -466,40 +476,42 @@ pub(crate) mod kernel {
         // each tile is a chain of dependent loads and barriers.
         let splits = TARGET_CUBES.div_ceil(base_cubes).min(tiles).clamp(1, MAX_SPLITS);
         let split = splits > 1;
+        // Unused arguments get `q` as a stand-in (never read or written, and an array argument
+        // is only a buffer: its element type does not have to match).
         let (partial, stats) = if split {
             (
                 empty(&q, [splits * batch * kv_heads * rows, dim], DType::F32),
                 empty(&q, [splits * batch * kv_heads * rows, 2], DType::F32),
             )
         } else {
-            // Never written: stand-ins for the unused arguments.
-            (empty(&q, [1], DType::F32), empty(&q, [1], DType::F32))
+            (q.clone(), q.clone())
         };
         let dtype: StorageType = q.dtype.into();
         let client = q.client.clone();
         let int8 = matches!(kv, Kv::Int8 { .. });
-        // Never-read stand-ins for the arguments of the other storage.
         let (k, v, k_codes, k_scales, v_codes, v_scales) = match kv {
-            Kv::Dense { k, v } => {
-                let (codes, scales) = (empty(&q, [1], DType::U32), empty(&q, [1], DType::F32));
-                (k, v, codes.clone(), scales.clone(), codes, scales)
-            }
+            Kv::Dense { k, v } => (k, v, q.clone(), q.clone(), q.clone(), q.clone()),
             Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales),
         };
+        let shape = || AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots);
         flash_attention_kernel::launch::<R>(
             &client,
             CubeCount::Static(row_blocks as u32, (batch * kv_heads) as u32, splits as u32),
             CubeDim::new_1d((tiling.bq * tiling.tpr) as u32),
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            partial.clone().into_tensor_arg(),
-            stats.clone().into_tensor_arg(),
-            k_codes.into_tensor_arg(),
-            k_scales.into_tensor_arg(),
-            v_codes.into_tensor_arg(),
-            v_scales.into_tensor_arg(),
+            q.clone().into_array_arg(),
+            k.clone().into_array_arg(),
+            v.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            partial.clone().into_array_arg(),
+            stats.clone().into_array_arg(),
+            k_codes.into_array_arg(),
+            k_scales.into_array_arg(),
+            v_codes.into_array_arg(),
+            v_scales.into_array_arg(),
+            Strides4::launch(&q),
+            Strides4::launch(&k),
+            Strides4::launch(&v),
+            shape(),
             k_len as u32,
             mask.q_offset as u32,
             mask.k_offset as u32,
@@ -519,12 +531,12 @@ pub(crate) mod kernel {
                 &client,
                 count,
                 cube_dim,
-                partial.into_tensor_arg(),
-                stats.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
+                partial.into_array_arg(),
+                stats.into_array_arg(),
+                out.clone().into_array_arg(),
                 splits as u32,
-                kv_heads as u32,
-                q_len as u32,
+                shape(),
+                dim,
                 dtype,
             );
         }

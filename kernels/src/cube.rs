@@ -100,6 +100,34 @@ pub(crate) fn planes_of_32<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     props.features.plane.contains(cubecl::ir::features::Plane::Ops) && props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32
 }
 
+/// Strides of a 4-D tensor that a kernel takes as an [`Array`] (kernels take arrays plus the
+/// dimensions they need, because a launch with `Tensor` arguments first uploads every tensor's
+/// shape and strides to the device: a pool allocation and a host-to-device copy per launch,
+/// while array lengths and scalars travel with the launch itself).
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub(crate) struct Strides4 {
+    pub b: usize,
+    pub h: usize,
+    pub s: usize,
+    pub d: usize,
+}
+
+#[cube]
+impl Strides4 {
+    /// Linear index of element `(b, h, s, d)`.
+    pub fn at(&self, b: usize, h: usize, s: usize, d: usize) -> usize {
+        b * self.b + h * self.h + s * self.s + d * self.d
+    }
+}
+
+impl Strides4 {
+    /// The launch argument holding `t`'s strides (`t` is 4-D).
+    pub fn launch<R: CubeRuntime>(t: &CubeTensor<R>) -> Strides4Launch<R> {
+        let s = t.meta.strides();
+        Strides4Launch::new(s[0], s[1], s[2], s[3])
+    }
+}
+
 /// Linear index of this cube in a [`grid`].
 #[cube]
 pub(crate) fn cube_index() -> usize {

@@ -46,9 +46,9 @@ pub(crate) mod kernel {
     /// `zero_others` also zeroes the rows of ids outside `[0, vocab)`, so every row is written.
     #[cube(launch)]
     fn embed_kernel<T: Float, I: Int>(
-        block: &Tensor<T>,
-        ids: &Tensor<I>,
-        out: &mut Tensor<T>,
+        block: &Array<T>,
+        ids: &Array<I>,
+        out: &mut Array<T>,
         start: u32,
         rows: u32,
         vocab: u32,
@@ -100,9 +100,9 @@ pub(crate) mod kernel {
                 &ids.client,
                 grid(batch * seq),
                 CubeDim::new_1d(THREADS),
-                block.into_tensor_arg(),
-                ids.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
+                block.into_array_arg(),
+                ids.clone().into_array_arg(),
+                out.clone().into_array_arg(),
                 start as u32,
                 rows as u32,
                 vocab as u32,

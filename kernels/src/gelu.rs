@@ -24,7 +24,7 @@ pub(crate) mod kernel {
     use cubecl::prelude::*;
 
     #[cube(launch)]
-    fn gelu_mul_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+    fn gelu_mul_kernel<F: Float>(gate: &Array<F>, up: &Array<F>, out: &mut Array<F>, #[define(F)] _dtype: StorageType) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
@@ -37,7 +37,7 @@ pub(crate) mod kernel {
 
     /// `x`: rows of `2 * m` values, the gate then the up projection.
     #[cube(launch)]
-    fn gelu_mul_halves_kernel<F: Float>(x: &Tensor<F>, out: &mut Tensor<F>, m: u32, #[define(F)] _dtype: StorageType) {
+    fn gelu_mul_halves_kernel<F: Float>(x: &Array<F>, out: &mut Array<F>, m: u32, #[define(F)] _dtype: StorageType) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
@@ -62,7 +62,7 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        gelu_mul_halves_kernel::launch::<R>(&x.client, count, dim, x.clone().into_tensor_arg(), out.clone().into_tensor_arg(), m as u32, dtype);
+        gelu_mul_halves_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), m as u32, dtype);
         out
     }
 
@@ -80,9 +80,9 @@ pub(crate) mod kernel {
             &gate.client,
             count,
             dim,
-            gate.clone().into_tensor_arg(),
-            up.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            gate.clone().into_array_arg(),
+            up.into_array_arg(),
+            out.clone().into_array_arg(),
             dtype,
         );
         out

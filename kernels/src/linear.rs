@@ -36,7 +36,7 @@ pub(crate) mod kernel {
     #[cube]
     pub(crate) fn reduce_and_store<F: Float>(
         acc: &Array<f32>,
-        out: &mut Tensor<F>,
+        out: &mut Array<F>,
         row: usize,
         n_out: usize,
         #[comptime] m: usize,
@@ -81,18 +81,24 @@ pub(crate) mod kernel {
         }
     }
 
+    /// `k`: vectors per weight row; `n_out`: weight rows. Arrays rather than tensors: a launch
+    /// with tensor arguments uploads their shapes and strides to the device first (a pool
+    /// allocation and a host-to-device copy per launch), an array's lengths travel with the
+    /// launch itself.
     #[cube(launch)]
     fn gemv_kernel<F: Float, N: Size>(
-        x: &Tensor<Vector<F, N>>,
-        w: &Tensor<Vector<F, N>>,
-        out: &mut Tensor<F>,
+        x: &Array<Vector<F, N>>,
+        w: &Array<Vector<F, N>>,
+        out: &mut Array<F>,
+        k: u32,
+        n_out: u32,
         #[comptime] m: usize,
         #[comptime] plane: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let width = w.vector_size();
-        let k = w.shape(1) / width;
-        let n_out = w.shape(0);
+        let k = k as usize;
+        let n_out = n_out as usize;
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
@@ -137,9 +143,11 @@ pub(crate) mod kernel {
             grid(out_features.div_ceil(ROWS)),
             CubeDim::new_1d((ROWS * LANES) as u32),
             width,
-            x.clone().into_tensor_arg(),
-            w.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            x.clone().into_array_arg(),
+            w.into_array_arg(),
+            out.clone().into_array_arg(),
+            (inp / width) as u32,
+            out_features as u32,
             n,
             planes_of_32(&x.client),
             dtype,

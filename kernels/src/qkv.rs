@@ -78,7 +78,7 @@ pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, stor
 /// the cache dtype, or quantized with the row's `max|x| / 127` scale as the int8 store does.
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
-    use crate::cube::{cube_max, empty, pow2_ceil};
+    use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
     use crate::rms_norm::kernel::row_inv_rms;
     use crate::kv_quant::kernel::placed;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -88,11 +88,11 @@ pub(crate) mod kernel {
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn stage_row<F: Float, W: Float>(
-        qkv: &Tensor<F>,
-        q_weight: &Tensor<W>,
-        k_weight: &Tensor<W>,
-        cos: &Tensor<f32>,
-        sin: &Tensor<f32>,
+        qkv: &Array<F>,
+        q_weight: &Array<W>,
+        k_weight: &Array<W>,
+        cos: &Array<f32>,
+        sin: &Array<f32>,
         stage: &mut SharedMemory<f32>,
         scratch: &mut SharedMemory<f32>,
         base: usize,
@@ -157,14 +157,16 @@ pub(crate) mod kernel {
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     fn qkv_dense_kernel<F: Float, W: Float, C: Float>(
-        qkv: &Tensor<F>,
-        q_weight: &Tensor<W>,
-        k_weight: &Tensor<W>,
-        cos: &Tensor<f32>,
-        sin: &Tensor<f32>,
-        q_out: &mut Tensor<F>,
-        keys: &mut Tensor<C>,
-        values: &mut Tensor<C>,
+        qkv: &Array<F>,
+        q_weight: &Array<W>,
+        k_weight: &Array<W>,
+        cos: &Array<f32>,
+        sin: &Array<f32>,
+        q_out: &mut Array<F>,
+        keys: &mut Array<C>,
+        values: &mut Array<C>,
+        key_strides: Strides4,
+        value_strides: Strides4,
         heads: u32,
         kv_heads: u32,
         slot: u32,
@@ -180,7 +182,7 @@ pub(crate) mod kernel {
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
-        let base = b * qkv.stride(0) + r * dim;
+        let base = (b * (heads + 2 * kv_heads) + r) * dim;
         let table = position as usize * (dim / 2);
         stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
         let mut p = UNIT_POS_X as usize;
@@ -190,15 +192,15 @@ pub(crate) mod kernel {
                 p += CUBE_DIM_X as usize;
             }
         } else if kind == 1u32 {
-            let at = b * keys.stride(0) + (r - heads) * keys.stride(1) + slot as usize * keys.stride(2);
+            let at = key_strides.at(b, r - heads, slot as usize, 0);
             while p < dim {
-                keys[at + p * keys.stride(3)] = C::cast_from(stage[p]);
+                keys[at + p * key_strides.d] = C::cast_from(stage[p]);
                 p += CUBE_DIM_X as usize;
             }
         } else {
-            let at = b * values.stride(0) + (r - heads - kv_heads) * values.stride(1) + slot as usize * values.stride(2);
+            let at = value_strides.at(b, r - heads - kv_heads, slot as usize, 0);
             while p < dim {
-                values[at + p * values.stride(3)] = C::cast_from(stage[p]);
+                values[at + p * value_strides.d] = C::cast_from(stage[p]);
                 p += CUBE_DIM_X as usize;
             }
         }
@@ -207,16 +209,17 @@ pub(crate) mod kernel {
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     fn qkv_int8_kernel<F: Float, W: Float>(
-        qkv: &Tensor<F>,
-        q_weight: &Tensor<W>,
-        k_weight: &Tensor<W>,
-        cos: &Tensor<f32>,
-        sin: &Tensor<f32>,
-        q_out: &mut Tensor<F>,
-        k_codes: &mut Tensor<u32>,
-        k_scales: &mut Tensor<f32>,
-        v_codes: &mut Tensor<u32>,
-        v_scales: &mut Tensor<f32>,
+        qkv: &Array<F>,
+        q_weight: &Array<W>,
+        k_weight: &Array<W>,
+        cos: &Array<f32>,
+        sin: &Array<f32>,
+        q_out: &mut Array<F>,
+        k_codes: &mut Array<u32>,
+        k_scales: &mut Array<f32>,
+        v_codes: &mut Array<u32>,
+        v_scales: &mut Array<f32>,
+        slots: u32,
         heads: u32,
         kv_heads: u32,
         slot: u32,
@@ -232,7 +235,7 @@ pub(crate) mod kernel {
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
-        let base = b * qkv.stride(0) + r * dim;
+        let base = (b * (heads + 2 * kv_heads) + r) * dim;
         let table = position as usize * (dim / 2);
         stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
         let threads = CUBE_DIM_X as usize;
@@ -263,7 +266,7 @@ pub(crate) mod kernel {
                 head = r - heads - kv_heads;
             }
             let words = dim / 4;
-            let row = (b * kv_heads + head) * k_codes.shape(2) + slot as usize;
+            let row = (b * kv_heads + head) * slots as usize + slot as usize;
             let mut w = unit;
             while w < words {
                 let mut word = 0u32;
@@ -325,8 +328,8 @@ pub(crate) mod kernel {
         let (q_weight, k_weight, eps) = layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
         let client = qkv.client.clone();
         let (f, w) = (qkv.dtype.into(), q_weight.dtype.into());
-        let common = (qkv.into_tensor_arg(), q_weight.into_tensor_arg(), k_weight.into_tensor_arg());
-        let tables = (layout.cos.clone().into_tensor_arg(), layout.sin.clone().into_tensor_arg());
+        let common = (qkv.into_array_arg(), q_weight.into_array_arg(), k_weight.into_array_arg());
+        let tables = (layout.cos.clone().into_array_arg(), layout.sin.clone().into_array_arg());
         match store {
             Store::Dense { keys, values } => qkv_dense_kernel::launch::<R>(
                 &client,
@@ -337,9 +340,11 @@ pub(crate) mod kernel {
                 common.2,
                 tables.0,
                 tables.1,
-                q.clone().into_tensor_arg(),
-                keys.clone().into_tensor_arg(),
-                values.clone().into_tensor_arg(),
+                q.clone().into_array_arg(),
+                keys.clone().into_array_arg(),
+                values.clone().into_array_arg(),
+                Strides4::launch(keys),
+                Strides4::launch(values),
                 heads as u32,
                 kv_heads as u32,
                 slot as u32,
@@ -358,11 +363,12 @@ pub(crate) mod kernel {
                 common.2,
                 tables.0,
                 tables.1,
-                q.clone().into_tensor_arg(),
-                k_codes.clone().into_tensor_arg(),
-                k_scales.clone().into_tensor_arg(),
-                v_codes.clone().into_tensor_arg(),
-                v_scales.clone().into_tensor_arg(),
+                q.clone().into_array_arg(),
+                k_codes.clone().into_array_arg(),
+                k_scales.clone().into_array_arg(),
+                v_codes.clone().into_array_arg(),
+                v_scales.clone().into_array_arg(),
+                k_codes.meta.shape()[2] as u32,
                 heads as u32,
                 kv_heads as u32,
                 slot as u32,

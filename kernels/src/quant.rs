@@ -382,11 +382,14 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
-        x: &Tensor<Vector<F, NX>>,
-        codes: &Tensor<Vector<u32, NW>>,
-        scales: &Tensor<S>,
-        offsets: &Tensor<S>,
-        out: &mut Tensor<F>,
+        x: &Array<Vector<F, NX>>,
+        codes: &Array<Vector<u32, NW>>,
+        scales: &Array<S>,
+        offsets: &Array<S>,
+        out: &mut Array<F>,
+        words: u32,
+        blocks: u32,
+        n_out: u32,
         #[comptime] m: usize,
         #[comptime] q4: bool,
         #[comptime] plane: bool,
@@ -399,10 +402,10 @@ pub(crate) mod kernel {
         let nw = codes.vector_size();
         let nx = x.vector_size();
         let groups = comptime!(per_word / nx);
-        let vectors = codes.shape(1) / nw;
-        let n_out = codes.shape(0);
-        let blocks = scales.shape(1);
-        let k = codes.shape(1) * per_word;
+        let vectors = words as usize / nw;
+        let n_out = n_out as usize;
+        let blocks = blocks as usize;
+        let k = words as usize * per_word;
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
@@ -447,10 +450,12 @@ pub(crate) mod kernel {
 
     #[cube(launch)]
     fn dequantize_kernel<F: Float, S: Float>(
-        codes: &Tensor<u32>,
-        scales: &Tensor<S>,
-        offsets: &Tensor<S>,
-        out: &mut Tensor<F>,
+        codes: &Array<u32>,
+        scales: &Array<S>,
+        offsets: &Array<S>,
+        out: &mut Array<F>,
+        words: u32,
+        blocks: u32,
         #[comptime] q4: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
@@ -460,10 +465,10 @@ pub(crate) mod kernel {
         if idx >= codes.len() {
             terminate!();
         }
-        let words = codes.shape(1);
+        let words = words as usize;
         let row = idx / words;
         let w = idx % words;
-        let block = row * scales.shape(1) + w / words_per_block;
+        let block = row * blocks as usize + w / words_per_block;
         let scale = f32::cast_from(scales[block]);
         let mut offset = 0.0f32;
         if q4 {
@@ -481,11 +486,13 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn qembed_kernel<F: Float, S: Float, I: Int>(
-        codes: &Tensor<u32>,
-        scales: &Tensor<S>,
-        offsets: &Tensor<S>,
-        ids: &Tensor<I>,
-        out: &mut Tensor<F>,
+        codes: &Array<u32>,
+        scales: &Array<S>,
+        offsets: &Array<S>,
+        ids: &Array<I>,
+        out: &mut Array<F>,
+        words: u32,
+        blocks: u32,
         start: u32,
         vocab: u32,
         scale: f32,
@@ -499,8 +506,8 @@ pub(crate) mod kernel {
         if token >= ids.len() {
             terminate!();
         }
-        let words = codes.shape(1);
-        let rows = codes.shape(0);
+        let words = words as usize;
+        let rows = codes.len() / words;
         let hidden = words * per_word;
         let id = i64::cast_from(ids[token]);
         let base = token * hidden;
@@ -510,7 +517,7 @@ pub(crate) mod kernel {
             let scale = f32::cast_from(F::cast_from(scale));
             let mut w = UNIT_POS_X as usize;
             while w < words {
-                let block = row * scales.shape(1) + w / words_per_block;
+                let block = row * blocks as usize + w / words_per_block;
                 let s = f32::cast_from(scales[block]);
                 let mut offset = 0.0f32;
                 if q4 {
@@ -574,11 +581,14 @@ pub(crate) mod kernel {
             CubeDim::new_1d((ROWS * LANES) as u32),
             nw,
             nx,
-            x.clone().into_tensor_arg(),
-            codes.into_tensor_arg(),
-            scales.into_tensor_arg(),
-            offsets.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            x.clone().into_array_arg(),
+            codes.clone().into_array_arg(),
+            scales.clone().into_array_arg(),
+            offsets.into_array_arg(),
+            out.clone().into_array_arg(),
+            codes.meta.shape()[1] as u32,
+            scales.meta.shape()[1] as u32,
+            out_features as u32,
             n,
             q4,
             planes_of_32(&x.client),
@@ -601,10 +611,12 @@ pub(crate) mod kernel {
             &codes.client.clone(),
             count,
             dim,
-            codes.into_tensor_arg(),
-            scales.clone().into_tensor_arg(),
-            offsets.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            codes.clone().into_array_arg(),
+            scales.clone().into_array_arg(),
+            offsets.into_array_arg(),
+            out.clone().into_array_arg(),
+            codes.meta.shape()[1] as u32,
+            scales.meta.shape()[1] as u32,
             q4,
             [dtype.into(), scales.dtype.into()],
         );
@@ -629,11 +641,13 @@ pub(crate) mod kernel {
                 &ids.client,
                 grid(batch * seq),
                 CubeDim::new_1d(128),
-                codes.into_tensor_arg(),
-                scales.into_tensor_arg(),
-                offsets.into_tensor_arg(),
-                ids.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
+                codes.clone().into_array_arg(),
+                scales.clone().into_array_arg(),
+                offsets.into_array_arg(),
+                ids.clone().into_array_arg(),
+                out.clone().into_array_arg(),
+                codes.meta.shape()[1] as u32,
+                scales.meta.shape()[1] as u32,
                 start as u32,
                 vocab as u32,
                 scale as f32,

@@ -63,7 +63,7 @@ pub(crate) mod kernel {
 
     /// [`inv_rms`] of `x[base..base + n]`, the cube's units striding over the row.
     #[cube]
-    pub(crate) fn row_inv_rms<F: Float>(x: &Tensor<F>, base: usize, n: usize, scratch: &mut SharedMemory<f32>, eps: f32) -> f32 {
+    pub(crate) fn row_inv_rms<F: Float>(x: &Array<F>, base: usize, n: usize, scratch: &mut SharedMemory<f32>, eps: f32) -> f32 {
         let mut partial = 0.0f32;
         let mut c = UNIT_POS_X as usize;
         while c < n {
@@ -82,9 +82,9 @@ pub(crate) mod kernel {
 
     #[cube(launch)]
     fn rms_norm_kernel<F: Float, W: Float>(
-        x: &Tensor<F>,
-        weight: &Tensor<W>,
-        out: &mut Tensor<F>,
+        x: &Array<F>,
+        weight: &Array<W>,
+        out: &mut Array<F>,
         n: u32,
         eps: f32,
         #[comptime] threads: usize,
@@ -109,12 +109,12 @@ pub(crate) mod kernel {
     /// With `pre_norm`, `x` is first normalized by `x_weight` and rounded to `F`.
     #[cube(launch)]
     fn add_rms_norm_kernel<F: Float, W: Float, O: Float>(
-        residual: &Tensor<f32>,
-        x: &Tensor<F>,
-        x_weight: &Tensor<W>,
-        weight: &Tensor<W>,
-        sum: &mut Tensor<f32>,
-        out: &mut Tensor<O>,
+        residual: &Array<f32>,
+        x: &Array<F>,
+        x_weight: &Array<W>,
+        weight: &Array<W>,
+        sum: &mut Array<f32>,
+        out: &mut Array<O>,
         n: u32,
         eps: f32,
         #[comptime] threads: usize,
@@ -168,9 +168,9 @@ pub(crate) mod kernel {
             &x.client,
             grid(rows),
             CubeDim::new_1d(threads as u32),
-            x.clone().into_tensor_arg(),
-            weight.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            x.clone().into_array_arg(),
+            weight.into_array_arg(),
+            out.clone().into_array_arg(),
             n as u32,
             eps as f32,
             threads,
@@ -205,12 +205,12 @@ pub(crate) mod kernel {
             &x.client,
             grid(rows),
             CubeDim::new_1d(threads as u32),
-            residual.into_tensor_arg(),
-            x.clone().into_tensor_arg(),
-            x_weight.into_tensor_arg(),
-            weight.into_tensor_arg(),
-            sum.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            residual.into_array_arg(),
+            x.clone().into_array_arg(),
+            x_weight.into_array_arg(),
+            weight.into_array_arg(),
+            sum.clone().into_array_arg(),
+            out.clone().into_array_arg(),
             n as u32,
             eps as f32,
             threads,

@@ -123,7 +123,7 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube]
     fn max_min(
-        logits: &Tensor<f32>,
+        logits: &Array<f32>,
         base: usize,
         n: usize,
         values: &mut SharedMemory<f32>,
@@ -177,7 +177,7 @@ pub(crate) mod kernel {
     /// Number of logits `>= tau` and their summed weights (only those also `>= floor`).
     #[cube]
     fn count_mass(
-        logits: &Tensor<f32>,
+        logits: &Array<f32>,
         base: usize,
         n: usize,
         tau: f32,
@@ -223,7 +223,7 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube]
     fn bisect(
-        logits: &Tensor<f32>,
+        logits: &Array<f32>,
         base: usize,
         n: usize,
         low: f32,
@@ -259,9 +259,9 @@ pub(crate) mod kernel {
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn sample_kernel<I: Int>(
-        logits: &Tensor<f32>,
-        uniform: &Tensor<f32>,
-        out: &mut Tensor<I>,
+        logits: &Array<f32>,
+        uniform: &Array<f32>,
+        out: &mut Array<I>,
         vocab: u32,
         inv_t: f32,
         top_k: u32,
@@ -387,9 +387,9 @@ pub(crate) mod kernel {
             &logits.client,
             CubeCount::Static(batch as u32, 1, 1),
             CubeDim::new_1d(threads as u32),
-            logits.clone().into_tensor_arg(),
-            uniform.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            logits.clone().into_array_arg(),
+            uniform.into_array_arg(),
+            out.clone().into_array_arg(),
             vocab as u32,
             1.0 / params.temperature.max(f32::MIN_POSITIVE),
             top_k as u32,

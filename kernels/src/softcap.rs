@@ -14,7 +14,7 @@ pub(crate) mod kernel {
     use cubecl::prelude::*;
 
     #[cube(launch)]
-    fn softcap_kernel<F: Float>(x: &Tensor<F>, out: &mut Tensor<F>, cap: f32, #[define(F)] _dtype: StorageType) {
+    fn softcap_kernel<F: Float>(x: &Array<F>, out: &mut Array<F>, cap: f32, #[define(F)] _dtype: StorageType) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
@@ -32,7 +32,7 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        softcap_kernel::launch::<R>(&x.client, count, dim, x.clone().into_tensor_arg(), out.clone().into_tensor_arg(), cap as f32, dtype);
+        softcap_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), cap as f32, dtype);
         out
     }
 }
