@@ -23,16 +23,28 @@ pub(crate) mod kernel {
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
+    /// `gelu_tanh(g) * u` in f32.
+    #[cube]
+    pub(crate) fn gelu_mul_f32(g: f32, u: f32) -> f32 {
+        // sqrt(2 / pi)
+        let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
+        0.5f32 * g * (1.0f32 + tanh_f32(inner)) * u
+    }
+
+    /// [`gelu_mul_f32`] of two activations, rounded to their dtype as the elementwise kernels'
+    /// output is (the GEMVs that fuse it read the same values the unfused chain would).
+    #[cube]
+    pub(crate) fn gelu_mul_rounded<F: Float>(g: F, u: F) -> f32 {
+        f32::cast_from(F::cast_from(gelu_mul_f32(f32::cast_from(g), f32::cast_from(u))))
+    }
+
     #[cube(launch)]
     fn gelu_mul_kernel<F: Float>(gate: &Array<F>, up: &Array<F>, out: &mut Array<F>, #[define(F)] _dtype: StorageType) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
         }
-        let g = f32::cast_from(gate[i]);
-        // sqrt(2 / pi)
-        let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
-        out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(up[i]));
+        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up[i])));
     }
 
     /// `x`: rows of `2 * m` values, the gate then the up projection.
@@ -44,9 +56,7 @@ pub(crate) mod kernel {
         }
         let m = m as usize;
         let at = (i / m) * 2 * m + i % m;
-        let g = f32::cast_from(x[at]);
-        let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
-        out[i] = F::cast_from(0.5f32 * g * (1.0f32 + tanh_f32(inner)) * f32::cast_from(x[at + m]));
+        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + m])));
     }
 
     /// `x`: contiguous `[..., 2m]`; returns `[..., m]`.

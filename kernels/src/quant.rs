@@ -366,16 +366,20 @@ pub(crate) mod kernel {
     use crate::cube::{cube_index, elementwise, empty, grid, load_vector_size, planes_of_32, unit_index};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use crate::gelu::kernel::gelu_mul_rounded;
     use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
     use cubecl::prelude::*;
 
-    /// Weight `n` of a packed word, before scaling: Q8 `q`, Q4 the unsigned code.
+    /// Weight `n` of a packed word, before scaling: Q8 `q`, Q4 the unsigned code. The code's bits
+    /// become the low mantissa bits of 2^23 (the float `2^23 + code`, exact), then 2^23 (and Q8's
+    /// 128) is subtracted: a mask, an or and an add at full rate, where an integer-to-float
+    /// conversion runs at a fraction of it and bounded the quantized GEMVs.
     #[cube]
     fn code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
         if q4 {
-            f32::cast_from((word >> (n as u32 * 4)) & 15u32)
+            f32::reinterpret(((word >> (n as u32 * 4)) & 15u32) | 0x4B00_0000u32) - 8_388_608.0f32
         } else {
-            f32::cast_from((word >> (n as u32 * 8)) & 255u32) - 128.0f32
+            f32::reinterpret(((word >> (n as u32 * 8)) & 255u32) | 0x4B00_0000u32) - 8_388_736.0f32
         }
     }
 
@@ -393,6 +397,7 @@ pub(crate) mod kernel {
         #[comptime] m: usize,
         #[comptime] q4: bool,
         #[comptime] plane: bool,
+        #[comptime] gated: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -406,6 +411,11 @@ pub(crate) mod kernel {
         let n_out = n_out as usize;
         let blocks = blocks as usize;
         let k = words as usize * per_word;
+        // Activations per row: `k`, or with `gated` gate and up (`2k`), read as gelu(gate) * up.
+        let mut x_row = k;
+        if gated {
+            x_row = 2 * k;
+        }
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
@@ -415,16 +425,18 @@ pub(crate) mod kernel {
         for t in 0..m {
             acc[t] = 0.0f32;
         }
+        // Per vector and activation row: sum(code * x) and, for Q4's offset, sum(x); the block's
+        // scale and offset are applied once per vector.
+        let mut dots = Array::<f32>::new(m);
+        let mut sums = Array::<f32>::new(m);
         if row < n_out {
             let mut v = lane;
             while v < vectors {
                 let words = codes[row * vectors + v];
-                // A vector never straddles two blocks: one scale (and offset) for all its words.
-                let block = row * blocks + (v * nw) / words_per_block;
-                let scale = f32::cast_from(scales[block]);
-                let mut offset = 0.0f32;
-                if q4 {
-                    offset = f32::cast_from(offsets[block]);
+                #[unroll]
+                for t in 0..m {
+                    dots[t] = 0.0f32;
+                    sums[t] = 0.0f32;
                 }
                 #[unroll]
                 for j in 0..nw {
@@ -434,12 +446,38 @@ pub(crate) mod kernel {
                     for g in 0..groups {
                         #[unroll]
                         for t in 0..m {
-                            let xv = x[(t * k + col) / nx + g];
+                            let at = (t * x_row + col) / nx + g;
+                            let xv = x[at];
+                            let mut uv = xv;
+                            if gated {
+                                uv = x[at + k / nx];
+                            }
                             #[unroll]
                             for i in 0..nx {
-                                acc[t] += (code(word, comptime!(g * nx + i), q4) * scale + offset) * f32::cast_from(xv[i]);
+                                let mut xi = f32::cast_from(xv[i]);
+                                if gated {
+                                    xi = gelu_mul_rounded::<F>(xv[i], uv[i]);
+                                }
+                                dots[t] += code(word, comptime!(g * nx + i), q4) * xi;
+                                if q4 {
+                                    sums[t] += xi;
+                                }
                             }
                         }
+                    }
+                }
+                // A vector never straddles two blocks: one scale (and offset) for all its words.
+                let block = row * blocks + (v * nw) / words_per_block;
+                let scale = f32::cast_from(scales[block]);
+                #[unroll]
+                for t in 0..m {
+                    acc[t] += scale * dots[t];
+                }
+                if q4 {
+                    let offset = f32::cast_from(offsets[block]);
+                    #[unroll]
+                    for t in 0..m {
+                        acc[t] += offset * sums[t];
                     }
                 }
                 v += LANES;
@@ -561,8 +599,9 @@ pub(crate) mod kernel {
         }
     }
 
-    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>) -> CubeTensor<R> {
+    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS` (with `gated`, `[n, 2 in]`: gate and
+    /// up, multiplied through GELU on the fly). Returns `[n, out]` in `x`'s dtype.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, gated: bool) -> CubeTensor<R> {
         let n = x.meta.shape()[0];
         let out_features = w.codes.meta.shape()[0];
         let out = empty(&x, [n, out_features], x.dtype);
@@ -592,6 +631,7 @@ pub(crate) mod kernel {
             n,
             q4,
             planes_of_32(&x.client),
+            gated,
             dtypes,
         );
         out
