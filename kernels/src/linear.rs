@@ -114,9 +114,15 @@ pub(crate) mod kernel {
         }
         if row < n_out {
             let base = row * k;
+            // Software-pipelined: the next weight vector is requested before this one is used.
             let mut c = lane;
+            let mut next = w[base + min(lane, k - 1)];
             while c < k {
-                let wv = w[base + c];
+                let wv = next;
+                let c_next = c + LANES;
+                if c_next < k {
+                    next = w[base + c_next];
+                }
                 #[unroll]
                 for t in 0..m {
                     let xv = x[t * x_row + c];
@@ -133,7 +139,7 @@ pub(crate) mod kernel {
                         }
                     }
                 }
-                c += LANES;
+                c = c_next;
             }
         }
         reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
@@ -184,20 +190,30 @@ mod gpu {
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let got = B::project(x.clone(), w.clone());
             assert_eq!(got.dtype(), dtype);
-            // f64 on the host, so the check does not inherit the backend matmul's precision.
-            let host = |t: Tensor<B, 2>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
-            let (xs, ws) = (host(x), host(w));
-            let expected: Vec<f32> = (0..n)
-                .flat_map(|r| {
-                    let (xs, ws) = (&xs, &ws);
-                    (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
-                })
-                .collect();
-            let expected = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(expected, [n, out]), (device, DType::F32));
+            let expected = host_product(x, host(w), device);
             // Sums of hundreds of products: scale the tolerance with the input width.
             let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
             assert_close(got, expected, tol, &format!("linear {n}x{inp} -> {out}"));
         }
+    }
+
+    fn host<B: GemmaBackend>(t: Tensor<B, 2>) -> Vec<f32> {
+        t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
+    }
+
+    /// `x @ w^T` in f64 on the host (`w`: `[out, in]` row-major), so that a check does not
+    /// inherit the backend matmul's precision (CUDA's f32 matmul may round through TF32).
+    fn host_product<B: GemmaBackend>(x: Tensor<B, 2>, ws: Vec<f32>, device: &B::Device) -> Tensor<B, 2> {
+        let [n, inp] = x.dims();
+        let out = ws.len() / inp;
+        let xs = host(x);
+        let expected: Vec<f32> = (0..n)
+            .flat_map(|r| {
+                let (xs, ws) = (&xs, &ws);
+                (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
+            })
+            .collect();
+        Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32))
     }
 
     /// The MLP's fused down projection, `gelu_mul_halves(x) @ w^T`, with dense and quantized
@@ -215,15 +231,14 @@ mod gpu {
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let got = B::project_gelu_halves(x.clone(), w.clone());
             assert_eq!(got.dtype(), dtype);
-            assert_close(got, super::reference(h.clone(), w.cast(DType::F32)), tol, &what("dense"));
+            assert_close(got, host_product(h.clone(), host(w), device), tol, &what("dense"));
 
             for format in [QuantFormat::Q8, QuantFormat::Q4] {
                 let hq = HostQuantized::quantize(&crate::quant::check::values(out * inp, s + i as u64), out, inp, format).expect("quantize");
                 let wq = B::upload_quantized(&hq, device);
-                let dense = Tensor::<B, 2>::from_data(TensorData::new(hq.dequantize(), [out, inp]), (device, DType::F32));
                 let got = B::project_quantized_gelu_halves(x.clone(), &wq);
                 assert_eq!(got.dtype(), dtype);
-                assert_close(got, super::reference(h.clone(), dense), tol, &what(&format.to_string()));
+                assert_close(got, host_product(h.clone(), hq.dequantize(), device), tol, &what(&format.to_string()));
             }
         }
     }
