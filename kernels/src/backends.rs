@@ -17,19 +17,9 @@ where
     /// ones to the backend's matmul, which wins once the weight is reused across rows.
     fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
-            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), false))
+            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight)))
         } else {
             crate::linear::reference(x, weight)
-        }
-    }
-
-    /// Decode-sized inputs: one GEMV launch reading `gelu(gate) * up` on the fly.
-    fn project_gelu_halves(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        let [n, width] = x.dims();
-        if n <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() && width == 2 * weight.dims()[1] {
-            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), true))
-        } else {
-            Self::project(crate::gelu_halves_2d::<Self>(x), weight)
         }
     }
 
@@ -44,20 +34,10 @@ where
     fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
         let packed = packed(weight);
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
-            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed, false))
+            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed))
         } else {
             let dense = cube::tensor(crate::quant::kernel::dequantize(&packed, x.dtype()));
             crate::linear::reference(x, dense)
-        }
-    }
-
-    /// Decode-sized inputs: one quantized GEMV launch reading `gelu(gate) * up` on the fly.
-    fn project_quantized_gelu_halves(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        let [n, width] = x.dims();
-        if n <= crate::linear::GEMV_MAX_ROWS && width == 2 * weight.shape[1] {
-            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(weight), true))
-        } else {
-            Self::project_quantized(crate::gelu_halves_2d::<Self>(x), weight)
         }
     }
 

@@ -25,17 +25,10 @@ pub(crate) mod kernel {
 
     /// `gelu_tanh(g) * u` in f32.
     #[cube]
-    pub(crate) fn gelu_mul_f32(g: f32, u: f32) -> f32 {
+    fn gelu_mul_f32(g: f32, u: f32) -> f32 {
         // sqrt(2 / pi)
         let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
         0.5f32 * g * (1.0f32 + tanh_f32(inner)) * u
-    }
-
-    /// [`gelu_mul_f32`] of two activations, rounded to their dtype as the elementwise kernels'
-    /// output is (the GEMVs that fuse it read the same values the unfused chain would).
-    #[cube]
-    pub(crate) fn gelu_mul_rounded<F: Float>(g: F, u: F) -> f32 {
-        f32::cast_from(F::cast_from(gelu_mul_f32(f32::cast_from(g), f32::cast_from(u))))
     }
 
     #[cube(launch)]

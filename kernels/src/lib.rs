@@ -42,12 +42,6 @@ pub use sampling::SamplingParams;
 
 use burn::tensor::{backend::Backend, Int, Tensor};
 
-/// [`GemmaBackend::gelu_mul_halves`] of a `[n, 2m]` matrix: `[n, m]`.
-fn gelu_halves_2d<B: GemmaBackend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
-    let [n, width] = x.dims();
-    B::gelu_mul_halves(x.reshape([1, n, width])).reshape([n, width / 2])
-}
-
 /// The operations a Gemma forward pass accelerates.
 ///
 /// Implemented for every backend the crate supports; see the crate docs.
@@ -77,20 +71,6 @@ pub trait GemmaBackend: Backend {
         dtype: burn::tensor::DType,
     ) -> Tensor<Self, 3> {
         quant::embed_reference(table, ids, scale, dtype)
-    }
-
-    /// The MLP's down projection of its joined gate/up output:
-    /// `project(gelu_mul_halves(x), weight)`, which backends may do in one kernel.
-    ///
-    /// - `x`: `[n, 2m]`, the gate in the first `m` columns and the up projection in the last `m`;
-    /// - `weight`: `[out, m]`; returns `[n, out]`.
-    fn project_gelu_halves(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        Self::project(gelu_halves_2d::<Self>(x), weight)
-    }
-
-    /// [`GemmaBackend::project_gelu_halves`] with a quantized weight `[out, m]`.
-    fn project_quantized_gelu_halves(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        Self::project_quantized(gelu_halves_2d::<Self>(x), weight)
     }
 
     /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in

@@ -22,7 +22,6 @@ pub const GEMV_MAX_ROWS: usize = 8;
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
-    use crate::gelu::kernel::gelu_mul_rounded;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -82,8 +81,7 @@ pub(crate) mod kernel {
         }
     }
 
-    /// `k`: vectors per weight row; `n_out`: weight rows. With `gated`, each activation row is
-    /// `2k` vectors, gate then up, and the kernel reads `gelu_tanh(gate) * up` (rounded to `F`).
+    /// `k`: vectors per weight row; `n_out`: weight rows.
     #[cube(launch)]
     fn gemv_kernel<F: Float, N: Size>(
         x: &Array<Vector<F, N>>,
@@ -93,16 +91,11 @@ pub(crate) mod kernel {
         n_out: u32,
         #[comptime] m: usize,
         #[comptime] plane: bool,
-        #[comptime] gated: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let width = w.vector_size();
         let k = k as usize;
         let n_out = n_out as usize;
-        let mut x_row = k;
-        if gated {
-            x_row = 2 * k;
-        }
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
@@ -125,18 +118,10 @@ pub(crate) mod kernel {
                 }
                 #[unroll]
                 for t in 0..m {
-                    let xv = x[t * x_row + c];
-                    if gated {
-                        let uv = x[t * x_row + k + c];
-                        #[unroll]
-                        for i in 0..width {
-                            acc[t] += f32::cast_from(wv[i]) * gelu_mul_rounded::<F>(xv[i], uv[i]);
-                        }
-                    } else {
-                        #[unroll]
-                        for i in 0..width {
-                            acc[t] += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
-                        }
+                    let xv = x[t * k + c];
+                    #[unroll]
+                    for i in 0..width {
+                        acc[t] += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
                     }
                 }
                 c = c_next;
@@ -145,11 +130,10 @@ pub(crate) mod kernel {
         reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
     }
 
-    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS` (with `gated`, `[n, 2 in]`: gate and
-    /// up, multiplied through GELU on the fly); `w`: contiguous `[out, in]`, same dtype.
-    /// Returns `[n, out]`.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, gated: bool) -> CubeTensor<R> {
-        let (n, inp) = (x.meta.shape()[0], w.meta.shape()[1]);
+    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
+    /// dtype. Returns `[n, out]`.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R> {
+        let [n, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
         let out_features = w.meta.shape()[0];
         let out = empty(&x, [n, out_features], x.dtype);
         if n == 0 || out_features == 0 {
@@ -169,7 +153,6 @@ pub(crate) mod kernel {
             out_features as u32,
             n,
             planes_of_32(&x.client),
-            gated,
             dtype,
         );
         out
@@ -179,7 +162,7 @@ pub(crate) mod kernel {
 #[cfg(test)]
 mod gpu {
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::{GemmaBackend, HostQuantized, QuantFormat};
+    use crate::GemmaBackend;
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// 1 to 8 activation rows (the kernel) and 9 (the matmul path), odd and Gemma sizes.
@@ -216,32 +199,5 @@ mod gpu {
         Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32))
     }
 
-    /// The MLP's fused down projection, `gelu_mul_halves(x) @ w^T`, with dense and quantized
-    /// weights: 1 to 8 rows (one GEMV reading gate and up) and 9 (the unfused path).
-    pub fn gelu_projection<B: GemmaBackend>(device: &B::Device, dtype: DType) {
-        let s = seed::<B>(device, "gelu_projection");
-        for (i, (n, inp, out)) in [(1, 1152, 640), (3, 96, 37), (8, 160, 75), (2, 6912, 19), (9, 64, 33)].into_iter().enumerate() {
-            let x = Tensor::<B, 2>::random([n, 2 * inp], Distribution::Normal(0.0, 2.0), device).cast(dtype);
-            // The fused kernels round gelu(gate) * up to the activation dtype, as the unfused
-            // chain stores it.
-            let h = crate::gelu::halves_reference(x.clone().cast(DType::F32).reshape([1, n, 2 * inp])).reshape([n, inp]).cast(dtype).cast(DType::F32);
-            let what = |kind: &str| format!("gelu projection {kind} {n}x{inp} -> {out}");
-            let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
-
-            let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
-            let got = B::project_gelu_halves(x.clone(), w.clone());
-            assert_eq!(got.dtype(), dtype);
-            assert_close(got, host_product(h.clone(), host(w), device), tol, &what("dense"));
-
-            for format in [QuantFormat::Q8, QuantFormat::Q4] {
-                let hq = HostQuantized::quantize(&crate::quant::check::values(out * inp, s + i as u64), out, inp, format).expect("quantize");
-                let wq = B::upload_quantized(&hq, device);
-                let got = B::project_quantized_gelu_halves(x.clone(), &wq);
-                assert_eq!(got.dtype(), dtype);
-                assert_close(got, host_product(h.clone(), hq.dequantize(), device), tol, &what(&format.to_string()));
-            }
-        }
-    }
-
-    gpu_tests!(linear_matches_reference => linear, gelu_projection_matches_reference => gelu_projection);
+    gpu_tests!(linear_matches_reference => linear);
 }

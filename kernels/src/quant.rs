@@ -366,7 +366,6 @@ pub(crate) mod kernel {
     use crate::cube::{cube_index, elementwise, empty, grid, load_vector_size, planes_of_32, unit_index};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
-    use crate::gelu::kernel::gelu_mul_rounded;
     use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
     use cubecl::prelude::*;
 
@@ -397,7 +396,6 @@ pub(crate) mod kernel {
         #[comptime] m: usize,
         #[comptime] q4: bool,
         #[comptime] plane: bool,
-        #[comptime] gated: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -411,11 +409,6 @@ pub(crate) mod kernel {
         let n_out = n_out as usize;
         let blocks = blocks as usize;
         let k = words as usize * per_word;
-        // Activations per row: `k`, or with `gated` gate and up (`2k`), read as gelu(gate) * up.
-        let mut x_row = k;
-        if gated {
-            x_row = 2 * k;
-        }
         let unit = UNIT_POS_X as usize;
         let local = unit / LANES;
         let lane = unit % LANES;
@@ -461,18 +454,10 @@ pub(crate) mod kernel {
                     for g in 0..groups {
                         #[unroll]
                         for t in 0..m {
-                            let at = (t * x_row + col) / nx + g;
-                            let xv = x[at];
-                            let mut uv = xv;
-                            if gated {
-                                uv = x[at + k / nx];
-                            }
+                            let xv = x[(t * k + col) / nx + g];
                             #[unroll]
                             for i in 0..nx {
-                                let mut xi = f32::cast_from(xv[i]);
-                                if gated {
-                                    xi = gelu_mul_rounded::<F>(xv[i], uv[i]);
-                                }
+                                let xi = f32::cast_from(xv[i]);
                                 dots[t] += code(word, comptime!(g * nx + i), q4) * xi;
                                 if q4 {
                                     sums[t] += xi;
@@ -610,9 +595,8 @@ pub(crate) mod kernel {
         }
     }
 
-    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS` (with `gated`, `[n, 2 in]`: gate and
-    /// up, multiplied through GELU on the fly). Returns `[n, out]` in `x`'s dtype.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, gated: bool) -> CubeTensor<R> {
+    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>) -> CubeTensor<R> {
         let n = x.meta.shape()[0];
         let out_features = w.codes.meta.shape()[0];
         let out = empty(&x, [n, out_features], x.dtype);
@@ -642,7 +626,6 @@ pub(crate) mod kernel {
             n,
             q4,
             planes_of_32(&x.client),
-            gated,
             dtypes,
         );
         out

@@ -114,20 +114,9 @@ impl<B: GemmaBackend> Linear<B> {
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.apply(x, MatrixWeight::project)
-    }
-
-    /// The projection of `gelu_tanh(gate) * up` where `x` is `[batch, seq, 2 in]`, the gate then
-    /// the up projection (a joined `gate_up_proj` output). `[batch, seq, 2 in]` -> `[batch, seq, out]`.
-    pub fn forward_gelu_halves(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.apply(x, MatrixWeight::project_gelu_halves)
-    }
-
-    /// `project` of each part on the flattened rows of `x`, the outputs side by side.
-    fn apply(&self, x: Tensor<B, 3>, project: impl Fn(&MatrixWeight<B>, Tensor<B, 2>) -> Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq, inp] = x.dims();
         let x = x.reshape([batch * seq, inp]);
-        let mut outs: Vec<Tensor<B, 2>> = self.parts.iter().map(|w| project(w, x.clone())).collect();
+        let mut outs: Vec<Tensor<B, 2>> = self.parts.iter().map(|w| w.project(x.clone())).collect();
         let out = if outs.len() == 1 { outs.pop().unwrap_or(x) } else { Tensor::cat(outs, 1) };
         let width = out.dims()[1];
         out.reshape([batch, seq, width])
@@ -185,7 +174,7 @@ impl<B: GemmaBackend> Mlp<B> {
 
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward_gelu_halves(self.gate_up_proj.forward(x))
+        self.down_proj.forward(B::gelu_mul_halves(self.gate_up_proj.forward(x)))
     }
 }
 

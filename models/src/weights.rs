@@ -50,15 +50,6 @@ impl<B: GemmaBackend> MatrixWeight<B> {
         }
     }
 
-    /// `gelu_tanh(gate) * up` of `x = [n, 2 in]` (gate, then up) `@ self^T -> [n, out]`; one
-    /// kernel where the backend fuses the two.
-    pub fn project_gelu_halves(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        match self {
-            Self::Dense(w) => B::project_gelu_halves(x, w.val()),
-            Self::Quantized(w) => B::project_quantized_gelu_halves(x, w),
-        }
-    }
-
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         match self {
