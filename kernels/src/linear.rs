@@ -107,15 +107,9 @@ pub(crate) mod kernel {
         }
         if row < n_out {
             let base = row * k;
-            // Software-pipelined: the next weight vector is requested before this one is used.
             let mut c = lane;
-            let mut next = w[base + min(lane, k - 1)];
             while c < k {
-                let wv = next;
-                let c_next = c + LANES;
-                if c_next < k {
-                    next = w[base + c_next];
-                }
+                let wv = w[base + c];
                 #[unroll]
                 for t in 0..m {
                     let xv = x[t * k + c];
@@ -124,7 +118,7 @@ pub(crate) mod kernel {
                         acc[t] += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
                     }
                 }
-                c = c_next;
+                c += LANES;
             }
         }
         reduce_and_store::<F>(&acc, out, row, n_out, m, plane);

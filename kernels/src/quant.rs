@@ -423,24 +423,9 @@ pub(crate) mod kernel {
         let mut dots = Array::<f32>::new(m);
         let mut sums = Array::<f32>::new(m);
         if row < n_out {
-            // Software-pipelined: the next code vector is requested before this one is used, and
-            // the block scale (and offset) before the arithmetic, so that each unit keeps more
-            // than one load in flight (rows are short: a few vectors per unit).
             let mut v = lane;
-            let mut next = codes[row * vectors + min(lane, vectors - 1)];
             while v < vectors {
-                let words = next;
-                let v_next = v + LANES;
-                if v_next < vectors {
-                    next = codes[row * vectors + v_next];
-                }
-                // A vector never straddles two blocks: one scale (and offset) for all its words.
-                let block = row * blocks + (v * nw) / words_per_block;
-                let scale = f32::cast_from(scales[block]);
-                let mut offset = 0.0f32;
-                if q4 {
-                    offset = f32::cast_from(offsets[block]);
-                }
+                let words = codes[row * vectors + v];
                 #[unroll]
                 for t in 0..m {
                     dots[t] = 0.0f32;
@@ -466,17 +451,21 @@ pub(crate) mod kernel {
                         }
                     }
                 }
+                // A vector never straddles two blocks: one scale (and offset) for all its words.
+                let block = row * blocks + (v * nw) / words_per_block;
+                let scale = f32::cast_from(scales[block]);
                 #[unroll]
                 for t in 0..m {
                     acc[t] += scale * dots[t];
                 }
                 if q4 {
+                    let offset = f32::cast_from(offsets[block]);
                     #[unroll]
                     for t in 0..m {
                         acc[t] += offset * sums[t];
                     }
                 }
-                v = v_next;
+                v += LANES;
             }
         }
         reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
