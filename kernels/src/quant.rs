@@ -582,6 +582,11 @@ pub(crate) mod kernel {
         fn cols(&self) -> usize {
             self.codes.meta.shape()[1] * self.format.codes_per_word()
         }
+
+        /// Code words and scale blocks per row, as the kernels take them.
+        fn row_sizes(&self) -> (u32, u32) {
+            (self.codes.meta.shape()[1] as u32, self.scales.meta.shape()[1] as u32)
+        }
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype.
@@ -593,6 +598,7 @@ pub(crate) mod kernel {
             return out;
         }
         let (codes, scales, offsets, q4) = w.args();
+        let (row_words, row_blocks) = w.row_sizes();
         let dtypes = [x.dtype.into(), scales.dtype.into()];
         // Up to 4 words (16 bytes) per code load: a divisor of the row, and of the block (4 or
         // 8 words); the activations of one word (4 or 8) in as few loads as the runtime allows.
@@ -605,12 +611,12 @@ pub(crate) mod kernel {
             nw,
             nx,
             x.clone().into_array_arg(),
-            codes.clone().into_array_arg(),
-            scales.clone().into_array_arg(),
+            codes.into_array_arg(),
+            scales.into_array_arg(),
             offsets.into_array_arg(),
             out.clone().into_array_arg(),
-            codes.meta.shape()[1] as u32,
-            scales.meta.shape()[1] as u32,
+            row_words,
+            row_blocks,
             out_features as u32,
             n,
             q4,
@@ -624,22 +630,23 @@ pub(crate) mod kernel {
     pub fn dequantize<R: CubeRuntime>(w: &Packed<R>, dtype: DType) -> CubeTensor<R> {
         let rows = w.codes.meta.shape()[0];
         let out = empty(&w.codes, [rows, w.cols()], dtype);
-        let words = w.codes.meta.num_elements();
-        if words == 0 {
+        let total_words = w.codes.meta.num_elements();
+        if total_words == 0 {
             return out;
         }
         let (codes, scales, offsets, q4) = w.args();
-        let (count, dim) = elementwise(words, 256);
+        let (row_words, row_blocks) = w.row_sizes();
+        let (count, dim) = elementwise(total_words, 256);
         dequantize_kernel::launch::<R>(
             &codes.client.clone(),
             count,
             dim,
-            codes.clone().into_array_arg(),
+            codes.into_array_arg(),
             scales.clone().into_array_arg(),
             offsets.into_array_arg(),
             out.clone().into_array_arg(),
-            codes.meta.shape()[1] as u32,
-            scales.meta.shape()[1] as u32,
+            row_words,
+            row_blocks,
             q4,
             [dtype.into(), scales.dtype.into()],
         );
@@ -658,19 +665,20 @@ pub(crate) mod kernel {
         let mut start = 0usize;
         for (i, block) in blocks.iter().enumerate() {
             let (codes, scales, offsets, q4) = block.args();
+            let (row_words, row_blocks) = block.row_sizes();
             let dtypes = [dtype.into(), scales.dtype.into(), ids.dtype.into()];
             let rows = codes.meta.shape()[0];
             qembed_kernel::launch::<R>(
                 &ids.client,
                 grid(batch * seq),
                 CubeDim::new_1d(128),
-                codes.clone().into_array_arg(),
-                scales.clone().into_array_arg(),
+                codes.into_array_arg(),
+                scales.into_array_arg(),
                 offsets.into_array_arg(),
                 ids.clone().into_array_arg(),
                 out.clone().into_array_arg(),
-                codes.meta.shape()[1] as u32,
-                scales.meta.shape()[1] as u32,
+                row_words,
+                row_blocks,
                 start as u32,
                 vocab as u32,
                 scale as f32,
