@@ -30,16 +30,19 @@ pub(crate) mod kernel {
     pub(crate) const ROWS: usize = 8;
     pub(crate) const LANES: usize = 32;
 
-    /// Adds the 32 partial sums of every activation row (`acc`, `m` of them) of each output
-    /// feature and writes the totals from the feature's lane 0: by `plane_sum` when `plane`
-    /// (one feature per 32-wide plane), else through a shared-memory tree.
+    /// Adds the 32 partial sums of each (activation row, output feature) pair and writes the
+    /// totals from lane 0. A plane (32 units) owns `per_plane` consecutive output features
+    /// starting at `first`; `acc[t * per_plane + r]` is the unit's partial sum of activation row
+    /// `t` for feature `first + r`. Sums by `plane_sum` when `plane` (32-wide planes), else
+    /// through a shared-memory tree; features past `n_out` are not written.
     #[cube]
     pub(crate) fn reduce_and_store<F: Float>(
         acc: &Array<f32>,
         out: &mut Array<F>,
-        row: usize,
+        first: usize,
         n_out: usize,
         #[comptime] m: usize,
+        #[comptime] per_plane: usize,
         #[comptime] plane: bool,
     ) {
         let unit = UNIT_POS_X as usize;
@@ -47,35 +50,44 @@ pub(crate) mod kernel {
         if plane {
             #[unroll]
             for t in 0..m {
-                let total = plane_sum(acc[t]);
-                if lane == 0 && row < n_out {
-                    out[t * n_out + row] = F::cast_from(total);
+                #[unroll]
+                for r in 0..per_plane {
+                    let total = plane_sum(acc[t * per_plane + r]);
+                    if lane == 0 && first + r < n_out {
+                        out[t * n_out + first + r] = F::cast_from(total);
+                    }
                 }
             }
         } else {
-            let threads = ROWS * LANES;
-            let mut partial = SharedMemory::<f32>::new(ROWS * LANES * m);
+            let slots = comptime!(m * per_plane);
+            let threads = comptime!(ROWS / per_plane * LANES);
+            let mut partial = SharedMemory::<f32>::new(comptime!(ROWS * LANES * m));
             #[unroll]
-            for t in 0..m {
-                partial[t * threads + unit] = acc[t];
+            for s in 0..slots {
+                partial[s * threads + unit] = acc[s];
             }
             sync_cube();
-            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = ROWS * LANES).
-            let mut stride = CUBE_DIM_X as usize / (2 * ROWS);
+            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = planes * LANES).
+            let mut stride = CUBE_DIM_X as usize / comptime!(2 * ROWS / per_plane);
             while stride > 0 {
                 if lane < stride {
                     #[unroll]
-                    for t in 0..m {
-                        partial[t * threads + unit] = partial[t * threads + unit] + partial[t * threads + unit + stride];
+                    for s in 0..slots {
+                        partial[s * threads + unit] = partial[s * threads + unit] + partial[s * threads + unit + stride];
                     }
                 }
                 sync_cube();
                 stride /= 2;
             }
-            if lane == 0 && row < n_out {
+            if lane == 0 {
                 #[unroll]
                 for t in 0..m {
-                    out[t * n_out + row] = F::cast_from(partial[t * threads + unit]);
+                    #[unroll]
+                    for r in 0..per_plane {
+                        if first + r < n_out {
+                            out[t * n_out + first + r] = F::cast_from(partial[(t * per_plane + r) * threads + unit]);
+                        }
+                    }
                 }
             }
         }
@@ -121,7 +133,7 @@ pub(crate) mod kernel {
                 c += LANES;
             }
         }
-        reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
+        reduce_and_store::<F>(&acc, out, row, n_out, m, 1usize, plane);
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same

@@ -352,11 +352,15 @@ pub fn embed_reference<B: Backend>(table: &[QuantizedMatrix<B>], ids: Tensor<B, 
 
 /// CubeCL kernels over packed codes (`u32` words, see the module docs):
 /// - `gemv`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
-///   Each cube owns `ROWS` output features; `32` units per feature stride over the row in
-///   vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so a warp reads 512 consecutive
-///   bytes per step and every code byte once), with the vector's block scale (and offset) and
-///   the matching activations in loads as wide as the runtime allows; sums are kept in f32 and
-///   added as in the dense kernel (`plane_sum` on 32-wide planes, else a shared-memory tree).
+///   Each cube owns `ROWS` output features, each plane of 32 units two or four of them; the
+///   units stride over the rows in vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so
+///   a plane reads 512 consecutive bytes of each row per step and every code byte once), with
+///   the vector's block scale (and offset) per row. The matching activations are loaded in
+///   vectors as wide as the runtime allows, converted to f32 and summed once for all the rows of
+///   the plane; the codes become floats `1 + code / 2^bits` by a shift and a mask (see
+///   `unit_code`), and the activation sum turns their dot products into the weights' (f32
+///   throughout). Sums are added as in the dense kernel (`plane_sum` on 32-wide planes, else a
+///   shared-memory tree).
 /// - `dequantize`: the whole matrix in the activation dtype, for prefill (one unit per word);
 ///   the backend's matmul then runs on it.
 /// - `embed`: the scaled gather of token rows out of a quantized table in row blocks.
@@ -372,7 +376,7 @@ pub(crate) mod kernel {
     /// Weight `n` of a packed word, before scaling: Q8 `q`, Q4 the unsigned code. The code's bits
     /// become the low mantissa bits of 2^23 (the float `2^23 + code`, exact), then 2^23 (and Q8's
     /// 128) is subtracted: a mask, an or and an add at full rate, where an integer-to-float
-    /// conversion runs at a fraction of it and bounded the quantized GEMVs.
+    /// conversion runs at a fraction of it.
     #[cube]
     fn code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
         if q4 {
@@ -382,6 +386,29 @@ pub(crate) mod kernel {
         }
     }
 
+    /// Code `n` of a packed word as the float `1 + code / 2^bits` (exact): the code's bits are
+    /// shifted to the top of the mantissa of 1.0 - one shift and one mask-and-or, where [`code`]
+    /// also needs a subtraction. A dot product over these values is `sum(x) + sum(x * code) /
+    /// 2^bits`; the GEMV subtracts `sum(x)` once per code vector, shared by the rows it serves.
+    #[cube]
+    fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
+        let bits = comptime!(if q4 { 4usize } else { 8usize });
+        // Lowest mantissa bit the code lands on, and the code's lowest bit in the word.
+        let low = comptime!(23 - bits);
+        let at = comptime!(n * bits);
+        let mask = comptime!((((1u32 << bits) - 1) << low) as u32);
+        let placed = if comptime!(at <= low) {
+            word << comptime!((low - at) as u32)
+        } else {
+            word >> comptime!((at - low) as u32)
+        };
+        f32::reinterpret((placed & mask) | 0x3F80_0000u32)
+    }
+
+    /// Each plane (32 units) computes `per_plane` output features (`ROWS / per_plane` planes per
+    /// cube); its units stride over the rows in code vectors of `nw` words, loading the same
+    /// vector of every row it serves, so that the activations are loaded, converted to f32 and
+    /// summed once for all of them. Rows past `n_out` read the last row and are not stored.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
     fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
@@ -394,81 +421,97 @@ pub(crate) mod kernel {
         blocks: u32,
         n_out: u32,
         #[comptime] m: usize,
+        #[comptime] per_plane: usize,
         #[comptime] q4: bool,
         #[comptime] plane: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
         let words_per_block = comptime!(32usize / per_word);
-        // Words per code vector (1, 2 or 4: never more than a block) and activations per load
-        // (a divisor of `per_word`).
+        // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
+        // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
+        let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
+        let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
         let nw = codes.vector_size();
         let nx = x.vector_size();
-        let groups = comptime!(per_word / nx);
+        // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
+        let loads = comptime!(nw * per_word / nx);
         let vectors = words as usize / nw;
         let n_out = n_out as usize;
         let blocks = blocks as usize;
         let k = words as usize * per_word;
         let unit = UNIT_POS_X as usize;
-        let local = unit / LANES;
         let lane = unit % LANES;
-        let row = cube_index() * ROWS + local;
-        let mut acc = Array::<f32>::new(m);
+        let first = cube_index() * ROWS + (unit / LANES) * per_plane;
+        let slots = comptime!(m * per_plane);
+        let mut acc = Array::<f32>::new(slots);
         #[unroll]
-        for t in 0..m {
-            acc[t] = 0.0f32;
+        for s in 0..slots {
+            acc[s] = 0.0f32;
         }
-        // Per vector and activation row: sum(code * x) and, for Q4's offset, sum(x); the block's
-        // scale and offset are applied once per vector.
-        let mut dots = Array::<f32>::new(m);
-        let mut sums = Array::<f32>::new(m);
-        if row < n_out {
-            let mut v = lane;
-            while v < vectors {
-                let words = codes[row * vectors + v];
-                #[unroll]
-                for t in 0..m {
-                    dots[t] = 0.0f32;
-                    sums[t] = 0.0f32;
+        // The rows this plane serves, clamped to the last row so that every unit runs the same loop and reaches the reduction.
+        let mut row_at = Array::<usize>::new(per_plane);
+        #[unroll]
+        for r in 0..per_plane {
+            row_at[r] = min(first + r, n_out - 1);
+        }
+        let mut cw = Array::<Vector<u32, NW>>::new(per_plane);
+        let mut scale = Array::<f32>::new(per_plane);
+        let mut offset = Array::<f32>::new(per_plane);
+        let mut dots = Array::<f32>::new(slots);
+        let mut sx = Array::<f32>::new(m);
+        let mut v = lane;
+        while v < vectors {
+            // A vector never straddles two blocks: one scale (and offset) per row.
+            let block = (v * nw) / words_per_block;
+            #[unroll]
+            for r in 0..per_plane {
+                cw[r] = codes[row_at[r] * vectors + v];
+                scale[r] = f32::cast_from(scales[row_at[r] * blocks + block]);
+                if q4 {
+                    offset[r] = f32::cast_from(offsets[row_at[r] * blocks + block]);
                 }
+            }
+            #[unroll]
+            for s in 0..slots {
+                dots[s] = 0.0f32;
+            }
+            #[unroll]
+            for t in 0..m {
+                sx[t] = 0.0f32;
                 #[unroll]
-                for j in 0..nw {
-                    let word = words[j];
-                    let col = (v * nw + j) * per_word;
+                for g in 0..loads {
+                    let xv = x[(t * k + v * nw * per_word) / nx + g];
                     #[unroll]
-                    for g in 0..groups {
+                    for i in 0..nx {
+                        let xi = f32::cast_from(xv[i]);
+                        sx[t] += xi;
+                        let c = comptime!(g * nx + i);
                         #[unroll]
-                        for t in 0..m {
-                            let xv = x[(t * k + col) / nx + g];
-                            #[unroll]
-                            for i in 0..nx {
-                                let xi = f32::cast_from(xv[i]);
-                                dots[t] += code(word, comptime!(g * nx + i), q4) * xi;
-                                if q4 {
-                                    sums[t] += xi;
-                                }
-                            }
+                        for r in 0..per_plane {
+                            let word = cw[r][comptime!(c / per_word)];
+                            dots[t * per_plane + r] +=
+                                unit_code(word, comptime!(c % per_word), q4) * xi;
                         }
                     }
                 }
-                // A vector never straddles two blocks: one scale (and offset) for all its words.
-                let block = row * blocks + (v * nw) / words_per_block;
-                let scale = f32::cast_from(scales[block]);
-                #[unroll]
-                for t in 0..m {
-                    acc[t] += scale * dots[t];
-                }
-                if q4 {
-                    let offset = f32::cast_from(offsets[block]);
-                    #[unroll]
-                    for t in 0..m {
-                        acc[t] += offset * sums[t];
-                    }
-                }
-                v += LANES;
             }
+            #[unroll]
+            for t in 0..m {
+                #[unroll]
+                for r in 0..per_plane {
+                    let s = comptime!(t * per_plane + r);
+                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                    let mut shift = scale[r] * sum_scale;
+                    if q4 {
+                        shift -= offset[r];
+                    }
+                    acc[s] += scale[r] * unit_scale * dots[s] - shift * sx[t];
+                }
+            }
+            v += LANES;
         }
-        reduce_and_store::<F>(&acc, out, row, n_out, m, plane);
+        reduce_and_store::<F>(&acc, out, first, n_out, m, per_plane, plane);
     }
 
     #[cube(launch)]
@@ -589,6 +632,17 @@ pub(crate) mod kernel {
         }
     }
 
+    /// Output features per plane of the quantized GEMV for `n` activation rows: four (each
+    /// activation loaded and converted once for four weight rows, four code loads in flight per
+    /// unit) while the per-unit sums stay few (`2 * n * rows` registers), else two.
+    fn rows_per_plane(n: usize) -> usize {
+        if n <= 2 {
+            4
+        } else {
+            2
+        }
+    }
+
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype.
     pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>) -> CubeTensor<R> {
         let n = x.meta.shape()[0];
@@ -601,13 +655,14 @@ pub(crate) mod kernel {
         let (row_words, row_blocks) = w.row_sizes();
         let dtypes = [x.dtype.into(), scales.dtype.into()];
         // Up to 4 words (16 bytes) per code load: a divisor of the row, and of the block (4 or
-        // 8 words); the activations of one word (4 or 8) in as few loads as the runtime allows.
+        // 8 words); activations in loads of up to 16 bytes dividing the vector's codes.
         let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
-        let nx = load_vector_size(&x.client, x.dtype.size(), w.format.codes_per_word(), 8);
+        let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
+        let per_plane = rows_per_plane(n);
         qgemv_kernel::launch::<R>(
             &x.client,
             grid(out_features.div_ceil(ROWS)),
-            CubeDim::new_1d((ROWS * LANES) as u32),
+            CubeDim::new_1d((ROWS / per_plane * LANES) as u32),
             nw,
             nx,
             x.clone().into_array_arg(),
@@ -619,6 +674,7 @@ pub(crate) mod kernel {
             row_blocks,
             out_features as u32,
             n,
+            per_plane,
             q4,
             planes_of_32(&x.client),
             dtypes,
@@ -803,7 +859,7 @@ pub(crate) mod check {
             None => B::upload_quantized(h, device),
         };
         for format in [QuantFormat::Q8, QuantFormat::Q4] {
-            for (i, (n, inp, out)) in [(1, 640, 1024), (3, 2560, 37), (8, 96, 1001), (5, 32, 3), (1, 1152, 6912), (9, 160, 75), (17, 64, 33)].into_iter().enumerate() {
+            for (i, (n, inp, out)) in [(1, 640, 1024), (3, 2560, 37), (8, 96, 1001), (5, 32, 3), (2, 224, 13), (1, 1152, 6912), (9, 160, 75), (17, 64, 33)].into_iter().enumerate() {
                 let hq = HostQuantized::quantize(&values(out * inp, seed + i as u64), out, inp, format).expect("quantize");
                 let w = upload(&hq);
                 let xs = values(n * inp, seed ^ 0xABCD + i as u64);
