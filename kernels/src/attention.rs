@@ -89,7 +89,7 @@ pub fn reference<B: Backend>(
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use super::AttentionMask;
-    use crate::cube::{elementwise, empty, pow2_ceil, tanh_f32, unit_index, Strides4};
+    use crate::cube::{elementwise, empty, load_vector_size, planes_of_32, pow2_ceil, tanh_f32, unit_index, Strides4};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -365,6 +365,302 @@ pub(crate) mod kernel {
         }
     }
 
+    /// Comptime configuration of [`decode_attention_kernel`].
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct DecodeTiling {
+        /// Head dimension.
+        pub dim: usize,
+        /// Query heads per KV head (the rows one cube serves).
+        pub groups: usize,
+        /// Head-dimension elements per lane: lane `i` owns `[i * per_lane, (i + 1) * per_lane)`
+        /// (`ceil(dim / 32)`, dividing `dim`; lanes past `dim` idle).
+        pub per_lane: usize,
+        /// Planes of 32 units per cube, each walking its own keys.
+        pub planes: usize,
+        /// `plane_sum` adds the lanes' partial dots (32-wide planes), else shared memory does.
+        pub plane_ops: bool,
+    }
+
+    /// Sums each of `values` over the 32 lanes of every plane, returned to all lanes: by
+    /// `plane_sum`, or through `scratch` (`count * CUBE_DIM_X` floats) and barriers.
+    #[cube]
+    fn lanes_sum(values: &mut Array<f32>, scratch: &mut SharedMemory<f32>, #[comptime] count: usize, #[comptime] planes: usize, #[comptime] plane_ops: bool) {
+        if plane_ops {
+            #[unroll]
+            for i in 0..count {
+                values[i] = plane_sum(values[i]);
+            }
+        } else {
+            let threads = comptime!(planes * 32);
+            let unit = UNIT_POS_X as usize;
+            let lane = unit % 32;
+            #[unroll]
+            for i in 0..count {
+                scratch[i * threads + unit] = values[i];
+            }
+            sync_cube();
+            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = planes * 32).
+            let mut stride = CUBE_DIM_X as usize / comptime!(2 * planes);
+            while stride > 0 {
+                if lane < stride {
+                    #[unroll]
+                    for i in 0..count {
+                        scratch[i * threads + unit] = scratch[i * threads + unit] + scratch[i * threads + unit + stride];
+                    }
+                }
+                sync_cube();
+                stride /= 2;
+            }
+            #[unroll]
+            for i in 0..count {
+                values[i] = scratch[i * threads + unit - lane];
+            }
+            sync_cube();
+        }
+    }
+
+    /// Decode attention (one query position): one cube per (sequence, KV head, split of the
+    /// visible keys) serves all the query heads of the group. Each plane of 32 units walks its
+    /// own keys, one per step: every lane reads its `per_lane` elements of the key and value
+    /// rows (a plane reads each row once, coalesced, in vectors of `N` elements or of `NC`
+    /// words of int8 codes), the lanes' partial dots are summed across the plane, and each
+    /// lane keeps the online softmax (f32) and its slice of the output accumulators in
+    /// registers - no shared-memory staging and no barrier per key. The planes' results are
+    /// combined once at the end; splits go to `partial`/`stats` for [`merge_splits_kernel`].
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
+        q: &Array<F>,
+        k: &Array<Vector<F, N>>,
+        v: &Array<Vector<F, N>>,
+        out: &mut Array<F>,
+        partial: &mut Array<f32>,
+        stats: &mut Array<f32>,
+        k_codes: &Array<Vector<u32, NC>>,
+        k_scales: &Array<f32>,
+        v_codes: &Array<Vector<u32, NC>>,
+        v_scales: &Array<f32>,
+        q_strides: Strides4,
+        k_strides: Strides4,
+        v_strides: Strides4,
+        shape: AttentionShape,
+        kv_len: u32,
+        q_offset: u32,
+        k_offset: u32,
+        window: u32,
+        scale: f32,
+        cap: f32,
+        #[comptime] tiling: DecodeTiling,
+        #[comptime] has_window: bool,
+        #[comptime] has_cap: bool,
+        #[comptime] split: bool,
+        #[comptime] int8: bool,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let dim = tiling.dim;
+        let groups = tiling.groups;
+        let per_lane = tiling.per_lane;
+        let planes = tiling.planes;
+        let n = k.vector_size();
+        let nc = k_codes.vector_size();
+        let kv_heads = shape.kv_heads;
+        let b = CUBE_POS_Y as usize / kv_heads;
+        let kvh = CUBE_POS_Y as usize % kv_heads;
+        let splits = CUBE_COUNT_X as usize;
+        let split_index = CUBE_POS_X as usize;
+        let unit = UNIT_POS_X as usize;
+        let lane = unit % 32;
+        let plane_index = unit / 32;
+        let c0 = lane * per_lane;
+        let active = c0 < dim;
+
+        // Visible keys [lo, hi) (key indices), this split's share [begin, end).
+        let mut j_hi = i64::cast_from(q_offset) - i64::cast_from(k_offset) + 1;
+        j_hi = min(j_hi, i64::cast_from(kv_len));
+        let mut j_lo = 0i64;
+        if has_window {
+            j_lo = max(i64::cast_from(q_offset) + 1 - i64::cast_from(window) - i64::cast_from(k_offset), 0i64);
+        }
+        let mut lo = 0usize;
+        let mut hi = 0usize;
+        if j_hi > j_lo {
+            lo = usize::cast_from(j_lo);
+            hi = usize::cast_from(j_hi);
+        }
+        let per_split = (hi - lo + splits - 1) / splits;
+        let begin = min(lo + split_index * per_split, hi);
+        let end = min(begin + per_split, hi);
+        // The same step count for every plane, so that all units meet the same barriers.
+        let steps = (end - begin + planes - 1) / planes;
+
+        // This lane's slice of every query row of the group, with the score scale folded in.
+        let mut qr = Array::<f32>::new(comptime!(groups * per_lane));
+        let mut acc = Array::<f32>::new(comptime!(groups * per_lane));
+        let mut kf = Array::<f32>::new(per_lane);
+        let mut vf = Array::<f32>::new(per_lane);
+        #[unroll]
+        for e in 0..per_lane {
+            kf[e] = 0.0f32;
+            vf[e] = 0.0f32;
+        }
+        #[unroll]
+        for g in 0..groups {
+            #[unroll]
+            for e in 0..per_lane {
+                let mut value = 0.0f32;
+                if active {
+                    value = f32::cast_from(q[q_strides.at(b, kvh * groups + g, 0, c0 + e)]) * scale;
+                }
+                qr[g * per_lane + e] = value;
+                acc[g * per_lane + e] = 0.0f32;
+            }
+        }
+        let mut m = Array::<f32>::new(groups);
+        let mut l = Array::<f32>::new(groups);
+        let mut dots = Array::<f32>::new(groups);
+        #[unroll]
+        for g in 0..groups {
+            m[g] = f32::new(-1.0e30);
+            l[g] = 0.0f32;
+        }
+        let mut scratch = SharedMemory::<f32>::new(comptime!(if tiling.plane_ops { 1usize } else { groups * planes * 32 }));
+
+        for step in 0..steps {
+            let j = begin + step * planes + plane_index;
+            let valid = j < end;
+            // Planes past the end re-read the last key and discard it.
+            let key = min(j, end - 1);
+            if active {
+                if int8 {
+                    let slot = (b * kv_heads + kvh) * shape.slots + key;
+                    let k_scale = k_scales[slot];
+                    let v_scale = v_scales[slot];
+                    let first = (slot * (dim / 4) + c0 / 4) / nc;
+                    #[unroll]
+                    for u in 0..comptime!(per_lane / 4 / nc) {
+                        let kw = k_codes[first + u];
+                        let vw = v_codes[first + u];
+                        #[unroll]
+                        for i in 0..nc {
+                            #[unroll]
+                            for byte in 0..4usize {
+                                let e = comptime!((u * nc + i) * 4 + byte);
+                                kf[e] = int8_code(kw[i], byte) * k_scale;
+                                vf[e] = int8_code(vw[i], byte) * v_scale;
+                            }
+                        }
+                    }
+                } else {
+                    let k_first = k_strides.at(b, kvh, key, c0) / n;
+                    let v_first = v_strides.at(b, kvh, key, c0) / n;
+                    #[unroll]
+                    for u in 0..comptime!(per_lane / n) {
+                        let kv = k[k_first + u];
+                        let vv = v[v_first + u];
+                        #[unroll]
+                        for i in 0..n {
+                            kf[comptime!(u * n + i)] = f32::cast_from(kv[i]);
+                            vf[comptime!(u * n + i)] = f32::cast_from(vv[i]);
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for g in 0..groups {
+                let mut dot = 0.0f32;
+                #[unroll]
+                for e in 0..per_lane {
+                    dot += qr[g * per_lane + e] * kf[e];
+                }
+                dots[g] = dot;
+            }
+            lanes_sum(&mut dots, &mut scratch, groups, planes, tiling.plane_ops);
+            if valid {
+                #[unroll]
+                for g in 0..groups {
+                    let mut score = dots[g];
+                    if has_cap {
+                        score = tanh_f32(score / cap) * cap;
+                    }
+                    let m_new = max(m[g], score);
+                    let correction = f32::exp(m[g] - m_new);
+                    let p = f32::exp(score - m_new);
+                    l[g] = l[g] * correction + p;
+                    #[unroll]
+                    for e in 0..per_lane {
+                        acc[g * per_lane + e] = acc[g * per_lane + e] * correction + p * vf[e];
+                    }
+                    m[g] = m_new;
+                }
+            }
+        }
+
+        // Combine the planes: their (max, sum) per row, then the rescaled accumulators.
+        let mut ml = SharedMemory::<f32>::new(comptime!(planes * groups * 2));
+        let mut red = SharedMemory::<f32>::new(comptime!(planes * groups * dim));
+        if lane == 0 {
+            #[unroll]
+            for g in 0..groups {
+                ml[(plane_index * groups + g) * 2] = m[g];
+                ml[(plane_index * groups + g) * 2 + 1] = l[g];
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for g in 0..groups {
+            let mut top = f32::new(-1.0e30);
+            for p in 0..planes {
+                top = max(top, ml[(p * groups + g) * 2]);
+            }
+            let factor = f32::exp(m[g] - top);
+            if active {
+                #[unroll]
+                for e in 0..per_lane {
+                    red[(plane_index * groups + g) * dim + c0 + e] = acc[g * per_lane + e] * factor;
+                }
+            }
+        }
+        sync_cube();
+        let mut idx = unit;
+        while idx < groups * dim {
+            let g = idx / dim;
+            let c = idx % dim;
+            let mut top = f32::new(-1.0e30);
+            for p in 0..planes {
+                top = max(top, ml[(p * groups + g) * 2]);
+            }
+            let mut sum = 0.0f32;
+            let mut o = 0.0f32;
+            for p in 0..planes {
+                sum += ml[(p * groups + g) * 2 + 1] * f32::exp(ml[(p * groups + g) * 2] - top);
+                o += red[(p * groups + g) * dim + c];
+            }
+            if split {
+                // Partial results [splits, batch, kv_heads, groups, dim] and (max, sum) stats.
+                let slot = ((split_index * shape.batch + b) * kv_heads + kvh) * groups + g;
+                partial[slot * dim + c] = o;
+                if c == 0 {
+                    stats[slot * 2] = top;
+                    stats[slot * 2 + 1] = sum;
+                }
+            } else {
+                let mut value = 0.0f32;
+                if sum > 0.0f32 {
+                    value = o / sum;
+                }
+                out[(b * shape.q_heads + kvh * groups + g) * dim + c] = F::cast_from(value);
+            }
+            idx += CUBE_DIM_X as usize;
+        }
+    }
+
+    /// Byte `n` of an int8 KV word as the signed code (`stored - 128`, exact through the
+    /// mantissa of 2^23).
+    #[cube]
+    fn int8_code(word: u32, #[comptime] n: usize) -> f32 {
+        f32::reinterpret(((word >> comptime!((n * 8) as u32)) & 255u32) | 0x4B00_0000u32) - 8_388_736.0f32
+    }
+
     /// Merges the per-split partial results: one unit per output element.
     #[cube(launch)]
     fn merge_splits_kernel<F: Float>(
@@ -433,6 +729,138 @@ pub(crate) mod kernel {
         Tiling { bq, bk, tpr, cols: dim.div_ceil(tpr), dim, lanes }
     }
 
+    /// Planes per decode cube at most, and keys each plane walks at least per split.
+    const DECODE_PLANES: usize = 4;
+    const DECODE_KEYS_PER_PLANE: usize = 4;
+
+    /// The decode kernel's configuration where it applies: one query position, a head dimension
+    /// that splits evenly over 32 lanes (whole int8 words per lane for an int8 cache), keys and
+    /// values contiguous along the head dimension, and the group's accumulators within the
+    /// shared-memory budget. Other shapes (prefill, odd head sizes) take the tiled kernel.
+    fn decode_tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>, shared_bytes: usize) -> Option<DecodeTiling> {
+        let [_, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+        let kv_heads = match kv {
+            Kv::Dense { k, .. } => k.meta.shape()[1],
+            Kv::Int8 { k_scales, .. } => k_scales.meta.shape()[1],
+        };
+        let per_lane = dim.div_ceil(32);
+        let contiguous = match kv {
+            Kv::Dense { k, v } => k.meta.strides()[3] == 1 && v.meta.strides()[3] == 1,
+            Kv::Int8 { .. } => per_lane % 4 == 0,
+        };
+        if q_len != 1 || dim % per_lane != 0 || !contiguous {
+            return None;
+        }
+        let groups = q_heads / kv_heads;
+        let budget = shared_bytes.min(48 * 1024);
+        let bytes = |planes: usize| planes * groups * (dim + 2) * 4 + groups * planes * 32 * 4;
+        let mut planes = DECODE_PLANES;
+        while planes > 1 && bytes(planes) > budget {
+            planes /= 2;
+        }
+        (bytes(planes) <= budget).then_some(DecodeTiling { dim, groups, per_lane, planes, plane_ops: planes_of_32(&q.client) })
+    }
+
+    /// The widest load (elements) dividing `per_lane` and every stride but the last of `t`.
+    fn kv_vector<R: CubeRuntime>(t: &CubeTensor<R>, per_lane: usize) -> usize {
+        let s = t.meta.strides();
+        let mut n = load_vector_size(&t.client, t.dtype.size(), per_lane, 8);
+        while n > 1 && (s[0] % n != 0 || s[1] % n != 0 || s[2] % n != 0) {
+            n /= 2;
+        }
+        n
+    }
+
+    /// Launches [`decode_attention_kernel`] (and the split merge) into `out`.
+    fn decode_attention<R: CubeRuntime>(
+        q: CubeTensor<R>,
+        kv: Kv<R>,
+        out: CubeTensor<R>,
+        tiling: DecodeTiling,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> CubeTensor<R> {
+        let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+        let (kv_heads, k_len, slots) = match &kv {
+            Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2], k.meta.shape()[2]),
+            Kv::Int8 { k_scales, len, .. } => (k_scales.meta.shape()[1], *len, k_scales.meta.shape()[2]),
+        };
+        // Visible keys, as the kernel computes them, to size the splits.
+        let hi = (mask.q_offset + 1).saturating_sub(mask.k_offset).min(k_len);
+        let lo = mask.window.map_or(0, |w| (mask.q_offset + 1).saturating_sub(w + mask.k_offset));
+        let span = hi.saturating_sub(lo);
+        let base_cubes = batch * kv_heads;
+        let splits = TARGET_CUBES.div_ceil(base_cubes).min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE)).clamp(1, MAX_SPLITS);
+        let split = splits > 1;
+        let groups = tiling.groups;
+        let (partial, stats) = if split {
+            (empty(&q, [splits * batch * kv_heads * groups, dim], DType::F32), empty(&q, [splits * batch * kv_heads * groups, 2], DType::F32))
+        } else {
+            (q.clone(), q.clone())
+        };
+        let dtype: StorageType = q.dtype.into();
+        let client = q.client.clone();
+        let int8 = matches!(kv, Kv::Int8 { .. });
+        // Unused arguments get `q` as a stand-in (see `attention_kv`).
+        let (k, v, k_codes, k_scales, v_codes, v_scales) = match kv {
+            Kv::Dense { k, v } => (k, v, q.clone(), q.clone(), q.clone(), q.clone()),
+            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales),
+        };
+        let n = if int8 { 1 } else { kv_vector(&k, tiling.per_lane).min(kv_vector(&v, tiling.per_lane)) };
+        let nc = if int8 { load_vector_size(&client, 4, tiling.per_lane / 4, 4) } else { 1 };
+        let shape = || AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots);
+        decode_attention_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(splits as u32, (batch * kv_heads) as u32, 1),
+            CubeDim::new_1d((tiling.planes * 32) as u32),
+            n,
+            nc,
+            q.clone().into_array_arg(),
+            k.clone().into_array_arg(),
+            v.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            partial.clone().into_array_arg(),
+            stats.clone().into_array_arg(),
+            k_codes.into_array_arg(),
+            k_scales.into_array_arg(),
+            v_codes.into_array_arg(),
+            v_scales.into_array_arg(),
+            Strides4::launch(&q),
+            Strides4::launch(&k),
+            Strides4::launch(&v),
+            shape(),
+            k_len as u32,
+            mask.q_offset as u32,
+            mask.k_offset as u32,
+            mask.window.unwrap_or(0) as u32,
+            scale as f32,
+            softcap.unwrap_or(1.0) as f32,
+            tiling,
+            mask.window.is_some(),
+            softcap.is_some(),
+            split,
+            int8,
+            dtype,
+        );
+        if split {
+            let (count, cube_dim) = elementwise(batch * q_heads * dim, 256);
+            merge_splits_kernel::launch::<R>(
+                &client,
+                count,
+                cube_dim,
+                partial.into_array_arg(),
+                stats.into_array_arg(),
+                out.clone().into_array_arg(),
+                splits as u32,
+                shape(),
+                dim,
+                dtype,
+            );
+        }
+        out
+    }
+
     /// Keys and values as the kernel reads them.
     pub enum Kv<R: CubeRuntime> {
         /// `[batch, kv_heads, k_len, dim]` each, any strides.
@@ -468,6 +896,9 @@ pub(crate) mod kernel {
         }
         let rows = (q_heads / kv_heads) * q_len;
         let shared = q.client.properties().hardware.max_shared_memory_size;
+        if let Some(tiling) = decode_tiling(&q, &kv, shared) {
+            return decode_attention(q, kv, out, tiling, mask, scale, softcap);
+        }
         let tiling = tiling(rows, dim, shared);
         let row_blocks = rows.div_ceil(tiling.bq);
         let base_cubes = row_blocks * batch * kv_heads;
@@ -631,7 +1062,7 @@ mod gpu {
     /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
     type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
 
-    const CASES: [Case; 11] = [
+    const CASES: [Case; 13] = [
         // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
         (1, 4, 1, 37, 37, 256, 0, 0, None, None),
         // Sliding window smaller than the prompt, crossing tile edges.
@@ -643,6 +1074,9 @@ mod gpu {
         (1, 4, 1, 1, 1000, 256, 999, 0, None, None),
         (1, 8, 2, 1, 512, 128, 1300, 789, Some(512), None),
         (2, 16, 16, 1, 77, 128, 76, 0, None, Some(50.0)),
+        // Decode with head sizes of one and three elements per lane, batch 2 in a window.
+        (2, 4, 2, 1, 45, 16, 44, 0, Some(8), None),
+        (1, 8, 1, 1, 300, 96, 299, 0, None, Some(30.0)),
         // Chunked prefill continuing a cache; head_dim not a power of two.
         (1, 4, 2, 5, 45, 96, 40, 0, None, None),
         // Multi-query attention with a tiny window, and a long window-bound chunk.
