@@ -640,7 +640,7 @@ pub(crate) mod kernel {
     /// three or more rows, whose per-unit sums take `2 * n * features` registers), each
     /// activation then loaded, converted and summed once for all of them - while enough planes
     /// remain; fewer features per plane otherwise. H100, ncu, Q8: 1 x 2560 -> 10240 went from
-    /// 20.7 to 17.6 us with four (2,560 planes), 1 x 640 -> 52,428 from 34.9 to 27.7 us, while
+    /// 20.8 to 18.0 us with four (2,560 planes), 1 x 640 -> 52,428 from 34.9 to 27.7 us, while
     /// 1 x 10240 -> 2560 (640 planes left) went from 27.1 to 35.7 us.
     fn rows_per_plane<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, out_features: usize) -> usize {
         let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(128, |s| s as usize);
