@@ -20,7 +20,11 @@
 #                                          with the quantized GEMVs ($OUT/quant.md)
 #   bash .gpu-bench/bench-gpu.sh hostprof  where the host's time goes while issuing decode work
 #                                          (sampled stacks, synthetic models, $HOSTPROF)
-#   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16)
+#   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), then
+#                                          the tiny-model parity tests through CUDA
+#   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
+#                                          `bundle`) against this one, alternating, on each $AB
+#                                          entry (model:weights, GGUF files from `prepare` by name)
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
 # The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
@@ -62,6 +66,12 @@ bundle() {
   tests=$(cargo test --release -p burn-gemma-kernels --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["lib"]][0])')
   strip -o .gpu-bench/kernel_tests "$tests" && gzip -9 .gpu-bench/kernel_tests
+  tests=$(cargo test --release -p burn-gemma --test tiny_models --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+  strip -o .gpu-bench/tiny_models "$tests" && gzip -9 .gpu-bench/tiny_models
+  cp -r ../shared/fixtures/tiny-gemma .gpu-bench/
+  # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
+  if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
   cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py scripts/host_profile.py .gpu-bench/
   cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
@@ -178,7 +188,29 @@ kernel_tests() {
   unpack
   /tmp/burn-gemma-kernel-tests --test-threads 1 > "$OUT/kernel-tests.txt" 2>&1; local rc=$?
   grep -E "^test |test result" "$OUT/kernel-tests.txt"
+  gzip -dc "$here/tiny_models.gz" > /tmp/burn-gemma-tiny-models && chmod +x /tmp/burn-gemma-tiny-models
+  BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-tiny-models --test-threads 1 --nocapture cuda > "$OUT/tiny-models.txt" 2>&1 || rc=1
+  grep -E "^test |test result" "$OUT/tiny-models.txt"
   return $rc
+}
+
+# Previous build against this one on the same files, alternating per entry of $AB (model:weights,
+# e.g. "1b-Q4_K_M:native synthetic:gemma3-1b:bf16"), pp512 + tg128, $REPS reps each.
+ab() {
+  unpack
+  gzip -dc "$here/prev/bench.gz" > /tmp/burn-gemma-bench-prev && chmod +x /tmp/burn-gemma-bench-prev
+  for spec in ${AB:-"1b-Q4_K_M:native 4b-Q8_0:native"}; do
+    local w=${spec##*:} m=${spec%:*}
+    case "$m" in synthetic:*) ;; *) m=$GGUF/$m.gguf ;; esac
+    for build in prev new; do
+      local exe=$bin; [ $build = prev ] && exe=/tmp/burn-gemma-bench-prev
+      log "ab $build $m $w"
+      echo "== $build $m $w" >> "$OUT/ab.txt"
+      "$exe" --model "$m" --backend cuda --dtype bf16 --weights "$w" --prompt-len 512 --gen 128 --reps "$REPS" >> "$OUT/ab.txt" 2>&1 ||
+        log "ab $build failed on $m"
+    done
+  done
+  grep -E "^==|prefill|decode tg|host time" "$OUT/ab.txt"
 }
 
 chunks() {
@@ -260,8 +292,9 @@ case "${1:-}" in
   quant) quant ;;
   accuracy) accuracy ;;
   tests) kernel_tests ;;
+  ab) ab ;;
   hostprof) hostprof ;;
   chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
-  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|hostprof|chunks" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|ab|hostprof|chunks" >&2; exit 2 ;;
 esac

@@ -17,9 +17,18 @@ where
     /// ones to the backend's matmul, which wins once the weight is reused across rows.
     fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
-            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight)))
+            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), false))
         } else {
             crate::linear::reference(x, weight)
+        }
+    }
+
+    /// Decode-sized inputs: GELU in the GEMV's epilogue (one launch, half the output written).
+    fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() && gemv_pairs_fit(weight.dims()[0]) {
+            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), true))
+        } else {
+            crate::gelu::pairs_reference(Self::project(x, weight))
         }
     }
 
@@ -34,10 +43,18 @@ where
     fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
         let packed = packed(weight);
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
-            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed))
+            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed, false))
         } else {
             let dense = cube::tensor(crate::quant::kernel::dequantize(&packed, x.dtype()));
             crate::linear::reference(x, dense)
+        }
+    }
+
+    fn project_quantized_gelu_pairs(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && gemv_pairs_fit(weight.shape[0]) {
+            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(weight), true))
+        } else {
+            crate::gelu::pairs_reference(Self::project_quantized(x, weight))
         }
     }
 
@@ -209,6 +226,12 @@ where
         };
         cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
     }
+}
+
+/// Whether a GEMV over `rows` interleaved gate/up rows can apply GELU in its epilogue: every
+/// cube's rows hold whole pair blocks.
+fn gemv_pairs_fit(rows: usize) -> bool {
+    rows % crate::linear::kernel::ROWS == 0
 }
 
 /// The device tensors of a quantized matrix as kernel arguments.

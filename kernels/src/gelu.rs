@@ -17,6 +17,39 @@ pub fn halves_reference<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
     reference(gate, up)
 }
 
+/// Rows per block when the gate and up projections are interleaved for
+/// [`crate::GemmaBackend::project_gelu_pairs`]: rows `8j..8j+4` of the joined matrix are gate rows
+/// `4j..4j+4`, rows `8j+4..8j+8` the up rows of the same features, so one GEMV cube (8 rows) holds
+/// both halves of its 4 output features.
+pub const PAIR_BLOCK: usize = 4;
+
+/// Whether an MLP of `intermediate` features can use the interleaved layout.
+pub fn pairs_fit(intermediate: usize) -> bool {
+    intermediate > 0 && intermediate % PAIR_BLOCK == 0
+}
+
+/// The joined `[2m, in]` matrix of `gate` and `up` (`[m, in]` each, `m` a multiple of
+/// [`PAIR_BLOCK`]) with their rows interleaved in blocks of [`PAIR_BLOCK`].
+pub fn interleave_pairs<B: Backend>(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [m, inp] = gate.dims();
+    let blocks = m / PAIR_BLOCK;
+    let gate = gate.reshape([blocks, PAIR_BLOCK, inp]);
+    let up = up.reshape([blocks, PAIR_BLOCK, inp]);
+    Tensor::cat(vec![gate, up], 1).reshape([2 * m, inp])
+}
+
+/// Reference for a product through an interleaved matrix ([`interleave_pairs`]): `y` is
+/// `[n, 2m]` with gate and up columns interleaved in blocks of [`PAIR_BLOCK`]; returns
+/// `gelu_tanh(gate) * up`, `[n, m]`.
+pub fn pairs_reference<B: Backend>(y: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, width] = y.dims();
+    let (m, blocks) = (width / 2, width / (2 * PAIR_BLOCK));
+    let y = y.reshape([n, blocks, 2, PAIR_BLOCK]);
+    let gate = y.clone().slice([0..n, 0..blocks, 0..1, 0..PAIR_BLOCK]).reshape([n, m]);
+    let up = y.slice([0..n, 0..blocks, 1..2, 0..PAIR_BLOCK]).reshape([n, m]);
+    gelu_approximate(gate) * up
+}
+
 /// CubeCL kernels: one unit per output element, computed in f32.
 pub(crate) mod kernel {
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
@@ -25,7 +58,7 @@ pub(crate) mod kernel {
 
     /// `gelu_tanh(g) * u` in f32.
     #[cube]
-    fn gelu_mul_f32(g: f32, u: f32) -> f32 {
+    pub(crate) fn gelu_mul_f32(g: f32, u: f32) -> f32 {
         // sqrt(2 / pi)
         let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
         0.5f32 * g * (1.0f32 + tanh_f32(inner)) * u
@@ -95,8 +128,9 @@ pub(crate) mod kernel {
 #[cfg(test)]
 mod gpu {
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::GemmaBackend;
-    use burn::tensor::{DType, Distribution, Tensor};
+    use crate::quant::check::values;
+    use crate::{GemmaBackend, HostQuantized, QuantFormat};
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// Odd sizes, Gemma's intermediate widths, and gate values large enough to saturate tanh.
     pub fn gelu_mul<B: GemmaBackend>(device: &B::Device, dtype: DType) {
@@ -123,5 +157,71 @@ mod gpu {
         }
     }
 
-    gpu_tests!(gelu_mul_matches_reference => gelu_mul, gelu_mul_halves_matches_reference => gelu_mul_halves);
+
+    /// `gelu_tanh(x @ gate^T) * (x @ up^T)` from f64 products on the host (`gate`, `up`:
+    /// `[m, inp]` row-major), rounded through `dtype` where the kernel stores its products.
+    fn expected_pairs<B: GemmaBackend>(x: &[f32], gate: &[f32], up: &[f32], [n, inp, m]: [usize; 3], device: &B::Device) -> Tensor<B, 2> {
+        let dot = |r: usize, w: &[f32], o: usize| (0..inp).map(|c| x[r * inp + c] as f64 * w[o * inp + c] as f64).sum::<f64>();
+        let values: Vec<f32> = (0..n)
+            .flat_map(|r| {
+                (0..m).map(move |o| {
+                    let (g, u) = (dot(r, gate, o), dot(r, up, o));
+                    (0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh()) * u) as f32
+                })
+            })
+            .collect();
+        Tensor::<B, 2>::from_data(TensorData::new(values, [n, m]), (device, DType::F32))
+    }
+
+    fn host<B: GemmaBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+        t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
+    }
+
+    /// The GELU epilogue of the joined gate/up product (dense and Q8/Q4 weights): 1 to 8 rows
+    /// (the GEMV kernels), 9 and 12 (the matmul path), odd and Gemma widths, against f64 host
+    /// products of the separate matrices.
+    pub fn project_gelu_pairs<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        let seed = seed::<B>(device, "project_gelu_pairs");
+        let shapes = [(1, 1152, 6912), (3, 640, 36), (8, 96, 4), (2, 2560, 1028), (9, 64, 12), (12, 160, 20)];
+        for (i, (n, inp, m)) in shapes.into_iter().enumerate() {
+            let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+            // Dense weights in the activation dtype.
+            let gate = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
+            let up = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
+            let expected = expected_pairs::<B>(&host(x.clone()), &host(gate.clone()), &host(up.clone()), [n, inp, m], device);
+            let got = B::project_gelu_pairs(x.clone(), super::interleave_pairs(gate, up));
+            assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
+            assert_close(got, expected, tol, &format!("dense gelu pairs {n}x{inp} -> {m}"));
+            // Block-quantized weights, interleaved on the host.
+            for format in [QuantFormat::Q8, QuantFormat::Q4] {
+                let quantize = |s: u64| HostQuantized::quantize(&values(m * inp, s), m, inp, format).expect("quantize");
+                let (gate, up) = (quantize(seed + 2 * i as u64), quantize(seed + 2 * i as u64 + 1));
+                let expected = expected_pairs::<B>(&host(x.clone()), &gate.dequantize(), &up.dequantize(), [n, inp, m], device);
+                let joined = HostQuantized::interleave_pairs(gate, up, super::PAIR_BLOCK).expect("same shapes");
+                let got = B::project_quantized_gelu_pairs(x.clone(), &B::upload_quantized(&joined, device));
+                assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
+                assert_close(got, expected, tol, &format!("{format} gelu pairs {n}x{inp} -> {m}"));
+            }
+        }
+    }
+
+    gpu_tests!(
+        gelu_mul_matches_reference => gelu_mul,
+        gelu_mul_halves_matches_reference => gelu_mul_halves,
+        project_gelu_pairs_matches_host => project_gelu_pairs,
+    );
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod reference_tests {
+    use crate::test_util::TestBackend;
+    use burn::tensor::DType;
+
+    /// The reference path (matrix product, then the interleaved halves taken apart) against the
+    /// separate host products.
+    #[test]
+    fn pairs_reference_matches_host() {
+        super::gpu::project_gelu_pairs::<TestBackend>(&Default::default(), DType::F32);
+    }
 }

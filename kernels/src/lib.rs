@@ -73,6 +73,19 @@ pub trait GemmaBackend: Backend {
         quant::embed_reference(table, ids, scale, dtype)
     }
 
+    /// `gelu_tanh(gate) * up` straight from the joined gate/up product: `weight` `[2m, in]` holds
+    /// the gate and up rows interleaved in blocks of [`gelu::PAIR_BLOCK`]
+    /// ([`gelu::interleave_pairs`], `m` a multiple of it); `x [n, in]` -> `[n, m]`.
+    fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        gelu::pairs_reference(Self::project(x, weight))
+    }
+
+    /// [`GemmaBackend::project_gelu_pairs`] through a quantized matrix whose rows are interleaved
+    /// likewise ([`HostQuantized::interleave_pairs`]).
+    fn project_quantized_gelu_pairs(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
+        gelu::pairs_reference(Self::project_quantized(x, weight))
+    }
+
     /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in
     /// f32 and returned in `x`'s dtype.
     ///

@@ -22,6 +22,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
+    use crate::gelu::kernel::gelu_mul_f32;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -29,12 +30,20 @@ pub(crate) mod kernel {
     /// (and [`reduce_and_store`], which assumes them).
     pub(crate) const ROWS: usize = 8;
     pub(crate) const LANES: usize = 32;
+    // A cube's rows hold the gate and up halves of whole pair blocks (the GELU epilogue).
+    const _: () = assert!(ROWS == 2 * crate::gelu::PAIR_BLOCK);
 
     /// Adds the 32 partial sums of each (activation row, output feature) pair and writes the
     /// totals from lane 0. A plane (32 units) owns `per_plane` consecutive output features
     /// starting at `first`; `acc[t * per_plane + r]` is the unit's partial sum of activation row
     /// `t` for feature `first + r`. Sums by `plane_sum` when `plane` (32-wide planes), else
     /// through a shared-memory tree; features past `n_out` are not written.
+    ///
+    /// With `pairs`, the cube's `ROWS` features are the gate and up rows of `PAIR_BLOCK` output
+    /// features ([`crate::gelu::interleave_pairs`]; `n_out` a multiple of `ROWS`): the totals,
+    /// rounded to `F` as a separate product would store them, meet in shared memory and
+    /// `gelu_tanh(gate) * up` is written to `out` (`[m, n_out / 2]`).
+    #[allow(clippy::too_many_arguments, clippy::collapsible_else_if)]
     #[cube]
     pub(crate) fn reduce_and_store<F: Float>(
         acc: &Array<f32>,
@@ -44,17 +53,27 @@ pub(crate) mod kernel {
         #[comptime] m: usize,
         #[comptime] per_plane: usize,
         #[comptime] plane: bool,
+        #[comptime] pairs: bool,
     ) {
         let unit = UNIT_POS_X as usize;
         let lane = unit % LANES;
+        // This plane's first feature within the cube's `ROWS`.
+        let local = first - cube_index() * ROWS;
+        let mut totals = SharedMemory::<F>::new(comptime!(if pairs { m * ROWS } else { 1usize }));
         if plane {
             #[unroll]
             for t in 0..m {
                 #[unroll]
                 for r in 0..per_plane {
                     let total = plane_sum(acc[t * per_plane + r]);
-                    if lane == 0 && first + r < n_out {
-                        out[t * n_out + first + r] = F::cast_from(total);
+                    if pairs {
+                        if lane == 0 {
+                            totals[t * ROWS + local + r] = F::cast_from(total);
+                        }
+                    } else {
+                        if lane == 0 && first + r < n_out {
+                            out[t * n_out + first + r] = F::cast_from(total);
+                        }
                     }
                 }
             }
@@ -84,11 +103,26 @@ pub(crate) mod kernel {
                 for t in 0..m {
                     #[unroll]
                     for r in 0..per_plane {
-                        if first + r < n_out {
-                            out[t * n_out + first + r] = F::cast_from(partial[(t * per_plane + r) * threads + unit]);
+                        let total = partial[(t * per_plane + r) * threads + unit];
+                        if pairs {
+                            totals[t * ROWS + local + r] = F::cast_from(total);
+                        } else {
+                            if first + r < n_out {
+                                out[t * n_out + first + r] = F::cast_from(total);
+                            }
                         }
                     }
                 }
+            }
+        }
+        if pairs {
+            sync_cube();
+            let half = comptime!(ROWS / 2);
+            if unit < m * half {
+                let (t, c) = (unit / half, unit % half);
+                let gate = f32::cast_from(totals[t * ROWS + c]);
+                let up = f32::cast_from(totals[t * ROWS + half + c]);
+                out[t * (n_out / 2) + cube_index() * half + c] = F::cast_from(gelu_mul_f32(gate, up));
             }
         }
     }
@@ -103,6 +137,7 @@ pub(crate) mod kernel {
         n_out: u32,
         #[comptime] m: usize,
         #[comptime] plane: bool,
+        #[comptime] pairs: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let width = w.vector_size();
@@ -133,15 +168,16 @@ pub(crate) mod kernel {
                 c += LANES;
             }
         }
-        reduce_and_store::<F>(&acc, out, row, n_out, m, 1usize, plane);
+        reduce_and_store::<F>(&acc, out, row, n_out, m, 1usize, plane, pairs);
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
-    /// dtype. Returns `[n, out]`.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> CubeTensor<R> {
+    /// dtype. Returns `[n, out]`, or with `pairs` (gate and up rows interleaved, `out` a
+    /// multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, pairs: bool) -> CubeTensor<R> {
         let [n, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
         let out_features = w.meta.shape()[0];
-        let out = empty(&x, [n, out_features], x.dtype);
+        let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
         if n == 0 || out_features == 0 {
             return out;
         }
@@ -159,6 +195,7 @@ pub(crate) mod kernel {
             out_features as u32,
             n,
             planes_of_32(&x.client),
+            pairs,
             dtype,
         );
         out

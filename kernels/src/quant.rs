@@ -224,6 +224,36 @@ impl HostQuantized {
         Ok(())
     }
 
+    /// The joined matrix of `gate` and `up` (same format and shape, rows a multiple of
+    /// `block`) with their rows interleaved in blocks of `block`: `block` gate rows, then the
+    /// same `block` up rows, and so on ([`crate::gelu::interleave_pairs`] for dense matrices).
+    /// Gives both back when they do not match.
+    pub fn interleave_pairs(gate: HostQuantized, up: HostQuantized, block: usize) -> Result<Self, (HostQuantized, HostQuantized)> {
+        if gate.format != up.format || gate.cols != up.cols || gate.rows != up.rows || block == 0 || gate.rows % block != 0 {
+            return Err((gate, up));
+        }
+        let per_row = gate.cols / BLOCK;
+        let mut out = Self {
+            format: gate.format,
+            rows: 2 * gate.rows,
+            cols: gate.cols,
+            codes: Vec::with_capacity(2 * gate.codes.len()),
+            scales: Vec::with_capacity(2 * gate.scales.len()),
+            offsets: Vec::with_capacity(2 * gate.offsets.len()),
+        };
+        for first in (0..gate.rows).step_by(block) {
+            for half in [&gate, &up] {
+                let (codes, blocks) = (first * half.cols..(first + block) * half.cols, first * per_row..(first + block) * per_row);
+                out.codes.extend_from_slice(&half.codes[codes]);
+                out.scales.extend_from_slice(&half.scales[blocks.clone()]);
+                if !half.offsets.is_empty() {
+                    out.offsets.extend_from_slice(&half.offsets[blocks]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Codes packed into `u32` words, lowest bits first: `[rows, cols / codes_per_word]`.
     pub fn packed_words(&self) -> Vec<u32> {
         let bits = self.format.bits();
@@ -424,6 +454,7 @@ pub(crate) mod kernel {
         #[comptime] per_plane: usize,
         #[comptime] q4: bool,
         #[comptime] plane: bool,
+        #[comptime] pairs: bool,
         #[define(F, S)] _dtypes: [StorageType; 2],
     ) {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -511,7 +542,7 @@ pub(crate) mod kernel {
             }
             v += LANES;
         }
-        reduce_and_store::<F>(&acc, out, first, n_out, m, per_plane, plane);
+        reduce_and_store::<F>(&acc, out, first, n_out, m, per_plane, plane, pairs);
     }
 
     #[cube(launch)]
@@ -648,11 +679,13 @@ pub(crate) mod kernel {
         [4, 2].into_iter().filter(|&r| r <= most).find(|&r| out_features / r >= PLANES_PER_SM * sms).unwrap_or(1)
     }
 
-    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>) -> CubeTensor<R> {
+    /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype, or
+    /// with `pairs` (gate and up rows interleaved, `out` a multiple of `ROWS`) `gelu_tanh(gate) *
+    /// up`, `[n, out / 2]`.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, pairs: bool) -> CubeTensor<R> {
         let n = x.meta.shape()[0];
         let out_features = w.codes.meta.shape()[0];
-        let out = empty(&x, [n, out_features], x.dtype);
+        let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
         if n == 0 || out_features == 0 {
             return out;
         }
@@ -682,6 +715,7 @@ pub(crate) mod kernel {
             per_plane,
             q4,
             planes_of_32(&x.client),
+            pairs,
             dtypes,
         );
         out
@@ -814,6 +848,24 @@ mod tests {
         let q = HostQuantized::quantize(&values, 5, 64, QuantFormat::Q4).unwrap();
         let part = q.rows_slice(2..4);
         assert_eq!(part.dequantize(), q.dequantize()[2 * 64..4 * 64]);
+    }
+
+    #[test]
+    fn interleaved_pairs_alternate_row_blocks() {
+        for format in [QuantFormat::Q8, QuantFormat::Q4] {
+            let (rows, cols) = (8, 64);
+            let gate = HostQuantized::quantize(&random(rows * cols, 21), rows, cols, format).unwrap();
+            let up = HostQuantized::quantize(&random(rows * cols, 22), rows, cols, format).unwrap();
+            let joined = HostQuantized::interleave_pairs(gate.clone(), up.clone(), 4).unwrap();
+            assert_eq!((joined.rows, joined.cols), (16, cols));
+            for (at, (half, from)) in [(&gate, 0), (&up, 0), (&gate, 4), (&up, 4)].into_iter().enumerate() {
+                assert_eq!(joined.rows_slice(at * 4..at * 4 + 4), half.rows_slice(from..from + 4), "{format} block {at}");
+            }
+            let odd = HostQuantized::quantize(&random(6 * cols, 23), 6, cols, format).unwrap();
+            assert!(HostQuantized::interleave_pairs(odd.clone(), odd, 4).is_err(), "rows not a multiple of the block");
+            let short = HostQuantized::quantize(&random(4 * cols, 24), 4, cols, format).unwrap();
+            assert!(HostQuantized::interleave_pairs(gate.clone(), short, 4).is_err(), "row counts differ");
+        }
     }
 
     #[test]

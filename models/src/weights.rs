@@ -50,6 +50,15 @@ impl<B: GemmaBackend> MatrixWeight<B> {
         }
     }
 
+    /// `gelu_tanh(gate) * up` of `x [n, in]` through a matrix of interleaved gate and up rows
+    /// ([`GemmaBackend::project_gelu_pairs`]): `[n, out / 2]`.
+    pub fn project_gelu_pairs(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self {
+            Self::Dense(w) => B::project_gelu_pairs(x, w.val()),
+            Self::Quantized(w) => B::project_quantized_gelu_pairs(x, w),
+        }
+    }
+
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         match self {
