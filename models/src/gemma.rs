@@ -620,3 +620,53 @@ impl<B: GemmaBackend> Gemma<B> {
         self.config.model_type
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::TensorData;
+
+    type B = NdArray<f32>;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.4
+            })
+            .collect()
+    }
+
+    /// Every layout of the gate/up pair gives `gelu(x gate^T) * (x up^T)` of the weights as
+    /// stored; interleaved exactly where both are stored alike and the width splits into pair
+    /// blocks.
+    #[test]
+    fn gate_up_layouts_match_the_separate_products() {
+        let device = Default::default();
+        let hidden = 64;
+        // (intermediate, gate quantized, up quantized, interleaved)
+        for (inter, gate_q, up_q, interleaved) in [(12, false, false, true), (12, true, true, true), (12, true, false, false), (10, false, false, false)] {
+            let load = |seed: u64, quantized: bool| {
+                let w = values(inter * hidden, seed);
+                if quantized {
+                    let host = HostQuantized::quantize(&w, inter, hidden, QuantFormat::Q8).expect("quantize");
+                    (host.dequantize(), Loaded::Host(host))
+                } else {
+                    (w.clone(), Loaded::Dense(Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device)))
+                }
+            };
+            let ((gate, gate_loaded), (up, up_loaded)) = (load(1, gate_q), load(2, up_q));
+            let layer = GateUp::new(gate_loaded, up_loaded, inter, &device);
+            assert_eq!(matches!(layer, GateUp::Interleaved(_)), interleaved, "intermediate {inter}, quantized {gate_q}/{up_q}");
+
+            let x = Tensor::<B, 3>::from_data(TensorData::new(values(3 * hidden, 3), [1, 3, hidden]), &device);
+            let matrix = |w: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device).transpose().unsqueeze::<3>();
+            let expected = gelu::reference(x.clone().matmul(matrix(gate)), x.clone().matmul(matrix(up)));
+            let got = layer.forward(x);
+            assert_eq!(got.dims(), [1, 3, inter]);
+            got.into_data().assert_approx_eq::<f32>(&expected.into_data(), burn::tensor::Tolerance::absolute(1e-5));
+        }
+    }
+}
