@@ -128,7 +128,7 @@ pub(crate) mod kernel {
 #[cfg(test)]
 mod gpu {
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::quant::check::values;
+    use crate::quant::check::{host, values};
     use crate::{GemmaBackend, HostQuantized, QuantFormat};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
@@ -157,9 +157,9 @@ mod gpu {
         }
     }
 
-
     /// `gelu_tanh(x @ gate^T) * (x @ up^T)` from f64 products on the host (`gate`, `up`:
-    /// `[m, inp]` row-major), rounded through `dtype` where the kernel stores its products.
+    /// `[m, inp]` row-major); the tolerance covers the kernel's rounding of its products to the
+    /// activation dtype.
     fn expected_pairs<B: GemmaBackend>(x: &[f32], gate: &[f32], up: &[f32], [n, inp, m]: [usize; 3], device: &B::Device) -> Tensor<B, 2> {
         let dot = |r: usize, w: &[f32], o: usize| (0..inp).map(|c| x[r * inp + c] as f64 * w[o * inp + c] as f64).sum::<f64>();
         let values: Vec<f32> = (0..n)
@@ -171,10 +171,6 @@ mod gpu {
             })
             .collect();
         Tensor::<B, 2>::from_data(TensorData::new(values, [n, m]), (device, DType::F32))
-    }
-
-    fn host<B: GemmaBackend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-        t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
     }
 
     /// The GELU epilogue of the joined gate/up product (dense and Q8/Q4 weights): 1 to 8 rows

@@ -904,7 +904,8 @@ pub(crate) mod check {
             .collect()
     }
 
-    fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    /// A tensor's values as f32 on the host.
+    pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data")
     }
 
