@@ -76,6 +76,10 @@ bundle() {
   cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
   du -sh .gpu-bench
+  # A device call carries at most 64 MiB with the rest of the working tree.
+  if [ "$(du -sm .gpu-bench | cut -f1)" -gt 60 ]; then
+    echo "warning: .gpu-bench is over 60 MiB; remove what the call does not run (e.g. accuracy.gz)" >&2
+  fi
 }
 
 here=$(cd "$(dirname "$0")" && pwd)
