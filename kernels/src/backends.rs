@@ -23,12 +23,13 @@ where
         }
     }
 
-    /// Decode-sized inputs: GELU in the GEMV's epilogue (one launch, half the output written).
+    /// Decode-sized inputs: GELU in the GEMV's epilogue (one launch, half the output written);
+    /// larger ones: the backend's matmul, then one GELU kernel over the interleaved product.
     fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() && gemv_pairs_fit(weight.dims()[0]) {
             cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), true))
         } else {
-            crate::gelu::pairs_reference(Self::project(x, weight))
+            cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project(x, weight)), true))
         }
     }
 
@@ -54,7 +55,7 @@ where
         if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && gemv_pairs_fit(weight.shape[0]) {
             cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(weight), true))
         } else {
-            crate::gelu::pairs_reference(Self::project_quantized(x, weight))
+            cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project_quantized(x, weight)), true))
         }
     }
 
@@ -92,7 +93,7 @@ where
     }
 
     fn gelu_mul_halves(x: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        cube::tensor(crate::gelu::kernel::gelu_mul_halves(cube::float(x)))
+        cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), false))
     }
 
     fn rope(

@@ -52,6 +52,7 @@ pub fn pairs_reference<B: Backend>(y: Tensor<B, 2>) -> Tensor<B, 2> {
 
 /// CubeCL kernels: one unit per output element, computed in f32.
 pub(crate) mod kernel {
+    use super::PAIR_BLOCK;
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -73,20 +74,27 @@ pub(crate) mod kernel {
         out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up[i])));
     }
 
-    /// `x`: rows of `2 * m` values, the gate then the up projection.
+    /// `x`: rows of `2 * m` values, the gate then the up projection, or with `pairs` the two
+    /// interleaved in blocks of [`PAIR_BLOCK`] ([`super::interleave_pairs`]).
     #[cube(launch)]
-    fn gelu_mul_halves_kernel<F: Float>(x: &Array<F>, out: &mut Array<F>, m: u32, #[define(F)] _dtype: StorageType) {
+    fn gelu_mul_joined_kernel<F: Float>(x: &Array<F>, out: &mut Array<F>, m: u32, #[comptime] pairs: bool, #[define(F)] _dtype: StorageType) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
         }
         let m = m as usize;
-        let at = (i / m) * 2 * m + i % m;
-        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + m])));
+        let (row, f) = (i / m, i % m);
+        let mut at = row * 2 * m + f;
+        let mut up = m;
+        if pairs {
+            at = row * 2 * m + (f / PAIR_BLOCK) * 2 * PAIR_BLOCK + f % PAIR_BLOCK;
+            up = PAIR_BLOCK;
+        }
+        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + up])));
     }
 
-    /// `x`: contiguous `[..., 2m]`; returns `[..., m]`.
-    pub fn gelu_mul_halves<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    /// `x`: contiguous `[..., 2m]`, gate then up (or with `pairs`, interleaved); returns `[..., m]`.
+    pub fn gelu_mul_joined<R: CubeRuntime>(x: CubeTensor<R>, pairs: bool) -> CubeTensor<R> {
         let mut shape = x.meta.shape().clone();
         let last = shape.num_dims() - 1;
         let m = shape[last] / 2;
@@ -98,7 +106,7 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        gelu_mul_halves_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), m as u32, dtype);
+        gelu_mul_joined_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), m as u32, pairs, dtype);
         out
     }
 
