@@ -26,7 +26,7 @@ where
     /// Decode-sized inputs: GELU in the GEMV's epilogue (one launch, half the output written);
     /// larger ones: the backend's matmul, then one GELU kernel over the interleaved product.
     fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() && gemv_pairs_fit(weight.dims()[0]) {
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
             cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), true))
         } else {
             cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project(x, weight)), true))
@@ -52,7 +52,7 @@ where
     }
 
     fn project_quantized_gelu_pairs(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && gemv_pairs_fit(weight.shape[0]) {
+        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
             cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(weight), true))
         } else {
             cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project_quantized(x, weight)), true))
@@ -227,12 +227,6 @@ where
         };
         cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
     }
-}
-
-/// Whether a GEMV over `rows` interleaved gate/up rows can apply GELU in its epilogue: every
-/// cube's rows hold whole pair blocks.
-fn gemv_pairs_fit(rows: usize) -> bool {
-    rows % crate::linear::kernel::ROWS == 0
 }
 
 /// The device tensors of a quantized matrix as kernel arguments.
