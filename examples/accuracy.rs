@@ -53,7 +53,9 @@ fn read_cases(path: &PathBuf) -> Result<Vec<Case>, Error> {
     let bad = |why: &str| Error::Request(format!("{}: {why}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.clone(), source })?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&e.to_string()))?;
-    let ids = |v: &serde_json::Value| -> Option<Vec<u32>> { v.as_array()?.iter().map(|x| x.as_u64().map(|x| x as u32)).collect() };
+    let ids = |v: &serde_json::Value| -> Option<Vec<u32>> {
+        v.as_array()?.iter().map(|x| x.as_u64().map(|x| x as u32)).collect()
+    };
     json["cases"]
         .as_array()
         .ok_or_else(|| bad("no `cases` array"))?
@@ -93,7 +95,8 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
 }
 
 fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0 as u32
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0
+        as u32
 }
 
 struct Variant<B: GemmaBackend> {
@@ -114,14 +117,17 @@ struct Stepper<'a, B: GemmaBackend> {
 impl<'a, B: GemmaBackend> Stepper<'a, B> {
     fn new(model: &'a Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Self, Error> {
         let mut cache = model.new_cache(1, ids.len())?;
-        let rows = if decode { None } else { Some(rows(model, model.forward(token_tensor::<B>(ids, device), &mut cache)?)?) };
+        let rows =
+            if decode { None } else { Some(rows(model, model.forward(token_tensor::<B>(ids, device), &mut cache)?)?) };
         Ok(Self { model, cache, rows })
     }
 
     fn logits(&mut self, pos: usize, id: u32, device: &B::Device) -> Result<Vec<f32>, Error> {
         match &mut self.rows {
             Some(rows) => Ok(std::mem::take(&mut rows[pos])),
-            None => Ok(rows(self.model, self.model.forward(token_tensor::<B>(&[id], device), &mut self.cache)?)?.remove(0)),
+            None => {
+                Ok(rows(self.model, self.model.forward(token_tensor::<B>(&[id], device), &mut self.cache)?)?.remove(0))
+            }
         }
     }
 }
@@ -170,7 +176,9 @@ impl BackendTask for Accuracy {
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(|spec| spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv"))))
+            .map(|spec| {
+                spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv")))
+            })
             .collect::<Result<_, _>>()?;
         let mut variants = Vec::new();
         for &(weights, kv) in &specs {
@@ -178,7 +186,11 @@ impl BackendTask for Accuracy {
             let (format, dtype) = resolve_weights(weights, None, name)?;
             let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
             model.kv_cache = parse_kv_cache(kv, dtype)?;
-            let label = format!("{weights} ({format}, {:.0} MB) | {} | {dtype:?}", model.weight_bytes() as f64 / 1e6, model.kv_cache);
+            let label = format!(
+                "{weights} ({format}, {:.0} MB) | {} | {dtype:?}",
+                model.weight_bytes() as f64 / 1e6,
+                model.kv_cache
+            );
             variants.push(Variant { spec, label, model });
         }
         eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
@@ -195,7 +207,10 @@ impl BackendTask for Accuracy {
         let mut ref_hf = Stats::default();
         for case in &cases {
             let mut reference_steps = Stepper::new(&reference, &case.sequence, decode, &device)?;
-            let mut steppers = variants.iter().map(|v| Stepper::new(&v.model, &case.sequence, decode, &device)).collect::<Result<Vec<_>, _>>()?;
+            let mut steppers = variants
+                .iter()
+                .map(|v| Stepper::new(&v.model, &case.sequence, decode, &device))
+                .collect::<Result<Vec<_>, _>>()?;
             for (pos, &id) in case.sequence.iter().enumerate() {
                 let r = reference_steps.logits(pos, id, &device)?;
                 let (ref_logp, ref_top) = (log_softmax(&r), argmax(&r));
@@ -204,7 +219,10 @@ impl BackendTask for Accuracy {
                 let logits = steppers.iter_mut().map(|s| s.logits(pos, id, &device)).collect::<Result<Vec<_>, _>>()?;
                 for ((v, s), l) in variants.iter().zip(&mut stats).zip(&logits) {
                     if l.iter().any(|x| !x.is_finite()) {
-                        return Err(Error::Backend(format!("{}: non-finite logits in case {} at position {pos}", v.label, case.name)));
+                        return Err(Error::Backend(format!(
+                            "{}: non-finite logits in case {} at position {pos}",
+                            v.label, case.name
+                        )));
                     }
                     compare(s, &ref_logp, ref_top, l, case.hf_top1[pos]);
                 }
@@ -240,7 +258,12 @@ impl BackendTask for Accuracy {
             for (s, &(int8, dense)) in sibling_stats.iter().zip(&siblings) {
                 let n = s.positions.max(1) as f64;
                 let (a, b) = (&variants[int8].spec, &variants[dense].spec);
-                println!("| {a} | {b} | {:.2}% | {:.2e} | {:.2e} |", 100.0 * s.top1_ref as f64 / n, s.kl_sum / n, s.kl_max);
+                println!(
+                    "| {a} | {b} | {:.2}% | {:.2e} | {:.2e} |",
+                    100.0 * s.top1_ref as f64 / n,
+                    s.kl_sum / n,
+                    s.kl_max
+                );
             }
         }
         Ok(())

@@ -19,8 +19,8 @@ use burn_gemma::{
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
-use burn_gemma_model::{KvFormat, RandomWeights};
 use burn_gemma_kernels::SamplingParams;
+use burn_gemma_model::{KvFormat, RandomWeights};
 use clap::Parser;
 use std::time::{Duration, Instant};
 
@@ -75,7 +75,9 @@ fn kv_read_bytes(config: &GemmaConfig, kv: KvFormat, position: usize) -> usize {
     config
         .layer_types
         .iter()
-        .map(|&t| 2 * config.num_key_value_heads * per_position * config.window(t).map_or(position, |w| w.min(position)))
+        .map(|&t| {
+            2 * config.num_key_value_heads * per_position * config.window(t).map_or(position, |w| w.min(position))
+        })
         .sum()
 }
 
@@ -90,7 +92,12 @@ fn ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
 
 /// Feeds `tokens` in chunks of at most 512 (bounds the activation memory), returns the last
 /// chunk's greedy token id.
-fn feed<B: GemmaBackend>(model: &Gemma<B>, cache: &mut KvCache<B>, tokens: &[u32], device: &B::Device) -> Result<u32, Error> {
+fn feed<B: GemmaBackend>(
+    model: &Gemma<B>,
+    cache: &mut KvCache<B>,
+    tokens: &[u32],
+    device: &B::Device,
+) -> Result<u32, Error> {
     let mut last = 0;
     for chunk in tokens.chunks(512) {
         let logits = model.forward_last(token_tensor::<B>(chunk, device), cache)?;
@@ -132,7 +139,13 @@ impl BackendTask for Bench {
         }
         let load = Instant::now();
         let mut model = match a.model.strip_prefix("synthetic:") {
-            Some(preset) => Gemma::<B>::load_as(GemmaConfig::preset(preset)?, &mut RandomWeights::new(a.seed), dtype, weights, &device)?,
+            Some(preset) => Gemma::<B>::load_as(
+                GemmaConfig::preset(preset)?,
+                &mut RandomWeights::new(a.seed),
+                dtype,
+                weights,
+                &device,
+            )?,
             None => Checkpoint::open(&a.model)?.load_model_as::<B>(dtype, weights, &device, |_, _| {})?.0,
         };
         model.kv_cache = kv_cache;
@@ -196,12 +209,19 @@ impl BackendTask for Bench {
         let show = |what: &str, s: &Stat, unit: &str| {
             println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
         };
-        println!("{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps", a.model, a.depth, a.reps);
+        println!(
+            "{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps",
+            a.model, a.depth, a.reps
+        );
         show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
         show("decode host time per token", &host, "ms");
-        println!("{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)", "decode time per token", 1e3 / tg.median);
+        println!(
+            "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
+            "decode time per token",
+            1e3 / tg.median
+        );
         match B::memory_reserved(&device) {
             Some(_) => println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64),
             None => println!("{:<28} not reported by this backend", "peak device memory"),
@@ -232,7 +252,8 @@ mod host_profile {
         let mut text = String::new();
         for (frames, count) in &report.data {
             // Frames run from the sampled instruction outwards, inlined functions innermost first.
-            let names: Vec<String> = frames.frames.iter().rev().flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ":"))).collect();
+            let names: Vec<String> =
+                frames.frames.iter().rev().flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ":"))).collect();
             let _ = writeln!(text, "{};{} {count}", frames.thread_name_or_id(), names.join(";"));
         }
         std::fs::write(path, text).map_err(|e| Error::Backend(format!("writing {}: {e}", path.display())))

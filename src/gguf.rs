@@ -266,7 +266,12 @@ impl GgufFile {
         let raw = &self.mmap[info.start..info.end];
         // GGML dims are innermost-first; candle wants outermost-first like our shape.
         let q = qtensor_from_ggml(info.dtype, raw, info.shape.clone(), &candle_core::Device::Cpu).map_err(fail)?;
-        q.dequantize(&candle_core::Device::Cpu).map_err(fail)?.flatten_all().map_err(fail)?.to_vec1::<f32>().map_err(fail)
+        q.dequantize(&candle_core::Device::Cpu)
+            .map_err(fail)?
+            .flatten_all()
+            .map_err(fail)?
+            .to_vec1::<f32>()
+            .map_err(fail)
     }
 }
 
@@ -274,7 +279,12 @@ impl GgufFile {
     /// A `[rows, cols]` tensor block-quantized: to `format`, or with `None` in the file's own
     /// block format where it maps onto ours (Q8_0 to Q8; Q4_0, Q4_1 and Q4_K to Q4) and to Q8
     /// for the other block types; `Ok(None)` for float tensors asked for natively.
-    pub fn block_quantized(&self, name: &str, info: &TensorInfo, format: Option<QuantFormat>) -> Result<Option<HostQuantized>, GgufError> {
+    pub fn block_quantized(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        format: Option<QuantFormat>,
+    ) -> Result<Option<HostQuantized>, GgufError> {
         let fail = |source| GgufError::Quantize { name: name.to_string(), source };
         let (rows, cols) = match info.shape[..] {
             [rows, cols] => (rows, cols),
@@ -283,7 +293,9 @@ impl GgufFile {
         let raw = &self.mmap[info.start..info.end];
         let direct = match (info.dtype, format) {
             (GgmlDType::Q8_0, None | Some(QuantFormat::Q8)) => Some(from_q8_0(raw, rows, cols)),
-            (GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K, None | Some(QuantFormat::Q4)) => Some(from_q4(info.dtype, raw, rows, cols)),
+            (GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K, None | Some(QuantFormat::Q4)) => {
+                Some(from_q4(info.dtype, raw, rows, cols))
+            }
             (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16, None) => return Ok(None),
             _ => None,
         };
@@ -449,7 +461,12 @@ fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
         let start = data_start.checked_add(offset);
         let end = start.and_then(|s| s.checked_add(bytes));
         let (Some(start), Some(end)) = (start, end.filter(|&e| e <= buf.len() as u64)) else {
-            return Err(GgufError::DataPastEnd { name, start: data_start.saturating_add(offset), end: end.unwrap_or(u64::MAX), len: buf.len() });
+            return Err(GgufError::DataPastEnd {
+                name,
+                start: data_start.saturating_add(offset),
+                end: end.unwrap_or(u64::MAX),
+                len: buf.len(),
+            });
         };
         let shape = ne.iter().rev().map(|&d| d as usize).collect();
         if tensors.contains_key(&name) {
@@ -483,7 +500,9 @@ mod tests {
             .collect();
         for (b, block) in out.chunks_exact_mut(size).enumerate() {
             for (k, &at) in f16_at.iter().enumerate() {
-                let v = half::f16::from_f32(0.001 * (1.0 + (b % 7) as f32) * if k == 1 && dtype == GgmlDType::Q4_1 { -3.0 } else { 1.0 });
+                let v = half::f16::from_f32(
+                    0.001 * (1.0 + (b % 7) as f32) * if k == 1 && dtype == GgmlDType::Q4_1 { -3.0 } else { 1.0 },
+                );
                 block[at..at + 2].copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -510,7 +529,8 @@ mod tests {
             for (i, (a, b)) in ours.dequantize().iter().zip(&expected).enumerate() {
                 // Q4_K: d * sc and dmin * m rounded to f16 (relative 2^-11 of each term).
                 let block = i / 32;
-                let tol = if lossless { 1e-7 } else { 1e-3 * (ours.scales[block].abs() * 15.0 + ours.offsets[block].abs()) };
+                let tol =
+                    if lossless { 1e-7 } else { 1e-3 * (ours.scales[block].abs() * 15.0 + ours.offsets[block].abs()) };
                 assert!((a - b).abs() <= tol, "{dtype:?} element {i}: {a} vs {b}");
             }
         }

@@ -51,14 +51,18 @@ impl Checkpoint {
 
     fn open_hf_dir(dir: PathBuf) -> Result<Self, Error> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
+        let text =
+            std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
         let config = GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: e })?;
 
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| Error::Io { path: index_path.clone(), source })?;
-            let index: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::NotAModel { path: index_path.clone(), reason: format!("index is not JSON: {e}") })?;
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|source| Error::Io { path: index_path.clone(), source })?;
+            let index: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::NotAModel {
+                path: index_path.clone(),
+                reason: format!("index is not JSON: {e}"),
+            })?;
             let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::NotAModel {
                 path: index_path.clone(),
                 reason: "index has no `weight_map` object".into(),
@@ -74,16 +78,23 @@ impl Checkpoint {
         let mut index = HashMap::new();
         for name in &shard_names {
             if name.contains('/') || name.contains('\\') || name.contains("..") {
-                return Err(Error::NotAModel { path: index_path.clone(), reason: format!("shard name {name:?} leaves the directory") });
+                return Err(Error::NotAModel {
+                    path: index_path.clone(),
+                    reason: format!("shard name {name:?} leaves the directory"),
+                });
             }
             let shard_path = dir.join(name);
             if !shard_path.exists() {
                 return Err(Error::NotAModel { path: dir.clone(), reason: format!("missing weights file {name}") });
             }
-            let file = SafetensorsFile::open(&shard_path).map_err(|source| Error::Safetensors { path: shard_path.clone(), source })?;
+            let file = SafetensorsFile::open(&shard_path)
+                .map_err(|source| Error::Safetensors { path: shard_path.clone(), source })?;
             for tensor in file.tensors().keys() {
                 if index.insert(tensor.clone(), shards.len()).is_some() {
-                    return Err(Error::NotAModel { path: shard_path.clone(), reason: format!("tensor `{tensor}` is in two shards") });
+                    return Err(Error::NotAModel {
+                        path: shard_path.clone(),
+                        reason: format!("tensor `{tensor}` is in two shards"),
+                    });
                 }
             }
             shards.push(file);
@@ -109,7 +120,8 @@ impl Checkpoint {
 
     /// Number of tensors the model will request (for progress reporting).
     pub fn tensors_to_load(&self) -> usize {
-        let per_layer = 9 + if self.config.model_type.has_sandwich_norms() { 2 } else { 0 }
+        let per_layer = 9
+            + if self.config.model_type.has_sandwich_norms() { 2 } else { 0 }
             + if self.config.model_type.has_qk_norm() { 2 } else { 0 };
         2 + per_layer * self.config.num_hidden_layers
     }
@@ -210,7 +222,11 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
     /// The tensor `name` on the host, in its stored dtype (GGUF: dequantized to f32), with HF
     /// conventions.
     fn host_data(&mut self, name: &str, shape: &[usize], kind: WeightKind) -> Result<TensorData, ModelError> {
-        let mismatch = |actual: &[usize]| ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), actual: actual.to_vec() };
+        let mismatch = |actual: &[usize]| ModelError::ShapeMismatch {
+            name: name.to_string(),
+            expected: shape.to_vec(),
+            actual: actual.to_vec(),
+        };
         let data = match &self.checkpoint.format {
             Format::Hf { shards, index } => {
                 let (stored, shard) = hf_candidates(name)
@@ -226,7 +242,9 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                     Dtype::F32 => DType::F32,
                     Dtype::F16 => DType::F16,
                     Dtype::BF16 => DType::BF16,
-                    other => return Err(ModelError::UnsupportedTensorDtype { name: stored, dtype: format!("{other:?}") }),
+                    other => {
+                        return Err(ModelError::UnsupportedTensorDtype { name: stored, dtype: format!("{other:?}") })
+                    }
                 };
                 self.used.insert(stored);
                 TensorData::from_bytes_vec(file.bytes(info).to_vec(), shape.to_vec(), stored_dtype)
@@ -234,7 +252,8 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
             Format::Gguf(file) => {
                 let arch = self.checkpoint.config.model_type;
                 let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-                let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+                let info =
+                    file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
                 if info.shape != shape {
                     return Err(mismatch(&info.shape));
                 }
@@ -254,20 +273,33 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
 
 impl<F: FnMut(usize, usize)> Source<'_, F> {
     /// A matrix block-quantized on the host (see [`WeightSource::load_host_quantized`]).
-    fn host_quantized(&mut self, name: &str, shape: [usize; 2], format: Option<QuantFormat>) -> Result<Option<HostQuantized>, ModelError> {
+    fn host_quantized(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        format: Option<QuantFormat>,
+    ) -> Result<Option<HostQuantized>, ModelError> {
         let q = match &self.checkpoint.format {
             Format::Hf { .. } => {
                 let Some(format) = format else { return Ok(None) };
                 let data = self.host_data(name, &shape, WeightKind::Matrix)?;
-                let values = data.convert::<f32>().into_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                let values = data
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
                 return quantize(name, &values, shape, format).map(Some);
             }
             Format::Gguf(file) => {
                 let arch = self.checkpoint.config.model_type;
                 let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-                let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+                let info =
+                    file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
                 if info.shape != shape {
-                    return Err(ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), actual: info.shape.clone() });
+                    return Err(ModelError::ShapeMismatch {
+                        name: name.to_string(),
+                        expected: shape.to_vec(),
+                        actual: info.shape.clone(),
+                    });
                 }
                 let q = file.block_quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 if q.is_some() {
@@ -318,7 +350,10 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
         Ok(row_chunks(shape[0], rows_per_chunk)
             .map(|rows| {
                 let block = bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec();
-                Tensor::from_data(TensorData::from_bytes_vec(block, [rows.len(), shape[1]], data.dtype), (device, dtype))
+                Tensor::from_data(
+                    TensorData::from_bytes_vec(block, [rows.len(), shape[1]], data.dtype),
+                    (device, dtype),
+                )
             })
             .collect())
     }
@@ -335,14 +370,14 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     let uint = |k: &'static str| -> Result<Option<usize>, ModelError> {
         match meta(file, &key(k)) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| usize::try_from(n).ok())
-                .map(Some)
-                .ok_or_else(|| ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }),
+            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| {
+                ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }
+            }),
         }
     };
-    let required = |k: &'static str| uint(k)?.ok_or(ModelError::InvalidConfig { field: k, reason: "is missing from the GGUF metadata".into() });
+    let required = |k: &'static str| {
+        uint(k)?.ok_or(ModelError::InvalidConfig { field: k, reason: "is missing from the GGUF metadata".into() })
+    };
     let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
 
     let hidden_size = required("embedding_length")?;
@@ -359,7 +394,8 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     // GGUF does not store query_pre_attn_scalar; llama.cpp uses hidden_size / heads for the 27B
     // models (Gemma 2: 46 layers, Gemma 3: 62 layers) and head_dim otherwise.
     let is_27b = matches!((arch, num_hidden_layers), (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62));
-    let query_pre_attn_scalar = if is_27b { (hidden_size / num_attention_heads.max(1)) as f64 } else { head_dim as f64 };
+    let query_pre_attn_scalar =
+        if is_27b { (hidden_size / num_attention_heads.max(1)) as f64 } else { head_dim as f64 };
     let pattern = match arch {
         Architecture::Gemma => None,
         Architecture::Gemma2 => Some(2),
@@ -370,7 +406,9 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     let factor = match scaling {
         None | Some("none") => 1.0,
         Some("linear") => float("rope.scaling.factor").unwrap_or(1.0),
-        Some(other) => return Err(ModelError::UnsupportedConfig { field: "rope.scaling.type", value: other.to_string() }),
+        Some(other) => {
+            return Err(ModelError::UnsupportedConfig { field: "rope.scaling.type", value: other.to_string() })
+        }
     };
     let rope_full_attention = RopeConfig { rope_theta: theta, factor };
     let rope_sliding_attention = match arch {

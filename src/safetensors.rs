@@ -174,7 +174,10 @@ impl SafetensorsFile {
     }
 }
 
-fn validate_entries(entries: Vec<(String, serde_json::Value)>, data_len: usize) -> Result<HashMap<String, TensorInfo>, SafetensorsError> {
+fn validate_entries(
+    entries: Vec<(String, serde_json::Value)>,
+    data_len: usize,
+) -> Result<HashMap<String, TensorInfo>, SafetensorsError> {
     let mut tensors = HashMap::with_capacity(entries.len());
     for (name, value) in entries {
         if name == "__metadata__" {

@@ -26,7 +26,15 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: None, top_p: None, min_p: None, repeat_penalty: 1.0, repeat_last_n: 64, seed: 42 }
+        Self {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 42,
+        }
     }
 }
 
@@ -162,7 +170,8 @@ impl Sampler {
     pub fn sample_on_device<B: GemmaBackend>(&mut self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 1, Int> {
         let logits = self.penalize_on_device(logits, history);
         let [batch, _] = logits.dims();
-        let uniform: Vec<f32> = if self.config.temperature == 0.0 { vec![0.0; batch] } else { (0..batch).map(|_| self.draw()).collect() };
+        let uniform: Vec<f32> =
+            if self.config.temperature == 0.0 { vec![0.0; batch] } else { (0..batch).map(|_| self.draw()).collect() };
         B::sample(logits, &self.params(), &uniform)
     }
 
@@ -276,7 +285,8 @@ mod tests {
     /// On tie-free logits the thresholds keep exactly the sorted distribution's tokens.
     #[test]
     fn device_thresholds_keep_the_distribution() {
-        let logits: Vec<f32> = (0..200).map(|i| ((i * 7919 % 200) as f32 * 0.173).sin() * 4.0 + i as f32 * 1e-4).collect();
+        let logits: Vec<f32> =
+            (0..200).map(|i| ((i * 7919 % 200) as f32 * 0.173).sin() * 4.0 + i as f32 * 1e-4).collect();
         for f in [
             (|c: &mut SamplingConfig| c.top_k = Some(17)) as fn(&mut SamplingConfig),
             |c| c.top_p = Some(0.6),
@@ -309,7 +319,8 @@ mod tests {
         let (mut host, mut device) = (sampler(config), sampler(config));
         for _ in 0..10 {
             let t = Tensor::<NdArray, 2>::from_data(TensorData::new(logits.clone(), [1, 300]), &Default::default());
-            let on_device: Vec<i64> = device.sample_on_device(t, &history).into_data().convert::<i64>().to_vec().unwrap();
+            let on_device: Vec<i64> =
+                device.sample_on_device(t, &history).into_data().convert::<i64>().to_vec().unwrap();
             assert_eq!(on_device, vec![host.sample(&mut logits.clone(), &history) as i64]);
         }
     }

@@ -63,8 +63,8 @@ fn piece_bytes(piece: &str) -> Vec<u8> {
 impl Tokenizer {
     /// Loads a Hugging Face `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let size = inner.get_vocab_size(true);
         let mut token_bytes = vec![Vec::new(); size];
         let mut pieces = HashMap::with_capacity(size);
@@ -195,7 +195,8 @@ impl Spm {
         while i < text.len() {
             let rest = &text[i..];
             let Some(c) = rest.chars().next() else { break };
-            let special = self.specials.get(&c).and_then(|list| list.iter().find(|(p, _)| rest.starts_with(p.as_str())));
+            let special =
+                self.specials.get(&c).and_then(|list| list.iter().find(|(p, _)| rest.starts_with(p.as_str())));
             if let Some((piece, id)) = special {
                 self.encode_segment(&text[segment_start..i], pieces, out)?;
                 out.push(*id);
@@ -216,12 +217,7 @@ impl Spm {
         let mut symbols: Vec<Symbol> = Vec::new();
         for (start, c) in norm.char_indices() {
             let n = symbols.len();
-            symbols.push(Symbol {
-                start,
-                end: start + c.len_utf8(),
-                prev: n.checked_sub(1),
-                next: None,
-            });
+            symbols.push(Symbol { start, end: start + c.len_utf8(), prev: n.checked_sub(1), next: None });
             if n > 0 {
                 symbols[n - 1].next = Some(n);
             }
@@ -281,7 +277,8 @@ mod tests {
 
     /// A small SentencePiece-style vocabulary: control tokens, byte fallback, pieces with `▁`.
     fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
-        let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"].map(String::from).to_vec();
+        let mut tokens: Vec<String> =
+            ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"].map(String::from).to_vec();
         let mut types = vec![3; 6];
         tokens.push("\n".into());
         types.push(4);
@@ -298,7 +295,11 @@ mod tests {
     }
 
     fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
-        t.encode(text, false).unwrap().iter().map(|&id| String::from_utf8_lossy(t.token_bytes(id)).into_owned()).collect()
+        t.encode(text, false)
+            .unwrap()
+            .iter()
+            .map(|&id| String::from_utf8_lossy(t.token_bytes(id)).into_owned())
+            .collect()
     }
 
     #[test]
@@ -326,7 +327,8 @@ mod tests {
     #[test]
     fn tokenizer_json_through_the_tokenizers_crate() {
         let (tokens, _, _) = vocab();
-        let vocab: serde_json::Map<String, serde_json::Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i.into())).collect();
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i.into())).collect();
         let json = serde_json::json!({
             "version": "1.0",
             "added_tokens": [

@@ -70,9 +70,15 @@ fn safetensors_entry_errors() {
     let f32x4 = [0u8; 16];
     let cases = [
         (r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,32]}}"#, "past the 16-byte data section"),
-        (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, "overlap"),
+        (
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+            "overlap",
+        ),
         (r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}}"#, "needs 12 bytes"),
-        (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#, "appears twice"),
+        (
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#,
+            "appears twice",
+        ),
         (r#"{"a":{"dtype":"Q7","shape":[4],"data_offsets":[0,16]}}"#, "unknown dtype"),
         (r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}}"#, "more bytes than fit"),
         (r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[16,0]}}"#, "end before they start"),
@@ -127,7 +133,8 @@ fn checkpoint_content_errors() {
     let mut data = bytes[8 + n..].to_vec();
     data.extend_from_slice(&[0u8; 16]);
     let dir = hf_dir("extra2", &safetensors_bytes(&serde_json::Value::Object(header).to_string(), &data));
-    let (_, report) = Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+    let (_, report) =
+        Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
     assert_eq!(report.unused_tensors, vec!["vision_tower.extra.weight".to_string()]);
 }
 
@@ -137,7 +144,11 @@ fn bad_configs_and_paths() {
     std::fs::write(dir.join("config.json"), tiny_config().replace("gemma3_text", "llama")).unwrap();
     assert_contains(open_err(&dir), "not a Gemma model");
     let dir = scratch("config-heads");
-    std::fs::write(dir.join("config.json"), tiny_config().replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        tiny_config().replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"),
+    )
+    .unwrap();
     assert_contains(open_err(&dir), "num_key_value_heads");
     let dir = scratch("no-weights");
     std::fs::write(dir.join("config.json"), tiny_config()).unwrap();
@@ -205,18 +216,102 @@ fn gguf_errors() {
         (Gguf::new(7, 0, 0), "unsupported GGUF version 7"),
         (Gguf::new(3, 0, u64::MAX / 2), "absurd metadata count"),
         (Gguf::new(3, u64::MAX / 2, 0), "absurd tensor count"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.u64(1 << 40).pad(8); g }, "runs past the end"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.string("k").u32(9).u32(4).u64(1 << 40); g }, "array of 1099511627776 elements"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.string("k").u32(99).pad(8); g }, "unknown metadata value type 99"),
-        ({ let mut g = Gguf::new(3, 1, 0); g.tensor("t", &[1, 1, 1, 1, 1], 0, 0); g }, "5 dimensions"),
-        ({ let mut g = Gguf::new(3, 1, 0); g.tensor("t", &[1 << 32, 1 << 32], 0, 0); g }, "overflows"),
-        ({ let mut g = Gguf::new(3, 1, 0); g.tensor("t", &[4], 77, 0); g }, "unknown tensor type 77"),
-        ({ let mut g = Gguf::new(3, 1, 0); g.tensor("t", &[1024], 0, 0); g }, "past the end of the file"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.kv_u32("general.alignment", 0); g }, "alignment is 0"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.kv_u32("general.alignment", 24); g }, "alignment is 24"),
-        ({ let mut g = Gguf::new(3, 1, 0); g.tensor("t", &[33], 8, 0).pad(64); g }, "whole number of 32-element blocks"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.kv_str("general.architecture", "llama"); g }, "not a Gemma model"),
-        ({ let mut g = Gguf::new(3, 0, 1); g.kv_str("general.architecture", "gemma3"); g }, "embedding_length` is missing"),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.u64(1 << 40).pad(8);
+                g
+            },
+            "runs past the end",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.string("k").u32(9).u32(4).u64(1 << 40);
+                g
+            },
+            "array of 1099511627776 elements",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.string("k").u32(99).pad(8);
+                g
+            },
+            "unknown metadata value type 99",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 1, 0);
+                g.tensor("t", &[1, 1, 1, 1, 1], 0, 0);
+                g
+            },
+            "5 dimensions",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 1, 0);
+                g.tensor("t", &[1 << 32, 1 << 32], 0, 0);
+                g
+            },
+            "overflows",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 1, 0);
+                g.tensor("t", &[4], 77, 0);
+                g
+            },
+            "unknown tensor type 77",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 1, 0);
+                g.tensor("t", &[1024], 0, 0);
+                g
+            },
+            "past the end of the file",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.kv_u32("general.alignment", 0);
+                g
+            },
+            "alignment is 0",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.kv_u32("general.alignment", 24);
+                g
+            },
+            "alignment is 24",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 1, 0);
+                g.tensor("t", &[33], 8, 0).pad(64);
+                g
+            },
+            "whole number of 32-element blocks",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.kv_str("general.architecture", "llama");
+                g
+            },
+            "not a Gemma model",
+        ),
+        (
+            {
+                let mut g = Gguf::new(3, 0, 1);
+                g.kv_str("general.architecture", "gemma3");
+                g
+            },
+            "embedding_length` is missing",
+        ),
     ];
     for (i, (gguf, needle)) in cases.iter().enumerate() {
         let path = gguf.write(&format!("gguf-{i}"));
@@ -269,15 +364,24 @@ fn sharded_checkpoint_loads_like_the_single_file() {
             shard_header.insert((*name).clone(), entry);
             weight_map.insert((*name).clone(), file.clone().into());
         }
-        std::fs::write(dir.join(&file), safetensors_bytes(&serde_json::Value::Object(shard_header).to_string(), &shard_data)).unwrap();
+        std::fs::write(
+            dir.join(&file),
+            safetensors_bytes(&serde_json::Value::Object(shard_header).to_string(), &shard_data),
+        )
+        .unwrap();
     }
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": weight_map}).to_string()).unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": weight_map}).to_string())
+        .unwrap();
 
     let logits = |path: &std::path::Path| {
-        let (model, report) = Checkpoint::open(path).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+        let (model, report) =
+            Checkpoint::open(path).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
         assert!(report.unused_tensors.is_empty());
         let mut cache = model.new_cache(1, 4).unwrap();
-        let ids = burn::tensor::Tensor::<NdArray, 2, burn::tensor::Int>::from_data([[2i64, 17, 99, 300]], &Default::default());
+        let ids = burn::tensor::Tensor::<NdArray, 2, burn::tensor::Int>::from_data(
+            [[2i64, 17, 99, 300]],
+            &Default::default(),
+        );
         model.forward(ids, &mut cache).unwrap().into_data()
     };
     assert_eq!(logits(&dir), logits(&src));

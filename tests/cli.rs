@@ -8,7 +8,13 @@ use std::{path::PathBuf, process::Command};
 fn generate_bin() -> PathBuf {
     // target/<profile>/deps/cli-<hash> -> target/<profile>/examples/generate
     let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().unwrap().parent().unwrap().join("examples").join(format!("generate{}", std::env::consts::EXE_SUFFIX));
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(format!("generate{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.exists(), "{} not built (cargo test builds examples)", bin.display());
     bin
 }
@@ -94,7 +100,8 @@ fn not_a_model_and_missing_backend() {
 fn real_model_generation_and_context_limit() {
     let Some(model) = common::real_model() else { return };
     let model = model.display().to_string();
-    let (code, stdout, stderr) = run(&["--model", &model, "--prompt", "The capital of France is", "--max-new-tokens", "8"]);
+    let (code, stdout, stderr) =
+        run(&["--model", &model, "--prompt", "The capital of France is", "--max-new-tokens", "8"]);
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(stdout, " the capital of the country of France.", "stdout must be exactly the generated text");
     for field in ["backend:", "prompt tokens: 6", "time to first token", "prefill", "generated tokens: 8", "decode"] {

@@ -4,7 +4,9 @@
 mod common;
 
 use burn::tensor::{backend::Backend, DType, Tensor};
-use burn_gemma::{backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason, Tokenizer};
+use burn_gemma::{
+    backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason, Tokenizer,
+};
 use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
 
 /// A 512-token SentencePiece-style vocabulary matching the tiny fixtures' ids.
@@ -28,7 +30,8 @@ fn tiny_tokenizer() -> Tokenizer {
 
 fn tiny_generator() -> Generator<NdArray> {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
-    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+    let (model, _) =
+        Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
     Generator::new(model, tiny_tokenizer()).unwrap()
 }
 
@@ -91,7 +94,10 @@ fn chat_keeps_history_and_checks_context() {
     let first = g.chat("hello", &config, |_| {}).unwrap();
     let second = g.chat("again", &config, |_| {}).unwrap();
     // The second turn's prompt is only the new turn, the history stays in the cache.
-    let turn = g.tokenizer().encode("<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n", false).unwrap();
+    let turn = g
+        .tokenizer()
+        .encode("<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n", false)
+        .unwrap();
     assert_eq!(second.stats.prompt_tokens, turn.len());
     assert!(first.stats.prompt_tokens > 1);
     // tiny model: 256 positions.
@@ -107,12 +113,26 @@ fn chat_keeps_history_and_checks_context() {
 struct PoisonedWeights(RandomWeights);
 
 impl<B: Backend> WeightSource<B> for PoisonedWeights {
-    fn load<const D: usize>(&mut self, name: &str, shape: [usize; D], kind: WeightKind, dtype: DType, device: &B::Device) -> Result<Tensor<B, D>, ModelError> {
+    fn load<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, ModelError> {
         let t = WeightSource::<B>::load(&mut self.0, name, shape, kind, dtype, device)?;
         Ok(if name == "model.norm.weight" { t.add_scalar(f32::NAN) } else { t })
     }
 
-    fn load_row_chunks(&mut self, name: &str, shape: [usize; 2], rows: usize, dtype: DType, device: &B::Device) -> Result<Vec<Tensor<B, 2>>, ModelError> {
+    fn load_row_chunks(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        rows: usize,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Vec<Tensor<B, 2>>, ModelError> {
         WeightSource::<B>::load_row_chunks(&mut self.0, name, shape, rows, dtype, device)
     }
 }
@@ -121,7 +141,9 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
 fn non_finite_logits_stop_with_the_step() {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let config = Checkpoint::open(&dir).unwrap().config().clone();
-    let model = Gemma::<NdArray>::load(config, &mut PoisonedWeights(RandomWeights::new(1)), DType::F32, &Default::default()).unwrap();
+    let model =
+        Gemma::<NdArray>::load(config, &mut PoisonedWeights(RandomWeights::new(1)), DType::F32, &Default::default())
+            .unwrap();
     let mut g = Generator::new(model, tiny_tokenizer()).unwrap();
     let err = g.generate("hello", &GenerationConfig::default(), |_| {}).unwrap_err();
     assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");

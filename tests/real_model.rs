@@ -52,10 +52,8 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         }
 
         // Greedy through the KV cache, token by token, up to the first low-margin step.
-        let margins: Vec<f64> = top_logits[prompt.len() - 1..]
-            .iter()
-            .map(|r| r[0].as_f64().unwrap() - r[1].as_f64().unwrap())
-            .collect();
+        let margins: Vec<f64> =
+            top_logits[prompt.len() - 1..].iter().map(|r| r[0].as_f64().unwrap() - r[1].as_f64().unwrap()).collect();
         let checked = margins.iter().position(|&m| m < MARGIN).unwrap_or(greedy.len());
         let mut cache = loaded.model.new_cache(1, prompt.len() + greedy.len()).unwrap();
         let mut next = prompt.clone();

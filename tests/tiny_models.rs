@@ -186,7 +186,11 @@ fn random_gemma3_1b_matches_cpu_on_cuda() {
             let scale = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             let err = g.iter().zip(r).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
             let argmax = |v: &[f32]| burn_gemma::sampling::argmax(v);
-            println!("1B {dtype:?} step {step}: max |error| {err:.3e} (logit scale {scale:.2}), top-1 {} vs {}", argmax(g), argmax(r));
+            println!(
+                "1B {dtype:?} step {step}: max |error| {err:.3e} (logit scale {scale:.2}), top-1 {} vs {}",
+                argmax(g),
+                argmax(r)
+            );
             assert!(err <= tolerance * (1.0 + scale), "{dtype:?} step {step}: error {err} (scale {scale})");
         }
     }
@@ -201,15 +205,23 @@ const MAX_FLIPS_Q4: f32 = 0.75;
 
 /// Teacher-forced logits of the fixture input, one token at a time (the decode kernels and the
 /// KV cache at every step), with matrices in `weights` and the cache in `kv`.
-fn decode_logits<B: GemmaBackend>(name: &str, weights: burn_gemma::WeightFormat, kv: burn_gemma::KvFormat, device: &B::Device) -> Vec<Vec<f32>> {
+fn decode_logits<B: GemmaBackend>(
+    name: &str,
+    weights: burn_gemma::WeightFormat,
+    kv: burn_gemma::KvFormat,
+    device: &B::Device,
+) -> Vec<Vec<f32>> {
     let dir = common::fixtures().join("tiny-gemma").join(name);
     let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
-    let (mut model, _) = Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
+    let (mut model, _) =
+        Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
     model.kv_cache = kv;
     let mut cache = model.new_cache(1, input.len()).unwrap();
     input
         .iter()
-        .map(|&id| model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap().into_data().to_vec::<f32>().unwrap())
+        .map(|&id| {
+            model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap().into_data().to_vec::<f32>().unwrap()
+        })
         .collect()
 }
 

@@ -188,7 +188,10 @@ pub(crate) mod kernel {
         j_hi = min(j_hi, i64::cast_from(k_len));
         let mut j_lo = 0i64;
         if has_window {
-            j_lo = max(i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset), 0i64);
+            j_lo = max(
+                i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset),
+                0i64,
+            );
         }
         let mut t_lo = 0usize;
         let mut t_hi = 0usize;
@@ -384,7 +387,13 @@ pub(crate) mod kernel {
     /// Sums each of `values` over the 32 lanes of every plane, returned to all lanes: by
     /// `plane_sum`, or through `scratch` (`count * CUBE_DIM_X` floats) and barriers.
     #[cube]
-    fn lanes_sum(values: &mut Array<f32>, scratch: &mut SharedMemory<f32>, #[comptime] count: usize, #[comptime] planes: usize, #[comptime] plane_ops: bool) {
+    fn lanes_sum(
+        values: &mut Array<f32>,
+        scratch: &mut SharedMemory<f32>,
+        #[comptime] count: usize,
+        #[comptime] planes: usize,
+        #[comptime] plane_ops: bool,
+    ) {
         if plane_ops {
             #[unroll]
             for i in 0..count {
@@ -405,7 +414,8 @@ pub(crate) mod kernel {
                 if lane < stride {
                     #[unroll]
                     for i in 0..count {
-                        scratch[i * threads + unit] = scratch[i * threads + unit] + scratch[i * threads + unit + stride];
+                        scratch[i * threads + unit] =
+                            scratch[i * threads + unit] + scratch[i * threads + unit + stride];
                     }
                 }
                 sync_cube();
@@ -523,7 +533,8 @@ pub(crate) mod kernel {
             m[g] = f32::new(-1.0e30);
             l[g] = 0.0f32;
         }
-        let mut scratch = SharedMemory::<f32>::new(comptime!(if tiling.plane_ops { 1usize } else { groups * planes * 32 }));
+        let mut scratch =
+            SharedMemory::<f32>::new(comptime!(if tiling.plane_ops { 1usize } else { groups * planes * 32 }));
 
         for step in 0..steps {
             let j = begin + step * planes + plane_index;
@@ -758,7 +769,13 @@ pub(crate) mod kernel {
         while planes > 1 && bytes(planes) > budget {
             planes /= 2;
         }
-        (bytes(planes) <= budget).then_some(DecodeTiling { dim, groups, per_lane, planes, plane_ops: planes_of_32(&q.client) })
+        (bytes(planes) <= budget).then_some(DecodeTiling {
+            dim,
+            groups,
+            per_lane,
+            planes,
+            plane_ops: planes_of_32(&q.client),
+        })
     }
 
     /// The widest load (elements) dividing `per_lane` and every stride but the last of `t`.
@@ -791,11 +808,17 @@ pub(crate) mod kernel {
         let lo = mask.window.map_or(0, |w| (mask.q_offset + 1).saturating_sub(w + mask.k_offset));
         let span = hi.saturating_sub(lo);
         let base_cubes = batch * kv_heads;
-        let splits = TARGET_CUBES.div_ceil(base_cubes).min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE)).clamp(1, MAX_SPLITS);
+        let splits = TARGET_CUBES
+            .div_ceil(base_cubes)
+            .min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE))
+            .clamp(1, MAX_SPLITS);
         let split = splits > 1;
         let groups = tiling.groups;
         let (partial, stats) = if split {
-            (empty(&q, [splits * batch * kv_heads * groups, dim], DType::F32), empty(&q, [splits * batch * kv_heads * groups, 2], DType::F32))
+            (
+                empty(&q, [splits * batch * kv_heads * groups, dim], DType::F32),
+                empty(&q, [splits * batch * kv_heads * groups, 2], DType::F32),
+            )
         } else {
             (q.clone(), q.clone())
         };
@@ -805,7 +828,9 @@ pub(crate) mod kernel {
         // Unused arguments get `q` as a stand-in (see `attention_kv`).
         let (k, v, k_codes, k_scales, v_codes, v_scales) = match kv {
             Kv::Dense { k, v } => (k, v, q.clone(), q.clone(), q.clone(), q.clone()),
-            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales),
+            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => {
+                (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales)
+            }
         };
         let n = if int8 { 1 } else { kv_vector(&k, tiling.per_lane).min(kv_vector(&v, tiling.per_lane)) };
         let nc = if int8 { load_vector_size(&client, 4, tiling.per_lane / 4, 4) } else { 1 };
@@ -867,7 +892,13 @@ pub(crate) mod kernel {
         Dense { k: CubeTensor<R>, v: CubeTensor<R> },
         /// Packed int8 codes `[batch, kv_heads, slots, dim / 4]` and f32 scales `[batch,
         /// kv_heads, slots]`; the first `len` slots are attended.
-        Int8 { k_codes: CubeTensor<R>, k_scales: CubeTensor<R>, v_codes: CubeTensor<R>, v_scales: CubeTensor<R>, len: usize },
+        Int8 {
+            k_codes: CubeTensor<R>,
+            k_scales: CubeTensor<R>,
+            v_codes: CubeTensor<R>,
+            v_scales: CubeTensor<R>,
+            len: usize,
+        },
     }
 
     /// `q`: `[batch, q_heads, q_len, dim]`, `k`/`v`: `[batch, kv_heads, k_len, dim]`, any
@@ -884,7 +915,13 @@ pub(crate) mod kernel {
     }
 
     /// Attention over dense or int8 keys and values.
-    pub fn attention_kv<R: CubeRuntime>(q: CubeTensor<R>, kv: Kv<R>, mask: AttentionMask, scale: f64, softcap: Option<f64>) -> CubeTensor<R> {
+    pub fn attention_kv<R: CubeRuntime>(
+        q: CubeTensor<R>,
+        kv: Kv<R>,
+        mask: AttentionMask,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> CubeTensor<R> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
         let (kv_heads, k_len, slots) = match &kv {
             Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2], k.meta.shape()[2]),
@@ -922,7 +959,9 @@ pub(crate) mod kernel {
         let int8 = matches!(kv, Kv::Int8 { .. });
         let (k, v, k_codes, k_scales, v_codes, v_scales) = match kv {
             Kv::Dense { k, v } => (k, v, q.clone(), q.clone(), q.clone(), q.clone()),
-            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales),
+            Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => {
+                (q.clone(), q.clone(), k_codes, k_scales, v_codes, v_scales)
+            }
         };
         let shape = || AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots);
         flash_attention_kernel::launch::<R>(
@@ -1103,7 +1142,8 @@ mod gpu {
             let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
             let dims = [batch, hq, hkv, tq, tk, dim];
             let expected = super::naive(&host(q), &host(k), &host(v), dims, mask, scale, softcap);
-            let expected = Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, tq, dim]), (device, DType::F32));
+            let expected =
+                Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, tq, dim]), (device, DType::F32));
             let what = format!("attention b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?}");
             assert_close(got, expected, tolerance(dtype), &what);
         }

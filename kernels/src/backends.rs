@@ -1,6 +1,9 @@
 //! Which implementation each backend gets.
 
-use crate::{cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, KvStore, QkvLayout, QuantizedMatrix, SamplingParams};
+use crate::{
+    cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, KvStore, QkvLayout,
+    QuantizedMatrix, SamplingParams,
+};
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -59,7 +62,12 @@ where
         }
     }
 
-    fn embed_quantized(table: &[QuantizedMatrix<Self>], ids: Tensor<Self, 2, Int>, scale: f64, dtype: DType) -> Tensor<Self, 3> {
+    fn embed_quantized(
+        table: &[QuantizedMatrix<Self>],
+        ids: Tensor<Self, 2, Int>,
+        scale: f64,
+        dtype: DType,
+    ) -> Tensor<Self, 3> {
         let blocks: Vec<_> = table.iter().map(packed).collect();
         cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype))
     }
@@ -114,7 +122,12 @@ where
     }
 
     /// The kernels write the store's buffers in place (the store owns them).
-    fn qkv_rope_append(qkv: Tensor<Self, 2>, layout: &QkvLayout<Self>, store: KvStore<Self>, slot: usize) -> (Tensor<Self, 4>, KvStore<Self>) {
+    fn qkv_rope_append(
+        qkv: Tensor<Self, 2>,
+        layout: &QkvLayout<Self>,
+        store: KvStore<Self>,
+        slot: usize,
+    ) -> (Tensor<Self, 4>, KvStore<Self>) {
         use crate::qkv::kernel::{qkv_rope_append, Layout, Store};
         let args = Layout {
             heads: layout.heads,
@@ -135,10 +148,13 @@ where
             KvStore::Int8 { keys, values } => {
                 let (k_codes, k_scales) = (cube::int(keys.codes), cube::float(keys.scales));
                 let (v_codes, v_scales) = (cube::int(values.codes), cube::float(values.scales));
-                let store = Store::Int8 { k_codes: &k_codes, k_scales: &k_scales, v_codes: &v_codes, v_scales: &v_scales };
+                let store =
+                    Store::Int8 { k_codes: &k_codes, k_scales: &k_scales, v_codes: &v_codes, v_scales: &v_scales };
                 let q = qkv_rope_append(qkv, &args, store, slot);
-                let keys = Int8Kv { codes: cube::int_tensor(k_codes), scales: cube::tensor(k_scales), shape: keys.shape };
-                let values = Int8Kv { codes: cube::int_tensor(v_codes), scales: cube::tensor(v_scales), shape: values.shape };
+                let keys =
+                    Int8Kv { codes: cube::int_tensor(k_codes), scales: cube::tensor(k_scales), shape: keys.shape };
+                let values =
+                    Int8Kv { codes: cube::int_tensor(v_codes), scales: cube::tensor(v_scales), shape: values.shape };
                 (cube::tensor(q), KvStore::Int8 { keys, values })
             }
         }

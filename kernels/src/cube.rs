@@ -89,7 +89,12 @@ pub(crate) fn elementwise(elements: usize, threads: u32) -> (CubeCount, CubeDim)
 
 /// The widest vector (elements per load, at most `max` and what one load instruction of the
 /// runtime moves) that divides a contiguous row of `len` elements of `elem_size` bytes.
-pub(crate) fn load_vector_size<R: CubeRuntime>(client: &ComputeClient<R>, elem_size: usize, len: usize, max: usize) -> usize {
+pub(crate) fn load_vector_size<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    elem_size: usize,
+    len: usize,
+    max: usize,
+) -> usize {
     client.io_optimized_vector_sizes(elem_size).find(|&v| v <= max && len % v == 0).unwrap_or(1)
 }
 
@@ -97,7 +102,9 @@ pub(crate) fn load_vector_size<R: CubeRuntime>(client: &ComputeClient<R>, elem_s
 /// exactly 32 units wide (CUDA warps), so a row owned by 32 consecutive units is one plane.
 pub(crate) fn planes_of_32<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     let props = client.properties();
-    props.features.plane.contains(cubecl::ir::features::Plane::Ops) && props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32
+    props.features.plane.contains(cubecl::ir::features::Plane::Ops)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
 }
 
 /// Strides of a 4-D tensor that a kernel takes as an [`Array`] (kernels take arrays plus the

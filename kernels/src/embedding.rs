@@ -127,7 +127,8 @@ mod tests {
     fn blocks_match_one_table() {
         let device = Default::default();
         let table = Tensor::<TestBackend, 2>::random([37, 5], Distribution::Normal(0.0, 1.0), &device);
-        let ids = Tensor::<TestBackend, 2, Int>::from_data(TensorData::new(vec![0i64, 36, 12, 13, 25, 7], [2, 3]), &device);
+        let ids =
+            Tensor::<TestBackend, 2, Int>::from_data(TensorData::new(vec![0i64, 36, 12, 13, 25, 7], [2, 3]), &device);
         let whole = reference(&[table.clone()], ids.clone(), 2.0);
         let blocks: Vec<_> = [0..13, 13..26, 26..37].into_iter().map(|r| table.clone().slice([r, 0..5])).collect();
         let split = reference(&blocks, ids, 2.0);
@@ -147,9 +148,13 @@ mod gpu {
         let (vocab, hidden) = (1001, 67);
         let table = Tensor::<B, 2>::random([vocab, hidden], Distribution::Normal(0.0, 1.0), device).cast(dtype);
         let mut ids: Vec<i64> = vec![0, 300, 299, 700, 1000, 699, 1, 3];
-        ids.extend((0..13).map(|i| ((seed as i64).wrapping_mul(2_654_435_761).wrapping_add(i * 7919)).rem_euclid(vocab as i64)));
+        ids.extend(
+            (0..13)
+                .map(|i| ((seed as i64).wrapping_mul(2_654_435_761).wrapping_add(i * 7919)).rem_euclid(vocab as i64)),
+        );
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [3, 7]), device);
-        let blocks: Vec<_> = [0..300, 300..700, 700..1001].into_iter().map(|r| table.clone().slice([r, 0..hidden])).collect();
+        let blocks: Vec<_> =
+            [0..300, 300..700, 700..1001].into_iter().map(|r| table.clone().slice([r, 0..hidden])).collect();
         let scale = (hidden as f64).sqrt();
         let expected = super::reference(&[table.clone().cast(DType::F32)], ids.clone(), scale);
         let got = B::embed(&blocks, ids.clone(), scale);

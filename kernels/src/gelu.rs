@@ -77,7 +77,13 @@ pub(crate) mod kernel {
     /// `x`: rows of `2 * m` values, the gate then the up projection, or with `pairs` the two
     /// interleaved in blocks of [`PAIR_BLOCK`] ([`super::interleave_pairs`]).
     #[cube(launch)]
-    fn gelu_mul_joined_kernel<F: Float>(x: &Array<F>, out: &mut Array<F>, m: u32, #[comptime] pairs: bool, #[define(F)] _dtype: StorageType) {
+    fn gelu_mul_joined_kernel<F: Float>(
+        x: &Array<F>,
+        out: &mut Array<F>,
+        m: u32,
+        #[comptime] pairs: bool,
+        #[define(F)] _dtype: StorageType,
+    ) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
@@ -106,7 +112,16 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        gelu_mul_joined_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), m as u32, pairs, dtype);
+        gelu_mul_joined_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            m as u32,
+            pairs,
+            dtype,
+        );
         out
     }
 
@@ -168,8 +183,16 @@ mod gpu {
     /// `gelu_tanh(x @ gate^T) * (x @ up^T)` from f64 products on the host (`gate`, `up`:
     /// `[m, inp]` row-major); the tolerance covers the kernel's rounding of its products to the
     /// activation dtype.
-    fn expected_pairs<B: GemmaBackend>(x: &[f32], gate: &[f32], up: &[f32], [n, inp, m]: [usize; 3], device: &B::Device) -> Tensor<B, 2> {
-        let dot = |r: usize, w: &[f32], o: usize| (0..inp).map(|c| x[r * inp + c] as f64 * w[o * inp + c] as f64).sum::<f64>();
+    fn expected_pairs<B: GemmaBackend>(
+        x: &[f32],
+        gate: &[f32],
+        up: &[f32],
+        [n, inp, m]: [usize; 3],
+        device: &B::Device,
+    ) -> Tensor<B, 2> {
+        let dot = |r: usize, w: &[f32], o: usize| {
+            (0..inp).map(|c| x[r * inp + c] as f64 * w[o * inp + c] as f64).sum::<f64>()
+        };
         let values: Vec<f32> = (0..n)
             .flat_map(|r| {
                 (0..m).map(move |o| {
@@ -189,11 +212,13 @@ mod gpu {
         let shapes = [(1, 1152, 6912), (3, 640, 36), (8, 96, 4), (2, 2560, 1028), (9, 64, 12), (12, 160, 20)];
         for (i, (n, inp, m)) in shapes.into_iter().enumerate() {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
-            let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+            let tol =
+                tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
             // Dense weights in the activation dtype.
             let gate = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let up = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
-            let expected = expected_pairs::<B>(&host(x.clone()), &host(gate.clone()), &host(up.clone()), [n, inp, m], device);
+            let expected =
+                expected_pairs::<B>(&host(x.clone()), &host(gate.clone()), &host(up.clone()), [n, inp, m], device);
             let got = B::project_gelu_pairs(x.clone(), super::interleave_pairs(gate, up));
             assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
             assert_close(got, expected, tol, &format!("dense gelu pairs {n}x{inp} -> {m}"));
@@ -201,7 +226,8 @@ mod gpu {
             for format in [QuantFormat::Q8, QuantFormat::Q4] {
                 let quantize = |s: u64| HostQuantized::quantize(&values(m * inp, s), m, inp, format).expect("quantize");
                 let (gate, up) = (quantize(seed + 2 * i as u64), quantize(seed + 2 * i as u64 + 1));
-                let expected = expected_pairs::<B>(&host(x.clone()), &gate.dequantize(), &up.dequantize(), [n, inp, m], device);
+                let expected =
+                    expected_pairs::<B>(&host(x.clone()), &gate.dequantize(), &up.dequantize(), [n, inp, m], device);
                 let joined = HostQuantized::interleave_pairs(gate, up, super::PAIR_BLOCK).expect("same shapes");
                 let got = B::project_quantized_gelu_pairs(x.clone(), &B::upload_quantized(&joined, device));
                 assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));

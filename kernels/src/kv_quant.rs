@@ -126,7 +126,13 @@ pub(crate) mod kernel {
     }
 
     #[cube(launch)]
-    fn load_kernel<F: Float>(codes: &Tensor<u32>, scales: &Tensor<f32>, out: &mut Tensor<F>, start: u32, #[define(F)] _dtype: StorageType) {
+    fn load_kernel<F: Float>(
+        codes: &Tensor<u32>,
+        scales: &Tensor<f32>,
+        out: &mut Tensor<F>,
+        start: u32,
+        #[define(F)] _dtype: StorageType,
+    ) {
         let idx = crate::cube::unit_index();
         let words = codes.shape(3);
         let n = out.shape(2);
@@ -168,8 +174,15 @@ pub(crate) mod kernel {
     }
 
     /// Slots `start..start + n` dequantized to `dtype`, `[batch, heads, n, dim]`.
-    pub fn load<R: CubeRuntime>(codes: &CubeTensor<R>, scales: &CubeTensor<R>, start: usize, n: usize, dtype: DType) -> CubeTensor<R> {
-        let [b, h, _, words] = [codes.meta.shape()[0], codes.meta.shape()[1], codes.meta.shape()[2], codes.meta.shape()[3]];
+    pub fn load<R: CubeRuntime>(
+        codes: &CubeTensor<R>,
+        scales: &CubeTensor<R>,
+        start: usize,
+        n: usize,
+        dtype: DType,
+    ) -> CubeTensor<R> {
+        let [b, h, _, words] =
+            [codes.meta.shape()[0], codes.meta.shape()[1], codes.meta.shape()[2], codes.meta.shape()[3]];
         let out = empty(codes, [b, h, n, words * 4], dtype);
         let total = b * h * n * words;
         if total == 0 {
@@ -204,11 +217,15 @@ pub(crate) mod check {
     /// prefill, global and windowed, GQA), against host int8 quantization and the reference
     /// attention over the host-dequantized keys and values.
     pub fn int8_kv<B: GemmaBackend>(device: &B::Device, dtype: DType) {
-        for (batch, heads, q_heads, dim, slots, first, second) in [(1, 1, 4, 256, 700, 517, 1), (2, 2, 4, 64, 37, 30, 5), (1, 3, 3, 12, 9, 2, 7)] {
+        for (batch, heads, q_heads, dim, slots, first, second) in
+            [(1, 1, 4, 256, 700, 517, 1), (2, 2, 4, 64, 37, 30, 5), (1, 3, 3, 12, 9, 2, 7)]
+        {
             let shape = [batch, heads, slots, dim];
             let mut cache = B::kv_int8_zeros(shape, device);
-            let a = Tensor::<B, 4>::random([batch, heads, first, dim], Distribution::Normal(0.0, 1.0), device).cast(dtype);
-            let b = Tensor::<B, 4>::random([batch, heads, second, dim], Distribution::Normal(0.0, 3.0), device).cast(dtype);
+            let a =
+                Tensor::<B, 4>::random([batch, heads, first, dim], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let b =
+                Tensor::<B, 4>::random([batch, heads, second, dim], Distribution::Normal(0.0, 3.0), device).cast(dtype);
             cache = B::kv_int8_store(cache, a.clone(), 0);
             // The second append through a transposed view: the kernel reads strides.
             let b_strided = b.clone().swap_dims(2, 3).into_data();
@@ -225,26 +242,54 @@ pub(crate) mod check {
                     *d = if scale > 0.0 { (v / scale).round().clamp(-127.0, 127.0) * scale } else { 0.0 };
                 }
             }
-            let expected = Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, heads, len, dim]), (device, DType::F32));
+            let expected =
+                Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, heads, len, dim]), (device, DType::F32));
             let loaded = B::kv_int8_load(&cache, 0..len, dtype);
             assert_eq!(loaded.dtype(), dtype);
             // One code step: rounding at a .5 boundary may differ by one.
-            assert_close(loaded.clone(), expected.clone(), crate::gpu_test::tolerance(dtype).max(2.0 / 127.0 * 3.0), &format!("int8 kv load {shape:?}"));
+            assert_close(
+                loaded.clone(),
+                expected.clone(),
+                crate::gpu_test::tolerance(dtype).max(2.0 / 127.0 * 3.0),
+                &format!("int8 kv load {shape:?}"),
+            );
             let tail = B::kv_int8_load(&cache, first..len, dtype);
-            assert_close(tail, expected.clone().slice(s![.., .., first..len, ..]), crate::gpu_test::tolerance(dtype).max(6.0 / 127.0), "int8 kv load tail");
+            assert_close(
+                tail,
+                expected.clone().slice(s![.., .., first..len, ..]),
+                crate::gpu_test::tolerance(dtype).max(6.0 / 127.0),
+                "int8 kv load tail",
+            );
 
             let dense = loaded.clone();
             for (q_len, window) in [(1, None), (1, Some(5)), (3, None), (2, Some(4))] {
-                let q = Tensor::<B, 4>::random([batch, q_heads, q_len, dim], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+                let q = Tensor::<B, 4>::random([batch, q_heads, q_len, dim], Distribution::Normal(0.0, 1.0), device)
+                    .cast(dtype);
                 let mask = AttentionMask { q_offset: len - q_len, k_offset: 0, window };
                 let scale = (dim as f64).powf(-0.5);
                 let got = B::grouped_attention_int8(q.clone(), &cache, &cache, len, mask, scale, Some(50.0));
                 // f64 on the host: the backend's own matmul may run f32 at TF32 precision.
                 let dims = [batch, q_heads, heads, q_len, len, dim];
-                let want = crate::attention::naive(&host(q.clone()), &host(dense.clone()), &host(dense.clone()), dims, mask, scale, Some(50.0));
-                let want = Tensor::<B, 4>::from_data(TensorData::new(want, [batch, q_heads, q_len, dim]), (device, DType::F32));
+                let want = crate::attention::naive(
+                    &host(q.clone()),
+                    &host(dense.clone()),
+                    &host(dense.clone()),
+                    dims,
+                    mask,
+                    scale,
+                    Some(50.0),
+                );
+                let want = Tensor::<B, 4>::from_data(
+                    TensorData::new(want, [batch, q_heads, q_len, dim]),
+                    (device, DType::F32),
+                );
                 assert_eq!(got.dtype(), dtype);
-                assert_close(got, want, crate::gpu_test::tolerance(dtype) * 4.0, &format!("int8 attention q_len {q_len} window {window:?} {shape:?}"));
+                assert_close(
+                    got,
+                    want,
+                    crate::gpu_test::tolerance(dtype) * 4.0,
+                    &format!("int8 attention q_len {q_len} window {window:?} {shape:?}"),
+                );
             }
         }
     }

@@ -146,7 +146,12 @@ pub trait GemmaBackend: Backend {
     ///
     /// - `qkv`: `[batch, layout.width()]`, one position per sequence;
     /// - returns the queries `[batch, heads, 1, head_dim]` in `qkv`'s dtype, and the store.
-    fn qkv_rope_append(qkv: Tensor<Self, 2>, layout: &QkvLayout<Self>, store: KvStore<Self>, slot: usize) -> (Tensor<Self, 4>, KvStore<Self>) {
+    fn qkv_rope_append(
+        qkv: Tensor<Self, 2>,
+        layout: &QkvLayout<Self>,
+        store: KvStore<Self>,
+        slot: usize,
+    ) -> (Tensor<Self, 4>, KvStore<Self>) {
         qkv::reference(qkv, layout, store, slot)
     }
 
@@ -193,7 +198,11 @@ pub trait GemmaBackend: Backend {
     }
 
     /// Slots `range` dequantized to `dtype`: `[batch, kv_heads, range.len(), head_dim]`.
-    fn kv_int8_load(cache: &Int8Kv<Self>, range: std::ops::Range<usize>, dtype: burn::tensor::DType) -> Tensor<Self, 4> {
+    fn kv_int8_load(
+        cache: &Int8Kv<Self>,
+        range: std::ops::Range<usize>,
+        dtype: burn::tensor::DType,
+    ) -> Tensor<Self, 4> {
         kv_quant::load_reference(cache, range, dtype)
     }
 
@@ -233,7 +242,8 @@ pub trait GemmaBackend: Backend {
     fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
         let [batch, vocab] = logits.dims();
         let device = logits.device();
-        let values = logits.cast(burn::tensor::DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let values =
+            logits.cast(burn::tensor::DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
         let ids: Vec<i64> = (0..batch)
             .map(|r| {
                 let row = values.get(r * vocab..(r + 1) * vocab).unwrap_or(&[]);

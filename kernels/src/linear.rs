@@ -92,7 +92,8 @@ pub(crate) mod kernel {
                 if lane < stride {
                     #[unroll]
                     for s in 0..slots {
-                        partial[s * threads + unit] = partial[s * threads + unit] + partial[s * threads + unit + stride];
+                        partial[s * threads + unit] =
+                            partial[s * threads + unit] + partial[s * threads + unit + stride];
                     }
                 }
                 sync_cube();
@@ -211,14 +212,23 @@ mod gpu {
     /// 1 to 8 activation rows (the kernel) and 9 (the matmul path), odd and Gemma sizes.
     pub fn linear<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "linear");
-        for (n, inp, out) in [(1, 640, 1024), (1, 1152, 6912), (3, 2560, 37), (8, 333, 1001), (5, 17, 3), (9, 640, 256), (1, 640, 52_428)] {
+        for (n, inp, out) in [
+            (1, 640, 1024),
+            (1, 1152, 6912),
+            (3, 2560, 37),
+            (8, 333, 1001),
+            (5, 17, 3),
+            (9, 640, 256),
+            (1, 640, 52_428),
+        ] {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let got = B::project(x.clone(), w.clone());
             assert_eq!(got.dtype(), dtype);
             let expected = host_product(x, host(w), device);
             // Sums of hundreds of products: scale the tolerance with the input width.
-            let tol = tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+            let tol =
+                tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
             assert_close(got, expected, tol, &format!("linear {n}x{inp} -> {out}"));
         }
     }
@@ -236,7 +246,8 @@ mod gpu {
         let expected: Vec<f32> = (0..n)
             .flat_map(|r| {
                 let (xs, ws) = (&xs, &ws);
-                (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
+                (0..out)
+                    .map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
             })
             .collect();
         Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32))

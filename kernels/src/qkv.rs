@@ -46,15 +46,22 @@ impl<B: Backend> QkvLayout<B> {
 ///
 /// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence;
 /// - returns the queries `[batch, heads, 1, head_dim]` and the store with slot `slot` written.
-pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, store: KvStore<B>, slot: usize) -> (Tensor<B, 4>, KvStore<B>) {
+pub fn reference<B: GemmaBackend>(
+    qkv: Tensor<B, 2>,
+    layout: &QkvLayout<B>,
+    store: KvStore<B>,
+    slot: usize,
+) -> (Tensor<B, 4>, KvStore<B>) {
     let [batch, _] = qkv.dims();
     let d = layout.head_dim;
-    let part = |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
+    let part =
+        |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
     let (q_norm, k_norm) = match &layout.norm {
         Some((q, k, eps)) => (Some((q.clone(), *eps)), Some((k.clone(), *eps))),
         None => (None, None),
     };
-    let rotate = |x: Tensor<B, 4>, norm| rope::reference(x, layout.cos.clone(), layout.sin.clone(), layout.position, norm);
+    let rotate =
+        |x: Tensor<B, 4>, norm| rope::reference(x, layout.cos.clone(), layout.sin.clone(), layout.position, norm);
     let q = rotate(part(0, layout.heads), q_norm);
     let k = rotate(part(layout.heads, layout.kv_heads), k_norm);
     let v = part(layout.heads + layout.kv_heads, layout.kv_heads);
@@ -66,7 +73,9 @@ pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, stor
                 values: values.slice_assign(s![.., .., slot..slot + 1, ..], v.cast(dtype)),
             }
         }
-        KvStore::Int8 { keys, values } => KvStore::Int8 { keys: B::kv_int8_store(keys, k, slot), values: B::kv_int8_store(values, v, slot) },
+        KvStore::Int8 { keys, values } => {
+            KvStore::Int8 { keys: B::kv_int8_store(keys, k, slot), values: B::kv_int8_store(values, v, slot) }
+        }
     };
     (q, store)
 }
@@ -79,8 +88,8 @@ pub fn reference<B: GemmaBackend>(qkv: Tensor<B, 2>, layout: &QkvLayout<B>, stor
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
-    use crate::rms_norm::kernel::row_inv_rms;
     use crate::kv_quant::kernel::placed;
+    use crate::rms_norm::kernel::row_inv_rms;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -184,7 +193,21 @@ pub(crate) mod kernel {
         let mut scratch = SharedMemory::<f32>::new(256usize);
         let base = (b * (heads + 2 * kv_heads) + r) * dim;
         let table = position as usize * (dim / 2);
-        stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
+        stage_row::<F, W>(
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            &mut stage,
+            &mut scratch,
+            base,
+            table,
+            kind,
+            eps,
+            dim,
+            norm,
+        );
         let mut p = UNIT_POS_X as usize;
         if kind == 0u32 {
             while p < dim {
@@ -237,7 +260,21 @@ pub(crate) mod kernel {
         let mut scratch = SharedMemory::<f32>::new(256usize);
         let base = (b * (heads + 2 * kv_heads) + r) * dim;
         let table = position as usize * (dim / 2);
-        stage_row::<F, W>(qkv, q_weight, k_weight, cos, sin, &mut stage, &mut scratch, base, table, kind, eps, dim, norm);
+        stage_row::<F, W>(
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            &mut stage,
+            &mut scratch,
+            base,
+            table,
+            kind,
+            eps,
+            dim,
+            norm,
+        );
         let threads = CUBE_DIM_X as usize;
         let unit = UNIT_POS_X as usize;
         if kind == 0u32 {
@@ -309,12 +346,22 @@ pub(crate) mod kernel {
         Dense { keys: &'a CubeTensor<R>, values: &'a CubeTensor<R> },
         /// Packed codes `[batch, kv_heads, slots, head_dim / 4]` and scales `[batch, kv_heads,
         /// slots]`, contiguous, written in place.
-        Int8 { k_codes: &'a CubeTensor<R>, k_scales: &'a CubeTensor<R>, v_codes: &'a CubeTensor<R>, v_scales: &'a CubeTensor<R> },
+        Int8 {
+            k_codes: &'a CubeTensor<R>,
+            k_scales: &'a CubeTensor<R>,
+            v_codes: &'a CubeTensor<R>,
+            v_scales: &'a CubeTensor<R>,
+        },
     }
 
     /// `qkv`: contiguous `[batch, width]`. Writes slot `slot` of `store` and returns the queries
     /// `[batch, heads, 1, head_dim]`.
-    pub fn qkv_rope_append<R: CubeRuntime>(qkv: CubeTensor<R>, layout: &Layout<R>, store: Store<'_, R>, slot: usize) -> CubeTensor<R> {
+    pub fn qkv_rope_append<R: CubeRuntime>(
+        qkv: CubeTensor<R>,
+        layout: &Layout<R>,
+        store: Store<'_, R>,
+        slot: usize,
+    ) -> CubeTensor<R> {
         let batch = qkv.meta.shape()[0];
         let (heads, kv_heads, dim) = (layout.heads, layout.kv_heads, layout.head_dim);
         let q = empty(&qkv, [batch, heads, 1, dim], qkv.dtype);
@@ -325,7 +372,8 @@ pub(crate) mod kernel {
         let cube_dim = CubeDim::new_1d(pow2_ceil(dim / 2).clamp(32, 256) as u32);
         let has_norm = layout.norm.is_some();
         // Without QK-norm the weights are never read; the cos table stands in for them.
-        let (q_weight, k_weight, eps) = layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
+        let (q_weight, k_weight, eps) =
+            layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
         let client = qkv.client.clone();
         let (f, w) = (qkv.dtype.into(), q_weight.dtype.into());
         let common = (qkv.into_array_arg(), q_weight.into_array_arg(), k_weight.into_array_arg());
@@ -392,13 +440,22 @@ mod gpu {
 
     /// Two independent stores holding the same earlier rows (the kernels write in place, so
     /// the reference needs its own buffers).
-    fn stores<B: GemmaBackend>(int8: bool, shape: [usize; 4], dtype: DType, device: &B::Device) -> (KvStore<B>, KvStore<B>) {
+    fn stores<B: GemmaBackend>(
+        int8: bool,
+        shape: [usize; 4],
+        dtype: DType,
+        device: &B::Device,
+    ) -> (KvStore<B>, KvStore<B>) {
         let keys = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype).into_data();
         let values = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype).into_data();
         let make = || {
-            let (k, v) = (Tensor::<B, 4>::from_data(keys.clone(), device), Tensor::<B, 4>::from_data(values.clone(), device));
+            let (k, v) =
+                (Tensor::<B, 4>::from_data(keys.clone(), device), Tensor::<B, 4>::from_data(values.clone(), device));
             if int8 {
-                KvStore::Int8 { keys: B::kv_int8_store(B::kv_int8_zeros(shape, device), k, 0), values: B::kv_int8_store(B::kv_int8_zeros(shape, device), v, 0) }
+                KvStore::Int8 {
+                    keys: B::kv_int8_store(B::kv_int8_zeros(shape, device), k, 0),
+                    values: B::kv_int8_store(B::kv_int8_zeros(shape, device), v, 0),
+                }
             } else {
                 KvStore::Dense { keys: k, values: v }
             }
@@ -421,11 +478,13 @@ mod gpu {
     /// first and last slot, batches of 1 to 3; the untouched slots must stay as they were.
     pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "qkv_rope_append");
-        let cases = [(1, 4, 1, 256, 9, 8, 517), (2, 8, 4, 128, 5, 0, 3), (3, 3, 3, 12, 4, 2, 0), (1, 2, 1, 64, 7, 6, 40)];
+        let cases =
+            [(1, 4, 1, 256, 9, 8, 517), (2, 8, 4, 128, 5, 0, 3), (3, 3, 3, 12, 4, 2, 0), (1, 2, 1, 64, 7, 6, 40)];
         for (batch, heads, kv_heads, dim, slots, slot, position) in cases {
             let positions = position + 5;
             let (cos, sin) = rope::tables(positions, dim, 10_000.0, 1.0);
-            let table = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [positions, dim / 2]), (device, DType::F32));
+            let table =
+                |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [positions, dim / 2]), (device, DType::F32));
             let weight = || Tensor::<B, 1>::random([dim], Distribution::Normal(0.0, 0.5), device);
             for (norm, int8) in [(true, false), (false, false), (true, true), (false, true)] {
                 let layout = QkvLayout {
@@ -437,7 +496,8 @@ mod gpu {
                     position,
                     norm: norm.then(|| (weight(), weight(), 1e-6)),
                 };
-                let qkv = Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
+                let qkv =
+                    Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
                 let (store, reference_store) = stores::<B>(int8, [batch, kv_heads, slots, dim], dtype, device);
                 let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store, slot);
                 let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store, slot);
@@ -460,7 +520,13 @@ mod gpu {
     /// the activation dtype and the reference from f32 ones, so a value at a rounding boundary may
     /// take the neighbouring code: each value must be within one quantization step of its row
     /// (`max|row| / 127`) plus `tol * (1 + |expected|)`, and finite.
-    fn assert_within_a_step<B: GemmaBackend>(got: Tensor<B, 4>, expected: Tensor<B, 4>, dim: usize, tol: f32, what: &str) {
+    fn assert_within_a_step<B: GemmaBackend>(
+        got: Tensor<B, 4>,
+        expected: Tensor<B, 4>,
+        dim: usize,
+        tol: f32,
+        what: &str,
+    ) {
         assert_eq!(got.dims(), expected.dims(), "{what}: shape");
         let got = got.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data");
         let expected = expected.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data");

@@ -228,8 +228,17 @@ impl HostQuantized {
     /// `block`) with their rows interleaved in blocks of `block`: `block` gate rows, then the
     /// same `block` up rows, and so on ([`crate::gelu::interleave_pairs`] for dense matrices).
     /// Gives both back when they do not match.
-    pub fn interleave_pairs(gate: HostQuantized, up: HostQuantized, block: usize) -> Result<Self, (HostQuantized, HostQuantized)> {
-        if gate.format != up.format || gate.cols != up.cols || gate.rows != up.rows || block == 0 || gate.rows % block != 0 {
+    pub fn interleave_pairs(
+        gate: HostQuantized,
+        up: HostQuantized,
+        block: usize,
+    ) -> Result<Self, (HostQuantized, HostQuantized)> {
+        if gate.format != up.format
+            || gate.cols != up.cols
+            || gate.rows != up.rows
+            || block == 0
+            || gate.rows % block != 0
+        {
             return Err((gate, up));
         }
         let per_row = gate.cols / BLOCK;
@@ -243,7 +252,8 @@ impl HostQuantized {
         };
         for first in (0..gate.rows).step_by(block) {
             for half in [&gate, &up] {
-                let (codes, blocks) = (first * half.cols..(first + block) * half.cols, first * per_row..(first + block) * per_row);
+                let (codes, blocks) =
+                    (first * half.cols..(first + block) * half.cols, first * per_row..(first + block) * per_row);
                 out.codes.extend_from_slice(&half.codes[codes]);
                 out.scales.extend_from_slice(&half.scales[blocks.clone()]);
                 if !half.offsets.is_empty() {
@@ -299,12 +309,18 @@ impl<B: Backend> QuantizedMatrix<B> {
         let codes = if packed {
             let words = host.packed_words();
             let shape = [host.rows, host.cols / host.format.codes_per_word()];
-            Tensor::<B, 1, Int>::from_data(TensorData::new(words, [shape[0] * shape[1]]), (device, DType::U32)).reshape(shape)
+            Tensor::<B, 1, Int>::from_data(TensorData::new(words, [shape[0] * shape[1]]), (device, DType::U32))
+                .reshape(shape)
         } else {
-            Tensor::<B, 1, Int>::from_data(TensorData::new(host.codes.clone(), [host.rows * host.cols]), (device, DType::U8))
-                .reshape([host.rows, host.cols])
+            Tensor::<B, 1, Int>::from_data(
+                TensorData::new(host.codes.clone(), [host.rows * host.cols]),
+                (device, DType::U8),
+            )
+            .reshape([host.rows, host.cols])
         };
-        let floats = |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), (device, scale_dtype)).reshape(blocks);
+        let floats = |v: &[f32]| {
+            Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), (device, scale_dtype)).reshape(blocks)
+        };
         Self {
             codes: int_param(codes),
             scales: Param::from_tensor(floats(&host.scales)),
@@ -340,7 +356,12 @@ pub fn project_reference<B: Backend>(x: Tensor<B, 2>, w: &QuantizedMatrix<B>) ->
 }
 
 /// Reference: the scaled embedding gather over a table of quantized row blocks, in `dtype`.
-pub fn embed_reference<B: Backend>(table: &[QuantizedMatrix<B>], ids: Tensor<B, 2, Int>, scale: f64, dtype: DType) -> Tensor<B, 3> {
+pub fn embed_reference<B: Backend>(
+    table: &[QuantizedMatrix<B>],
+    ids: Tensor<B, 2, Int>,
+    scale: f64,
+    dtype: DType,
+) -> Tensor<B, 3> {
     // Gather codes and scales of the requested rows, then dequantize only those rows.
     let [batch, seq] = ids.dims();
     let flat = ids.reshape([batch * seq]);
@@ -398,9 +419,9 @@ pub fn embed_reference<B: Backend>(table: &[QuantizedMatrix<B>], ids: Tensor<B, 
 pub(crate) mod kernel {
     use super::QuantFormat;
     use crate::cube::{cube_index, elementwise, empty, grid, load_vector_size, planes_of_32, unit_index};
+    use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
-    use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
     use cubecl::prelude::*;
 
     /// Weight `n` of a packed word, before scaling: Q8 `q`, Q4 the unsigned code. The code's bits
@@ -521,8 +542,7 @@ pub(crate) mod kernel {
                         #[unroll]
                         for r in 0..per_plane {
                             let word = cw[r][comptime!(c / per_word)];
-                            dots[t * per_plane + r] +=
-                                unit_code(word, comptime!(c % per_word), q4) * xi;
+                            dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4) * xi;
                         }
                     }
                 }
@@ -817,21 +837,40 @@ mod tests {
 
     #[test]
     fn packing_puts_low_codes_in_low_bits() {
-        let q = HostQuantized::from_parts(QuantFormat::Q4, 1, 32, (0..32).map(|i| (i % 16) as u8).collect(), vec![1.0], vec![0.0]).unwrap();
+        let q = HostQuantized::from_parts(
+            QuantFormat::Q4,
+            1,
+            32,
+            (0..32).map(|i| (i % 16) as u8).collect(),
+            vec![1.0],
+            vec![0.0],
+        )
+        .unwrap();
         assert_eq!(q.packed_words()[0], 0x7654_3210);
         assert_eq!(q.packed_words()[2], 0x7654_3210);
-        let q8 = HostQuantized::from_parts(QuantFormat::Q8, 1, 32, (0..32).map(|i| i as u8).collect(), vec![1.0], vec![]).unwrap();
+        let q8 =
+            HostQuantized::from_parts(QuantFormat::Q8, 1, 32, (0..32).map(|i| i as u8).collect(), vec![1.0], vec![])
+                .unwrap();
         assert_eq!(q8.packed_words()[1], 0x0706_0504);
     }
 
     #[test]
     fn bad_shapes_and_values_are_refused() {
-        assert_eq!(HostQuantized::quantize(&[0.0; 20], 1, 20, QuantFormat::Q8), Err(QuantError::Columns { rows: 1, cols: 20 }));
+        assert_eq!(
+            HostQuantized::quantize(&[0.0; 20], 1, 20, QuantFormat::Q8),
+            Err(QuantError::Columns { rows: 1, cols: 20 })
+        );
         assert!(matches!(HostQuantized::quantize(&[0.0; 31], 1, 32, QuantFormat::Q8), Err(QuantError::Length { .. })));
         let mut v = vec![0.0; 32];
         v[5] = f32::NAN;
-        assert!(matches!(HostQuantized::quantize(&v, 1, 32, QuantFormat::Q4), Err(QuantError::NotFinite { index: 5, .. })));
-        assert!(matches!(HostQuantized::from_parts(QuantFormat::Q4, 1, 32, vec![16; 32], vec![1.0], vec![0.0]), Err(QuantError::Code { index: 0, .. })));
+        assert!(matches!(
+            HostQuantized::quantize(&v, 1, 32, QuantFormat::Q4),
+            Err(QuantError::NotFinite { index: 5, .. })
+        ));
+        assert!(matches!(
+            HostQuantized::from_parts(QuantFormat::Q4, 1, 32, vec![16; 32], vec![1.0], vec![0.0]),
+            Err(QuantError::Code { index: 0, .. })
+        ));
     }
 
     #[test]
@@ -859,7 +898,11 @@ mod tests {
             let joined = HostQuantized::interleave_pairs(gate.clone(), up.clone(), 4).unwrap();
             assert_eq!((joined.rows, joined.cols), (16, cols));
             for (at, (half, from)) in [(&gate, 0), (&up, 0), (&gate, 4), (&up, 4)].into_iter().enumerate() {
-                assert_eq!(joined.rows_slice(at * 4..at * 4 + 4), half.rows_slice(from..from + 4), "{format} block {at}");
+                assert_eq!(
+                    joined.rows_slice(at * 4..at * 4 + 4),
+                    half.rows_slice(from..from + 4),
+                    "{format} block {at}"
+                );
             }
             let odd = HostQuantized::quantize(&random(6 * cols, 23), 6, cols, format).unwrap();
             assert!(HostQuantized::interleave_pairs(odd.clone(), odd, 4).is_err(), "rows not a multiple of the block");
@@ -899,7 +942,11 @@ pub(crate) mod check {
                 s ^= s >> 7;
                 s ^= s << 17;
                 let u = (s >> 11) as f32 / (1u64 << 53) as f32 - 0.5;
-                if i % 97 == 0 { u * 0.8 } else { u * 0.1 }
+                if i % 97 == 0 {
+                    u * 0.8
+                } else {
+                    u * 0.1
+                }
             })
             .collect()
     }
@@ -917,8 +964,23 @@ pub(crate) mod check {
             None => B::upload_quantized(h, device),
         };
         for format in [QuantFormat::Q8, QuantFormat::Q4] {
-            for (i, (n, inp, out)) in [(1, 640, 1024), (3, 2560, 37), (8, 96, 1001), (5, 32, 3), (2, 224, 13), (1, 1152, 6912), (1, 64, 9000), (3, 64, 4500), (9, 160, 75), (17, 64, 33)].into_iter().enumerate() {
-                let hq = HostQuantized::quantize(&values(out * inp, seed + i as u64), out, inp, format).expect("quantize");
+            for (i, (n, inp, out)) in [
+                (1, 640, 1024),
+                (3, 2560, 37),
+                (8, 96, 1001),
+                (5, 32, 3),
+                (2, 224, 13),
+                (1, 1152, 6912),
+                (1, 64, 9000),
+                (3, 64, 4500),
+                (9, 160, 75),
+                (17, 64, 33),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let hq =
+                    HostQuantized::quantize(&values(out * inp, seed + i as u64), out, inp, format).expect("quantize");
                 let w = upload(&hq);
                 let xs = values(n * inp, seed ^ 0xABCD + i as u64);
                 let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
@@ -927,28 +989,44 @@ pub(crate) mod check {
                 let expected: Vec<f32> = (0..n)
                     .flat_map(|r| {
                         let (xs, ws) = (&xs, &ws);
-                        (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
+                        (0..out).map(move |o| {
+                            (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32
+                        })
                     })
                     .collect();
                 let got = B::project_quantized(x, &w);
                 assert_eq!(got.dtype(), dtype);
                 let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32));
-                let tol = crate::gpu_test::tolerance(dtype) * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+                let tol = crate::gpu_test::tolerance(dtype)
+                    * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
                 assert_close(got, expected, tol, &format!("{format} project {n}x{inp} -> {out}"));
             }
             // A table of three row blocks (odd sizes), ids in every block plus out-of-range ones.
             let (vocab, hidden) = (203, 96);
-            let hq = HostQuantized::quantize(&values(vocab * hidden, seed + 77), vocab, hidden, format).expect("quantize");
+            let hq =
+                HostQuantized::quantize(&values(vocab * hidden, seed + 77), vocab, hidden, format).expect("quantize");
             let table: Vec<_> = [0..70, 70..141, 141..203].into_iter().map(|r| upload(&hq.rows_slice(r))).collect();
             let ids: Vec<i64> = vec![0, 69, 70, 140, 141, 202, 5, 150, 99, 1];
             let id_tensor = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [2, 5]), device);
             let scale = 25.3;
             let got = B::embed_quantized(&table, id_tensor, scale, dtype);
             assert_eq!(got.dtype(), dtype);
-            let round = |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (device, DType::F32)).cast(dtype).cast(DType::F32).into_data().to_vec::<f32>().expect("f32")[0] as f64;
+            let round = |v: f32| {
+                Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (device, DType::F32))
+                    .cast(dtype)
+                    .cast(DType::F32)
+                    .into_data()
+                    .to_vec::<f32>()
+                    .expect("f32")[0] as f64
+            };
             let s = round(scale as f32);
             let deq = hq.dequantize();
-            let expected: Vec<f32> = ids.iter().flat_map(|&id| (0..hidden).map(|c| (deq[id as usize * hidden + c] as f64 * s) as f32).collect::<Vec<_>>()).collect();
+            let expected: Vec<f32> = ids
+                .iter()
+                .flat_map(|&id| {
+                    (0..hidden).map(|c| (deq[id as usize * hidden + c] as f64 * s) as f32).collect::<Vec<_>>()
+                })
+                .collect();
             let expected = Tensor::<B, 3>::from_data(TensorData::new(expected, [2, 5, hidden]), (device, DType::F32));
             assert_close(got, expected, crate::gpu_test::tolerance(dtype) * 2.0, &format!("{format} embed"));
         }

@@ -63,7 +63,13 @@ pub(crate) mod kernel {
 
     /// [`inv_rms`] of `x[base..base + n]`, the cube's units striding over the row.
     #[cube]
-    pub(crate) fn row_inv_rms<F: Float>(x: &Array<F>, base: usize, n: usize, scratch: &mut SharedMemory<f32>, eps: f32) -> f32 {
+    pub(crate) fn row_inv_rms<F: Float>(
+        x: &Array<F>,
+        base: usize,
+        n: usize,
+        scratch: &mut SharedMemory<f32>,
+        eps: f32,
+    ) -> f32 {
         let mut partial = 0.0f32;
         let mut c = UNIT_POS_X as usize;
         while c < n {
@@ -271,13 +277,15 @@ mod gpu {
     pub fn add_rms_norm<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "add_rms_norm");
         for (batch, seq, n) in [(1, 1, 640), (2, 9, 1152), (1, 3, 2560), (3, 5, 33)] {
-            let residual = Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
+            let residual =
+                Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
             let x = Tensor::<B, 3>::random([batch, seq, n], NORMAL, device).cast(dtype);
             let w = Tensor::<B, 1>::random([n], NORMAL, device);
             let x_w = Tensor::<B, 1>::random([n], NORMAL, device);
             for (out_dtype, x_weight) in [(DType::F32, None), (dtype, None), (dtype, Some(x_w))] {
                 let pre = x_weight.is_some();
-                let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), x_weight.clone(), w.clone(), 1e-6, out_dtype);
+                let (sum, normed) =
+                    B::add_rms_norm(residual.clone(), x.clone(), x_weight.clone(), w.clone(), 1e-6, out_dtype);
                 assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, out_dtype));
                 // The pre-norm's output is rounded to the activation dtype, as the model's own.
                 let x_ref = match x_weight {

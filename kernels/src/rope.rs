@@ -20,9 +20,8 @@ pub fn reference<B: Backend>(
     let dtype = x.dtype();
     let [_, _, seq, head_dim] = x.dims();
     let half = head_dim / 2;
-    let table = |t: Tensor<B, 2>| -> Tensor<B, 4> {
-        t.slice([offset..offset + seq, 0..half]).cast(dtype).unsqueeze::<4>()
-    };
+    let table =
+        |t: Tensor<B, 2>| -> Tensor<B, 4> { t.slice([offset..offset + seq, 0..half]).cast(dtype).unsqueeze::<4>() };
     let (cos, sin) = (table(cos), table(sin));
     let x1 = x.clone().slice_dim(3, 0..half);
     let x2 = x.slice_dim(3, half..head_dim);
@@ -36,9 +35,8 @@ pub fn reference<B: Backend>(
 pub fn tables(max_positions: usize, head_dim: usize, theta: f64, factor: f64) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
     // Inverse frequencies in f32, as transformers computes them.
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32 / factor as f32)
-        .collect();
+    let inv_freq: Vec<f32> =
+        (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32 / factor as f32).collect();
     let mut cos = Vec::with_capacity(max_positions * half);
     let mut sin = Vec::with_capacity(max_positions * half);
     for pos in 0..max_positions {
@@ -164,9 +162,13 @@ mod gpu {
     /// without QK-norm.
     pub fn rope<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "rope");
-        for (batch, heads, seq, dim, offset) in [(1, 4, 7, 256, 0), (2, 1, 1, 64, 300), (1, 8, 5, 128, 17), (3, 3, 2, 16, 9)] {
+        for (batch, heads, seq, dim, offset) in
+            [(1, 4, 7, 256, 0), (2, 1, 1, 64, 300), (1, 8, 5, 128, 17), (3, 3, 2, 16, 9)]
+        {
             let (cos, sin) = super::tables(offset + seq + 3, dim, 10_000.0, 1.0);
-            let table = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [offset + seq + 3, dim / 2]), (device, DType::F32));
+            let table = |v: Vec<f32>| {
+                Tensor::<B, 2>::from_data(TensorData::new(v, [offset + seq + 3, dim / 2]), (device, DType::F32))
+            };
             let (cos, sin) = (table(cos), table(sin));
             // As the model produces them: [batch, seq, heads, dim] swapped to [batch, heads, seq, dim].
             let x = Tensor::<B, 4>::random([batch, seq, heads, dim], Distribution::Normal(0.0, 2.0), device)
@@ -176,7 +178,8 @@ mod gpu {
             for norm in [None, Some((w.clone(), 1e-6))] {
                 let got = B::rope(x.clone(), cos.clone(), sin.clone(), offset, norm.clone());
                 assert_eq!(got.dtype(), dtype);
-                let expected = super::reference(x.clone().cast(DType::F32), cos.clone(), sin.clone(), offset, norm.clone());
+                let expected =
+                    super::reference(x.clone().cast(DType::F32), cos.clone(), sin.clone(), offset, norm.clone());
                 let what = format!("rope b{batch} h{heads} s{seq} d{dim} offset {offset} norm {}", norm.is_some());
                 assert_close(got, expected, tolerance(dtype), &what);
             }

@@ -279,7 +279,8 @@ pub(crate) mod kernel {
         let mut index = SharedMemory::<u32>::new(threads);
         let mut lows = SharedMemory::<f32>::new(threads);
         let mut flags = SharedMemory::<u32>::new(threads);
-        let (max, max_at, lowest, bad) = max_min(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
+        let (max, max_at, lowest, bad) =
+            max_min(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
         // The reduction buffers are free again: reused as scratch and per-unit sums (CUDA code
         // generation left shared arrays first touched after the early exits undeclared).
         let scratch = &mut values;
@@ -470,9 +471,13 @@ mod gpu {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut values = vec![0.5f32; 2 * 513];
             values[513 + 77] = bad;
-            let logits = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [2, 513]), (device, DType::F32));
-            for params in [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }] {
-                let got: Vec<i64> = B::sample(logits.clone(), &params, &[0.3, 0.3]).into_data().convert::<i64>().to_vec().expect("ids");
+            let logits =
+                Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(values, [2, 513]), (device, DType::F32));
+            for params in
+                [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }]
+            {
+                let got: Vec<i64> =
+                    B::sample(logits.clone(), &params, &[0.3, 0.3]).into_data().convert::<i64>().to_vec().expect("ids");
                 // Row 0 is finite (all ties: every token is kept); row 1 is flagged.
                 let row0 = super::reference(&[0.5f32; 513], &params, 0.3) as i64;
                 assert_eq!(got, vec![row0, 513], "{bad} with {params:?}");

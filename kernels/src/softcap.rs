@@ -32,7 +32,15 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        softcap_kernel::launch::<R>(&x.client, count, dim, x.clone().into_array_arg(), out.clone().into_array_arg(), cap as f32, dtype);
+        softcap_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            cap as f32,
+            dtype,
+        );
         out
     }
 }

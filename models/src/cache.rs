@@ -59,15 +59,28 @@ pub struct KvCache<B: GemmaBackend> {
 
 impl<B: GemmaBackend> KvCache<B> {
     /// Allocates a cache for `batch` sequences of up to `capacity` positions, stored as `format`.
-    pub fn new(config: &GemmaConfig, batch: usize, capacity: usize, format: KvFormat, device: &B::Device) -> Result<Self, ModelError> {
+    pub fn new(
+        config: &GemmaConfig,
+        batch: usize,
+        capacity: usize,
+        format: KvFormat,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         if batch == 0 || capacity == 0 {
-            return Err(ModelError::InvalidInput(format!("KV cache needs a positive batch and capacity, got {batch} and {capacity}")));
+            return Err(ModelError::InvalidInput(format!(
+                "KV cache needs a positive batch and capacity, got {batch} and {capacity}"
+            )));
         }
         match format {
             KvFormat::Int8 if config.head_dim % 4 != 0 => {
-                return Err(ModelError::InvalidInput(format!("an int8 KV cache needs head_dim divisible by 4, the model has {}", config.head_dim)));
+                return Err(ModelError::InvalidInput(format!(
+                    "an int8 KV cache needs head_dim divisible by 4, the model has {}",
+                    config.head_dim
+                )));
             }
-            KvFormat::Dense(dtype) if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) => {
+            KvFormat::Dense(dtype)
+                if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) =>
+            {
                 return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
             }
             _ => {}
@@ -80,8 +93,13 @@ impl<B: GemmaBackend> KvCache<B> {
                 let slots = window.map_or(capacity, |w| w.min(capacity));
                 let shape = [batch, config.num_key_value_heads, slots, config.head_dim];
                 let storage = match format {
-                    KvFormat::Dense(dtype) => Storage::Dense { keys: Tensor::zeros(shape, (device, dtype)), values: Tensor::zeros(shape, (device, dtype)) },
-                    KvFormat::Int8 => Storage::Int8 { keys: B::kv_int8_zeros(shape, device), values: B::kv_int8_zeros(shape, device) },
+                    KvFormat::Dense(dtype) => Storage::Dense {
+                        keys: Tensor::zeros(shape, (device, dtype)),
+                        values: Tensor::zeros(shape, (device, dtype)),
+                    },
+                    KvFormat::Int8 => {
+                        Storage::Int8 { keys: B::kv_int8_zeros(shape, device), values: B::kv_int8_zeros(shape, device) }
+                    }
                 };
                 LayerCache { storage: Some(storage), window: window.map(|_| slots) }
             })
@@ -169,16 +187,17 @@ impl<B: GemmaBackend> KvCache<B> {
         let offset = self.len;
         let entry = &mut self.layers[layer];
         let window = entry.window;
-        let Some(storage) = entry.storage.take() else {
-            unreachable!("layer storage is always restored after use")
-        };
+        let Some(storage) = entry.storage.take() else { unreachable!("layer storage is always restored after use") };
         let (storage, out) = match storage {
             Storage::Dense { keys: cache_k, values: cache_v } => {
-                let (cache_k, cache_v, out_k, out_v, mask) = append_dense(cache_k, cache_v, keys, values, offset, window);
+                let (cache_k, cache_v, out_k, out_v, mask) =
+                    append_dense(cache_k, cache_v, keys, values, offset, window);
                 let out = B::grouped_attention(q, out_k, out_v, mask, scale, softcap);
                 (Storage::Dense { keys: cache_k, values: cache_v }, out)
             }
-            Storage::Int8 { keys: cache_k, values: cache_v } => attend_int8(cache_k, cache_v, q, keys, values, offset, window, scale, softcap),
+            Storage::Int8 { keys: cache_k, values: cache_v } => {
+                attend_int8(cache_k, cache_v, q, keys, values, offset, window, scale, softcap)
+            }
         };
         entry.storage = Some(storage);
         out
@@ -197,9 +216,7 @@ impl<B: GemmaBackend> KvCache<B> {
     ) -> Tensor<B, 4> {
         let offset = self.len;
         let entry = &mut self.layers[layer];
-        let Some(storage) = entry.storage.take() else {
-            unreachable!("layer storage is always restored after use")
-        };
+        let Some(storage) = entry.storage.take() else { unreachable!("layer storage is always restored after use") };
         // A ring holds the window in rotated order once full; attention does not depend on key
         // order, and every key in the ring is inside the window.
         let (slot, filled, mask) = match entry.window {
@@ -212,7 +229,8 @@ impl<B: GemmaBackend> KvCache<B> {
         let (q, storage) = B::qkv_rope_append(qkv, layout, storage, slot);
         let out = match &storage {
             Storage::Dense { keys, values } => {
-                let (k, v) = (keys.clone().slice(s![.., .., 0..filled, ..]), values.clone().slice(s![.., .., 0..filled, ..]));
+                let (k, v) =
+                    (keys.clone().slice(s![.., .., 0..filled, ..]), values.clone().slice(s![.., .., 0..filled, ..]));
                 B::grouped_attention(q, k, v, mask, scale, softcap)
             }
             Storage::Int8 { keys, values } => B::grouped_attention_int8(q, keys, values, filled, mask, scale, softcap),
@@ -224,7 +242,9 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Bytes the keys and values occupy on the device.
     pub fn device_bytes(&self) -> usize {
         let size4 = |t: &Tensor<B, 4>| t.shape().num_elements() * t.dtype().size();
-        let int8 = |kv: &Int8Kv<B>| kv.codes.shape().num_elements() * kv.codes.dtype().size() + kv.scales.shape().num_elements() * 4;
+        let int8 = |kv: &Int8Kv<B>| {
+            kv.codes.shape().num_elements() * kv.codes.dtype().size() + kv.scales.shape().num_elements() * 4
+        };
         self.layers
             .iter()
             .map(|l| match &l.storage {
@@ -313,7 +333,8 @@ fn attend_int8<B: GemmaBackend>(
             let cache_k = B::kv_int8_store(cache_k, keys, slot);
             let cache_v = B::kv_int8_store(cache_v, values, slot);
             let filled = (offset + 1).min(w);
-            let out = B::grouped_attention_int8(q, &cache_k, &cache_v, filled, ring_mask(offset, filled, w), scale, softcap);
+            let out =
+                B::grouped_attention_int8(q, &cache_k, &cache_v, filled, ring_mask(offset, filled, w), scale, softcap);
             (Storage::Int8 { keys: cache_k, values: cache_v }, out)
         }
         Some(w) => {
@@ -340,7 +361,11 @@ fn ring_mask(offset: usize, filled: usize, w: usize) -> AttentionMask {
 
 /// The ring's previous positions (up to `w` before `offset`) in position order, read through
 /// `slots(range)`; `None` when there are none.
-fn ordered_window<B: Backend>(offset: usize, w: usize, slots: impl Fn(std::ops::Range<usize>) -> Tensor<B, 4>) -> Option<Tensor<B, 4>> {
+fn ordered_window<B: Backend>(
+    offset: usize,
+    w: usize,
+    slots: impl Fn(std::ops::Range<usize>) -> Tensor<B, 4>,
+) -> Option<Tensor<B, 4>> {
     if offset == 0 {
         None
     } else if offset <= w {

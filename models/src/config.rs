@@ -161,7 +161,8 @@ impl GemmaConfig {
         }
         let arch = Architecture::from_name(model_type)?;
 
-        let activation = get_str(obj, "hidden_activation")?.or(get_str(obj, "hidden_act")?).unwrap_or("gelu_pytorch_tanh");
+        let activation =
+            get_str(obj, "hidden_activation")?.or(get_str(obj, "hidden_act")?).unwrap_or("gelu_pytorch_tanh");
         // Gemma 1 configs say `gelu`; every Gemma checkpoint was trained with the tanh approximation,
         // which transformers also uses for them.
         if !matches!(activation, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu") {
@@ -198,7 +199,9 @@ impl GemmaConfig {
                     Architecture::Gemma => None,
                     Architecture::Gemma2 => Some(2),
                     Architecture::Gemma3 => Some(
-                        get_usize(obj, "sliding_window_pattern")?.or(get_usize(obj, "_sliding_window_pattern")?).unwrap_or(6),
+                        get_usize(obj, "sliding_window_pattern")?
+                            .or(get_usize(obj, "_sliding_window_pattern")?)
+                            .unwrap_or(6),
                     ),
                 };
                 default_layer_types(num_hidden_layers, pattern)
@@ -206,10 +209,14 @@ impl GemmaConfig {
         };
 
         let (rope_full_attention, rope_sliding_attention) = match obj.get("rope_parameters") {
-            Some(Value::Object(params)) if params.contains_key("full_attention") || params.contains_key("sliding_attention") => (
-                rope_entry(params.get("full_attention"), None, "rope_parameters.full_attention")?,
-                rope_entry(params.get("sliding_attention"), None, "rope_parameters.sliding_attention")?,
-            ),
+            Some(Value::Object(params))
+                if params.contains_key("full_attention") || params.contains_key("sliding_attention") =>
+            {
+                (
+                    rope_entry(params.get("full_attention"), None, "rope_parameters.full_attention")?,
+                    rope_entry(params.get("sliding_attention"), None, "rope_parameters.sliding_attention")?,
+                )
+            }
             Some(Value::Object(_)) => {
                 let rope = rope_entry(obj.get("rope_parameters"), None, "rope_parameters")?;
                 (rope, rope)
@@ -232,9 +239,16 @@ impl GemmaConfig {
             None | Some(Value::Null) => vec![1],
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| invalid("eos_token_id", format!("bad entry {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| invalid("eos_token_id", format!("bad entry {v}")))
+                })
                 .collect::<Result<_, _>>()?,
-            Some(v) => vec![v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| invalid("eos_token_id", format!("bad value {v}")))?],
+            Some(v) => vec![v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| invalid("eos_token_id", format!("bad value {v}")))?],
         };
         let bos = get_usize(obj, "bos_token_id")?.or(get_usize(root, "bos_token_id")?).unwrap_or(2);
 
@@ -325,7 +339,10 @@ impl GemmaConfig {
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(invalid(
                 "num_key_value_heads",
-                format!("({}) must divide num_attention_heads ({})", self.num_key_value_heads, self.num_attention_heads),
+                format!(
+                    "({}) must divide num_attention_heads ({})",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
             ));
         }
         if self.head_dim % 2 != 0 {
@@ -344,16 +361,26 @@ impl GemmaConfig {
             return Err(invalid("sliding_window", "must be a positive integer when layers use sliding attention"));
         }
         let positive = |field: &'static str, v: f64| {
-            if v.is_finite() && v > 0.0 { Ok(()) } else { Err(invalid(field, format!("must be a positive finite number, found {v}"))) }
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(invalid(field, format!("must be a positive finite number, found {v}")))
+            }
         };
         positive("rms_norm_eps", self.rms_norm_eps)?;
         positive("query_pre_attn_scalar", self.query_pre_attn_scalar)?;
-        for (field, cap) in [("attn_logit_softcapping", self.attn_logit_softcapping), ("final_logit_softcapping", self.final_logit_softcapping)] {
+        for (field, cap) in [
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ] {
             if let Some(cap) = cap {
                 positive(field, cap)?;
             }
         }
-        for (field, rope) in [("rope_theta (full_attention)", self.rope_full_attention), ("rope_theta (sliding_attention)", self.rope_sliding_attention)] {
+        for (field, rope) in [
+            ("rope_theta (full_attention)", self.rope_full_attention),
+            ("rope_theta (sliding_attention)", self.rope_sliding_attention),
+        ] {
             positive(field, rope.rope_theta)?;
             positive("rope factor", rope.factor)?;
         }
@@ -476,7 +503,9 @@ mod preset_tests {
     #[test]
     fn presets_have_the_published_sizes() {
         // Parameter counts of the published models (text weights, tied embedding).
-        for (name, approx) in [("gemma3-270m", 268e6), ("gemma3-1b", 1.0e9), ("gemma3-4b", 3.88e9), ("gemma3-12b", 11.77e9)] {
+        for (name, approx) in
+            [("gemma3-270m", 268e6), ("gemma3-1b", 1.0e9), ("gemma3-4b", 3.88e9), ("gemma3-12b", 11.77e9)]
+        {
             let c = GemmaConfig::preset(name).unwrap();
             c.validate().unwrap();
             let n = c.num_parameters() as f64;

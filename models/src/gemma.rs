@@ -5,19 +5,19 @@
 //! weight dtype.
 
 use crate::{
-    weights::{row_chunks, MatrixWeight, WeightFormat, WeightKind, WeightSource},
     cache::KvFormat,
+    weights::{row_chunks, MatrixWeight, WeightFormat, WeightKind, WeightSource},
     Architecture, GemmaConfig, KvCache, LayerType, ModelError,
-};
-use burn_gemma_kernels::{
-    gelu::{self, PAIR_BLOCK},
-    HostQuantized, QkvLayout, QuantFormat, QuantizedMatrix,
 };
 use burn::{
     module::{Module, Param},
     tensor::{DType, Int, Tensor},
 };
 use burn_gemma_kernels::GemmaBackend;
+use burn_gemma_kernels::{
+    gelu::{self, PAIR_BLOCK},
+    HostQuantized, QkvLayout, QuantFormat, QuantizedMatrix,
+};
 
 /// How the model's weights are loaded: the activation/dense dtype and the matrix format.
 #[derive(Debug, Clone, Copy)]
@@ -140,7 +140,13 @@ pub struct RmsNorm<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> RmsNorm<B> {
-    fn load(source: &mut impl WeightSource<B>, name: &str, size: usize, eps: f64, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(
+        source: &mut impl WeightSource<B>,
+        name: &str,
+        size: usize,
+        eps: f64,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let weight = source.load(&format!("{name}.weight"), [size], WeightKind::Norm, DType::F32, device)?;
         Ok(Self { weight: Param::from_tensor(weight), eps })
     }
@@ -152,7 +158,13 @@ impl<B: GemmaBackend> RmsNorm<B> {
 
     /// `(residual + x', norm(residual + x'))` where `x'` is `x` normalized by `post` (when
     /// given), residual in f32, the normalized value in `dtype`; one kernel for the chain.
-    pub fn forward_residual(&self, residual: Tensor<B, 3>, x: Tensor<B, 3>, post: Option<&RmsNorm<B>>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    pub fn forward_residual(
+        &self,
+        residual: Tensor<B, 3>,
+        x: Tensor<B, 3>,
+        post: Option<&RmsNorm<B>>,
+        dtype: DType,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         B::add_rms_norm(residual, x, post.map(|n| n.weight.val()), self.weight.val(), self.eps, dtype)
     }
 }
@@ -176,10 +188,12 @@ impl<B: GemmaBackend> GateUp<B> {
     fn new(gate: Loaded<B>, up: Loaded<B>, intermediate: usize, device: &B::Device) -> Self {
         let fits = gelu::pairs_fit(intermediate);
         match (gate, up) {
-            (Loaded::Host(gate), Loaded::Host(up)) if fits => match HostQuantized::interleave_pairs(gate, up, PAIR_BLOCK) {
-                Ok(joined) => Self::Interleaved(MatrixWeight::Quantized(B::upload_quantized(&joined, device))),
-                Err((gate, up)) => Self::side_by_side(Loaded::Host(gate), Loaded::Host(up), device),
-            },
+            (Loaded::Host(gate), Loaded::Host(up)) if fits => {
+                match HostQuantized::interleave_pairs(gate, up, PAIR_BLOCK) {
+                    Ok(joined) => Self::Interleaved(MatrixWeight::Quantized(B::upload_quantized(&joined, device))),
+                    Err((gate, up)) => Self::side_by_side(Loaded::Host(gate), Loaded::Host(up), device),
+                }
+            }
             (Loaded::Dense(gate), Loaded::Dense(up)) if fits && gate.dtype() == up.dtype() => {
                 Self::Interleaved(MatrixWeight::Dense(Param::from_tensor(B::pack(gelu::interleave_pairs(gate, up)))))
             }
@@ -222,7 +236,13 @@ pub struct Mlp<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Mlp<B> {
-    fn load(source: &mut impl WeightSource<B>, prefix: &str, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(
+        source: &mut impl WeightSource<B>,
+        prefix: &str,
+        c: &GemmaConfig,
+        dtype: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
         let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], dtype, device)?;
         let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], dtype, device)?;
@@ -263,7 +283,14 @@ pub struct Attention<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Attention<B> {
-    fn load(source: &mut impl WeightSource<B>, prefix: &str, index: usize, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(
+        source: &mut impl WeightSource<B>,
+        prefix: &str,
+        index: usize,
+        c: &GemmaConfig,
+        dtype: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let (hidden, d) = (c.hidden_size, c.head_dim);
         let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
         let qk_norm = |source: &mut _, name: &str| -> Result<Option<RmsNorm<B>>, ModelError> {
@@ -273,9 +300,20 @@ impl<B: GemmaBackend> Attention<B> {
                 Ok(None)
             }
         };
-        let (q, k, v, o) = (format!("{prefix}.q_proj"), format!("{prefix}.k_proj"), format!("{prefix}.v_proj"), format!("{prefix}.o_proj"));
+        let (q, k, v, o) = (
+            format!("{prefix}.q_proj"),
+            format!("{prefix}.k_proj"),
+            format!("{prefix}.v_proj"),
+            format!("{prefix}.o_proj"),
+        );
         Ok(Self {
-            qkv_proj: Linear::load(source, &[(&q, heads * d), (&k, kv_heads * d), (&v, kv_heads * d)], hidden, dtype, device)?,
+            qkv_proj: Linear::load(
+                source,
+                &[(&q, heads * d), (&k, kv_heads * d), (&v, kv_heads * d)],
+                hidden,
+                dtype,
+                device,
+            )?,
             o_proj: Linear::load(source, &[(&o, hidden)], heads * d, dtype, device)?,
             q_norm: qk_norm(source, "q_norm")?,
             k_norm: qk_norm(source, "k_norm")?,
@@ -319,7 +357,10 @@ impl<B: GemmaBackend> Attention<B> {
             cache.attend_decode(s.index, qkv.reshape([batch, width]), &layout, s.scale, s.softcap)
         } else {
             let heads = |first: usize, n: usize| {
-                qkv.clone().slice([0..batch, 0..seq, first * d..(first + n) * d]).reshape([batch, seq, n, d]).swap_dims(1, 2)
+                qkv.clone()
+                    .slice([0..batch, 0..seq, first * d..(first + n) * d])
+                    .reshape([batch, seq, n, d])
+                    .swap_dims(1, 2)
             };
             let q = heads(0, s.num_heads);
             let k = heads(s.num_heads, s.num_kv_heads);
@@ -348,9 +389,17 @@ pub struct DecoderLayer<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> DecoderLayer<B> {
-    fn load(source: &mut impl WeightSource<B>, index: usize, c: &GemmaConfig, dtype: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(
+        source: &mut impl WeightSource<B>,
+        index: usize,
+        c: &GemmaConfig,
+        dtype: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let prefix = format!("model.layers.{index}");
-        let norm = |source: &mut _, name: &str| RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device);
+        let norm = |source: &mut _, name: &str| {
+            RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device)
+        };
         let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, dtype, device)?;
         let mlp = Mlp::load(source, &format!("{prefix}.mlp"), c, dtype, device)?;
         let input_layernorm = norm(source, "input_layernorm")?;
@@ -388,8 +437,12 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         dtype: DType,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let attn = self.self_attn.forward(normed, cache);
-        let (residual, normed) =
-            self.pre_feedforward_layernorm.forward_residual(residual, attn, self.post_attention_layernorm.as_ref(), dtype);
+        let (residual, normed) = self.pre_feedforward_layernorm.forward_residual(
+            residual,
+            attn,
+            self.post_attention_layernorm.as_ref(),
+            dtype,
+        );
         let mlp = self.mlp.forward(normed);
         next_norm.forward_residual(residual, mlp, self.post_feedforward_layernorm.as_ref(), dtype)
     }
@@ -411,7 +464,12 @@ pub enum Embedding<B: GemmaBackend> {
 impl<B: GemmaBackend> Embedding<B> {
     const NAME: &'static str = "model.embed_tokens.weight";
 
-    fn load(source: &mut impl WeightSource<B>, c: &GemmaConfig, settings: WeightSettings, device: &B::Device) -> Result<Self, ModelError> {
+    fn load(
+        source: &mut impl WeightSource<B>,
+        c: &GemmaConfig,
+        settings: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let shape = [c.vocab_size, c.hidden_size];
         let host = match settings.request() {
             None => None,
@@ -419,7 +477,9 @@ impl<B: GemmaBackend> Embedding<B> {
                 // Q4 is not enough for the table: ask for Q8, or requantize a Q4 checkpoint's.
                 let request = request.map(|_| QuantFormat::Q8);
                 match source.load_host_quantized(Self::NAME, shape, request, device)? {
-                    Some(q) if q.format == QuantFormat::Q4 => Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?),
+                    Some(q) if q.format == QuantFormat::Q4 => {
+                        Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?)
+                    }
                     other => other,
                 }
             }
@@ -427,7 +487,11 @@ impl<B: GemmaBackend> Embedding<B> {
         Ok(match host {
             Some(host) => {
                 let rows_per_chunk = (MAX_CHUNK_BYTES / host.cols).max(1);
-                Self::Quantized(row_chunks(host.rows, rows_per_chunk).map(|r| B::upload_quantized(&host.rows_slice(r), device)).collect())
+                Self::Quantized(
+                    row_chunks(host.rows, rows_per_chunk)
+                        .map(|r| B::upload_quantized(&host.rows_slice(r), device))
+                        .collect(),
+                )
             }
             None => {
                 let rows_per_chunk = (MAX_CHUNK_BYTES / (c.hidden_size * settings.dtype.size())).max(1);
@@ -488,7 +552,12 @@ pub struct Gemma<B: GemmaBackend> {
 impl<B: GemmaBackend> Gemma<B> {
     /// Builds the model from a weight source with dense weights in `dtype` (weights and matrix
     /// products).
-    pub fn load(config: GemmaConfig, source: &mut (impl WeightSource<B> + Send), dtype: DType, device: &B::Device) -> Result<Self, ModelError> {
+    pub fn load(
+        config: GemmaConfig,
+        source: &mut (impl WeightSource<B> + Send),
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         Self::load_as(config, source, dtype, WeightFormat::Dense, device)
     }
 
@@ -536,7 +605,10 @@ impl<B: GemmaBackend> Gemma<B> {
             .iter()
             .map(|l| {
                 let (a, m) = (&l.self_attn, &l.mlp);
-                a.qkv_proj.device_bytes() + a.o_proj.device_bytes() + m.gate_up.device_bytes() + m.down_proj.device_bytes()
+                a.qkv_proj.device_bytes()
+                    + a.o_proj.device_bytes()
+                    + m.gate_up.device_bytes()
+                    + m.down_proj.device_bytes()
             })
             .sum();
         self.embed_tokens.device_bytes() + layers
@@ -565,7 +637,10 @@ impl<B: GemmaBackend> Gemma<B> {
             return Err(ModelError::InvalidInput("empty token sequence".into()));
         }
         if batch != cache.batch() {
-            return Err(ModelError::InvalidInput(format!("batch of {batch} sequences for a KV cache of {}", cache.batch())));
+            return Err(ModelError::InvalidInput(format!(
+                "batch of {batch} sequences for a KV cache of {}",
+                cache.batch()
+            )));
         }
         cache.check_room(seq)?;
         let embedded = self.embed_tokens.embed(ids, self.embed_scale(), self.dtype);
@@ -584,11 +659,7 @@ impl<B: GemmaBackend> Gemma<B> {
     fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
         let hidden = hidden.reshape([batch * seq, h]);
-        let logits = self
-            .embed_tokens
-            .project(hidden)
-            .cast(DType::F32)
-            .reshape([batch, seq, self.config.vocab_size]);
+        let logits = self.embed_tokens.project(hidden).cast(DType::F32).reshape([batch, seq, self.config.vocab_size]);
         match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
@@ -647,7 +718,9 @@ mod tests {
         let device = Default::default();
         let hidden = 64;
         // (intermediate, gate quantized, up quantized, interleaved)
-        for (inter, gate_q, up_q, interleaved) in [(12, false, false, true), (12, true, true, true), (12, true, false, false), (10, false, false, false)] {
+        for (inter, gate_q, up_q, interleaved) in
+            [(12, false, false, true), (12, true, true, true), (12, true, false, false), (10, false, false, false)]
+        {
             let load = |seed: u64, quantized: bool| {
                 let w = values(inter * hidden, seed);
                 if quantized {
@@ -659,10 +732,16 @@ mod tests {
             };
             let ((gate, gate_loaded), (up, up_loaded)) = (load(1, gate_q), load(2, up_q));
             let layer = GateUp::new(gate_loaded, up_loaded, inter, &device);
-            assert_eq!(matches!(layer, GateUp::Interleaved(_)), interleaved, "intermediate {inter}, quantized {gate_q}/{up_q}");
+            assert_eq!(
+                matches!(layer, GateUp::Interleaved(_)),
+                interleaved,
+                "intermediate {inter}, quantized {gate_q}/{up_q}"
+            );
 
             let x = Tensor::<B, 3>::from_data(TensorData::new(values(3 * hidden, 3), [1, 3, hidden]), &device);
-            let matrix = |w: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device).transpose().unsqueeze::<3>();
+            let matrix = |w: Vec<f32>| {
+                Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device).transpose().unsqueeze::<3>()
+            };
             let expected = gelu::reference(x.clone().matmul(matrix(gate)), x.clone().matmul(matrix(up)));
             let got = layer.forward(x);
             assert_eq!(got.dims(), [1, 3, inter]);

@@ -124,14 +124,21 @@ pub trait WeightSource<B: Backend> {
     ) -> Result<Option<HostQuantized>, ModelError> {
         let Some(format) = format else { return Ok(None) };
         let dense: Tensor<B, 2> = self.load(name, shape, WeightKind::Matrix, DType::F32, device)?;
-        let values = dense.into_data().to_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+        let values =
+            dense.into_data().to_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
         quantize(name, &values, shape, format).map(Some)
     }
 }
 
 /// Quantizes host values, naming the tensor in the error.
-pub fn quantize(name: &str, values: &[f32], [rows, cols]: [usize; 2], format: QuantFormat) -> Result<HostQuantized, ModelError> {
-    HostQuantized::quantize(values, rows, cols, format).map_err(|source| ModelError::Quantize { name: name.to_string(), source })
+pub fn quantize(
+    name: &str,
+    values: &[f32],
+    [rows, cols]: [usize; 2],
+    format: QuantFormat,
+) -> Result<HostQuantized, ModelError> {
+    HostQuantized::quantize(values, rows, cols, format)
+        .map_err(|source| ModelError::Quantize { name: name.to_string(), source })
 }
 
 /// Row ranges of `rows` rows cut into blocks of at most `per_chunk` rows.
