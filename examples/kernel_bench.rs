@@ -9,8 +9,8 @@ use burn_gemma::{
     Error, GemmaBackend,
 };
 use burn_gemma_kernels::{
-    attention, embedding, gelu, linear, rms_norm, rope, softcap, AttentionMask, HostQuantized, QuantFormat,
-    SamplingParams,
+    attention, embedding, gelu, linear, rms_norm, rope, softcap, AddNorm, AttentionMask, AttentionOptions, Epilogue,
+    GateUpLayout, HostMatrix, HostQuantized, KvFormat, KvView, Matrix, QuantFormat, RopeTables, SamplingParams,
 };
 use clap::Parser;
 use std::time::Instant;
@@ -88,15 +88,14 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let residual = rand(vec![rows * hidden], DType::F32).reshape([1, rows, hidden]);
     let x = rand(vec![rows * hidden], dt).reshape([1, rows, hidden]);
     let w = rand(vec![hidden], DType::F32);
-    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), None, w.clone(), 1e-6, dt));
-    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), None, w.clone(), 1e-6, dt));
+    let plain = AddNorm { post: None, weight: w.clone(), eps: 1e-6, out_dtype: dt };
+    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), &plain));
+    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), &plain));
     row("add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + e + 4.0 + e));
     // With the post-norm of `x` first (Gemma 2/3's sandwich norms): `x` is read twice.
-    let post = Some(rand(vec![hidden], DType::F32));
-    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt));
-    let r = time::<B, _>(d, reps, || {
-        rms_norm::add_reference(residual.clone(), x.clone(), post.clone(), w.clone(), 1e-6, dt)
-    });
+    let sandwich = AddNorm { post: Some(rand(vec![hidden], DType::F32)), ..plain.clone() };
+    let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), &sandwich));
+    let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), &sandwich));
     row("rms_norm + add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + 2.0 * e + 4.0 + e));
     let k = time::<B, _>(d, reps, || B::rms_norm(x.clone(), w.clone(), 1e-6));
     let r = time::<B, _>(d, reps, || rms_norm::reference(x.clone(), w.clone(), 1e-6));
@@ -106,18 +105,18 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     for (n, inp, out) in [(1usize, 2560usize, 10240usize), (1, 640, 52_428), (4, 2560, 10240)] {
         let x = rand(vec![n * inp], dt).reshape([n, inp]);
         // Packed as the model loads it (a pitched 640-wide weight would be copied per call).
-        let w = B::pack(rand(vec![out * inp], dt).reshape([out, inp]));
-        let k = time::<B, _>(d, reps, || B::project(x.clone(), w.clone()));
-        let r = time::<B, _>(d, reps, || linear::reference(x.clone(), w.clone()));
+        let dense = rand(vec![out * inp], dt).reshape([out, inp]);
+        let w = B::upload_matrix(HostMatrix::Dense(dense.clone()), d);
+        let k = time::<B, _>(d, reps, || B::project(x.clone(), &w, Epilogue::Identity));
+        let r = time::<B, _>(d, reps, || linear::reference(x.clone(), dense.clone()));
         row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
     }
 
     // GELU(gate) * up: 512 tokens of 4B's intermediate size.
     let inter = 10240;
-    let gate = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
-    let up = rand(vec![512 * inter], dt).reshape([1, 512, inter]);
-    let k = time::<B, _>(d, reps, || B::gelu_mul(gate.clone(), up.clone()));
-    let r = time::<B, _>(d, reps, || gelu::reference(gate.clone(), up.clone()));
+    let joined = rand(vec![512 * 2 * inter], dt).reshape([1, 512, 2 * inter]);
+    let k = time::<B, _>(d, reps, || B::gelu_mul(joined.clone(), GateUpLayout::Halves));
+    let r = time::<B, _>(d, reps, || gelu::joined_reference(joined.clone(), GateUpLayout::Halves));
     row("gelu_mul", "512 x 10240", k, r, (512 * inter) as f64 * 3.0 * e);
 
     // RoPE + QK-norm on 512 positions of 8 heads x 256, read through the projection's swap.
@@ -127,7 +126,8 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let q = rand(vec![512 * 8 * 256], dt).reshape([1, 512, 8, 256]).swap_dims(1, 2);
     let qn = rand(vec![256], DType::F32);
     let norm = Some((qn.clone(), 1e-6));
-    let k = time::<B, _>(d, reps, || B::rope(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
+    let tables = RopeTables { cos: cos.clone(), sin: sin.clone() };
+    let k = time::<B, _>(d, reps, || B::qk_norm_rope(q.clone(), &tables, 100, norm.clone()));
     let r = time::<B, _>(d, reps, || rope::reference(q.clone(), cos.clone(), sin.clone(), 100, norm.clone()));
     row("rope + qk_norm", "8 x 512 x 256", k, r, (512 * 8 * 256) as f64 * 2.0 * e + 512.0 * 256.0 * 4.0);
 
@@ -139,7 +139,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
 
     // Embedding gather: 4096 tokens from a 262144 x 2560 table in 128 MiB blocks.
     let block_rows = (128usize << 20) / (hidden * dt.size());
-    let blocks: Vec<Tensor<B, 2>> = (0..262_144usize.div_ceil(block_rows))
+    let dense_blocks: Vec<Tensor<B, 2>> = (0..262_144usize.div_ceil(block_rows))
         .map(|i| {
             let n = block_rows.min(262_144 - i * block_rows);
             rand(vec![n * hidden], dt).reshape([n, hidden])
@@ -147,8 +147,10 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         .collect();
     let ids: Vec<i64> = (0..4096i64).map(|i| (i * 104_729) % 262_144).collect();
     let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, 4096]), d);
-    let k = time::<B, _>(d, reps, || B::embed(&blocks, ids.clone(), 50.6));
-    let r = time::<B, _>(d, reps, || embedding::reference(&blocks, ids.clone(), 50.6));
+    let blocks: Vec<Matrix<B>> =
+        dense_blocks.iter().map(|b| B::upload_matrix(HostMatrix::Dense(b.clone()), d)).collect();
+    let k = time::<B, _>(d, reps, || B::embed(&blocks, ids.clone(), 50.6, dt));
+    let r = time::<B, _>(d, reps, || embedding::reference(&dense_blocks, ids.clone(), 50.6));
     row("embed", "4096 ids x 2560", k, r, 4096.0 * hidden as f64 * 2.0 * e);
 
     // Decode attention over a long cache (4B heads: 8 query, 4 KV, head_dim 256).
@@ -157,14 +159,15 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         let kc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
         let vc = rand(vec![4 * depth * 256], dt).reshape([1, 4, depth, 256]);
         let mask = AttentionMask { q_offset: depth - 1, k_offset: 0, window: None };
-        let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
-        let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None));
+        let options = AttentionOptions { mask, scale: 0.0625, softcap: None };
+        let dense = || KvView::Dense { keys: kc.clone(), values: vc.clone() };
+        let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), dense(), &options));
+        let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), &options));
         row("decode attention", &format!("8q/4kv x {depth}"), k, r, (2 * 4 * depth * 256) as f64 * e);
         // The same over an int8 cache (codes + one f32 scale per position and head); the
         // reference column is the dense kernel above.
-        let store = |x: &Tensor<B, 4>| B::kv_int8_store(B::kv_int8_zeros([1, 4, depth, 256], d), x.clone(), 0);
-        let (ki, vi) = (store(&kc), store(&vc));
-        let k8 = time::<B, _>(d, reps, || B::grouped_attention_int8(q.clone(), &ki, &vi, depth, mask, 0.0625, None));
+        let int8 = B::kv_write(B::kv_zeros([1, 4, depth, 256], KvFormat::Int8, d), kc.clone(), vc.clone(), 0);
+        let k8 = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), int8.view(depth), &options));
         row("decode attention, int8 KV", &format!("8q/4kv x {depth}"), k8, k, (2 * 4 * depth * (256 + 4)) as f64);
     }
 
@@ -175,10 +178,11 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
             let values: Vec<f32> =
                 rand(vec![out * inp], DType::F32).mul_scalar(0.02).into_data().to_vec::<f32>().unwrap_or_default();
             let Ok(host) = HostQuantized::quantize(&values, out, inp, format) else { continue };
-            let wq = B::upload_quantized(&host, d);
-            let dense = B::pack(Tensor::<B, 2>::from_data(TensorData::new(values, [out, inp]), d).cast(dt));
-            let k = time::<B, _>(d, reps, || B::project_quantized(x.clone(), &wq));
-            let r = time::<B, _>(d, reps, || B::project(x.clone(), dense.clone()));
+            let wq = B::upload_matrix(HostMatrix::Quantized(host), d);
+            let dense = Tensor::<B, 2>::from_data(TensorData::new(values, [out, inp]), d).cast(dt);
+            let dense = B::upload_matrix(HostMatrix::Dense(dense), d);
+            let k = time::<B, _>(d, reps, || B::project(x.clone(), &wq, Epilogue::Identity));
+            let r = time::<B, _>(d, reps, || B::project(x.clone(), &dense, Epilogue::Identity));
             let bytes = wq.device_bytes() + (n * inp + n * out) * dt.size();
             row(&format!("project {format} (GEMV)"), &format!("{n} x {inp} -> {out}"), k, r, bytes as f64);
         }
@@ -190,13 +194,12 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let kc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
     let vc = rand(vec![4 * t * 256], dt).reshape([1, 4, t, 256]);
     for window in [None, Some(1024)] {
-        let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
+        let options =
+            AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale: 0.0625, softcap: None };
         let k = time::<B, _>(d, reps.min(10), || {
-            B::grouped_attention(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None)
+            B::grouped_attention(q.clone(), KvView::Dense { keys: kc.clone(), values: vc.clone() }, &options)
         });
-        let r = time::<B, _>(d, reps.min(10), || {
-            attention::reference(q.clone(), kc.clone(), vc.clone(), mask, 0.0625, None)
-        });
+        let r = time::<B, _>(d, reps.min(10), || attention::reference(q.clone(), kc.clone(), vc.clone(), &options));
         let visible = (0..t).map(|i| window.map_or(i + 1, |w| (i + 1).min(w))).sum::<usize>() as f64;
         let flops = 8.0 * visible * 256.0 * 4.0;
         row(
@@ -268,7 +271,7 @@ impl BackendTask for Bench {
         println!("\n| small operation ({LAUNCHES} issued back to back) | host us per call | wall us per call (until synchronized) |");
         println!("|---|---:|---:|");
         let tiny = rand(vec![640], dt).reshape([1, 640]);
-        let weight = B::pack(rand(vec![64 * 640], dt).reshape([64, 640]));
+        let weight = B::upload_matrix(HostMatrix::Dense(rand(vec![64 * 640], dt).reshape([64, 640])), d);
         let norm_w = rand(vec![640], DType::F32);
         let cache = rand(vec![256 * 256], dt).reshape([1, 1, 256, 256]);
         let new_k = rand(vec![256], dt).reshape([1, 1, 1, 256]);
@@ -276,7 +279,9 @@ impl BackendTask for Bench {
         launch_cost::<B, _>(d, "burn mul_scalar (1 x 640)", || tiny.clone().mul_scalar(1.0));
         launch_cost::<B, _>(d, "softcap kernel (1 x 640)", || B::softcap(tiny.clone(), 30.0));
         launch_cost::<B, _>(d, "rms_norm kernel (1 x 640)", || B::rms_norm(tiny.clone(), norm_w.clone(), 1e-6));
-        launch_cost::<B, _>(d, "project GEMV kernel (640 -> 64)", || B::project(tiny.clone(), weight.clone()));
+        launch_cost::<B, _>(d, "project GEMV kernel (640 -> 64)", || {
+            B::project(tiny.clone(), &weight, Epilogue::Identity)
+        });
         launch_cost::<B, _>(d, "KV append: slice_assign one row", || {
             cache.clone().slice_assign([0..1, 0..1, 5..6, 0..256], new_k.clone())
         });

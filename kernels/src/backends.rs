@@ -1,14 +1,17 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, quant::kernel::Packed, AttentionMask, GemmaBackend, HostQuantized, Int8Kv, KvStore, QkvLayout,
-    QuantizedMatrix, SamplingParams,
+    cube, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Epilogue, GateUpLayout, GemmaBackend,
+    HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantizedMatrix, ReservedMemory, RopeTables,
+    SamplingParams,
 };
+use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use std::ops::Range;
 
 /// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
-/// operation's `kernel` module.
+/// operation's module.
 impl<R, F, I, BT> GemmaBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -16,60 +19,66 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernel, larger
-    /// ones to the backend's matmul, which wins once the weight is reused across rows.
-    fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
-            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), false))
-        } else {
-            crate::linear::reference(x, weight)
+    /// Dense weights packed; quantized codes packed into `u32` words, scales in f16 where the
+    /// device has it.
+    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Matrix<Self> {
+        match matrix {
+            HostMatrix::Dense(w) => Matrix::Dense(Param::from_tensor(cube::tensor(cube::float(w)))),
+            HostMatrix::Quantized(host) => {
+                let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
+                Matrix::Quantized(QuantizedMatrix::upload(&host, CodeLayout::Words, scale_dtype, device))
+            }
         }
     }
 
-    /// Decode-sized inputs: GELU in the GEMV's epilogue (one launch, half the output written);
-    /// larger ones: the backend's matmul, then one GELU kernel over the interleaved product.
-    fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS && x.dtype() == weight.dtype() {
-            cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(weight), true))
-        } else {
-            cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project(x, weight)), true))
+    /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernels, the
+    /// epilogue inside them (one launch, the GELU halving what is written); larger ones to the
+    /// backend's matmul (over the dequantized matrix for quantized weights), which wins once the
+    /// weight is reused across rows, then one GELU kernel over the interleaved product.
+    fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
+        let gemv_rows = x.dims()[0] <= crate::linear::GEMV_MAX_ROWS;
+        let product = match weight {
+            Matrix::Dense(w) if gemv_rows && x.dtype() == w.val().dtype() => {
+                return cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(w.val()), epilogue));
+            }
+            Matrix::Quantized(w) if gemv_rows => {
+                return cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(w), epilogue));
+            }
+            Matrix::Dense(w) => crate::linear::reference(x, w.val()),
+            Matrix::Quantized(w) => {
+                let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
+                crate::linear::reference(x, dense)
+            }
+        };
+        match epilogue {
+            Epilogue::Identity => product,
+            Epilogue::GeluPairs => {
+                cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(product), GateUpLayout::Pairs))
+            }
         }
     }
 
-    /// Codes packed into `u32` words; scales in f16 where the device has it.
-    fn upload_quantized(host: &HostQuantized, device: &Self::Device) -> QuantizedMatrix<Self> {
-        let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
-        QuantizedMatrix::upload(host, true, scale_dtype, device)
-    }
-
-    /// Decode-sized inputs read the codes directly; larger ones dequantize the matrix once and
-    /// use the backend's matmul.
-    fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        let packed = packed(weight);
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
-            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed, false))
-        } else {
-            let dense = cube::tensor(crate::quant::kernel::dequantize(&packed, x.dtype()));
-            crate::linear::reference(x, dense)
+    /// One kernel launch per table (dense or quantized); a table mixing the two (which the
+    /// loader never builds) gathers from the quantized blocks dequantized whole.
+    fn embed(table: &[Matrix<Self>], ids: Tensor<Self, 2, Int>, scale: f64, dtype: DType) -> Tensor<Self, 3> {
+        let quantized: Option<Vec<_>> = table
+            .iter()
+            .map(|block| match block {
+                Matrix::Quantized(q) => Some(packed(q)),
+                Matrix::Dense(_) => None,
+            })
+            .collect();
+        if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
+            return cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype));
         }
-    }
-
-    fn project_quantized_gelu_pairs(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        if x.dims()[0] <= crate::linear::GEMV_MAX_ROWS {
-            cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(weight), true))
-        } else {
-            cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(Self::project_quantized(x, weight)), true))
-        }
-    }
-
-    fn embed_quantized(
-        table: &[QuantizedMatrix<Self>],
-        ids: Tensor<Self, 2, Int>,
-        scale: f64,
-        dtype: DType,
-    ) -> Tensor<Self, 3> {
-        let blocks: Vec<_> = table.iter().map(packed).collect();
-        cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype))
+        let blocks = table
+            .iter()
+            .map(|block| match block {
+                Matrix::Dense(w) => cube::float(w.val()),
+                Matrix::Quantized(q) => crate::quant::kernel::dequantize(&packed(q), dtype),
+            })
+            .collect();
+        cube::tensor::<R, F, I, BT, 3>(crate::embedding::kernel::embed(blocks, cube::int(ids), scale)).cast(dtype)
     }
 
     fn rms_norm<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 1>, eps: f64) -> Tensor<Self, D> {
@@ -79,44 +88,35 @@ where
     fn add_rms_norm(
         residual: Tensor<Self, 3>,
         x: Tensor<Self, 3>,
-        x_weight: Option<Tensor<Self, 1>>,
-        weight: Tensor<Self, 1>,
-        eps: f64,
-        out_dtype: DType,
+        norms: &AddNorm<Self>,
     ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
         let residual = residual.cast(DType::F32);
-        let (sum, normed) = crate::rms_norm::kernel::add_rms_norm(
-            cube::float(residual),
-            cube::float(x),
-            x_weight.map(cube::float),
-            cube::float(weight),
-            eps,
-            out_dtype,
-        );
+        let norms = crate::rms_norm::kernel::AddNorm {
+            post: norms.post.clone().map(cube::float),
+            weight: cube::float(norms.weight.clone()),
+            eps: norms.eps,
+            out_dtype: norms.out_dtype,
+        };
+        let (sum, normed) = crate::rms_norm::kernel::add_rms_norm(cube::float(residual), cube::float(x), norms);
         (cube::tensor(sum), cube::tensor(normed))
     }
 
-    fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        cube::tensor(crate::gelu::kernel::gelu_mul(cube::float(gate), cube::float(up)))
+    fn gelu_mul(x: Tensor<Self, 3>, layout: GateUpLayout) -> Tensor<Self, 3> {
+        cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), layout))
     }
 
-    fn gelu_mul_halves(x: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), false))
-    }
-
-    fn rope(
+    fn qk_norm_rope(
         x: Tensor<Self, 4>,
-        cos: Tensor<Self, 2>,
-        sin: Tensor<Self, 2>,
-        offset: usize,
-        norm: Option<(Tensor<Self, 1>, f64)>,
+        tables: &RopeTables<Self>,
+        position: usize,
+        qk_norm: Option<(Tensor<Self, 1>, f64)>,
     ) -> Tensor<Self, 4> {
-        let norm = norm.map(|(w, eps)| (cube::float(w), eps));
+        let norm = qk_norm.map(|(w, eps)| (cube::float(w), eps));
         cube::tensor(crate::rope::kernel::rope(
             cube::float_strided(x),
-            cube::float(cos.cast(DType::F32)),
-            cube::float(sin.cast(DType::F32)),
-            offset,
+            cube::float(tables.cos.clone().cast(DType::F32)),
+            cube::float(tables.sin.clone().cast(DType::F32)),
+            position,
             norm,
         ))
     }
@@ -133,8 +133,8 @@ where
             heads: layout.heads,
             kv_heads: layout.kv_heads,
             head_dim: layout.head_dim,
-            cos: cube::float(layout.cos.clone().cast(DType::F32)),
-            sin: cube::float(layout.sin.clone().cast(DType::F32)),
+            cos: cube::float(layout.rope.cos.clone().cast(DType::F32)),
+            sin: cube::float(layout.rope.sin.clone().cast(DType::F32)),
             position: layout.position,
             norm: layout.norm.clone().map(|(q, k, eps)| (cube::float(q), cube::float(k), eps)),
         };
@@ -164,69 +164,60 @@ where
         cube::tensor(crate::softcap::kernel::softcap(cube::float(x), cap))
     }
 
-    fn embed(table: &[Tensor<Self, 2>], ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
-        let blocks = table.iter().map(|b| cube::float(b.clone())).collect();
-        cube::tensor(crate::embedding::kernel::embed(blocks, cube::int(ids), scale))
+    fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
+        let kv = match kv {
+            KvView::Dense { keys, values } => {
+                crate::attention::kernel::Kv::Dense { k: cube::float_strided(keys), v: cube::float_strided(values) }
+            }
+            KvView::Int8 { keys, values, len } => crate::attention::kernel::Kv::Int8 {
+                k_codes: cube::int(keys.codes.clone()),
+                k_scales: cube::float(keys.scales.clone()),
+                v_codes: cube::int(values.codes.clone()),
+                v_scales: cube::float(values.scales.clone()),
+                len,
+            },
+        };
+        cube::tensor(crate::attention::kernel::attention(cube::float_strided(q), kv, options))
     }
 
-    fn grouped_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        mask: AttentionMask,
-        scale: f64,
-        softcap: Option<f64>,
-    ) -> Tensor<Self, 4> {
-        let (q, k, v) = (cube::float_strided(q), cube::float_strided(k), cube::float_strided(v));
-        cube::tensor(crate::attention::kernel::attention(q, k, v, mask, scale, softcap))
-    }
-
-    fn pack<const D: usize>(weight: Tensor<Self, D>) -> Tensor<Self, D> {
-        cube::tensor(cube::float(weight))
-    }
-
-    /// Four codes per `u32` word: `[batch, kv_heads, slots, head_dim / 4]`.
-    fn kv_int8_zeros([b, h, slots, dim]: [usize; 4], device: &Self::Device) -> Int8Kv<Self> {
-        Int8Kv {
+    /// int8: four codes per `u32` word, `[batch, kv_heads, slots, head_dim / 4]`.
+    fn kv_zeros(shape: [usize; 4], format: KvFormat, device: &Self::Device) -> KvStore<Self> {
+        let [b, h, slots, dim] = shape;
+        let int8 = || Int8Kv {
             codes: Tensor::zeros([b, h, slots, dim / 4], (device, DType::U32)),
             scales: Tensor::zeros([b, h, slots], (device, DType::F32)),
-            shape: [b, h, slots, dim],
+            shape,
+        };
+        match format {
+            KvFormat::Dense(_) => crate::kv::zeros_reference(shape, format, device),
+            KvFormat::Int8 => KvStore::Int8 { keys: int8(), values: int8() },
         }
     }
 
-    /// Quantizes in place into the cache's buffers (the cache owns them).
-    fn kv_int8_store(cache: Int8Kv<Self>, x: Tensor<Self, 4>, slot: usize) -> Int8Kv<Self> {
-        let (codes, scales) = (cube::int(cache.codes), cube::float(cache.scales));
-        crate::kv_quant::kernel::store(cube::float_strided(x), &codes, &scales, slot);
-        Int8Kv { codes: cube::int_tensor(codes), scales: cube::tensor(scales), shape: cache.shape }
-    }
-
-    fn kv_int8_load(cache: &Int8Kv<Self>, range: std::ops::Range<usize>, dtype: DType) -> Tensor<Self, 4> {
-        let (codes, scales) = (cube::int(cache.codes.clone()), cube::float(cache.scales.clone()));
-        cube::tensor(crate::kv_quant::kernel::load(&codes, &scales, range.start, range.len(), dtype))
-    }
-
-    fn grouped_attention_int8(
-        q: Tensor<Self, 4>,
-        k: &Int8Kv<Self>,
-        v: &Int8Kv<Self>,
-        len: usize,
-        mask: AttentionMask,
-        scale: f64,
-        softcap: Option<f64>,
-    ) -> Tensor<Self, 4> {
-        let kv = crate::attention::kernel::Kv::Int8 {
-            k_codes: cube::int(k.codes.clone()),
-            k_scales: cube::float(k.scales.clone()),
-            v_codes: cube::int(v.codes.clone()),
-            v_scales: cube::float(v.scales.clone()),
-            len,
+    /// int8: quantized in place into the store's buffers (the store owns them).
+    fn kv_write(store: KvStore<Self>, keys: Tensor<Self, 4>, values: Tensor<Self, 4>, slot: usize) -> KvStore<Self> {
+        let write = |cache: Int8Kv<Self>, x: Tensor<Self, 4>| {
+            let (codes, scales) = (cube::int(cache.codes), cube::float(cache.scales));
+            crate::kv::int8::kernel::store(cube::float_strided(x), &codes, &scales, slot);
+            Int8Kv { codes: cube::int_tensor(codes), scales: cube::tensor(scales), shape: cache.shape }
         };
-        cube::tensor(crate::attention::kernel::attention_kv(cube::float_strided(q), kv, mask, scale, softcap))
+        match store {
+            KvStore::Dense { .. } => crate::kv::write_reference(store, keys, values, slot),
+            KvStore::Int8 { keys: cache_k, values: cache_v } => {
+                KvStore::Int8 { keys: write(cache_k, keys), values: write(cache_v, values) }
+            }
+        }
     }
 
-    fn memory_reserved(device: &Self::Device) -> Option<u64> {
-        R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+    fn kv_read(store: &KvStore<Self>, range: Range<usize>, dtype: DType) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        let read = |cache: &Int8Kv<Self>| {
+            let (codes, scales) = (cube::int(cache.codes.clone()), cube::float(cache.scales.clone()));
+            cube::tensor(crate::kv::int8::kernel::load(&codes, &scales, range.start, range.len(), dtype))
+        };
+        match store {
+            KvStore::Dense { .. } => crate::kv::read_reference(store, range.clone(), dtype),
+            KvStore::Int8 { keys, values } => (read(keys), read(values)),
+        }
     }
 
     fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
@@ -242,6 +233,18 @@ where
             cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
         };
         cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
+    }
+}
+
+impl<R, F, I, BT> ReservedMemory for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
     }
 }
 
@@ -272,10 +275,30 @@ where
 {
 }
 
+#[cfg(feature = "ndarray")]
+impl<E, I, Q> ReservedMemory for burn::backend::NdArray<E, I, Q>
+where
+    E: burn::backend::ndarray::FloatNdArrayElement,
+    I: burn::backend::ndarray::IntNdArrayElement,
+    Q: burn::backend::ndarray::QuantElement,
+    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>,
+    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<I>>,
+{
+}
+
 // burn-candle is deprecated upstream in Burn 0.21 but still a supported CPU backend here.
 #[cfg(feature = "candle")]
 #[allow(deprecated)]
 impl<F, I> GemmaBackend for burn::backend::Candle<F, I>
+where
+    F: burn::backend::candle::FloatCandleElement,
+    I: burn::backend::candle::IntCandleElement,
+{
+}
+
+#[cfg(feature = "candle")]
+#[allow(deprecated)]
+impl<F, I> ReservedMemory for burn::backend::Candle<F, I>
 where
     F: burn::backend::candle::FloatCandleElement,
     I: burn::backend::candle::IntCandleElement,

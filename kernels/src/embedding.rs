@@ -1,6 +1,37 @@
 //! Scaled embedding gather over a table stored as row blocks.
 
-use burn::tensor::{backend::Backend, Int, Tensor};
+use crate::{quant, Matrix};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
+
+/// Reference over a table of [`Matrix`] row blocks, in `dtype`: a quantized table gathers and
+/// dequantizes only the rows asked for ([`quant::embed_reference`]); a dense one (or one mixing
+/// dense and quantized blocks, which the loader never builds: the quantized blocks are then
+/// dequantized whole) gathers with [`reference`].
+pub fn table_reference<B: Backend>(
+    table: &[Matrix<B>],
+    ids: Tensor<B, 2, Int>,
+    scale: f64,
+    dtype: DType,
+) -> Tensor<B, 3> {
+    let quantized: Option<Vec<_>> = table
+        .iter()
+        .map(|block| match block {
+            Matrix::Quantized(q) => Some(q),
+            Matrix::Dense(_) => None,
+        })
+        .collect();
+    if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
+        return quant::embed_reference(&blocks, ids, scale, dtype);
+    }
+    let blocks: Vec<Tensor<B, 2>> = table
+        .iter()
+        .map(|block| match block {
+            Matrix::Dense(w) => w.val(),
+            Matrix::Quantized(q) => quant::dequantize_reference(q, dtype),
+        })
+        .collect();
+    reference(&blocks, ids, scale).cast(dtype)
+}
 
 /// Reference: `table[ids] * scale`. Each block gathers the ids that fall in its rows (others
 /// are clamped and zeroed), and the blocks' contributions are summed.
@@ -139,7 +170,7 @@ mod tests {
 #[cfg(test)]
 mod gpu {
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::GemmaBackend;
+    use crate::{GemmaBackend, HostMatrix};
     use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 
     /// Unequal row blocks, ids at block edges, and a single-block table.
@@ -153,15 +184,17 @@ mod gpu {
                 .map(|i| ((seed as i64).wrapping_mul(2_654_435_761).wrapping_add(i * 7919)).rem_euclid(vocab as i64)),
         );
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [3, 7]), device);
+        let upload = |t: Tensor<B, 2>| B::upload_matrix(HostMatrix::Dense(t), device);
         let blocks: Vec<_> =
-            [0..300, 300..700, 700..1001].into_iter().map(|r| table.clone().slice([r, 0..hidden])).collect();
+            [0..300, 300..700, 700..1001].into_iter().map(|r| upload(table.clone().slice([r, 0..hidden]))).collect();
         let scale = (hidden as f64).sqrt();
         let expected = super::reference(&[table.clone().cast(DType::F32)], ids.clone(), scale);
-        let got = B::embed(&blocks, ids.clone(), scale);
+        let got = B::embed(&blocks, ids.clone(), scale, dtype);
         assert_eq!(got.dtype(), dtype);
         // The kernel rounds the scale to the table dtype (as HF does); allow for that in bf16.
         assert_close(got, expected.clone(), 2.0 * tolerance(dtype), "embed (3 blocks)");
-        assert_close(B::embed(&[table], ids, scale), expected, 2.0 * tolerance(dtype), "embed (1 block)");
+        let whole = B::embed(&[upload(table)], ids, scale, dtype);
+        assert_close(whole, expected, 2.0 * tolerance(dtype), "embed (1 block)");
     }
 
     gpu_tests!(embed_matches_reference => embed);

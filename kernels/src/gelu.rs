@@ -7,9 +7,28 @@ pub fn reference<B: Backend>(gate: Tensor<B, 3>, up: Tensor<B, 3>) -> Tensor<B, 
     gelu_approximate(gate) * up
 }
 
-/// Reference for a joined projection: `x` is `[..., 2m]` with the gate in the first `m` columns
-/// and the up projection in the last `m`; returns `[..., m]`.
-pub fn halves_reference<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
+/// Where the gate and up columns sit in a joined gate/up projection of width `2m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateUpLayout {
+    /// The gate in the first `m` columns, the up projection in the last `m`.
+    Halves,
+    /// Interleaved in blocks of [`PAIR_BLOCK`] ([`interleave_pairs`]).
+    Pairs,
+}
+
+/// Reference for a joined projection `x` (`[batch, seq, 2m]`, laid out as `layout` says):
+/// `gelu_tanh(gate) * up`, `[batch, seq, m]`.
+pub fn joined_reference<B: Backend>(x: Tensor<B, 3>, layout: GateUpLayout) -> Tensor<B, 3> {
+    match layout {
+        GateUpLayout::Halves => halves_reference(x),
+        GateUpLayout::Pairs => {
+            let [batch, seq, width] = x.dims();
+            pairs_reference(x.reshape([batch * seq, width])).reshape([batch, seq, width / 2])
+        }
+    }
+}
+
+fn halves_reference<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
     let [batch, seq, width] = x.dims();
     let m = width / 2;
     let gate = x.clone().slice([0..batch, 0..seq, 0..m]);
@@ -18,7 +37,7 @@ pub fn halves_reference<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
 }
 
 /// Rows per block when the gate and up projections are interleaved for
-/// [`crate::GemmaBackend::project_gelu_pairs`]: rows `8j..8j+4` of the joined matrix are gate rows
+/// [`crate::Epilogue::GeluPairs`]: rows `8j..8j+4` of the joined matrix are gate rows
 /// `4j..4j+4`, rows `8j+4..8j+8` the up rows of the same features, so one GEMV cube (8 rows) holds
 /// both halves of its 4 output features.
 pub const PAIR_BLOCK: usize = 4;
@@ -52,7 +71,7 @@ pub fn pairs_reference<B: Backend>(y: Tensor<B, 2>) -> Tensor<B, 2> {
 
 /// CubeCL kernels: one unit per output element, computed in f32.
 pub(crate) mod kernel {
-    use super::PAIR_BLOCK;
+    use super::{GateUpLayout, PAIR_BLOCK};
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -63,15 +82,6 @@ pub(crate) mod kernel {
         // sqrt(2 / pi)
         let inner = 0.797_884_6f32 * (g + 0.044715f32 * g * g * g);
         0.5f32 * g * (1.0f32 + tanh_f32(inner)) * u
-    }
-
-    #[cube(launch)]
-    fn gelu_mul_kernel<F: Float>(gate: &Array<F>, up: &Array<F>, out: &mut Array<F>, #[define(F)] _dtype: StorageType) {
-        let i = unit_index();
-        if i >= out.len() {
-            terminate!();
-        }
-        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up[i])));
     }
 
     /// `x`: rows of `2 * m` values, the gate then the up projection, or with `pairs` the two
@@ -99,8 +109,8 @@ pub(crate) mod kernel {
         out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + up])));
     }
 
-    /// `x`: contiguous `[..., 2m]`, gate then up (or with `pairs`, interleaved); returns `[..., m]`.
-    pub fn gelu_mul_joined<R: CubeRuntime>(x: CubeTensor<R>, pairs: bool) -> CubeTensor<R> {
+    /// `x`: contiguous `[..., 2m]` laid out as `layout` says; returns `[..., m]`.
+    pub fn gelu_mul_joined<R: CubeRuntime>(x: CubeTensor<R>, layout: GateUpLayout) -> CubeTensor<R> {
         let mut shape = x.meta.shape().clone();
         let last = shape.num_dims() - 1;
         let m = shape[last] / 2;
@@ -119,29 +129,7 @@ pub(crate) mod kernel {
             x.clone().into_array_arg(),
             out.clone().into_array_arg(),
             m as u32,
-            pairs,
-            dtype,
-        );
-        out
-    }
-
-    /// `gate`, `up`: contiguous, same shape and dtype.
-    pub fn gelu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
-        let shape = gate.meta.shape().clone();
-        let out = empty(&gate, shape.clone(), gate.dtype);
-        let elements = shape.num_elements();
-        if elements == 0 {
-            return out;
-        }
-        let (count, dim) = elementwise(elements, 256);
-        let dtype = gate.dtype.into();
-        gelu_mul_kernel::launch::<R>(
-            &gate.client,
-            count,
-            dim,
-            gate.clone().into_array_arg(),
-            up.into_array_arg(),
-            out.clone().into_array_arg(),
+            layout == GateUpLayout::Pairs,
             dtype,
         );
         out
@@ -150,33 +138,35 @@ pub(crate) mod kernel {
 
 #[cfg(test)]
 mod gpu {
+    use super::{GateUpLayout, PAIR_BLOCK};
     use crate::gpu_test::{assert_close, seed, tolerance};
     use crate::quant::check::{host, values};
-    use crate::{GemmaBackend, HostQuantized, QuantFormat};
+    use crate::{Epilogue, GemmaBackend, HostMatrix, HostQuantized, QuantFormat};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
-    /// Odd sizes, Gemma's intermediate widths, and gate values large enough to saturate tanh.
+    /// Both joined layouts on odd sizes and Gemma's intermediate widths (the two halves must not
+    /// be mixed up), with gate values large enough to saturate tanh.
     pub fn gelu_mul<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "gelu_mul");
-        for (shape, spread) in [([1, 1, 2048], 1.0), ([2, 7, 6912], 3.0), ([1, 3, 1001], 25.0), ([3, 1, 10240], 1.0)] {
+        let cases =
+            [([1, 1, 2048], 1.0), ([2, 7, 6912], 3.0), ([1, 3, 1001], 25.0), ([3, 1, 10240], 1.0), ([2, 3, 36], 2.0)];
+        for (shape, spread) in cases {
             let gate = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, spread), device).cast(dtype);
             let up = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
-            let got = B::gelu_mul(gate.clone(), up.clone());
-            assert_eq!(got.dtype(), dtype);
-            let expected = super::reference(gate.cast(DType::F32), up.cast(DType::F32));
-            assert_close(got, expected, tolerance(dtype), &format!("gelu_mul {shape:?} (gate std {spread})"));
-        }
-    }
-
-    /// The joined form on odd widths (the two halves must not be mixed up).
-    pub fn gelu_mul_halves<B: GemmaBackend>(device: &B::Device, dtype: DType) {
-        seed::<B>(device, "gelu_mul_halves");
-        for shape in [[1, 1, 2 * 1152], [2, 3, 2 * 37], [1, 5, 2 * 6912]] {
-            let x = Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 2.0), device).cast(dtype);
-            let got = B::gelu_mul_halves(x.clone());
-            assert_eq!((got.dims(), got.dtype()), ([shape[0], shape[1], shape[2] / 2], dtype));
-            let expected = super::halves_reference(x.cast(DType::F32));
-            assert_close(got, expected, tolerance(dtype), &format!("gelu_mul_halves {shape:?}"));
+            let expected = super::reference(gate.clone().cast(DType::F32), up.clone().cast(DType::F32));
+            let [batch, seq, m] = shape;
+            let mut joined = vec![(GateUpLayout::Halves, Tensor::cat(vec![gate.clone(), up.clone()], 2))];
+            if m % PAIR_BLOCK == 0 {
+                let blocks = |t: Tensor<B, 3>| t.reshape([batch, seq, m / PAIR_BLOCK, PAIR_BLOCK]);
+                let pairs = Tensor::cat(vec![blocks(gate.clone()), blocks(up.clone())], 3).reshape([batch, seq, 2 * m]);
+                joined.push((GateUpLayout::Pairs, pairs));
+            }
+            for (layout, x) in joined {
+                let got = B::gelu_mul(x, layout);
+                assert_eq!((got.dims(), got.dtype()), (shape, dtype));
+                let what = format!("gelu_mul {layout:?} {shape:?} (gate std {spread})");
+                assert_close(got, expected.clone(), tolerance(dtype), &what);
+            }
         }
     }
 
@@ -219,7 +209,8 @@ mod gpu {
             let up = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let expected =
                 expected_pairs::<B>(&host(x.clone()), &host(gate.clone()), &host(up.clone()), [n, inp, m], device);
-            let got = B::project_gelu_pairs(x.clone(), super::interleave_pairs(gate, up));
+            let joined = B::upload_matrix(HostMatrix::Dense(super::interleave_pairs(gate, up)), device);
+            let got = B::project(x.clone(), &joined, Epilogue::GeluPairs);
             assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
             assert_close(got, expected, tol, &format!("dense gelu pairs {n}x{inp} -> {m}"));
             // Block-quantized weights, interleaved on the host.
@@ -229,7 +220,8 @@ mod gpu {
                 let expected =
                     expected_pairs::<B>(&host(x.clone()), &gate.dequantize(), &up.dequantize(), [n, inp, m], device);
                 let joined = HostQuantized::interleave_pairs(gate, up, super::PAIR_BLOCK).expect("same shapes");
-                let got = B::project_quantized_gelu_pairs(x.clone(), &B::upload_quantized(&joined, device));
+                let joined = B::upload_matrix(HostMatrix::Quantized(joined), device);
+                let got = B::project(x.clone(), &joined, Epilogue::GeluPairs);
                 assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
                 assert_close(got, expected, tol, &format!("{format} gelu pairs {n}x{inp} -> {m}"));
             }
@@ -238,7 +230,6 @@ mod gpu {
 
     gpu_tests!(
         gelu_mul_matches_reference => gelu_mul,
-        gelu_mul_halves_matches_reference => gelu_mul_halves,
         project_gelu_pairs_matches_host => project_gelu_pairs,
     );
 }

@@ -22,8 +22,9 @@ pub(crate) mod gpu_test;
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
-pub mod kv_quant;
+pub mod kv;
 pub mod linear;
+pub mod matrix;
 pub mod qkv;
 pub mod quant;
 pub mod rms_norm;
@@ -34,56 +35,53 @@ pub mod softcap;
 mod backends;
 mod cube;
 
-pub use attention::AttentionMask;
-pub use kv_quant::Int8Kv;
-pub use qkv::{KvStore, QkvLayout};
+pub use attention::{AttentionMask, AttentionOptions};
+pub use gelu::GateUpLayout;
+pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
+pub use matrix::{Epilogue, HostMatrix, Matrix};
+pub use qkv::QkvLayout;
 pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
+pub use rms_norm::AddNorm;
+pub use rope::RopeTables;
 pub use sampling::SamplingParams;
 
-use burn::tensor::{backend::Backend, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use std::ops::Range;
+
+/// Device memory the backend's allocator holds, where it reports it.
+pub trait ReservedMemory: Backend {
+    /// Bytes currently reserved on `device` (`None` for host backends).
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+}
 
 /// The operations a Gemma forward pass accelerates.
 ///
-/// Implemented for every backend the crate supports; see the crate docs.
-pub trait GemmaBackend: Backend {
-    /// `x [n, in] @ weight[out, in]^T -> [n, out]`, the weight in its checkpoint layout.
-    fn project(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        linear::reference(x, weight)
+/// Each method takes what it reads as one type whatever its storage: a [`Matrix`] (dense or
+/// quantized), a [`KvStore`] or [`KvView`] (dense or int8), [`AttentionOptions`]. Implemented for
+/// every backend the crate supports; see the crate docs.
+pub trait GemmaBackend: ReservedMemory {
+    /// Puts a checkpoint matrix in the layout this backend's kernels read, once at load: dense
+    /// weights packed (CubeCL pads the rows of `[rows, cols]` allocations to an aligned pitch,
+    /// which a kernel would otherwise copy away on every call), quantized ones with their codes
+    /// in the backend's layout (the reference keeps one `U8` code per weight and f32 scales).
+    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Matrix<Self> {
+        matrix::upload_reference(matrix, device)
     }
 
-    /// Uploads a host-quantized matrix in the code layout this backend's kernels read (the
-    /// reference keeps one `U8` code per weight and f32 scales).
-    fn upload_quantized(host: &HostQuantized, device: &Self::Device) -> QuantizedMatrix<Self> {
-        QuantizedMatrix::upload(host, false, burn::tensor::DType::F32, device)
+    /// `x [n, in] @ weight^T` in `x`'s dtype, then `epilogue`: `[n, out]`, or `[n, out / 2]` for
+    /// [`Epilogue::GeluPairs`].
+    fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
+        matrix::reference(x, weight, epilogue)
     }
 
-    /// `x [n, in] @ dequantize(weight)^T -> [n, out]` in `x`'s dtype, `weight` from
-    /// [`GemmaBackend::upload_quantized`].
-    fn project_quantized(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        quant::project_reference(x, weight)
-    }
-
-    /// [`GemmaBackend::embed`] over a quantized table, returning `dtype`.
-    fn embed_quantized(
-        table: &[QuantizedMatrix<Self>],
-        ids: Tensor<Self, 2, Int>,
-        scale: f64,
-        dtype: burn::tensor::DType,
-    ) -> Tensor<Self, 3> {
-        quant::embed_reference(table, ids, scale, dtype)
-    }
-
-    /// `gelu_tanh(gate) * up` straight from the joined gate/up product: `weight` `[2m, in]` holds
-    /// the gate and up rows interleaved in blocks of [`gelu::PAIR_BLOCK`]
-    /// ([`gelu::interleave_pairs`], `m` a multiple of it); `x [n, in]` -> `[n, m]`.
-    fn project_gelu_pairs(x: Tensor<Self, 2>, weight: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        gelu::pairs_reference(Self::project(x, weight))
-    }
-
-    /// [`GemmaBackend::project_gelu_pairs`] through a quantized matrix whose rows are interleaved
-    /// likewise ([`HostQuantized::interleave_pairs`]).
-    fn project_quantized_gelu_pairs(x: Tensor<Self, 2>, weight: &QuantizedMatrix<Self>) -> Tensor<Self, 2> {
-        gelu::pairs_reference(Self::project_quantized(x, weight))
+    /// Embedding gather scaled by `scale`: `table[ids] * scale` in `dtype`.
+    ///
+    /// - `table`: the `[vocab, hidden]` table as consecutive row blocks (GPU APIs cap the size
+    ///   of one buffer); `ids`: `[batch, seq]`; returns `[batch, seq, hidden]`.
+    fn embed(table: &[Matrix<Self>], ids: Tensor<Self, 2, Int>, scale: f64, dtype: DType) -> Tensor<Self, 3> {
+        embedding::table_reference(table, ids, scale, dtype)
     }
 
     /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * (1 + weight)`, computed in
@@ -94,50 +92,38 @@ pub trait GemmaBackend: Backend {
         rms_norm::reference(x, weight, eps)
     }
 
-    /// Residual add fused with RMSNorm: returns `(residual + x, rms_norm(residual + x))`.
+    /// Residual add fused with RMSNorm: returns `(residual + x', norm(residual + x'))` where `x'`
+    /// is `x` normalized by `norms.post` when given.
     ///
     /// - `residual`: `[batch, seq, hidden]` in f32 (the residual stream);
     /// - `x`: `[batch, seq, hidden]` in the activation dtype;
-    /// - `x_weight`: a norm applied to `x` first (Gemma 2/3's post-attention and post-MLP norms),
-    ///   its output rounded to `x`'s dtype; both norms use `eps`;
-    /// - returns the new residual (f32) and the normalized value cast to `out_dtype`.
+    /// - returns the new residual (f32) and the normalized value in `norms.out_dtype`.
     fn add_rms_norm(
         residual: Tensor<Self, 3>,
         x: Tensor<Self, 3>,
-        x_weight: Option<Tensor<Self, 1>>,
-        weight: Tensor<Self, 1>,
-        eps: f64,
-        out_dtype: burn::tensor::DType,
+        norms: &AddNorm<Self>,
     ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
-        rms_norm::add_reference(residual, x, x_weight, weight, eps, out_dtype)
+        rms_norm::add_reference(residual, x, norms)
     }
 
-    /// `gelu_tanh(gate) * up`, elementwise. Shapes `[batch, seq, intermediate]`.
-    fn gelu_mul(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        gelu::reference(gate, up)
+    /// `gelu_tanh(gate) * up` of a joined gate/up projection `x` `[batch, seq, 2m]` laid out as
+    /// `layout` says; returns `[batch, seq, m]`.
+    fn gelu_mul(x: Tensor<Self, 3>, layout: GateUpLayout) -> Tensor<Self, 3> {
+        gelu::joined_reference(x, layout)
     }
 
-    /// [`GemmaBackend::gelu_mul`] of a joined gate/up projection: `x` is `[batch, seq, 2m]`
-    /// (gate in the first `m` columns, up in the last `m`); returns `[batch, seq, m]`.
-    fn gelu_mul_halves(x: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        gelu::halves_reference(x)
-    }
-
-    /// Rotary position embedding (rotate-half layout), optionally preceded by a per-head RMSNorm
-    /// (Gemma 3's QK-norm).
+    /// Rotary position embedding (rotate-half layout), preceded by a per-head RMSNorm when
+    /// `qk_norm` (`(weight [head_dim], eps)`, Gemma 3's QK-norm) is given.
     ///
-    /// - `x`: `[batch, heads, seq, head_dim]`;
-    /// - `cos`, `sin`: `[max_positions, head_dim / 2]` (f32) tables, theta and scaling applied;
-    /// - `offset`: absolute position of `x`'s first row;
-    /// - `norm`: `(weight [head_dim], eps)` for QK-norm.
-    fn rope(
+    /// - `x`: `[batch, heads, seq, head_dim]`, its first row at absolute position `position`;
+    /// - `tables`: the layer type's [`RopeTables`].
+    fn qk_norm_rope(
         x: Tensor<Self, 4>,
-        cos: Tensor<Self, 2>,
-        sin: Tensor<Self, 2>,
-        offset: usize,
-        norm: Option<(Tensor<Self, 1>, f64)>,
+        tables: &RopeTables<Self>,
+        position: usize,
+        qk_norm: Option<(Tensor<Self, 1>, f64)>,
     ) -> Tensor<Self, 4> {
-        rope::reference(x, cos, sin, offset, norm)
+        rope::reference(x, tables.cos.clone(), tables.sin.clone(), position, qk_norm)
     }
 
     /// One decode position of an attention layer after its joined `q | k | v` projection:
@@ -160,80 +146,39 @@ pub trait GemmaBackend: Backend {
         softcap::reference(x, cap)
     }
 
-    /// Embedding gather scaled by `scale`: `table[ids] * scale`, in the table's dtype.
-    ///
-    /// - `table`: the `[vocab, hidden]` table as consecutive row blocks (GPU APIs cap the size
-    ///   of one buffer); `ids`: `[batch, seq]`; returns `[batch, seq, hidden]`.
-    fn embed(table: &[Tensor<Self, 2>], ids: Tensor<Self, 2, Int>, scale: f64) -> Tensor<Self, 3> {
-        embedding::reference(table, ids, scale)
-    }
-
     /// Scaled dot-product attention with grouped KV heads, causal and sliding-window masking and
-    /// optional logit softcapping. Softmax in f32.
+    /// optional logit softcapping, softmax in f32, over dense or int8 keys and values (the
+    /// kernels read int8 codes directly).
     ///
-    /// - `q`: `[batch, q_heads, q_len, head_dim]`;
-    /// - `k`, `v`: `[batch, kv_heads, k_len, head_dim]` with `q_heads % kv_heads == 0`;
-    /// - returns `[batch, q_heads, q_len, head_dim]`.
-    fn grouped_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        mask: AttentionMask,
-        scale: f64,
-        softcap: Option<f64>,
-    ) -> Tensor<Self, 4> {
-        attention::reference(q, k, v, mask, scale, softcap)
+    /// - `q`: `[batch, q_heads, q_len, head_dim]`; `kv`: `kv_heads` heads with `q_heads %
+    ///   kv_heads == 0`; returns `[batch, q_heads, q_len, head_dim]` in `q`'s dtype.
+    fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
+        let (keys, values) = match kv {
+            KvView::Dense { keys, values } => (keys, values),
+            KvView::Int8 { keys, values, len } => {
+                let store = KvStore::Int8 { keys: keys.clone(), values: values.clone() };
+                Self::kv_read(&store, 0..len, q.dtype())
+            }
+        };
+        attention::reference(q, keys, values, options)
     }
 
-    /// An int8 KV store of `shape` = `[batch, kv_heads, slots, head_dim]` (`head_dim` a
+    /// A store of `shape` = `[batch, kv_heads, slots, head_dim]` in `format` (int8: `head_dim` a
     /// multiple of 4), every slot zero.
-    fn kv_int8_zeros(shape: [usize; 4], device: &Self::Device) -> Int8Kv<Self> {
-        kv_quant::zeros_reference(shape, device)
+    fn kv_zeros(shape: [usize; 4], format: KvFormat, device: &Self::Device) -> KvStore<Self> {
+        kv::zeros_reference(shape, format, device)
     }
 
-    /// Quantizes `x` (`[batch, kv_heads, t, head_dim]`) into slots `slot..slot + t`, one scale
-    /// per (sequence, head, position).
-    fn kv_int8_store(cache: Int8Kv<Self>, x: Tensor<Self, 4>, slot: usize) -> Int8Kv<Self> {
-        kv_quant::store_reference(cache, x, slot)
+    /// Writes `keys` and `values` (`[batch, kv_heads, t, head_dim]`) into slots `slot..slot + t`
+    /// (cast to the store's dtype, or quantized with one scale per (sequence, head, position)).
+    fn kv_write(store: KvStore<Self>, keys: Tensor<Self, 4>, values: Tensor<Self, 4>, slot: usize) -> KvStore<Self> {
+        kv::write_reference(store, keys, values, slot)
     }
 
-    /// Slots `range` dequantized to `dtype`: `[batch, kv_heads, range.len(), head_dim]`.
-    fn kv_int8_load(
-        cache: &Int8Kv<Self>,
-        range: std::ops::Range<usize>,
-        dtype: burn::tensor::DType,
-    ) -> Tensor<Self, 4> {
-        kv_quant::load_reference(cache, range, dtype)
-    }
-
-    /// [`GemmaBackend::grouped_attention`] over the first `len` slots of int8 keys and values;
-    /// returns `q`'s dtype. The CubeCL kernel reads the codes directly.
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_attention_int8(
-        q: Tensor<Self, 4>,
-        k: &Int8Kv<Self>,
-        v: &Int8Kv<Self>,
-        len: usize,
-        mask: AttentionMask,
-        scale: f64,
-        softcap: Option<f64>,
-    ) -> Tensor<Self, 4> {
-        let dtype = q.dtype();
-        let (k, v) = (Self::kv_int8_load(k, 0..len, dtype), Self::kv_int8_load(v, 0..len, dtype));
-        Self::grouped_attention(q, k, v, mask, scale, softcap)
-    }
-
-    /// A weight in the layout the kernels read fastest, done once at load: CubeCL allocates
-    /// `[rows, cols]` tensors with rows padded to an aligned pitch, which the kernels would
-    /// otherwise copy to a packed layout on every call.
-    fn pack<const D: usize>(weight: Tensor<Self, D>) -> Tensor<Self, D> {
-        weight
-    }
-
-    /// Device memory currently reserved by the backend's allocator, in bytes, where the backend
-    /// reports it (`None` for host backends).
-    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
-        None
+    /// Slots `range` of the keys and values in `dtype`: `[batch, kv_heads, range.len(),
+    /// head_dim]` each.
+    fn kv_read(store: &KvStore<Self>, range: Range<usize>, dtype: DType) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        kv::read_reference(store, range, dtype)
     }
 
     /// Picks one token per row of `logits` (`[batch, vocab]`, f32) with `params`, using
@@ -242,8 +187,7 @@ pub trait GemmaBackend: Backend {
     fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
         let [batch, vocab] = logits.dims();
         let device = logits.device();
-        let values =
-            logits.cast(burn::tensor::DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let values = logits.cast(DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
         let ids: Vec<i64> = (0..batch)
             .map(|r| {
                 let row = values.get(r * vocab..(r + 1) * vocab).unwrap_or(&[]);

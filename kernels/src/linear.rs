@@ -23,6 +23,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
     use crate::gelu::kernel::gelu_mul_f32;
+    use crate::Epilogue;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -173,9 +174,10 @@ pub(crate) mod kernel {
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
-    /// dtype. Returns `[n, out]`, or with `pairs` (gate and up rows interleaved, `out` a
-    /// multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, pairs: bool) -> CubeTensor<R> {
+    /// dtype. Returns `[n, out]`, or for [`Epilogue::GeluPairs`] (gate and up rows interleaved,
+    /// `out` a multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`.
+    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, epilogue: Epilogue) -> CubeTensor<R> {
+        let pairs = epilogue == Epilogue::GeluPairs;
         let [n, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
         let out_features = w.meta.shape()[0];
         let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
@@ -206,7 +208,7 @@ pub(crate) mod kernel {
 #[cfg(test)]
 mod gpu {
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::GemmaBackend;
+    use crate::{Epilogue, GemmaBackend, HostMatrix};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// 1 to 8 activation rows (the kernel) and 9 (the matmul path), odd and Gemma sizes.
@@ -223,7 +225,8 @@ mod gpu {
         ] {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
-            let got = B::project(x.clone(), w.clone());
+            let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), device);
+            let got = B::project(x.clone(), &matrix, Epilogue::Identity);
             assert_eq!(got.dtype(), dtype);
             let expected = host_product(x, host(w), device);
             // Sums of hundreds of products: scale the tolerance with the input width.

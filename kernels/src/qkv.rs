@@ -6,17 +6,8 @@
 //! Unfused, this is two RoPE launches, two cache writes and the copies that split the
 //! projection; decode issues it once per layer and token, so the launches are what it costs.
 
-use crate::{rope, GemmaBackend, Int8Kv};
-use burn::tensor::{backend::Backend, s, Tensor};
-
-/// The keys and values of one layer: `[batch, kv_heads, slots, head_dim]`.
-#[derive(Debug, Clone)]
-pub enum KvStore<B: Backend> {
-    /// Dense in the tensors' dtype.
-    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
-    /// int8 codes with a scale per (sequence, head, slot).
-    Int8 { keys: Int8Kv<B>, values: Int8Kv<B> },
-}
+use crate::{rope, GemmaBackend, KvStore, RopeTables};
+use burn::tensor::{backend::Backend, Tensor};
 
 /// How to read a joined projection and where it sits.
 #[derive(Debug, Clone)]
@@ -24,9 +15,8 @@ pub struct QkvLayout<B: Backend> {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// RoPE tables `[max_positions, head_dim / 2]` (f32) of the layer.
-    pub cos: Tensor<B, 2>,
-    pub sin: Tensor<B, 2>,
+    /// The layer type's RoPE tables.
+    pub rope: RopeTables<B>,
     /// Absolute position of the token (its row of the tables).
     pub position: usize,
     /// QK-norm: query weight, key weight (`[head_dim]`, f32) and epsilon.
@@ -41,8 +31,7 @@ impl<B: Backend> QkvLayout<B> {
 }
 
 /// Reference: splits with slices, rotates with [`rope::reference`], and writes the store with
-/// `slice_assign` (dense) or [`GemmaBackend::kv_int8_store`] (int8, whose layout is the
-/// backend's).
+/// [`GemmaBackend::kv_write`] (whose int8 layout is the backend's).
 ///
 /// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence;
 /// - returns the queries `[batch, heads, 1, head_dim]` and the store with slot `slot` written.
@@ -60,23 +49,13 @@ pub fn reference<B: GemmaBackend>(
         Some((q, k, eps)) => (Some((q.clone(), *eps)), Some((k.clone(), *eps))),
         None => (None, None),
     };
-    let rotate =
-        |x: Tensor<B, 4>, norm| rope::reference(x, layout.cos.clone(), layout.sin.clone(), layout.position, norm);
+    let rotate = |x: Tensor<B, 4>, norm| {
+        rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), layout.position, norm)
+    };
     let q = rotate(part(0, layout.heads), q_norm);
     let k = rotate(part(layout.heads, layout.kv_heads), k_norm);
     let v = part(layout.heads + layout.kv_heads, layout.kv_heads);
-    let store = match store {
-        KvStore::Dense { keys, values } => {
-            let dtype = keys.dtype();
-            KvStore::Dense {
-                keys: keys.slice_assign(s![.., .., slot..slot + 1, ..], k.cast(dtype)),
-                values: values.slice_assign(s![.., .., slot..slot + 1, ..], v.cast(dtype)),
-            }
-        }
-        KvStore::Int8 { keys, values } => {
-            KvStore::Int8 { keys: B::kv_int8_store(keys, k, slot), values: B::kv_int8_store(values, v, slot) }
-        }
-    };
+    let store = B::kv_write(store, k, v, slot);
     (q, store)
 }
 
@@ -88,7 +67,7 @@ pub fn reference<B: GemmaBackend>(
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
-    use crate::kv_quant::kernel::placed;
+    use crate::kv::int8::kernel::placed;
     use crate::rms_norm::kernel::row_inv_rms;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -433,15 +412,15 @@ pub(crate) mod kernel {
 
 #[cfg(test)]
 mod gpu {
-    use super::{KvStore, QkvLayout};
+    use super::QkvLayout;
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::{rope, GemmaBackend};
+    use crate::{rope, GemmaBackend, KvFormat, KvStore, RopeTables};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// Two independent stores holding the same earlier rows (the kernels write in place, so
     /// the reference needs its own buffers).
     fn stores<B: GemmaBackend>(
-        int8: bool,
+        format: KvFormat,
         shape: [usize; 4],
         dtype: DType,
         device: &B::Device,
@@ -451,27 +430,14 @@ mod gpu {
         let make = || {
             let (k, v) =
                 (Tensor::<B, 4>::from_data(keys.clone(), device), Tensor::<B, 4>::from_data(values.clone(), device));
-            if int8 {
-                KvStore::Int8 {
-                    keys: B::kv_int8_store(B::kv_int8_zeros(shape, device), k, 0),
-                    values: B::kv_int8_store(B::kv_int8_zeros(shape, device), v, 0),
-                }
-            } else {
-                KvStore::Dense { keys: k, values: v }
-            }
+            B::kv_write(B::kv_zeros(shape, format, device), k, v, 0)
         };
         (make(), make())
     }
 
     /// Every slot of a store, dequantized to f32.
-    fn contents<B: GemmaBackend>(store: KvStore<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        match store {
-            KvStore::Dense { keys, values } => (keys.cast(DType::F32), values.cast(DType::F32)),
-            KvStore::Int8 { keys, values } => {
-                let slots = keys.shape[2];
-                (B::kv_int8_load(&keys, 0..slots, DType::F32), B::kv_int8_load(&values, 0..slots, DType::F32))
-            }
-        }
+    fn contents<B: GemmaBackend>(store: &KvStore<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        B::kv_read(&store, 0..store.shape()[2], DType::F32)
     }
 
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
@@ -491,20 +457,20 @@ mod gpu {
                     heads,
                     kv_heads,
                     head_dim: dim,
-                    cos: table(cos.clone()),
-                    sin: table(sin.clone()),
+                    rope: RopeTables { cos: table(cos.clone()), sin: table(sin.clone()) },
                     position,
                     norm: norm.then(|| (weight(), weight(), 1e-6)),
                 };
                 let qkv =
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
-                let (store, reference_store) = stores::<B>(int8, [batch, kv_heads, slots, dim], dtype, device);
+                let format = if int8 { KvFormat::Int8 } else { KvFormat::Dense(dtype) };
+                let (store, reference_store) = stores::<B>(format, [batch, kv_heads, slots, dim], dtype, device);
                 let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store, slot);
                 let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store, slot);
                 let what = format!("qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm} int8 {int8}");
                 assert_eq!(q.dtype(), dtype, "{what}");
                 assert_close(q, q_ref, tolerance(dtype), &format!("{what}: queries"));
-                let ((k, v), (k_ref, v_ref)) = (contents(store), contents(reference_store));
+                let ((k, v), (k_ref, v_ref)) = (contents(&store), contents(&reference_store));
                 if int8 {
                     assert_within_a_step(k, k_ref, dim, tolerance(dtype), &format!("{what}: keys"));
                     assert_within_a_step(v, v_ref, dim, tolerance(dtype), &format!("{what}: values"));

@@ -9,23 +9,34 @@ pub fn reference<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 
 }
 
 /// Reference fused residual add + RMSNorm. `residual` is f32; the sum is computed in f32.
-/// With `x_weight`, `x` is first normalized by it (a post-norm, rounded to `x`'s dtype as the
-/// unfused model does).
+/// With `norms.post`, `x` is first normalized by it (rounded to `x`'s dtype as the unfused model
+/// does).
 pub fn add_reference<B: Backend>(
     residual: Tensor<B, 3>,
     x: Tensor<B, 3>,
-    x_weight: Option<Tensor<B, 1>>,
-    weight: Tensor<B, 1>,
-    eps: f64,
-    out_dtype: DType,
+    norms: &AddNorm<B>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let x = match x_weight {
-        Some(w) => reference(x, w, eps),
+    let x = match &norms.post {
+        Some(w) => reference(x, w.clone(), norms.eps),
         None => x,
     };
     let sum = residual + x.cast(DType::F32);
-    let normed = normalize(sum.clone(), weight, eps).cast(out_dtype);
+    let normed = normalize(sum.clone(), norms.weight.clone(), norms.eps).cast(norms.out_dtype);
     (sum, normed)
+}
+
+/// The norms of a residual add ([`crate::GemmaBackend::add_rms_norm`]).
+#[derive(Debug, Clone)]
+pub struct AddNorm<B: Backend> {
+    /// A norm applied to the added value first (Gemma 2/3's post-attention and post-MLP norms),
+    /// its output rounded to the value's dtype.
+    pub post: Option<Tensor<B, 1>>,
+    /// The norm of the sum (`[hidden]`, f32).
+    pub weight: Tensor<B, 1>,
+    /// Epsilon of both norms.
+    pub eps: f64,
+    /// Dtype of the normalized sum.
+    pub out_dtype: DType,
 }
 
 /// `x` is f32; returns f32.
@@ -185,16 +196,21 @@ pub(crate) mod kernel {
         out
     }
 
-    /// `residual` (f32) and `x`: contiguous `[..., n]`; `x_weight`: optional norm of `x` before
-    /// the add. Returns `(residual + x, normed)`.
+    /// The device tensors of a [`super::AddNorm`].
+    pub struct AddNorm<T> {
+        pub post: Option<T>,
+        pub weight: T,
+        pub eps: f64,
+        pub out_dtype: DType,
+    }
+
+    /// `residual` (f32) and `x`: contiguous `[..., n]`. Returns `(residual + x', normed)`.
     pub fn add_rms_norm<R: CubeRuntime>(
         residual: CubeTensor<R>,
         x: CubeTensor<R>,
-        x_weight: Option<CubeTensor<R>>,
-        weight: CubeTensor<R>,
-        eps: f64,
-        out_dtype: DType,
+        norms: AddNorm<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let AddNorm { post: x_weight, weight, eps, out_dtype } = norms;
         let shape = x.meta.shape().clone();
         let (rows, n) = rows_and_width(&shape);
         let sum = empty(&x, shape.clone(), DType::F32);
@@ -284,16 +300,16 @@ mod gpu {
             let x_w = Tensor::<B, 1>::random([n], NORMAL, device);
             for (out_dtype, x_weight) in [(DType::F32, None), (dtype, None), (dtype, Some(x_w))] {
                 let pre = x_weight.is_some();
-                let (sum, normed) =
-                    B::add_rms_norm(residual.clone(), x.clone(), x_weight.clone(), w.clone(), 1e-6, out_dtype);
+                let norms = super::AddNorm { post: x_weight.clone(), weight: w.clone(), eps: 1e-6, out_dtype };
+                let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), &norms);
                 assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, out_dtype));
                 // The pre-norm's output is rounded to the activation dtype, as the model's own.
                 let x_ref = match x_weight {
                     Some(xw) => super::reference(x.clone(), xw, 1e-6),
                     None => x.clone(),
                 };
-                let (e_sum, e_normed) =
-                    super::add_reference(residual.clone(), x_ref.cast(DType::F32), None, w.clone(), 1e-6, DType::F32);
+                let plain = super::AddNorm { post: None, weight: w.clone(), eps: 1e-6, out_dtype: DType::F32 };
+                let (e_sum, e_normed) = super::add_reference(residual.clone(), x_ref.cast(DType::F32), &plain);
                 let what = format!("add_rms_norm {batch}x{seq}x{n} -> {out_dtype:?} (pre-norm {pre})");
                 // The sum is f32, but with a pre-norm it adds a value rounded to the activation
                 // dtype, where the kernel's and the reference's roundings may differ by one ulp.

@@ -1,8 +1,33 @@
 //! Rotary position embedding (rotate-half layout), optionally fused with QK-norm.
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
-/// Reference RoPE. See [`crate::GemmaBackend::rope`] for the shapes.
+/// The cos and sin tables of one rotary embedding, `[positions, head_dim / 2]` (f32) each, theta
+/// and position scaling applied.
+#[derive(Debug, Clone)]
+pub struct RopeTables<B: Backend> {
+    pub cos: Tensor<B, 2>,
+    pub sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> RopeTables<B> {
+    /// The tables of positions `0..positions` ([`tables`]).
+    pub fn new(positions: usize, head_dim: usize, theta: f64, factor: f64, device: &B::Device) -> Self {
+        let (cos, sin) = tables(positions, head_dim, theta, factor);
+        let shape = [positions, head_dim / 2];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), (device, DType::F32)),
+            sin: Tensor::from_data(TensorData::new(sin, shape), (device, DType::F32)),
+        }
+    }
+
+    /// Positions the tables cover.
+    pub fn positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+}
+
+/// Reference RoPE. See [`crate::GemmaBackend::qk_norm_rope`] for the shapes.
 ///
 /// As in Hugging Face transformers, the f32 tables are cast to `x`'s dtype and the rotation is
 /// computed in that dtype.
@@ -176,7 +201,8 @@ mod gpu {
                 .swap_dims(1, 2);
             let w = Tensor::<B, 1>::random([dim], Distribution::Normal(0.0, 0.5), device);
             for norm in [None, Some((w.clone(), 1e-6))] {
-                let got = B::rope(x.clone(), cos.clone(), sin.clone(), offset, norm.clone());
+                let tables = super::RopeTables { cos: cos.clone(), sin: sin.clone() };
+                let got = B::qk_norm_rope(x.clone(), &tables, offset, norm.clone());
                 assert_eq!(got.dtype(), dtype);
                 let expected =
                     super::reference(x.clone().cast(DType::F32), cos.clone(), sin.clone(), offset, norm.clone());

@@ -1,208 +1,62 @@
-//! Gemma 1, 2 and 3, from the small parts to the whole model.
+//! Gemma 1, 2 and 3, from the small parts to the whole model (HF's `modeling_gemma3.py`).
 //!
-//! The residual stream is kept in f32 whatever the weight dtype: Gemma activations overflow f16,
-//! and the fused add + RMSNorm reads and writes it in f32 anyway. Matrix products run in the
-//! weight dtype.
+//! The residual stream is kept in f32 whatever the weight dtype ([`ResidualStream`]): Gemma
+//! activations overflow f16. Matrix products run in the weight dtype.
 
 use crate::{
-    cache::KvFormat,
-    weights::{row_chunks, MatrixWeight, WeightFormat, WeightKind, WeightSource},
-    Architecture, GemmaConfig, KvCache, LayerType, ModelError,
+    attention::{Attention, LayerCache},
+    norm::{ResidualStream, RmsNorm},
+    projection::{load_matrix, Projection, WeightSettings},
+    rope::RotaryEmbeddings,
+    weights::{row_chunks, WeightFormat, WeightSource},
+    Architecture, GemmaConfig, KvCache, ModelError,
 };
 use burn::{
-    module::{Module, Param},
+    module::Module,
     tensor::{DType, Int, Tensor},
 };
-use burn_gemma_kernels::GemmaBackend;
 use burn_gemma_kernels::{
     gelu::{self, PAIR_BLOCK},
-    HostQuantized, QkvLayout, QuantFormat, QuantizedMatrix,
+    Epilogue, GateUpLayout, GemmaBackend, HostMatrix, HostQuantized, KvFormat, Matrix, QuantFormat, RopeTables,
 };
-
-/// How the model's weights are loaded: the activation/dense dtype and the matrix format.
-#[derive(Debug, Clone, Copy)]
-pub struct WeightSettings {
-    pub dtype: DType,
-    pub format: WeightFormat,
-}
-
-impl WeightSettings {
-    /// The block format a matrix is requested in: `None` for the checkpoint's own.
-    fn request(&self) -> Option<Option<QuantFormat>> {
-        match self.format {
-            WeightFormat::Native => Some(None),
-            WeightFormat::Quantized(q) => Some(Some(q)),
-            WeightFormat::Dense => None,
-        }
-    }
-}
-
-/// One matrix as read from the source, before upload: block-quantized on the host or dense on
-/// the device.
-enum Loaded<B: GemmaBackend> {
-    Host(HostQuantized),
-    Dense(Tensor<B, 2>),
-}
-
-/// Reads one `[out, in]` matrix in the requested format.
-fn load_matrix<B: GemmaBackend>(
-    source: &mut impl WeightSource<B>,
-    name: &str,
-    shape: [usize; 2],
-    settings: WeightSettings,
-    device: &B::Device,
-) -> Result<Loaded<B>, ModelError> {
-    if let Some(request) = settings.request() {
-        if let Some(host) = source.load_host_quantized(name, shape, request, device)? {
-            return Ok(Loaded::Host(host));
-        }
-    }
-    Ok(Loaded::Dense(source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?))
-}
-
-/// Uploads row blocks read in order, joining neighbours stored alike (same block format and
-/// width, or both dense) into one matrix.
-fn upload_joined<B: GemmaBackend>(blocks: Vec<Loaded<B>>, device: &B::Device) -> Vec<MatrixWeight<B>> {
-    enum Group<B: GemmaBackend> {
-        Host(HostQuantized),
-        Dense(Vec<Tensor<B, 2>>),
-    }
-    let mut groups: Vec<Group<B>> = Vec::new();
-    for block in blocks {
-        match (groups.last_mut(), block) {
-            (Some(Group::Host(last)), Loaded::Host(next)) => {
-                if let Err(next) = last.append_rows(next) {
-                    groups.push(Group::Host(next));
-                }
-            }
-            (Some(Group::Dense(rows)), Loaded::Dense(next)) => rows.push(next),
-            (_, Loaded::Host(next)) => groups.push(Group::Host(next)),
-            (_, Loaded::Dense(next)) => groups.push(Group::Dense(vec![next])),
-        }
-    }
-    groups
-        .into_iter()
-        .map(|group| match group {
-            Group::Host(host) => MatrixWeight::Quantized(B::upload_quantized(&host, device)),
-            Group::Dense(rows) => MatrixWeight::Dense(Param::from_tensor(B::pack(Tensor::cat(rows, 0)))),
-        })
-        .collect()
-}
-
-/// A bias-free linear layer, `weight` `[out, in]` as in the checkpoint. Layers that read the
-/// same input (q|k|v, gate|up) are loaded as one, their matrices joined row-wise where they are
-/// stored alike, so decode runs one product instead of several.
-#[derive(Module, Debug)]
-pub struct Linear<B: GemmaBackend> {
-    /// Consecutive row blocks of the output.
-    pub parts: Vec<MatrixWeight<B>>,
-}
-
-impl<B: GemmaBackend> Linear<B> {
-    /// Loads the checkpoint matrices `{name}.weight` (`[out, inp]` each, in the order given) as
-    /// one layer whose output is theirs side by side.
-    fn load(
-        source: &mut impl WeightSource<B>,
-        names: &[(&str, usize)],
-        inp: usize,
-        settings: WeightSettings,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        let blocks = names
-            .iter()
-            .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { parts: upload_joined(blocks, device) })
-    }
-
-    /// `[batch, seq, in]` -> `[batch, seq, out]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [batch, seq, inp] = x.dims();
-        let x = x.reshape([batch * seq, inp]);
-        let mut outs: Vec<Tensor<B, 2>> = self.parts.iter().map(|w| w.project(x.clone())).collect();
-        let out = if outs.len() == 1 { outs.pop().unwrap_or(x) } else { Tensor::cat(outs, 1) };
-        let width = out.dims()[1];
-        out.reshape([batch, seq, width])
-    }
-
-    /// Bytes on the device.
-    pub fn device_bytes(&self) -> usize {
-        self.parts.iter().map(|w| w.device_bytes()).sum()
-    }
-}
-
-/// RMSNorm with Gemma's `1 + w` scale; `weight` is kept in f32.
-#[derive(Module, Debug)]
-pub struct RmsNorm<B: GemmaBackend> {
-    pub weight: Param<Tensor<B, 1>>,
-    #[module(skip)]
-    pub eps: f64,
-}
-
-impl<B: GemmaBackend> RmsNorm<B> {
-    fn load(
-        source: &mut impl WeightSource<B>,
-        name: &str,
-        size: usize,
-        eps: f64,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        let weight = source.load(&format!("{name}.weight"), [size], WeightKind::Norm, DType::F32, device)?;
-        Ok(Self { weight: Param::from_tensor(weight), eps })
-    }
-
-    /// Normalizes the last dimension.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        B::rms_norm(x, self.weight.val(), self.eps)
-    }
-
-    /// `(residual + x', norm(residual + x'))` where `x'` is `x` normalized by `post` (when
-    /// given), residual in f32, the normalized value in `dtype`; one kernel for the chain.
-    pub fn forward_residual(
-        &self,
-        residual: Tensor<B, 3>,
-        x: Tensor<B, 3>,
-        post: Option<&RmsNorm<B>>,
-        dtype: DType,
-    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        B::add_rms_norm(residual, x, post.map(|n| n.weight.val()), self.weight.val(), self.eps, dtype)
-    }
-}
 
 /// The gate and up projections of an MLP (they read the same input).
 #[derive(Module, Debug)]
 pub enum GateUp<B: GemmaBackend> {
     /// One matrix holding the gate and up rows interleaved in blocks of [`PAIR_BLOCK`]: the
-    /// product and the GELU run as one operation ([`GemmaBackend::project_gelu_pairs`]), which
-    /// on GPUs is one GEMV launch per decode step instead of two.
-    Interleaved(MatrixWeight<B>),
+    /// product and the GELU run as one operation ([`Epilogue::GeluPairs`]), which on GPUs is
+    /// one GEMV launch per decode step instead of two.
+    Interleaved(Matrix<B>),
     /// Side by side (`[batch, seq, 2 * intermediate]`, joined into one matrix where stored
     /// alike), then the GELU: where the two are stored differently or the width does not split
     /// into pair blocks.
-    SideBySide(Linear<B>),
+    SideBySide(Projection<B>),
 }
 
 impl<B: GemmaBackend> GateUp<B> {
     /// Interleaves `gate` and `up` (`[intermediate, hidden]` each) where both are stored alike
     /// and `intermediate` splits into pair blocks, else keeps them side by side.
-    fn new(gate: Loaded<B>, up: Loaded<B>, intermediate: usize, device: &B::Device) -> Self {
+    fn new(gate: HostMatrix<B>, up: HostMatrix<B>, intermediate: usize, device: &B::Device) -> Self {
         let fits = gelu::pairs_fit(intermediate);
         match (gate, up) {
-            (Loaded::Host(gate), Loaded::Host(up)) if fits => {
+            (HostMatrix::Quantized(gate), HostMatrix::Quantized(up)) if fits => {
                 match HostQuantized::interleave_pairs(gate, up, PAIR_BLOCK) {
-                    Ok(joined) => Self::Interleaved(MatrixWeight::Quantized(B::upload_quantized(&joined, device))),
-                    Err((gate, up)) => Self::side_by_side(Loaded::Host(gate), Loaded::Host(up), device),
+                    Ok(joined) => Self::Interleaved(B::upload_matrix(HostMatrix::Quantized(joined), device)),
+                    Err((gate, up)) => {
+                        Self::side_by_side(HostMatrix::Quantized(gate), HostMatrix::Quantized(up), device)
+                    }
                 }
             }
-            (Loaded::Dense(gate), Loaded::Dense(up)) if fits && gate.dtype() == up.dtype() => {
-                Self::Interleaved(MatrixWeight::Dense(Param::from_tensor(B::pack(gelu::interleave_pairs(gate, up)))))
+            (HostMatrix::Dense(gate), HostMatrix::Dense(up)) if fits && gate.dtype() == up.dtype() => {
+                let joined = gelu::interleave_pairs(gate, up);
+                Self::Interleaved(B::upload_matrix(HostMatrix::Dense(joined), device))
             }
             (gate, up) => Self::side_by_side(gate, up, device),
         }
     }
 
-    fn side_by_side(gate: Loaded<B>, up: Loaded<B>, device: &B::Device) -> Self {
-        Self::SideBySide(Linear { parts: upload_joined(vec![gate, up], device) })
+    fn side_by_side(gate: HostMatrix<B>, up: HostMatrix<B>, device: &B::Device) -> Self {
+        Self::SideBySide(Projection::joined(vec![gate, up], device))
     }
 
     /// `[batch, seq, hidden]` -> `gelu_tanh(gate(x)) * up(x)`, `[batch, seq, intermediate]`.
@@ -210,11 +64,11 @@ impl<B: GemmaBackend> GateUp<B> {
         match self {
             Self::Interleaved(w) => {
                 let [batch, seq, hidden] = x.dims();
-                let out = w.project_gelu_pairs(x.reshape([batch * seq, hidden]));
+                let out = B::project(x.reshape([batch * seq, hidden]), w, Epilogue::GeluPairs);
                 let width = out.dims()[1];
                 out.reshape([batch, seq, width])
             }
-            Self::SideBySide(linear) => B::gelu_mul_halves(linear.forward(x)),
+            Self::SideBySide(projection) => B::gelu_mul(projection.forward(x), GateUpLayout::Halves),
         }
     }
 
@@ -222,7 +76,7 @@ impl<B: GemmaBackend> GateUp<B> {
     pub fn device_bytes(&self) -> usize {
         match self {
             Self::Interleaved(w) => w.device_bytes(),
-            Self::SideBySide(linear) => linear.device_bytes(),
+            Self::SideBySide(projection) => projection.device_bytes(),
         }
     }
 }
@@ -232,7 +86,7 @@ impl<B: GemmaBackend> GateUp<B> {
 pub struct Mlp<B: GemmaBackend> {
     /// `gate_proj` and `up_proj`.
     pub gate_up: GateUp<B>,
-    pub down_proj: Linear<B>,
+    pub down_proj: Projection<B>,
 }
 
 impl<B: GemmaBackend> Mlp<B> {
@@ -240,139 +94,21 @@ impl<B: GemmaBackend> Mlp<B> {
         source: &mut impl WeightSource<B>,
         prefix: &str,
         c: &GemmaConfig,
-        dtype: WeightSettings,
+        settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let (hidden, inter) = (c.hidden_size, c.intermediate_size);
-        let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], dtype, device)?;
-        let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], dtype, device)?;
+        let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], settings, device)?;
+        let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], settings, device)?;
         Ok(Self {
             gate_up: GateUp::new(gate, up, inter, device),
-            down_proj: Linear::load(source, &[(&format!("{prefix}.down_proj"), hidden)], inter, dtype, device)?,
+            down_proj: Projection::load(source, &[(&format!("{prefix}.down_proj"), hidden)], inter, settings, device)?,
         })
     }
 
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.down_proj.forward(self.gate_up.forward(x))
-    }
-}
-
-/// Shape and behaviour of one attention layer, from the config.
-#[derive(Debug, Clone)]
-pub struct AttentionSettings {
-    pub index: usize,
-    pub layer_type: LayerType,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub scale: f64,
-    pub softcap: Option<f64>,
-}
-
-/// Multi-head attention with grouped KV heads, RoPE and (Gemma 3) QK-norm.
-#[derive(Module, Debug)]
-pub struct Attention<B: GemmaBackend> {
-    /// `q_proj`, `k_proj` and `v_proj` side by side: `[batch, seq, (heads + 2 kv_heads) * head_dim]`.
-    pub qkv_proj: Linear<B>,
-    pub o_proj: Linear<B>,
-    pub q_norm: Option<RmsNorm<B>>,
-    pub k_norm: Option<RmsNorm<B>>,
-    #[module(skip)]
-    pub settings: AttentionSettings,
-}
-
-impl<B: GemmaBackend> Attention<B> {
-    fn load(
-        source: &mut impl WeightSource<B>,
-        prefix: &str,
-        index: usize,
-        c: &GemmaConfig,
-        dtype: WeightSettings,
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        let (hidden, d) = (c.hidden_size, c.head_dim);
-        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
-        let qk_norm = |source: &mut _, name: &str| -> Result<Option<RmsNorm<B>>, ModelError> {
-            if c.model_type.has_qk_norm() {
-                Ok(Some(RmsNorm::load(source, &format!("{prefix}.{name}"), d, c.rms_norm_eps, device)?))
-            } else {
-                Ok(None)
-            }
-        };
-        let (q, k, v, o) = (
-            format!("{prefix}.q_proj"),
-            format!("{prefix}.k_proj"),
-            format!("{prefix}.v_proj"),
-            format!("{prefix}.o_proj"),
-        );
-        Ok(Self {
-            qkv_proj: Linear::load(
-                source,
-                &[(&q, heads * d), (&k, kv_heads * d), (&v, kv_heads * d)],
-                hidden,
-                dtype,
-                device,
-            )?,
-            o_proj: Linear::load(source, &[(&o, hidden)], heads * d, dtype, device)?,
-            q_norm: qk_norm(source, "q_norm")?,
-            k_norm: qk_norm(source, "k_norm")?,
-            settings: AttentionSettings {
-                index,
-                layer_type: c.layer_types[index],
-                num_heads: heads,
-                num_kv_heads: kv_heads,
-                head_dim: d,
-                scale: c.query_pre_attn_scalar.powf(-0.5),
-                softcap: c.attn_logit_softcapping,
-            },
-        })
-    }
-
-    /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`, appending this layer's keys and values
-    /// to the cache.
-    pub fn forward(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        let s = &self.settings;
-        let [batch, seq, _] = x.dims();
-        let d = s.head_dim;
-        let qkv = self.qkv_proj.forward(x);
-        let offset = cache.len();
-        let rope = cache.rope(s.layer_type);
-        let out = if seq == 1 {
-            // Decode: one kernel splits, normalizes, rotates and appends.
-            let norm = match (&self.q_norm, &self.k_norm) {
-                (Some(q), Some(k)) => Some((q.weight.val(), k.weight.val(), q.eps)),
-                _ => None,
-            };
-            let layout = QkvLayout {
-                heads: s.num_heads,
-                kv_heads: s.num_kv_heads,
-                head_dim: d,
-                cos: rope.cos.clone(),
-                sin: rope.sin.clone(),
-                position: offset,
-                norm,
-            };
-            let width = layout.width();
-            cache.attend_decode(s.index, qkv.reshape([batch, width]), &layout, s.scale, s.softcap)
-        } else {
-            let heads = |first: usize, n: usize| {
-                qkv.clone()
-                    .slice([0..batch, 0..seq, first * d..(first + n) * d])
-                    .reshape([batch, seq, n, d])
-                    .swap_dims(1, 2)
-            };
-            let q = heads(0, s.num_heads);
-            let k = heads(s.num_heads, s.num_kv_heads);
-            let v = heads(s.num_heads + s.num_kv_heads, s.num_kv_heads);
-            let norm = |n: &Option<RmsNorm<B>>| n.as_ref().map(|n| (n.weight.val(), n.eps));
-            let q = B::rope(q, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.q_norm));
-            let k = B::rope(k, rope.cos.clone(), rope.sin.clone(), offset, norm(&self.k_norm));
-            // `[batch, heads, seq, d]` -> `[batch, seq, heads, d]`.
-            cache.attend(s.index, q, k, v, s.scale, s.softcap).swap_dims(1, 2)
-        };
-        // With one position both orders are the same memory, so decode needs no transposing copy.
-        self.o_proj.forward(out.reshape([batch, seq, s.num_heads * d]))
     }
 }
 
@@ -393,15 +129,15 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         source: &mut impl WeightSource<B>,
         index: usize,
         c: &GemmaConfig,
-        dtype: WeightSettings,
+        settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let prefix = format!("model.layers.{index}");
         let norm = |source: &mut _, name: &str| {
             RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device)
         };
-        let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, dtype, device)?;
-        let mlp = Mlp::load(source, &format!("{prefix}.mlp"), c, dtype, device)?;
+        let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, settings, device)?;
+        let mlp = Mlp::load(source, &format!("{prefix}.mlp"), c, settings, device)?;
         let input_layernorm = norm(source, "input_layernorm")?;
         Ok(if c.model_type.has_sandwich_norms() {
             Self {
@@ -425,26 +161,21 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         })
     }
 
-    /// Runs the layer on `normed` (this layer's input norm already applied) and returns the new
-    /// residual and its normalization by `next_norm` (the next layer's input norm, or the final
-    /// norm).
-    fn forward(
-        &self,
-        residual: Tensor<B, 3>,
-        normed: Tensor<B, 3>,
-        next_norm: &RmsNorm<B>,
-        cache: &mut KvCache<B>,
-        dtype: DType,
-    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let attn = self.self_attn.forward(normed, cache);
-        let (residual, normed) = self.pre_feedforward_layernorm.forward_residual(
-            residual,
-            attn,
-            self.post_attention_layernorm.as_ref(),
-            dtype,
-        );
-        let mlp = self.mlp.forward(normed);
-        next_norm.forward_residual(residual, mlp, self.post_feedforward_layernorm.as_ref(), dtype)
+    /// The block at `position` (HF's `Gemma3DecoderLayer.forward`); each `residual + h` is
+    /// added by the next norm, in one kernel ([`ResidualStream`]).
+    fn forward<'a>(
+        &'a self,
+        stream: ResidualStream<'a, B>,
+        rope: &RopeTables<B>,
+        cache: &mut LayerCache<B>,
+        position: usize,
+    ) -> ResidualStream<'a, B> {
+        let (stream, h) = stream.norm(&self.input_layernorm);
+        let h = self.self_attn.forward(h, rope, cache, position);
+        let stream = stream.add(h, self.post_attention_layernorm.as_ref());
+        let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
+        let h = self.mlp.forward(h);
+        stream.add(h, self.post_feedforward_layernorm.as_ref())
     }
 }
 
@@ -453,12 +184,11 @@ impl<B: GemmaBackend> DecoderLayer<B> {
 pub const MAX_CHUNK_BYTES: usize = 1 << 27;
 
 /// The `[vocab, hidden]` embedding table, also the tied lm_head, in row blocks of at most
-/// [`MAX_CHUNK_BYTES`] (GPU APIs cap the size of one buffer).
+/// [`MAX_CHUNK_BYTES`] (GPU APIs cap the size of one buffer); quantized at least to Q8 (the
+/// table feeds both ends of the model), or dense.
 #[derive(Module, Debug)]
-pub enum Embedding<B: GemmaBackend> {
-    Dense(Vec<Param<Tensor<B, 2>>>),
-    /// At least Q8: the table feeds both ends of the model.
-    Quantized(Vec<QuantizedMatrix<B>>),
+pub struct Embedding<B: GemmaBackend> {
+    pub blocks: Vec<Matrix<B>>,
 }
 
 impl<B: GemmaBackend> Embedding<B> {
@@ -471,55 +201,44 @@ impl<B: GemmaBackend> Embedding<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let shape = [c.vocab_size, c.hidden_size];
-        let host = match settings.request() {
+        let host = match settings.table_blocks() {
             None => None,
-            Some(request) => {
-                // Q4 is not enough for the table: ask for Q8, or requantize a Q4 checkpoint's.
-                let request = request.map(|_| QuantFormat::Q8);
-                match source.load_host_quantized(Self::NAME, shape, request, device)? {
-                    Some(q) if q.format == QuantFormat::Q4 => {
-                        Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?)
-                    }
-                    other => other,
+            Some(request) => match source.load_host_quantized(Self::NAME, shape, request.format(), device)? {
+                // Q4 is not enough for the table: requantize a Q4 checkpoint's to Q8.
+                Some(q) if q.format == QuantFormat::Q4 => {
+                    Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?)
                 }
-            }
+                other => other,
+            },
         };
-        Ok(match host {
+        let upload = |m| B::upload_matrix(m, device);
+        let blocks = match host {
             Some(host) => {
                 let rows_per_chunk = (MAX_CHUNK_BYTES / host.cols).max(1);
-                Self::Quantized(
-                    row_chunks(host.rows, rows_per_chunk)
-                        .map(|r| B::upload_quantized(&host.rows_slice(r), device))
-                        .collect(),
-                )
+                row_chunks(host.rows, rows_per_chunk)
+                    .map(|r| upload(HostMatrix::Quantized(host.rows_slice(r))))
+                    .collect()
             }
             None => {
                 let rows_per_chunk = (MAX_CHUNK_BYTES / (c.hidden_size * settings.dtype.size())).max(1);
                 let blocks = source.load_row_chunks(Self::NAME, shape, rows_per_chunk, settings.dtype, device)?;
-                Self::Dense(blocks.into_iter().map(|b| Param::from_tensor(B::pack(b))).collect())
+                blocks.into_iter().map(|b| upload(HostMatrix::Dense(b))).collect()
             }
-        })
+        };
+        Ok(Self { blocks })
     }
 
     /// `table[ids] * scale` in `dtype`: `[batch, seq]` -> `[batch, seq, hidden]`.
     fn embed(&self, ids: Tensor<B, 2, Int>, scale: f64, dtype: DType) -> Tensor<B, 3> {
-        match self {
-            Self::Dense(blocks) => {
-                let tables: Vec<Tensor<B, 2>> = blocks.iter().map(|t| t.val()).collect();
-                B::embed(&tables, ids, scale)
-            }
-            Self::Quantized(blocks) => B::embed_quantized(blocks, ids, scale, dtype),
-        }
+        B::embed(&self.blocks, ids, scale, dtype)
     }
 
     /// `hidden [n, hidden] @ table^T -> [n, vocab]`, one product per row block.
     fn project(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        let blocks: Vec<Tensor<B, 2>> = match self {
-            Self::Dense(blocks) => blocks.iter().map(|t| B::project(hidden.clone(), t.val())).collect(),
-            Self::Quantized(blocks) => blocks.iter().map(|t| B::project_quantized(hidden.clone(), t)).collect(),
-        };
+        let mut blocks: Vec<Tensor<B, 2>> =
+            self.blocks.iter().map(|t| B::project(hidden.clone(), t, Epilogue::Identity)).collect();
         if blocks.len() == 1 {
-            blocks.into_iter().next().unwrap_or(hidden)
+            blocks.pop().unwrap_or(hidden)
         } else {
             Tensor::cat(blocks, 1)
         }
@@ -527,10 +246,7 @@ impl<B: GemmaBackend> Embedding<B> {
 
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
-        match self {
-            Self::Dense(blocks) => blocks.iter().map(|b| b.val().shape().num_elements() * b.val().dtype().size()).sum(),
-            Self::Quantized(blocks) => blocks.iter().map(|b| b.device_bytes()).sum(),
-        }
+        self.blocks.iter().map(Matrix::device_bytes).sum()
     }
 }
 
@@ -540,6 +256,9 @@ pub struct Gemma<B: GemmaBackend> {
     pub embed_tokens: Embedding<B>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
+    /// The rotary embedding of each layer type (HF's `rotary_emb` and `rotary_emb_local`).
+    #[module(skip)]
+    pub rotary_emb: RotaryEmbeddings,
     #[module(skip)]
     pub config: GemmaConfig,
     #[module(skip)]
@@ -587,7 +306,15 @@ impl<B: GemmaBackend> Gemma<B> {
                 .map(|i| DecoderLayer::load(source, i, &config, settings, device))
                 .collect::<Result<Vec<_>, _>>()?;
             let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
-            Ok(Self { embed_tokens, layers, norm, config: config.clone(), dtype, kv_cache: KvFormat::Dense(dtype) })
+            Ok(Self {
+                embed_tokens,
+                layers,
+                norm,
+                rotary_emb: RotaryEmbeddings::new(&config),
+                config: config.clone(),
+                dtype,
+                kv_cache: KvFormat::Dense(dtype),
+            })
         });
         B::memory_cleanup(device);
         model
@@ -643,16 +370,16 @@ impl<B: GemmaBackend> Gemma<B> {
             )));
         }
         cache.check_room(seq)?;
+        let position = cache.len();
+        let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
         let embedded = self.embed_tokens.embed(ids, self.embed_scale(), self.dtype);
-        let mut residual = embedded.cast(DType::F32);
-        let first_norm = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm);
-        let mut normed = first_norm.forward(residual.clone()).cast(self.dtype);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let next_norm = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_layernorm);
-            (residual, normed) = layer.forward(residual, normed, next_norm, cache, self.dtype);
+        let mut stream = ResidualStream::new(embedded, self.dtype);
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers_mut()) {
+            stream = layer.forward(stream, rope.get(layer.self_attn.settings.layer_type), layer_cache, position);
         }
         cache.advance(seq);
-        Ok(normed)
+        let (_, hidden) = stream.norm(&self.norm);
+        Ok(hidden)
     }
 
     /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
@@ -725,9 +452,12 @@ mod tests {
                 let w = values(inter * hidden, seed);
                 if quantized {
                     let host = HostQuantized::quantize(&w, inter, hidden, QuantFormat::Q8).expect("quantize");
-                    (host.dequantize(), Loaded::Host(host))
+                    (host.dequantize(), HostMatrix::Quantized(host))
                 } else {
-                    (w.clone(), Loaded::Dense(Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device)))
+                    (
+                        w.clone(),
+                        HostMatrix::Dense(Tensor::<B, 2>::from_data(TensorData::new(w, [inter, hidden]), &device)),
+                    )
                 }
             };
             let ((gate, gate_loaded), (up, up_loaded)) = (load(1, gate_q), load(2, up_q));

@@ -5,14 +5,18 @@
 //! The hot operations go through [`burn_gemma_kernels::GemmaBackend`], so the same code runs on
 //! every backend.
 
-pub mod cache;
+pub mod attention;
 pub mod config;
 pub mod error;
 pub mod gemma;
+pub mod norm;
+pub mod projection;
+pub mod rope;
 pub mod weights;
 
-pub use cache::{KvCache, KvFormat};
+pub use attention::KvCache;
+pub use burn_gemma_kernels::{KvFormat, Matrix};
 pub use config::{Architecture, GemmaConfig, LayerType, RopeConfig};
 pub use error::ModelError;
 pub use gemma::Gemma;
-pub use weights::{MatrixWeight, RandomWeights, WeightFormat, WeightSource};
+pub use weights::{RandomWeights, WeightFormat, WeightSource};

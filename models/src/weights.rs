@@ -5,11 +5,8 @@
 //! requested dtype, or says precisely what is wrong.
 
 use crate::ModelError;
-use burn::{
-    module::{Module, Param},
-    tensor::{backend::Backend, DType, Distribution, Tensor},
-};
-use burn_gemma_kernels::{GemmaBackend, HostQuantized, QuantFormat, QuantizedMatrix};
+use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
+use burn_gemma_kernels::{HostQuantized, QuantFormat};
 
 /// How weight matrices are kept on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,48 +27,6 @@ impl std::fmt::Display for WeightFormat {
             Self::Native => f.write_str("native"),
             Self::Quantized(q) => write!(f, "{q}"),
             Self::Dense => f.write_str("dense"),
-        }
-    }
-}
-
-/// A weight matrix `[out, in]` as stored on the device.
-#[derive(Module, Debug)]
-pub enum MatrixWeight<B: GemmaBackend> {
-    Dense(Param<Tensor<B, 2>>),
-    Quantized(QuantizedMatrix<B>),
-}
-
-impl<B: GemmaBackend> MatrixWeight<B> {
-    /// `x [n, in] @ self^T -> [n, out]`.
-    pub fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        match self {
-            Self::Dense(w) => B::project(x, w.val()),
-            Self::Quantized(w) => B::project_quantized(x, w),
-        }
-    }
-
-    /// `gelu_tanh(gate) * up` of `x [n, in]` through a matrix of interleaved gate and up rows
-    /// ([`GemmaBackend::project_gelu_pairs`]): `[n, out / 2]`.
-    pub fn project_gelu_pairs(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        match self {
-            Self::Dense(w) => B::project_gelu_pairs(x, w.val()),
-            Self::Quantized(w) => B::project_quantized_gelu_pairs(x, w),
-        }
-    }
-
-    /// `[out, in]`.
-    pub fn dims(&self) -> [usize; 2] {
-        match self {
-            Self::Dense(w) => w.val().dims(),
-            Self::Quantized(w) => w.shape,
-        }
-    }
-
-    /// Bytes on the device.
-    pub fn device_bytes(&self) -> usize {
-        match self {
-            Self::Dense(w) => w.val().shape().num_elements() * w.val().dtype().size(),
-            Self::Quantized(w) => w.device_bytes(),
         }
     }
 }

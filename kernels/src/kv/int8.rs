@@ -2,7 +2,7 @@
 //! position), quantized on append (`scale = max|x| / 127` over the head dimension).
 //!
 //! As for quantized weights the backend chooses the code layout
-//! ([`crate::GemmaBackend::kv_int8_zeros`]): the reference keeps one `U8` code per element
+//! ([`crate::GemmaBackend::kv_zeros`]): the reference keeps one `U8` code per element
 //! (`q + 128`); the CubeCL backends pack four codes per `u32` word, `[batch, heads, slots,
 //! head_dim / 4]`, and attention reads them directly.
 
@@ -17,6 +17,13 @@ pub struct Int8Kv<B: Backend> {
     pub scales: Tensor<B, 3>,
     /// `[batch, heads, slots, head_dim]` of the dequantized tensor.
     pub shape: [usize; 4],
+}
+
+impl<B: Backend> Int8Kv<B> {
+    /// Bytes on the device (codes and scales).
+    pub fn device_bytes(&self) -> usize {
+        self.codes.shape().num_elements() * self.codes.dtype().size() + self.scales.shape().num_elements() * 4
+    }
 }
 
 /// Reference storage: `U8` codes `[batch, heads, slots, head_dim]`, zero scales.
@@ -206,14 +213,15 @@ pub(crate) mod kernel {
 #[cfg(test)]
 pub(crate) mod check {
     use super::*;
-    use crate::{gpu_test::assert_close, AttentionMask, GemmaBackend};
+    use crate::kv::{KvFormat, KvStore};
+    use crate::{gpu_test::assert_close, AttentionMask, AttentionOptions, GemmaBackend};
     use burn::tensor::{Distribution, TensorData};
 
     fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data")
     }
 
-    /// Stores rows in two appends, loads them back and attends over them (decode and a short
+    /// Stores rows in two appends (keys and values alike), loads them back and attends over them (decode and a short
     /// prefill, global and windowed, GQA), against host int8 quantization and the reference
     /// attention over the host-dequantized keys and values.
     pub fn int8_kv<B: GemmaBackend>(device: &B::Device, dtype: DType) {
@@ -221,16 +229,16 @@ pub(crate) mod check {
             [(1, 1, 4, 256, 700, 517, 1), (2, 2, 4, 64, 37, 30, 5), (1, 3, 3, 12, 9, 2, 7)]
         {
             let shape = [batch, heads, slots, dim];
-            let mut cache = B::kv_int8_zeros(shape, device);
+            let mut cache: KvStore<B> = B::kv_zeros(shape, KvFormat::Int8, device);
             let a =
                 Tensor::<B, 4>::random([batch, heads, first, dim], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let b =
                 Tensor::<B, 4>::random([batch, heads, second, dim], Distribution::Normal(0.0, 3.0), device).cast(dtype);
-            cache = B::kv_int8_store(cache, a.clone(), 0);
+            cache = B::kv_write(cache, a.clone(), a.clone(), 0);
             // The second append through a transposed view: the kernel reads strides.
             let b_strided = b.clone().swap_dims(2, 3).into_data();
             let b_view = Tensor::<B, 4>::from_data(b_strided, device).swap_dims(2, 3);
-            cache = B::kv_int8_store(cache, b_view, first);
+            cache = B::kv_write(cache, b_view.clone(), b_view, first);
             let len = first + second;
             let all = Tensor::cat(vec![a, b], 2);
             // Host quantization of every (sequence, head, row).
@@ -244,8 +252,9 @@ pub(crate) mod check {
             }
             let expected =
                 Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, heads, len, dim]), (device, DType::F32));
-            let loaded = B::kv_int8_load(&cache, 0..len, dtype);
+            let (loaded, loaded_values) = B::kv_read(&cache, 0..len, dtype);
             assert_eq!(loaded.dtype(), dtype);
+            assert_close(loaded_values, loaded.clone(), 0.0, "int8 values stored like the keys");
             // One code step: rounding at a .5 boundary may differ by one.
             assert_close(
                 loaded.clone(),
@@ -253,7 +262,7 @@ pub(crate) mod check {
                 crate::gpu_test::tolerance(dtype).max(2.0 / 127.0 * 3.0),
                 &format!("int8 kv load {shape:?}"),
             );
-            let tail = B::kv_int8_load(&cache, first..len, dtype);
+            let (tail, _) = B::kv_read(&cache, first..len, dtype);
             assert_close(
                 tail,
                 expected.clone().slice(s![.., .., first..len, ..]),
@@ -267,7 +276,8 @@ pub(crate) mod check {
                     .cast(dtype);
                 let mask = AttentionMask { q_offset: len - q_len, k_offset: 0, window };
                 let scale = (dim as f64).powf(-0.5);
-                let got = B::grouped_attention_int8(q.clone(), &cache, &cache, len, mask, scale, Some(50.0));
+                let options = AttentionOptions { mask, scale, softcap: Some(50.0) };
+                let got = B::grouped_attention(q.clone(), cache.view(len), &options);
                 // f64 on the host: the backend's own matmul may run f32 at TF32 precision.
                 let dims = [batch, q_heads, heads, q_len, len, dim];
                 let want = crate::attention::naive(

@@ -1,0 +1,318 @@
+//! Attention with grouped KV heads, causal and sliding-window masks, and logit softcapping.
+
+use burn::tensor::{activation::softmax, backend::Backend, DType, Int, Tensor};
+
+/// Which keys each query may attend to, from absolute positions.
+///
+/// Query `i` sits at position `q_offset + i` and key `j` at `k_offset + j`. A key is visible when
+/// it is not in the future and, with a sliding window of `W`, when `q_pos - k_pos < W` (the window
+/// covers `W` keys including the current one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionMask {
+    /// Absolute position of the first query.
+    pub q_offset: usize,
+    /// Absolute position of the first key.
+    pub k_offset: usize,
+    /// Sliding-window size, `None` for global attention.
+    pub window: Option<usize>,
+}
+
+impl AttentionMask {
+    /// Whether the key at absolute position `k_pos` is visible from the query at `q_pos`.
+    pub fn visible(&self, q_pos: usize, k_pos: usize) -> bool {
+        k_pos <= q_pos && self.window.is_none_or(|w| q_pos - k_pos < w)
+    }
+
+    /// Whether any (query, key) pair of a `q_len` x `k_len` block is hidden.
+    pub fn masks_anything(&self, q_len: usize, k_len: usize) -> bool {
+        if q_len == 0 || k_len == 0 {
+            return false;
+        }
+        let last_key = self.k_offset + k_len - 1;
+        let last_query = self.q_offset + q_len - 1;
+        last_key > self.q_offset || self.window.is_some_and(|w| last_query - self.k_offset >= w)
+    }
+}
+
+/// How queries attend: which keys they see, the score scale and the optional logit softcap (as
+/// `tanh(s / cap) * cap`, Gemma 2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    pub mask: AttentionMask,
+    pub scale: f64,
+    pub softcap: Option<f64>,
+}
+
+/// Reference attention. KV heads are shared by reshaping the queries into groups, so the
+/// repeated KV heads are never materialized.
+///
+/// - `q`: `[batch, q_heads, q_len, head_dim]`; `k`, `v`: `[batch, kv_heads, k_len, head_dim]` with
+///   `q_heads % kv_heads == 0`; returns `[batch, q_heads, q_len, head_dim]` in `q`'s dtype.
+pub fn reference<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: &AttentionOptions,
+) -> Tensor<B, 4> {
+    let AttentionOptions { mask, scale, softcap } = *options;
+    let [batch, q_heads, q_len, head_dim] = q.dims();
+    let [_, kv_heads, k_len, _] = k.dims();
+    let groups = q_heads / kv_heads;
+    let dtype = q.dtype();
+    let device = q.device();
+
+    let q = q.reshape([batch, kv_heads, groups * q_len, head_dim]);
+    let mut scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32).mul_scalar(scale);
+    if let Some(cap) = softcap {
+        scores = crate::softcap::reference(scores, cap);
+    }
+    let mut scores = scores.reshape([batch, kv_heads, groups, q_len, k_len]);
+    if mask.masks_anything(q_len, k_len) {
+        let q_pos = Tensor::<B, 1, Int>::arange(mask.q_offset as i64..(mask.q_offset + q_len) as i64, &device)
+            .reshape([q_len, 1])
+            .expand([q_len, k_len]);
+        let k_pos = Tensor::<B, 1, Int>::arange(mask.k_offset as i64..(mask.k_offset + k_len) as i64, &device)
+            .reshape([1, k_len])
+            .expand([q_len, k_len]);
+        let distance = q_pos - k_pos;
+        let mut hidden = distance.clone().lower_elem(0);
+        if let Some(window) = mask.window {
+            hidden = hidden.bool_or(distance.greater_equal_elem(window as i64));
+        }
+        let hidden = hidden.reshape([1, 1, 1, q_len, k_len]).expand([batch, kv_heads, groups, q_len, k_len]);
+        scores = scores.mask_fill(hidden, f32::MIN);
+    }
+    let probs = softmax(scores, 4).cast(dtype).reshape([batch, kv_heads, groups * q_len, k_len]);
+    probs.matmul(v).reshape([batch, q_heads, q_len, head_dim])
+}
+
+mod decode;
+mod merge;
+mod tiled;
+
+/// What every attention kernel shares: the launch sizes, the keys and values as kernels read them,
+/// the int8 code decoding and the dispatch between the decode and tiled kernels.
+pub(crate) mod kernel {
+    use super::AttentionOptions;
+    use crate::cube::empty;
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+    use cubecl::prelude::*;
+
+    /// Sizes the attention kernels read (their tensors are passed as arrays).
+    #[derive(CubeLaunch, CubeType, Clone, Copy)]
+    pub struct AttentionShape {
+        pub batch: usize,
+        pub q_heads: usize,
+        pub q_len: usize,
+        pub kv_heads: usize,
+        /// Slots per KV head of an int8 cache (unused for dense keys and values).
+        pub slots: usize,
+    }
+
+    /// Byte `n` of an int8 KV word as the signed code (`stored - 128`, exact through the
+    /// mantissa of 2^23).
+    #[cube]
+    pub(super) fn int8_code(word: u32, #[comptime] n: usize) -> f32 {
+        f32::reinterpret(((word >> comptime!((n * 8) as u32)) & 255u32) | 0x4B00_0000u32) - 8_388_736.0f32
+    }
+
+    /// Cubes that keep a GPU busy; fewer than this and the key range is split.
+    pub(super) const TARGET_CUBES: usize = 512;
+    pub(super) const MAX_SPLITS: usize = 256;
+
+    /// Keys and values as the kernels read them.
+    pub enum Kv<R: CubeRuntime> {
+        /// `[batch, kv_heads, k_len, dim]` each, any strides.
+        Dense { k: CubeTensor<R>, v: CubeTensor<R> },
+        /// Packed int8 codes `[batch, kv_heads, slots, dim / 4]` and f32 scales `[batch,
+        /// kv_heads, slots]`; the first `len` slots are attended.
+        Int8 {
+            k_codes: CubeTensor<R>,
+            k_scales: CubeTensor<R>,
+            v_codes: CubeTensor<R>,
+            v_scales: CubeTensor<R>,
+            len: usize,
+        },
+    }
+
+    impl<R: CubeRuntime> Kv<R> {
+        /// `(kv_heads, keys attended, slots per head)`.
+        pub(super) fn sizes(&self) -> (usize, usize, usize) {
+            match self {
+                Kv::Dense { k, .. } => (k.meta.shape()[1], k.meta.shape()[2], k.meta.shape()[2]),
+                Kv::Int8 { k_scales, len, .. } => (k_scales.meta.shape()[1], *len, k_scales.meta.shape()[2]),
+            }
+        }
+
+        /// The kernels' six key/value arguments `[k, v, k_codes, k_scales, v_codes, v_scales]`;
+        /// the ones the format does not use get `stand_in` (never read or written, and an array
+        /// argument is only a buffer: its element type does not have to match).
+        pub(super) fn args(self, stand_in: &CubeTensor<R>) -> [CubeTensor<R>; 6] {
+            let s = || stand_in.clone();
+            match self {
+                Kv::Dense { k, v } => [k, v, s(), s(), s(), s()],
+                Kv::Int8 { k_codes, k_scales, v_codes, v_scales, .. } => {
+                    [s(), s(), k_codes, k_scales, v_codes, v_scales]
+                }
+            }
+        }
+    }
+
+    /// `q`: `[batch, q_heads, q_len, dim]` (any strides) over `kv`. Returns a contiguous `[batch,
+    /// q_heads, q_len, dim]` in `q`'s dtype: through the decode kernel where it applies (one
+    /// query position, see [`super::decode::tiling`]), else the tiled kernel.
+    pub fn attention<R: CubeRuntime>(q: CubeTensor<R>, kv: Kv<R>, options: &AttentionOptions) -> CubeTensor<R> {
+        let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+        let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
+        if batch * q_heads * q_len * dim == 0 {
+            return out;
+        }
+        let shared = q.client.properties().hardware.max_shared_memory_size;
+        match super::decode::tiling(&q, &kv, shared) {
+            Some(tiling) => super::decode::attention(q, kv, out, tiling, options),
+            None => super::tiled::attention(q, kv, out, options),
+        }
+    }
+}
+
+/// Naive attention on host vectors in f64 (`[batch, heads, len, dim]`, contiguous), for checking
+/// the reference and the kernel without depending on any backend's matmul precision.
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn naive(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    [batch, hq, hkv, tq, tk, d]: [usize; 6],
+    mask: AttentionMask,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Vec<f32> {
+    let mut out = vec![0.0; batch * hq * tq * d];
+    for b in 0..batch {
+        for h in 0..hq {
+            let kh = h / (hq / hkv);
+            let qb = (b * hq + h) * tq;
+            let kb = (b * hkv + kh) * tk;
+            for i in 0..tq {
+                let s: Vec<Option<f64>> = (0..tk)
+                    .map(|j| {
+                        if !mask.visible(mask.q_offset + i, mask.k_offset + j) {
+                            return None;
+                        }
+                        let dot: f64 = (0..d).map(|c| q[(qb + i) * d + c] as f64 * k[(kb + j) * d + c] as f64).sum();
+                        let s = dot * scale;
+                        Some(softcap.map_or(s, |cap| (s / cap).tanh() * cap))
+                    })
+                    .collect();
+                let m = s.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
+                let z: f64 = p.iter().sum();
+                for c in 0..d {
+                    let o: f64 = (0..tk).map(|j| p[j] * v[(kb + j) * d + c] as f64).sum();
+                    out[(qb + i) * d + c] = (o / z) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod tests {
+    use super::*;
+    use crate::test_util::TestBackend;
+    use burn::tensor::{Distribution, TensorData};
+
+    #[test]
+    fn reference_matches_naive_with_gqa_and_window() {
+        let device = Default::default();
+        for (hq, hkv, tq, tk, d, q_offset, k_offset, window) in
+            [(4, 2, 5, 9, 8, 4, 0, Some(3)), (3, 1, 7, 7, 5, 0, 0, None), (2, 2, 1, 6, 4, 9, 4, Some(6))]
+        {
+            let q = Tensor::<TestBackend, 4>::random([1, hq, tq, d], Distribution::Normal(0.0, 1.0), &device);
+            let k = Tensor::<TestBackend, 4>::random([1, hkv, tk, d], Distribution::Normal(0.0, 1.0), &device);
+            let v = Tensor::<TestBackend, 4>::random([1, hkv, tk, d], Distribution::Normal(0.0, 1.0), &device);
+            let mask = AttentionMask { q_offset, k_offset, window };
+            let scale = 0.37;
+            let options = AttentionOptions { mask, scale, softcap: None };
+            let got = reference(q.clone(), k.clone(), v.clone(), &options).into_data();
+            let vec = |t: Tensor<TestBackend, 4>| t.into_data().to_vec::<f32>().unwrap();
+            let expected = super::naive(&vec(q), &vec(k), &vec(v), [1, hq, hkv, tq, tk, d], mask, scale, None);
+            assert!(got.to_vec::<f32>().unwrap().iter().all(|x| x.is_finite()));
+            got.assert_approx_eq::<f32>(&TensorData::new(expected, [1, hq, tq, d]), Default::default());
+        }
+    }
+
+    #[test]
+    fn mask_window_covers_current_key() {
+        let m = AttentionMask { q_offset: 0, k_offset: 0, window: Some(3) };
+        assert!(m.visible(5, 3) && m.visible(5, 5) && !m.visible(5, 2) && !m.visible(5, 6));
+        assert!(!AttentionMask { q_offset: 10, k_offset: 8, window: Some(3) }.masks_anything(1, 3));
+        assert!(AttentionMask { q_offset: 10, k_offset: 7, window: Some(3) }.masks_anything(1, 4));
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use super::{AttentionMask, AttentionOptions};
+    use crate::gpu_test::{assert_close, seed, tolerance};
+    use crate::kv::KvView;
+    use crate::GemmaBackend;
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
+
+    /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
+    type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
+
+    const CASES: [Case; 13] = [
+        // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
+        (1, 4, 1, 37, 37, 256, 0, 0, None, None),
+        // Sliding window smaller than the prompt, crossing tile edges.
+        (1, 8, 8, 45, 45, 64, 0, 0, Some(16), None),
+        (2, 4, 2, 19, 19, 128, 0, 0, Some(7), Some(50.0)),
+        // Gemma 2 attention softcap, batch 2.
+        (2, 8, 4, 23, 23, 256, 0, 0, None, Some(50.0)),
+        // Decode over a long cache (split over the sequence), global and sliding.
+        (1, 4, 1, 1, 1000, 256, 999, 0, None, None),
+        (1, 8, 2, 1, 512, 128, 1300, 789, Some(512), None),
+        (2, 16, 16, 1, 77, 128, 76, 0, None, Some(50.0)),
+        // Decode with head sizes of one and three elements per lane, batch 2 in a window.
+        (2, 4, 2, 1, 45, 16, 44, 0, Some(8), None),
+        (1, 8, 1, 1, 300, 96, 299, 0, None, Some(30.0)),
+        // Chunked prefill continuing a cache; head_dim not a power of two.
+        (1, 4, 2, 5, 45, 96, 40, 0, None, None),
+        // Multi-query attention with a tiny window, and a long window-bound chunk.
+        (1, 8, 1, 9, 9, 256, 0, 0, Some(4), None),
+        (1, 4, 1, 70, 582, 256, 530, 18, Some(512), None),
+        // 16 KV heads, several query rows.
+        (1, 16, 16, 3, 70, 128, 67, 0, None, None),
+    ];
+
+    pub fn attention<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "attention");
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (batch, hq, hkv, tq, tk, dim, q_offset, k_offset, window, softcap) in CASES {
+            // Projections come out as [batch, seq, heads, dim]; attention sees them swapped.
+            let q = Tensor::<B, 4>::random([batch, tq, hq, dim], normal, device).cast(dtype).swap_dims(1, 2);
+            let k = Tensor::<B, 4>::random([batch, tk, hkv, dim], normal, device).cast(dtype).swap_dims(1, 2);
+            let v = Tensor::<B, 4>::random([batch, hkv, tk, dim], normal, device).cast(dtype);
+            let mask = AttentionMask { q_offset, k_offset, window };
+            let scale = 1.0 / (dim as f64).sqrt() * 2.0;
+            let options = AttentionOptions { mask, scale, softcap };
+            let kv = KvView::Dense { keys: k.clone(), values: v.clone() };
+            let got = B::grouped_attention(q.clone(), kv, &options);
+            assert_eq!(got.dtype(), dtype);
+            // Against f64 host attention on the same (rounded) inputs: a reference through the
+            // backend's matmul would inherit its precision (TF32-class on CUDA).
+            let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+            let dims = [batch, hq, hkv, tq, tk, dim];
+            let expected = super::naive(&host(q), &host(k), &host(v), dims, mask, scale, softcap);
+            let expected =
+                Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, tq, dim]), (device, DType::F32));
+            let what = format!("attention b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?}");
+            assert_close(got, expected, tolerance(dtype), &what);
+        }
+    }
+
+    gpu_tests!(attention_matches_reference => attention);
+}

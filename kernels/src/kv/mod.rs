@@ -1,0 +1,142 @@
+//! Key/value storage of one attention layer: its formats, the store, and the views attention
+//! reads.
+//!
+//! A [`KvStore`] is typed once, when the cache is built ([`crate::GemmaBackend::kv_zeros`]):
+//! dense in a float dtype, or int8 codes with a scale per position ([`int8`]). Writing rows
+//! ([`crate::GemmaBackend::kv_write`]), reading them back ([`crate::GemmaBackend::kv_read`]) and
+//! attending over them ([`KvStore::view`] into [`crate::GemmaBackend::attention`]) take the store
+//! whatever its format, so callers never match on it.
+
+pub mod int8;
+
+pub use int8::Int8Kv;
+
+use burn::tensor::{backend::Backend, s, DType, Tensor};
+use std::ops::Range;
+
+/// How keys and values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFormat {
+    /// Dense in this dtype (f32, f16 or bf16).
+    Dense(DType),
+    /// int8 codes with one f32 scale per (sequence, KV head, position), quantized on append;
+    /// attention reads the codes directly.
+    Int8,
+}
+
+impl std::fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Dense(DType::BF16) => f.write_str("bf16"),
+            Self::Dense(DType::F16) => f.write_str("f16"),
+            Self::Dense(DType::F32) => f.write_str("f32"),
+            Self::Dense(other) => write!(f, "{other:?}"),
+            Self::Int8 => f.write_str("int8"),
+        }
+    }
+}
+
+/// The keys and values of one layer: `[batch, kv_heads, slots, head_dim]` each.
+#[derive(Debug, Clone)]
+pub enum KvStore<B: Backend> {
+    /// Dense in the tensors' dtype.
+    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
+    /// int8 codes with a scale per (sequence, head, slot), in the backend's layout.
+    Int8 { keys: Int8Kv<B>, values: Int8Kv<B> },
+}
+
+impl<B: Backend> KvStore<B> {
+    /// `[batch, kv_heads, slots, head_dim]`.
+    pub fn shape(&self) -> [usize; 4] {
+        match self {
+            Self::Dense { keys, .. } => keys.dims(),
+            Self::Int8 { keys, .. } => keys.shape,
+        }
+    }
+
+    /// The first `len` slots, as attention reads them.
+    pub fn view(&self, len: usize) -> KvView<'_, B> {
+        match self {
+            Self::Dense { keys, values } => KvView::Dense {
+                keys: keys.clone().slice(s![.., .., 0..len, ..]),
+                values: values.clone().slice(s![.., .., 0..len, ..]),
+            },
+            Self::Int8 { keys, values } => KvView::Int8 { keys, values, len },
+        }
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        let dense = |t: &Tensor<B, 4>| t.shape().num_elements() * t.dtype().size();
+        match self {
+            Self::Dense { keys, values } => dense(keys) + dense(values),
+            Self::Int8 { keys, values } => keys.device_bytes() + values.device_bytes(),
+        }
+    }
+}
+
+/// Keys and values as attention reads them.
+#[derive(Debug, Clone)]
+pub enum KvView<'a, B: Backend> {
+    /// `[batch, kv_heads, k_len, head_dim]` each, any strides.
+    Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
+    /// The first `len` slots of int8 stores.
+    Int8 { keys: &'a Int8Kv<B>, values: &'a Int8Kv<B>, len: usize },
+}
+
+/// Reference: a store of `shape` in `format`, every slot zero (int8 in the reference layout,
+/// one `U8` code per element).
+pub fn zeros_reference<B: Backend>(shape: [usize; 4], format: KvFormat, device: &B::Device) -> KvStore<B> {
+    match format {
+        KvFormat::Dense(dtype) => KvStore::Dense {
+            keys: Tensor::zeros(shape, (device, dtype)),
+            values: Tensor::zeros(shape, (device, dtype)),
+        },
+        KvFormat::Int8 => {
+            KvStore::Int8 { keys: int8::zeros_reference(shape, device), values: int8::zeros_reference(shape, device) }
+        }
+    }
+}
+
+/// Reference: `keys` and `values` (`[batch, kv_heads, t, head_dim]`) written into slots
+/// `slot..slot + t`: cast to the store's dtype, or quantized.
+pub fn write_reference<B: Backend>(
+    store: KvStore<B>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    slot: usize,
+) -> KvStore<B> {
+    let t = keys.dims()[2];
+    match store {
+        KvStore::Dense { keys: cache_k, values: cache_v } => {
+            let dtype = cache_k.dtype();
+            let slots = s![.., .., slot..slot + t, ..];
+            KvStore::Dense {
+                keys: cache_k.slice_assign(slots, keys.cast(dtype)),
+                values: cache_v.slice_assign(slots, values.cast(dtype)),
+            }
+        }
+        KvStore::Int8 { keys: cache_k, values: cache_v } => KvStore::Int8 {
+            keys: int8::store_reference(cache_k, keys, slot),
+            values: int8::store_reference(cache_v, values, slot),
+        },
+    }
+}
+
+/// Reference: slots `range` of the keys and values in `dtype`, `[batch, kv_heads, range.len(),
+/// head_dim]` each.
+pub fn read_reference<B: Backend>(
+    store: &KvStore<B>,
+    range: Range<usize>,
+    dtype: DType,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    match store {
+        KvStore::Dense { keys, values } => {
+            let slots = s![.., .., range, ..];
+            (keys.clone().slice(slots).cast(dtype), values.clone().slice(slots).cast(dtype))
+        }
+        KvStore::Int8 { keys, values } => {
+            (int8::load_reference(keys, range.clone(), dtype), int8::load_reference(values, range, dtype))
+        }
+    }
+}

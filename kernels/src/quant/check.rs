@@ -1,0 +1,131 @@
+//! Tests shared by the CPU test of the reference and the GPU tests of the kernels: products and
+//! gathers against f64 sums over the host-dequantized matrix.
+
+use super::*;
+use crate::{gpu_test::assert_close, Epilogue, GemmaBackend, HostMatrix, Matrix};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+
+/// Host random values with a few outliers per row, as real weights have.
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f32 / (1u64 << 53) as f32 - 0.5;
+            if i % 97 == 0 {
+                u * 0.8
+            } else {
+                u * 0.1
+            }
+        })
+        .collect()
+}
+
+/// A tensor's values as f32 on the host.
+pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data")
+}
+
+/// Products of quantized matrices for 1 to 17 activation rows and the gather from a quantized
+/// table, with the backend's upload choosing the layout (or `layout` = `(codes, scale dtype)`
+/// when given).
+pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, layout: Option<(CodeLayout, DType)>) {
+    let upload = |h: &HostQuantized| match layout {
+        Some((codes, scales)) => Matrix::Quantized(QuantizedMatrix::<B>::upload(h, codes, scales, device)),
+        None => B::upload_matrix(HostMatrix::Quantized(h.clone()), device),
+    };
+    for format in [QuantFormat::Q8, QuantFormat::Q4] {
+        for (i, (n, inp, out)) in [
+            (1, 640, 1024),
+            (3, 2560, 37),
+            (8, 96, 1001),
+            (5, 32, 3),
+            (2, 224, 13),
+            (1, 1152, 6912),
+            (1, 64, 9000),
+            (3, 64, 4500),
+            (9, 160, 75),
+            (17, 64, 33),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let hq = HostQuantized::quantize(&values(out * inp, seed + i as u64), out, inp, format).expect("quantize");
+            let w = upload(&hq);
+            let xs = values(n * inp, seed ^ 0xABCD + i as u64);
+            let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
+            let xs = host(x.clone());
+            let ws = hq.dequantize();
+            let expected: Vec<f32> = (0..n)
+                .flat_map(|r| {
+                    let (xs, ws) = (&xs, &ws);
+                    (0..out).map(move |o| {
+                        (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32
+                    })
+                })
+                .collect();
+            let got = B::project(x, &w, Epilogue::Identity);
+            assert_eq!(got.dtype(), dtype);
+            let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32));
+            let tol = crate::gpu_test::tolerance(dtype)
+                * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+            assert_close(got, expected, tol, &format!("{format} project {n}x{inp} -> {out}"));
+        }
+        // A table of three row blocks (odd sizes), ids in every block plus out-of-range ones.
+        let (vocab, hidden) = (203, 96);
+        let hq = HostQuantized::quantize(&values(vocab * hidden, seed + 77), vocab, hidden, format).expect("quantize");
+        let table: Vec<_> = [0..70, 70..141, 141..203].into_iter().map(|r| upload(&hq.rows_slice(r))).collect();
+        let ids: Vec<i64> = vec![0, 69, 70, 140, 141, 202, 5, 150, 99, 1];
+        let id_tensor = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [2, 5]), device);
+        let scale = 25.3;
+        let got = B::embed(&table, id_tensor, scale, dtype);
+        assert_eq!(got.dtype(), dtype);
+        let round = |v: f32| {
+            Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (device, DType::F32))
+                .cast(dtype)
+                .cast(DType::F32)
+                .into_data()
+                .to_vec::<f32>()
+                .expect("f32")[0] as f64
+        };
+        let s = round(scale as f32);
+        let deq = hq.dequantize();
+        let expected: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| (0..hidden).map(|c| (deq[id as usize * hidden + c] as f64 * s) as f32).collect::<Vec<_>>())
+            .collect();
+        let expected = Tensor::<B, 3>::from_data(TensorData::new(expected, [2, 5, hidden]), (device, DType::F32));
+        assert_close(got, expected, crate::gpu_test::tolerance(dtype) * 2.0, &format!("{format} embed"));
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod reference_tests {
+    use crate::test_util::TestBackend;
+    use burn::tensor::DType;
+
+    #[test]
+    fn reference_matches_host_dequantization() {
+        let seed = std::env::var("BURN_GEMMA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+        super::quantized::<TestBackend>(&Default::default(), DType::F32, seed, None);
+    }
+}
+
+#[cfg(test)]
+mod gpu {
+    use crate::gpu_test::seed;
+    use crate::GemmaBackend;
+    use burn::tensor::DType;
+
+    /// The backend's own layout, and packed codes with f32 scales (what devices without f16
+    /// use) where the backend's layout uses f16.
+    pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        let s = seed::<B>(device, "quantized");
+        super::quantized::<B>(device, dtype, s, None);
+        super::quantized::<B>(device, dtype, s ^ 1, Some((crate::quant::CodeLayout::Words, DType::F32)));
+    }
+
+    gpu_tests!(quantized_matches_host => quantized);
+}

@@ -1,0 +1,185 @@
+//! Slot arithmetic of a layer's cache, as pure functions.
+//!
+//! A full-attention layer keeps position `p` in slot `p`. A sliding-window layer keeps a ring:
+//! position `p` in slot `p % slots`, where `slots` is the window (or the cache's capacity when
+//! that is smaller: positions never reach the capacity, so such a ring never wraps and behaves
+//! as the window). Attention does not depend on the order of its keys, so a decode query reads
+//! the ring as it lies; a chunk of several positions reads the previous window in order first.
+
+use burn_gemma_kernels::AttentionMask;
+use std::ops::Range;
+
+/// Which slots a layer's positions occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Span {
+    /// Every position up to the capacity, slot = position.
+    Full,
+    /// A ring of this many slots.
+    Ring(usize),
+}
+
+impl Span {
+    /// The span of a layer with `window` (`None` for full attention) in a cache of `capacity`.
+    pub fn new(window: Option<usize>, capacity: usize) -> Self {
+        match window {
+            None => Self::Full,
+            Some(w) => Self::Ring(w.min(capacity)),
+        }
+    }
+
+    /// Slots the layer's store needs for a cache of `capacity` positions.
+    pub fn slots(self, capacity: usize) -> usize {
+        match self {
+            Self::Full => capacity,
+            Self::Ring(slots) => slots,
+        }
+    }
+
+    /// Decode at `position`: the slot it is written to, the slots attention then reads (the
+    /// first `visible`), and their mask.
+    pub fn decode(self, position: usize) -> DecodeStep {
+        match self {
+            Self::Full => DecodeStep {
+                slot: position,
+                visible: position + 1,
+                mask: AttentionMask { q_offset: position, k_offset: 0, window: None },
+            },
+            Self::Ring(w) => {
+                let visible = (position + 1).min(w);
+                // Every key in the ring is inside the window: the mask only has to place them.
+                let mask = AttentionMask { q_offset: position, k_offset: position + 1 - visible, window: Some(w) };
+                DecodeStep { slot: position % w, visible, mask }
+            }
+        }
+    }
+}
+
+/// Where one decode position goes and what it attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStep {
+    pub slot: usize,
+    pub visible: usize,
+    pub mask: AttentionMask,
+}
+
+/// The ring's positions before `position` that a window of `w` still holds (at most `w`), as
+/// slot ranges in position order: none, one range, or two when the window wraps.
+pub fn window_in_order(position: usize, w: usize) -> Vec<Range<usize>> {
+    if position == 0 {
+        Vec::new()
+    } else if position <= w {
+        vec![0..position]
+    } else {
+        let start = position % w;
+        if start == 0 {
+            vec![0..w]
+        } else {
+            vec![start..w, 0..start]
+        }
+    }
+}
+
+/// Where the last `min(t, w)` of `t` new positions (the first at `position`) go in a ring of `w`
+/// slots: `(rows of the new block, first slot)`, at most two contiguous writes.
+pub fn ring_writes(position: usize, t: usize, w: usize) -> Vec<(Range<usize>, usize)> {
+    let kept = t.min(w);
+    let first = position + t - kept;
+    let start = first % w;
+    let head = kept.min(w - start);
+    let skip = t - kept;
+    let mut writes = vec![(skip..skip + head, start)];
+    if head < kept {
+        writes.push((skip + head..t, 0));
+    }
+    writes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_larger_than_capacity_keeps_capacity_slots() {
+        assert_eq!(Span::new(Some(512), 100), Span::Ring(100));
+        assert_eq!(Span::new(Some(8), 100), Span::Ring(8));
+        assert_eq!(Span::new(None, 100), Span::Full);
+        assert_eq!((Span::Ring(100).slots(100), Span::Full.slots(100)), (100, 100));
+        // A ring of the capacity never wraps: every position up to it is visible.
+        let step = Span::Ring(100).decode(99);
+        assert_eq!((step.slot, step.visible, step.mask.k_offset), (99, 100, 0));
+    }
+
+    #[test]
+    fn decode_steps_wrap_around() {
+        // (span, position) -> (slot, visible, k_offset)
+        let table = [
+            (Span::Full, 0, (0, 1, 0)),
+            (Span::Full, 37, (37, 38, 0)),
+            (Span::Ring(4), 0, (0, 1, 0)),
+            (Span::Ring(4), 3, (3, 4, 0)),
+            (Span::Ring(4), 4, (0, 4, 1)),
+            (Span::Ring(4), 9, (1, 4, 6)),
+            (Span::Ring(1), 5, (0, 1, 5)),
+        ];
+        for (span, position, (slot, visible, k_offset)) in table {
+            let step = span.decode(position);
+            assert_eq!(
+                (step.slot, step.visible, step.mask.k_offset),
+                (slot, visible, k_offset),
+                "{span:?} at {position}"
+            );
+            assert_eq!(step.mask.q_offset, position);
+            // The keys the mask places are exactly the ones in the window.
+            let keys = step.mask.k_offset..step.mask.k_offset + step.visible;
+            assert!(keys.clone().all(|k| step.mask.visible(position, k)), "{span:?} at {position}: {keys:?}");
+        }
+    }
+
+    #[test]
+    fn previous_window_in_position_order() {
+        // (position, w) -> slot ranges
+        let table: [(usize, usize, Vec<Range<usize>>); 6] = [
+            (0, 4, vec![]),
+            (3, 4, vec![0..3]),
+            (4, 4, vec![0..4]),
+            (6, 4, vec![2..4, 0..2]),
+            (8, 4, vec![0..4]),
+            (9, 4, vec![1..4, 0..1]),
+        ];
+        for (position, w, expected) in table {
+            let ranges = window_in_order(position, w);
+            assert_eq!(ranges, expected, "position {position}, window {w}");
+            // Slot s of the ring holds the latest position p < `position` with p % w == s.
+            let held: Vec<usize> = ranges.into_iter().flatten().collect();
+            let positions: Vec<usize> = (position.saturating_sub(w)..position).collect();
+            assert_eq!(held, positions.iter().map(|p| p % w).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_into_a_partly_filled_ring() {
+        // (position, t, w) -> writes
+        let table: [(usize, usize, usize, Vec<(Range<usize>, usize)>); 6] = [
+            // An empty ring, a chunk shorter than the window.
+            (0, 3, 8, vec![(0..3, 0)]),
+            // A partly filled ring: the chunk wraps past the last slot.
+            (5, 6, 8, vec![(0..3, 5), (3..6, 0)]),
+            // A chunk longer than the window keeps its last w rows.
+            (2, 11, 4, vec![(7..10, 1), (10..11, 0)]),
+            (0, 8, 8, vec![(0..8, 0)]),
+            (13, 1, 8, vec![(0..1, 5)]),
+            (16, 4, 4, vec![(0..4, 0)]),
+        ];
+        for (position, t, w, expected) in table {
+            let writes = ring_writes(position, t, w);
+            assert_eq!(writes, expected, "position {position}, {t} rows, window {w}");
+            // Every kept row lands in its position's slot, once.
+            for (rows, slot) in writes {
+                for (i, row) in rows.enumerate() {
+                    assert_eq!((slot + i) % w, (position + row) % w);
+                    assert!(row >= t - t.min(w));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Bias-free linear projections as checkpoints store them (`weight` `[out, in]`), loaded as
+//! dense or block-quantized [`Matrix`]es.
+
+use crate::{
+    weights::{WeightFormat, WeightKind, WeightSource},
+    ModelError,
+};
+use burn::{
+    module::Module,
+    tensor::{DType, Tensor},
+};
+use burn_gemma_kernels::{Epilogue, GemmaBackend, HostMatrix, HostQuantized, Matrix, QuantFormat};
+
+/// How the model's weights are loaded: the activation/dense dtype and the matrix format.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightSettings {
+    pub dtype: DType,
+    pub format: WeightFormat,
+}
+
+impl WeightSettings {
+    /// The block format a matrix is read in, `None` for dense.
+    fn blocks(&self) -> Option<BlockRequest> {
+        match self.format {
+            WeightFormat::Native => Some(BlockRequest::Native),
+            WeightFormat::Quantized(q) => Some(BlockRequest::Format(q)),
+            WeightFormat::Dense => None,
+        }
+    }
+
+    /// The block format of the embedding table: at least Q8 (it feeds both ends of the model).
+    pub(crate) fn table_blocks(&self) -> Option<BlockRequest> {
+        self.blocks().map(|request| match request {
+            BlockRequest::Native => BlockRequest::Native,
+            BlockRequest::Format(_) => BlockRequest::Format(QuantFormat::Q8),
+        })
+    }
+}
+
+/// A block format asked of a [`WeightSource`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockRequest {
+    /// The checkpoint's own block format, where it has one.
+    Native,
+    /// This format.
+    Format(QuantFormat),
+}
+
+impl BlockRequest {
+    /// The argument of [`WeightSource::load_host_quantized`].
+    pub(crate) fn format(self) -> Option<QuantFormat> {
+        match self {
+            Self::Native => None,
+            Self::Format(q) => Some(q),
+        }
+    }
+}
+
+/// Reads one `[out, in]` matrix in the format `settings` asks for.
+pub(crate) fn load_matrix<B: GemmaBackend>(
+    source: &mut impl WeightSource<B>,
+    name: &str,
+    shape: [usize; 2],
+    settings: WeightSettings,
+    device: &B::Device,
+) -> Result<HostMatrix<B>, ModelError> {
+    if let Some(request) = settings.blocks() {
+        if let Some(host) = source.load_host_quantized(name, shape, request.format(), device)? {
+            return Ok(HostMatrix::Quantized(host));
+        }
+    }
+    Ok(HostMatrix::Dense(source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?))
+}
+
+/// Uploads row blocks read in order, joining neighbours stored alike (same block format and
+/// width, or both dense) into one matrix.
+pub(crate) fn upload_joined<B: GemmaBackend>(blocks: Vec<HostMatrix<B>>, device: &B::Device) -> Vec<Matrix<B>> {
+    enum Group<B: GemmaBackend> {
+        Host(HostQuantized),
+        Dense(Vec<Tensor<B, 2>>),
+    }
+    let mut groups: Vec<Group<B>> = Vec::new();
+    for block in blocks {
+        match (groups.last_mut(), block) {
+            (Some(Group::Host(last)), HostMatrix::Quantized(next)) => {
+                if let Err(next) = last.append_rows(next) {
+                    groups.push(Group::Host(next));
+                }
+            }
+            (Some(Group::Dense(rows)), HostMatrix::Dense(next)) => rows.push(next),
+            (_, HostMatrix::Quantized(next)) => groups.push(Group::Host(next)),
+            (_, HostMatrix::Dense(next)) => groups.push(Group::Dense(vec![next])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|group| match group {
+            Group::Host(host) => B::upload_matrix(HostMatrix::Quantized(host), device),
+            Group::Dense(rows) => B::upload_matrix(HostMatrix::Dense(Tensor::cat(rows, 0)), device),
+        })
+        .collect()
+}
+
+/// One or more checkpoint projections that read the same input (q|k|v, gate|up), their outputs
+/// side by side; matrices stored alike are joined row-wise into one, so decode runs one product
+/// instead of several.
+#[derive(Module, Debug)]
+pub struct Projection<B: GemmaBackend> {
+    /// Consecutive row blocks of the output.
+    pub parts: Vec<Matrix<B>>,
+}
+
+impl<B: GemmaBackend> Projection<B> {
+    /// Loads the checkpoint matrices `{name}.weight` (`[out, inp]` each, in the order given) as
+    /// one projection whose output is theirs side by side.
+    pub(crate) fn load(
+        source: &mut impl WeightSource<B>,
+        names: &[(&str, usize)],
+        inp: usize,
+        settings: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let blocks = names
+            .iter()
+            .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::joined(blocks, device))
+    }
+
+    /// The projection of matrices already read, in order.
+    pub(crate) fn joined(blocks: Vec<HostMatrix<B>>, device: &B::Device) -> Self {
+        Self { parts: upload_joined(blocks, device) }
+    }
+
+    /// `[batch, seq, in]` -> `[batch, seq, out]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, inp] = x.dims();
+        let x = x.reshape([batch * seq, inp]);
+        let mut outs: Vec<Tensor<B, 2>> =
+            self.parts.iter().map(|w| B::project(x.clone(), w, Epilogue::Identity)).collect();
+        let out = if outs.len() == 1 { outs.pop().unwrap_or(x) } else { Tensor::cat(outs, 1) };
+        let width = out.dims()[1];
+        out.reshape([batch, seq, width])
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        self.parts.iter().map(|w| w.device_bytes()).sum()
+    }
+}

@@ -1,0 +1,102 @@
+//! Rotary position embeddings of the model, one per layer type (Gemma 3: `rope_theta` and linear
+//! scaling on full-attention layers, `rope_local_base_freq` on sliding ones).
+//!
+//! The kernels read cos/sin tables; the model keeps them on the device for the longest context
+//! a cache was made for, building them anew (longer) when a larger cache comes.
+
+use crate::{GemmaConfig, LayerType};
+use burn::tensor::backend::Backend;
+use burn_gemma_kernels::RopeTables;
+use std::any::Any;
+use std::sync::{Arc, RwLock};
+
+/// The rotary embedding of one layer type.
+#[derive(Clone)]
+pub struct RotaryEmbedding {
+    head_dim: usize,
+    theta: f64,
+    factor: f64,
+    /// The device tables built last, a `RopeTables<B>` (held without the backend type, so the
+    /// model's `Module` derive keeps it out of the weights).
+    tables: Arc<RwLock<Option<Box<dyn Any + Send + Sync>>>>,
+}
+
+impl std::fmt::Debug for RotaryEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RotaryEmbedding")
+            .field("head_dim", &self.head_dim)
+            .field("theta", &self.theta)
+            .field("factor", &self.factor)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RotaryEmbedding {
+    /// The embedding of `layer_type`'s layers in `config`.
+    pub fn new(config: &GemmaConfig, layer_type: LayerType) -> Self {
+        let rope = config.rope(layer_type);
+        Self {
+            head_dim: config.head_dim,
+            theta: rope.rope_theta,
+            factor: rope.factor,
+            tables: Arc::new(RwLock::new(None)),
+        }
+    }
+
+    /// Tables covering at least positions `0..positions`, on `device`.
+    pub fn tables<B: Backend>(&self, positions: usize, device: &B::Device) -> RopeTables<B> {
+        let covering = |held: &Option<Box<dyn Any + Send + Sync>>| {
+            held.as_ref()
+                .and_then(|t| t.downcast_ref::<RopeTables<B>>())
+                .filter(|t| t.positions() >= positions && &t.cos.device() == device)
+                .cloned()
+        };
+        // A poisoned lock only means another thread panicked while building tables: build anew.
+        if let Some(tables) = self.tables.read().ok().and_then(|held| covering(&held)) {
+            return tables;
+        }
+        let tables = RopeTables::<B>::new(positions, self.head_dim, self.theta, self.factor, device);
+        if let Ok(mut held) = self.tables.write() {
+            *held = Some(Box::new(tables.clone()));
+        }
+        tables
+    }
+}
+
+/// One [`RotaryEmbedding`] per layer type.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbeddings {
+    full: RotaryEmbedding,
+    sliding: RotaryEmbedding,
+}
+
+impl RotaryEmbeddings {
+    pub fn new(config: &GemmaConfig) -> Self {
+        Self {
+            full: RotaryEmbedding::new(config, LayerType::FullAttention),
+            sliding: RotaryEmbedding::new(config, LayerType::SlidingAttention),
+        }
+    }
+
+    /// The tables of every layer type, covering positions `0..positions`.
+    pub fn tables<B: Backend>(&self, positions: usize, device: &B::Device) -> LayerTables<B> {
+        LayerTables { full: self.full.tables(positions, device), sliding: self.sliding.tables(positions, device) }
+    }
+}
+
+/// The RoPE tables of each layer type.
+#[derive(Debug, Clone)]
+pub struct LayerTables<B: Backend> {
+    full: RopeTables<B>,
+    sliding: RopeTables<B>,
+}
+
+impl<B: Backend> LayerTables<B> {
+    /// The tables of `layer_type`.
+    pub fn get(&self, layer_type: LayerType) -> &RopeTables<B> {
+        match layer_type {
+            LayerType::FullAttention => &self.full,
+            LayerType::SlidingAttention => &self.sliding,
+        }
+    }
+}
