@@ -3,6 +3,7 @@
 use crate::{
     chat,
     sampling::{Sampler, SamplingConfig},
+    tokenizer::Bos,
     Error, Gemma, GemmaBackend, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
@@ -214,7 +215,7 @@ impl<B: GemmaBackend> Generator<B> {
         if prompt.is_empty() {
             return Err(Error::Request("the prompt is empty".into()));
         }
-        let ids = self.tokenizer.encode(prompt, true)?;
+        let ids = self.tokenizer.encode(prompt, Bos::Prepend)?;
         self.reset();
         self.continue_ids(&ids, config, on_text)
     }
@@ -240,7 +241,7 @@ impl<B: GemmaBackend> Generator<B> {
             text.push_str(chat::TURN_SEPARATOR);
         }
         text.push_str(&chat::user_turn(message));
-        let ids = self.tokenizer.encode(&text, self.context.is_empty())?;
+        let ids = self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })?;
         self.continue_ids(&ids, config, on_text)
     }
 

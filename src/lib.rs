@@ -36,4 +36,4 @@ pub use error::Error;
 pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason};
 pub use loader::{Checkpoint, LoadReport};
 pub use sampling::SamplingConfig;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Bos, Tokenizer};

@@ -20,6 +20,15 @@ const TYPE_BYTE: i32 = 6;
 /// The space marker of SentencePiece vocabularies.
 const SPACE: char = '\u{2581}';
 
+/// Whether an encoded text starts a sequence (`<bos>` first) or continues one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bos {
+    /// `<bos>` first: the text starts a sequence.
+    Prepend,
+    /// The text continues a sequence.
+    Omit,
+}
+
 /// A Gemma tokenizer.
 pub struct Tokenizer {
     engine: Engine,
@@ -129,10 +138,10 @@ impl Tokenizer {
         self.pieces.get(piece).copied()
     }
 
-    /// Encodes `text`, with `<bos>` first when `add_bos`.
-    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, Error> {
+    /// Encodes `text`, with `<bos>` first where `bos` says so.
+    pub fn encode(&self, text: &str, bos: Bos) -> Result<Vec<u32>, Error> {
         let mut ids = Vec::new();
-        if add_bos {
+        if bos == Bos::Prepend {
             ids.push(self.bos);
         }
         match &self.engine {
@@ -295,7 +304,7 @@ mod tests {
     }
 
     fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
-        t.encode(text, false)
+        t.encode(text, Bos::Omit)
             .unwrap()
             .iter()
             .map(|&id| String::from_utf8_lossy(t.token_bytes(id)).into_owned())
@@ -311,10 +320,10 @@ mod tests {
         assert_eq!(pieces(&t, "ab ab"), ["ab", " ab"]);
         assert_eq!(pieces(&t, "<start_of_turn>a\n"), ["<start_of_turn>", "a", "\n"]);
         // "é" is not in the vocabulary: two byte tokens that decode back to it.
-        let ids = t.encode("é", true).unwrap();
+        let ids = t.encode("é", Bos::Prepend).unwrap();
         assert_eq!(ids.len(), 3);
         assert_eq!(t.decode(&ids), "é");
-        assert_eq!(t.decode(&t.encode("ab <end_of_turn>\nc", true).unwrap()), "ab <end_of_turn>\nc");
+        assert_eq!(t.decode(&t.encode("ab <end_of_turn>\nc", Bos::Prepend).unwrap()), "ab <end_of_turn>\nc");
     }
 
     #[test]
@@ -348,7 +357,7 @@ mod tests {
         let t = Tokenizer::from_file(&path).unwrap();
         assert_eq!(t.bos_id(), 2);
         assert_eq!(pieces(&t, "<start_of_turn>ab ab"), ["<start_of_turn>", "ab", " ab"]);
-        let ids = t.encode("é ab", true).unwrap();
+        let ids = t.encode("é ab", Bos::Prepend).unwrap();
         assert_eq!(t.decode(&ids), "é ab");
         assert!(Tokenizer::from_file(&path.with_extension("missing")).is_err());
     }

@@ -96,7 +96,7 @@ fn chat_keeps_history_and_checks_context() {
     // The second turn's prompt is only the new turn, the history stays in the cache.
     let turn = g
         .tokenizer()
-        .encode("<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n", false)
+        .encode("<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n", burn_gemma::Bos::Omit)
         .unwrap();
     assert_eq!(second.stats.prompt_tokens, turn.len());
     assert!(first.stats.prompt_tokens > 1);

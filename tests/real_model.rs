@@ -86,7 +86,7 @@ fn tokenizer_reproduces_reference_ids_and_round_trips() {
     let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
     for case in reference["cases"].as_array().unwrap() {
         let prompt = case["prompt"].as_str().unwrap();
-        let ids = tokenizer.encode(prompt, true).unwrap();
+        let ids = tokenizer.encode(prompt, burn_gemma::Bos::Prepend).unwrap();
         assert_eq!(ids, common::ids(&case["prompt_ids"]), "{}", case["name"]);
         // <bos> decodes to nothing; the rest is the prompt exactly.
         assert_eq!(tokenizer.decode(&ids), prompt, "{}: round trip", case["name"]);

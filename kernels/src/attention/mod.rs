@@ -178,16 +178,14 @@ pub(crate) mod kernel {
 /// Naive attention on host vectors in f64 (`[batch, heads, len, dim]`, contiguous), for checking
 /// the reference and the kernel without depending on any backend's matmul precision.
 #[cfg(test)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn naive(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     [batch, hq, hkv, tq, tk, d]: [usize; 6],
-    mask: AttentionMask,
-    scale: f64,
-    softcap: Option<f64>,
+    options: &AttentionOptions,
 ) -> Vec<f32> {
+    let AttentionOptions { mask, scale, softcap } = *options;
     let mut out = vec![0.0; batch * hq * tq * d];
     for b in 0..batch {
         for h in 0..hq {
@@ -238,7 +236,7 @@ mod tests {
             let options = AttentionOptions { mask, scale, softcap: None };
             let got = reference(q.clone(), k.clone(), v.clone(), &options).into_data();
             let vec = |t: Tensor<TestBackend, 4>| t.into_data().to_vec::<f32>().unwrap();
-            let expected = super::naive(&vec(q), &vec(k), &vec(v), [1, hq, hkv, tq, tk, d], mask, scale, None);
+            let expected = super::naive(&vec(q), &vec(k), &vec(v), [1, hq, hkv, tq, tk, d], &options);
             assert!(got.to_vec::<f32>().unwrap().iter().all(|x| x.is_finite()));
             got.assert_approx_eq::<f32>(&TensorData::new(expected, [1, hq, tq, d]), Default::default());
         }
@@ -306,7 +304,7 @@ mod gpu {
             // backend's matmul would inherit its precision (TF32-class on CUDA).
             let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
             let dims = [batch, hq, hkv, tq, tk, dim];
-            let expected = super::naive(&host(q), &host(k), &host(v), dims, mask, scale, softcap);
+            let expected = super::naive(&host(q), &host(k), &host(v), dims, &options);
             let expected =
                 Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, tq, dim]), (device, DType::F32));
             let what = format!("attention b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?}");

@@ -285,9 +285,7 @@ pub(crate) mod check {
                     &host(dense.clone()),
                     &host(dense.clone()),
                     dims,
-                    mask,
-                    scale,
-                    Some(50.0),
+                    &options,
                 );
                 let want = Tensor::<B, 4>::from_data(
                     TensorData::new(want, [batch, q_heads, q_len, dim]),
