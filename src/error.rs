@@ -4,21 +4,22 @@ use crate::{gguf::GgufError, safetensors::SafetensorsError};
 use burn_gemma_model::ModelError;
 use std::path::PathBuf;
 
-/// Everything that can go wrong in burn-gemma, each naming the problem.
+/// Everything that can go wrong in burn-gemma, each naming the problem. Large sources are boxed,
+/// so that a `Result` stays small on the paths that succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{}: invalid safetensors file: {source}", path.display())]
-    Safetensors { path: PathBuf, source: SafetensorsError },
+    Safetensors { path: PathBuf, source: Box<SafetensorsError> },
     #[error("{}: invalid GGUF file: {source}", path.display())]
-    Gguf { path: PathBuf, source: GgufError },
+    Gguf { path: PathBuf, source: Box<GgufError> },
     #[error("{}: {source}", path.display())]
-    Config { path: PathBuf, source: ModelError },
+    Config { path: PathBuf, source: Box<ModelError> },
     #[error("{}: not a model: {reason}", path.display())]
     NotAModel { path: PathBuf, reason: String },
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(Box<ModelError>),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("fetching the default model: {0}")]
@@ -31,4 +32,10 @@ pub enum Error {
     NonFiniteLogits { step: usize },
     #[error("backend: {0}")]
     Backend(String),
+}
+
+impl From<ModelError> for Error {
+    fn from(e: ModelError) -> Self {
+        Self::Model(Box::new(e))
+    }
 }

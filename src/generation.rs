@@ -128,8 +128,7 @@ impl Utf8Stream {
             Err(e) => e.valid_up_to(),
         };
         let rest = self.pending.split_off(valid);
-        let text = String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default();
-        text
+        String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default()
     }
 
     /// Whatever is left, with incomplete characters replaced.

@@ -40,7 +40,7 @@ pub struct Tokenizer {
 
 enum Engine {
     Hf(Box<tokenizers::Tokenizer>),
-    Spm(Spm),
+    Spm(Box<Spm>),
 }
 
 /// SentencePiece BPE: merge the adjacent pair whose merged piece scores highest, leftmost first.
@@ -118,9 +118,9 @@ impl Tokenizer {
             pieces.entry(piece).or_insert(id);
         }
         for list in specials.values_mut() {
-            list.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+            list.sort_by_key(|entry| std::cmp::Reverse(entry.0.len()));
         }
-        Ok(Self { engine: Engine::Spm(Spm { scores, types, specials, byte_tokens }), token_bytes, pieces, bos })
+        Ok(Self { engine: Engine::Spm(Box::new(Spm { scores, types, specials, byte_tokens })), token_bytes, pieces, bos })
     }
 
     /// Vocabulary size.

@@ -95,7 +95,7 @@ pub(crate) fn load_vector_size<R: CubeRuntime>(
     len: usize,
     max: usize,
 ) -> usize {
-    client.io_optimized_vector_sizes(elem_size).find(|&v| v <= max && len % v == 0).unwrap_or(1)
+    client.io_optimized_vector_sizes(elem_size).find(|&v| v <= max && len.is_multiple_of(v)).unwrap_or(1)
 }
 
 /// Whether `plane_sum` over 32 units is available: plane operations supported and every plane

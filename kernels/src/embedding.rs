@@ -160,7 +160,7 @@ mod tests {
         let table = Tensor::<TestBackend, 2>::random([37, 5], Distribution::Normal(0.0, 1.0), &device);
         let ids =
             Tensor::<TestBackend, 2, Int>::from_data(TensorData::new(vec![0i64, 36, 12, 13, 25, 7], [2, 3]), &device);
-        let whole = reference(&[table.clone()], ids.clone(), 2.0);
+        let whole = reference(std::slice::from_ref(&table), ids.clone(), 2.0);
         let blocks: Vec<_> = [0..13, 13..26, 26..37].into_iter().map(|r| table.clone().slice([r, 0..5])).collect();
         let split = reference(&blocks, ids, 2.0);
         whole.into_data().assert_approx_eq::<f32>(&split.into_data(), Default::default());

@@ -44,7 +44,7 @@ pub const PAIR_BLOCK: usize = 4;
 
 /// Whether an MLP of `intermediate` features can use the interleaved layout.
 pub fn pairs_fit(intermediate: usize) -> bool {
-    intermediate > 0 && intermediate % PAIR_BLOCK == 0
+    intermediate > 0 && intermediate.is_multiple_of(PAIR_BLOCK)
 }
 
 /// The joined `[2m, in]` matrix of `gate` and `up` (`[m, in]` each, `m` a multiple of

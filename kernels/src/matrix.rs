@@ -9,6 +9,7 @@ use burn::{
 
 /// A weight matrix `[out, in]` (checkpoint layout) on the device.
 #[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)] // One per weight, held for the model's life: no boxing.
 pub enum Matrix<B: Backend> {
     /// Dense in the model dtype, packed (no row padding).
     Dense(Param<Tensor<B, 2>>),

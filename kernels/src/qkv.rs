@@ -64,7 +64,7 @@ pub fn reference<B: GemmaBackend>(
 /// (normalized and rotated in f32, rounded once to the activation dtype, as the unfused RoPE
 /// kernel does), then writes queries out, and keys and values into the cache slot: copied to
 /// the cache dtype, or quantized with the row's `max|x| / 127` scale as the int8 store does.
-#[allow(clippy::manual_div_ceil)]
+#[allow(clippy::manual_div_ceil, clippy::collapsible_if)]
 pub(crate) mod kernel {
     use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
     use crate::kv::int8::kernel::placed;
@@ -437,7 +437,7 @@ mod gpu {
 
     /// Every slot of a store, dequantized to f32.
     fn contents<B: GemmaBackend>(store: &KvStore<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        B::kv_read(&store, 0..store.shape()[2], DType::F32)
+        B::kv_read(store, 0..store.shape()[2], DType::F32)
     }
 
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the

@@ -453,8 +453,8 @@ mod gpu {
             assert!(rows.iter().flatten().all(|x| x.is_finite()));
             for params in &configs {
                 let draws: Vec<Vec<f32>> = rows.iter().map(|r| safe_uniforms(r, params, &mut state)).collect();
-                for d in 0..8 {
-                    let uniform = [draws[0][d], draws[1][d]];
+                for (&first, &second) in draws[0].iter().zip(&draws[1]).take(8) {
+                    let uniform = [first, second];
                     let got = B::sample(logits.clone(), params, &uniform);
                     let got: Vec<i64> = got.into_data().convert::<i64>().to_vec().expect("ids");
                     let expected: Vec<i64> =

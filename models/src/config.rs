@@ -1,5 +1,5 @@
 //! Model configuration: parsed from Hugging Face `config.json` (both the newer `rope_parameters`
-//! + `layer_types` layout and the older `rope_theta` / `rope_local_base_freq` / `rope_scaling` /
+//! and `layer_types` layout and the older `rope_theta` / `rope_local_base_freq` / `rope_scaling` /
 //! `sliding_window_pattern` keys) or built from GGUF metadata by the loader, and validated before
 //! anything is allocated.
 
@@ -336,7 +336,7 @@ impl GemmaConfig {
         if self.hidden_size > MAX_DIM || self.intermediate_size > MAX_DIM || self.num_hidden_layers > 4096 {
             return Err(invalid("hidden_size", "or intermediate_size / num_hidden_layers is implausibly large"));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -345,7 +345,7 @@ impl GemmaConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid("head_dim", format!("must be even for rotary embeddings, found {}", self.head_dim)));
         }
         if self.vocab_size.checked_mul(self.hidden_size).is_none_or(|n| n > 1 << 36) {

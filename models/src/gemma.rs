@@ -22,6 +22,7 @@ use burn_gemma_kernels::{
 
 /// The gate and up projections of an MLP (they read the same input).
 #[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)] // One per layer, held for the model's life: no boxing.
 pub enum GateUp<B: GemmaBackend> {
     /// One matrix holding the gate and up rows interleaved in blocks of [`PAIR_BLOCK`]: the
     /// product and the GELU run as one operation ([`Epilogue::GeluPairs`]), which on GPUs is

@@ -347,7 +347,7 @@ pub(super) fn tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>, shared_bytes
 fn kv_vector<R: CubeRuntime>(t: &CubeTensor<R>, per_lane: usize) -> usize {
     let s = t.meta.strides();
     let mut n = load_vector_size(&t.client, t.dtype.size(), per_lane, 8);
-    while n > 1 && (s[0] % n != 0 || s[1] % n != 0 || s[2] % n != 0) {
+    while n > 1 && (!s[0].is_multiple_of(n) || !s[1].is_multiple_of(n) || !s[2].is_multiple_of(n)) {
         n /= 2;
     }
     n

@@ -120,7 +120,8 @@ pub(crate) mod kernel {
     pub(super) const TARGET_CUBES: usize = 512;
     pub(super) const MAX_SPLITS: usize = 256;
 
-    /// Keys and values as the kernels read them.
+    /// Keys and values as the kernels read them (built per launch, never stored).
+    #[allow(clippy::large_enum_variant)]
     pub enum Kv<R: CubeRuntime> {
         /// `[batch, kv_heads, k_len, dim]` each, any strides.
         Dense { k: CubeTensor<R>, v: CubeTensor<R> },

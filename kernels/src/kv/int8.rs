@@ -166,7 +166,7 @@ pub(crate) mod kernel {
         if b * h * t * dim == 0 {
             return;
         }
-        let threads = pow2_ceil(dim / 4).max(32).min(256) as u32;
+        let threads = pow2_ceil(dim / 4).clamp(32, 256) as u32;
         let dtype = x.dtype.into();
         store_kernel::launch::<R>(
             &x.client.clone(),

@@ -54,7 +54,7 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
         {
             let hq = HostQuantized::quantize(&values(out * inp, seed + i as u64), out, inp, format).expect("quantize");
             let w = upload(&hq);
-            let xs = values(n * inp, seed ^ 0xABCD + i as u64);
+            let xs = values(n * inp, seed ^ (0xABCD + i as u64));
             let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
             let xs = host(x.clone());
             let ws = hq.dequantize();

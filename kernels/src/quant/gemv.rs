@@ -31,7 +31,7 @@ fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
     // Lowest mantissa bit the code lands on, and the code's lowest bit in the word.
     let low = comptime!(23 - bits);
     let at = comptime!(n * bits);
-    let mask = comptime!((((1u32 << bits) - 1) << low) as u32);
+    let mask = comptime!(((1u32 << bits) - 1) << low);
     let placed =
         if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
     f32::reinterpret((placed & mask) | 0x3F80_0000u32)

@@ -190,7 +190,7 @@ impl HostQuantized {
     }
 
     fn check_shape(rows: usize, cols: usize, len: usize) -> Result<(), QuantError> {
-        if cols % BLOCK != 0 || cols == 0 {
+        if !cols.is_multiple_of(BLOCK) || cols == 0 {
             return Err(QuantError::Columns { rows, cols });
         }
         if rows * cols != len {
@@ -244,6 +244,7 @@ impl HostQuantized {
     /// `block`) with their rows interleaved in blocks of `block`: `block` gate rows, then the
     /// same `block` up rows, and so on ([`crate::gelu::interleave_pairs`] for dense matrices).
     /// Gives both back when they do not match.
+    #[allow(clippy::result_large_err)] // The caller keeps the two matrices on a mismatch.
     pub fn interleave_pairs(
         gate: HostQuantized,
         up: HostQuantized,
@@ -253,7 +254,7 @@ impl HostQuantized {
             || gate.cols != up.cols
             || gate.rows != up.rows
             || block == 0
-            || gate.rows % block != 0
+            || !gate.rows.is_multiple_of(block)
         {
             return Err((gate, up));
         }

@@ -142,7 +142,7 @@ impl<B: GemmaBackend> KvCache<B> {
             )));
         }
         match format {
-            KvFormat::Int8 if config.head_dim % 4 != 0 => {
+            KvFormat::Int8 if !config.head_dim.is_multiple_of(4) => {
                 return Err(ModelError::InvalidInput(format!(
                     "an int8 KV cache needs head_dim divisible by 4, the model has {}",
                     config.head_dim

@@ -64,6 +64,7 @@ pub struct DecodeStep {
 
 /// The ring's positions before `position` that a window of `w` still holds (at most `w`), as
 /// slot ranges in position order: none, one range, or two when the window wraps.
+#[allow(clippy::single_range_in_vec_init)] // A list of ranges, not a range of indices.
 pub fn window_in_order(position: usize, w: usize) -> Vec<Range<usize>> {
     if position == 0 {
         Vec::new()
@@ -95,8 +96,12 @@ pub fn ring_writes(position: usize, t: usize, w: usize) -> Vec<(Range<usize>, us
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
+
+    /// `(rows of the new block, first slot)` per write.
+    type Writes = Vec<(Range<usize>, usize)>;
 
     #[test]
     fn window_larger_than_capacity_keeps_capacity_slots() {
@@ -159,7 +164,7 @@ mod tests {
     #[test]
     fn chunked_prefill_into_a_partly_filled_ring() {
         // (position, t, w) -> writes
-        let table: [(usize, usize, usize, Vec<(Range<usize>, usize)>); 6] = [
+        let table: [(usize, usize, usize, Writes); 6] = [
             // An empty ring, a chunk shorter than the window.
             (0, 3, 8, vec![(0..3, 0)]),
             // A partly filled ring: the chunk wraps past the last slot.
