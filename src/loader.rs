@@ -53,7 +53,8 @@ impl Checkpoint {
         let config_path = dir.join("config.json");
         let text =
             std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
-        let config = GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
+        let config =
+            GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
 
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index_path.exists() {
@@ -103,7 +104,8 @@ impl Checkpoint {
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self, Error> {
-        let file = GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source: Box::new(source) })?;
+        let file =
+            GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source: Box::new(source) })?;
         let config = config_from_gguf(&file).map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
         Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
     }

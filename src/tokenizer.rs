@@ -120,7 +120,12 @@ impl Tokenizer {
         for list in specials.values_mut() {
             list.sort_by_key(|entry| std::cmp::Reverse(entry.0.len()));
         }
-        Ok(Self { engine: Engine::Spm(Box::new(Spm { scores, types, specials, byte_tokens })), token_bytes, pieces, bos })
+        Ok(Self {
+            engine: Engine::Spm(Box::new(Spm { scores, types, specials, byte_tokens })),
+            token_bytes,
+            pieces,
+            bos,
+        })
     }
 
     /// Vocabulary size.
