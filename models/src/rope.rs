@@ -55,7 +55,12 @@ impl RotaryEmbedding {
         if let Some(tables) = self.tables.read().ok().and_then(|held| covering(&held)) {
             return tables;
         }
-        let tables = RopeTables::<B>::new(positions, self.head_dim, self.theta, self.factor, device);
+        // Long-lived like the weights: in the persistent memory, out of the pools that serve every
+        // step's activations (CubeCL searches a pool's slices on each allocation).
+        let (head_dim, theta, factor) = (self.head_dim, self.theta, self.factor);
+        let tables = B::memory_persistent_allocations(device, positions, |positions| {
+            RopeTables::<B>::new(positions, head_dim, theta, factor, device)
+        });
         if let Ok(mut held) = self.tables.write() {
             *held = Some(Box::new(tables.clone()));
         }
