@@ -19,8 +19,8 @@ use burn_gemma::{
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
-use burn_gemma_kernels::SamplingParams;
-use burn_gemma_model::{KvFormat, RandomWeights};
+use burn_gemma_kernels::{graph::GraphError, Draws, SamplingParams};
+use burn_gemma_model::{CudaGraph, DecodeGraphs, KvFormat, ModelError, RandomWeights};
 use clap::Parser;
 use std::time::{Duration, Instant};
 
@@ -56,6 +56,9 @@ struct Args {
     /// Seed of synthetic weights and of the token ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// auto | on | off: decode steps replayed as one CUDA graph each (`auto`: on CUDA).
+    #[arg(long, default_value = "auto")]
+    cuda_graph: CudaGraph,
     /// Samples the host's call stacks (2 kHz) during the last rep's decode and writes them to
     /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
     #[arg(long)]
@@ -101,7 +104,7 @@ fn feed<B: GemmaBackend>(
     let mut last = 0;
     for chunk in tokens.chunks(512) {
         let logits = model.forward_last(token_tensor::<B>(chunk, device), cache)?;
-        last = first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, &[0.0]));
+        last = first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0])));
     }
     Ok(last)
 }
@@ -164,6 +167,11 @@ impl BackendTask for Bench {
         let context = ids(a.depth, config.vocab_size, &mut state);
         let prompt = ids(a.prompt_len, config.vocab_size, &mut state);
         let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut gpu_share = Vec::new();
+        let mut graphs = match a.cuda_graph {
+            CudaGraph::Off => None,
+            _ => Some(DecodeGraphs::<B>::new(SamplingParams::GREEDY, 1, capacity)),
+        };
         let mut peak = 0u64;
         for rep in 0..=a.reps {
             // Prefill at depth.
@@ -184,10 +192,31 @@ impl BackendTask for Bench {
             };
             let start = Instant::now();
             let mut enqueue = Duration::ZERO;
+            let mut gpu = Duration::ZERO;
             for _ in 0..a.gen {
                 let step = Instant::now();
+                if let Some(g) = graphs.as_mut() {
+                    match g.step(&model, &mut cache, &[token], &[0.0]) {
+                        Ok(ids) => {
+                            let times = g.last_replay();
+                            enqueue += times.issue;
+                            gpu += times.gpu;
+                            token = ids.first().copied().unwrap_or(0);
+                            continue;
+                        }
+                        // Auto: eager where the backend is not CUDA, and where the step cannot
+                        // be recorded (said once).
+                        Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
+                            if !matches!(e, GraphError::NotCuda(_)) {
+                                eprintln!("decoding eagerly, the CUDA graph failed: {e}");
+                            }
+                            graphs = None;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
                 let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
-                let next = B::sample(logits, &SamplingParams::GREEDY, &[0.0]);
+                let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]));
                 enqueue += step.elapsed();
                 token = first_id::<B>(next);
             }
@@ -203,6 +232,9 @@ impl BackendTask for Bench {
             pp.push(a.prompt_len as f64 / prefill.as_secs_f64());
             tg.push(a.gen as f64 / decode.as_secs_f64());
             host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
+            if graphs.is_some() {
+                gpu_share.push(100.0 * gpu.as_secs_f64() / decode.as_secs_f64());
+            }
             ttft.push(prefill.as_secs_f64() * 1e3);
         }
         let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
@@ -217,6 +249,29 @@ impl BackendTask for Bench {
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
         show("decode host time per token", &host, "ms");
+        let graph_json = match &graphs {
+            Some(g) => {
+                let share = stat(gpu_share);
+                show("decode GPU busy (graph)", &share, "%");
+                let setup = g.setup();
+                println!(
+                    "{:<28} {} launches per token, {} recording(s) in {:.0} ms ({} kernels compiled, {} from the PTX cache)",
+                    "CUDA graph",
+                    setup.launches,
+                    setup.recordings,
+                    setup.time.as_secs_f64() * 1e3,
+                    setup.compiled,
+                    setup.cached
+                );
+                format!(
+                    ",\"cuda_graph\":true,\"gpu_busy_pct\":{:.2},\"graph_launches\":{},\"graph_setup_ms\":{:.1}",
+                    share.median,
+                    setup.launches,
+                    setup.time.as_secs_f64() * 1e3
+                )
+            }
+            None => ",\"cuda_graph\":false".to_string(),
+        };
         println!(
             "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
             "decode time per token",
@@ -227,7 +282,7 @@ impl BackendTask for Bench {
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak}}}",
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak}{graph_json}}}",
             a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2)
         );
         Ok(())

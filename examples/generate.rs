@@ -70,6 +70,10 @@ struct Args {
     /// compute dtype; `int8`: one scale per position and head, read directly by attention).
     #[arg(long, default_value = "auto")]
     kv_cache: String,
+    /// auto | on | off: replay each decode step as one recorded CUDA graph (`auto`: on CUDA,
+    /// without a repetition penalty; `on`: an error where it cannot work).
+    #[arg(long, default_value = "auto")]
+    cuda_graph: burn_gemma::CudaGraph,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -246,7 +250,12 @@ fn real_main(args: Args) -> Result<(), Error> {
             interrupt.store(true, Ordering::SeqCst);
         });
     }
-    let generation = GenerationConfig { max_new_tokens: args.max_new_tokens, sampling, stop_tokens: Vec::new() };
+    let generation = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        stop_tokens: Vec::new(),
+        cuda_graph: args.cuda_graph,
+    };
     let run = Run { args, model_path, prompt, generation, interrupt };
     dispatch(kind, run, &mut |note| eprintln!("{note}"))?
 }

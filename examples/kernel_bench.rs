@@ -220,7 +220,9 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
             SamplingParams { temperature: 1.0, top_k: Some(64), top_p: Some(0.95), min_p: None },
         ),
     ] {
-        let k = time::<B, _>(d, reps, || B::sample(row_logits.clone(), &params, &[0.5]).into_data());
+        let k = time::<B, _>(d, reps, || {
+            B::sample(row_logits.clone(), &params, burn_gemma_kernels::Draws::Host(&[0.5])).into_data()
+        });
         let host = time::<B, _>(d, reps, || {
             let v = row_logits.clone().into_data().to_vec::<f32>().unwrap_or_default();
             burn_gemma_kernels::sampling::reference(&v, &params, 0.5)

@@ -7,6 +7,8 @@ use crate::{
     Error, Gemma, GemmaBackend, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_gemma_kernels::graph::GraphError;
+use burn_gemma_model::{CudaGraph, DecodeGraphs, GraphSetup, ModelError};
 use std::{
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -24,11 +26,19 @@ pub struct GenerationConfig {
     pub sampling: SamplingConfig,
     /// Extra stop tokens beside `<eos>` and `<end_of_turn>`.
     pub stop_tokens: Vec<u32>,
+    /// Whether decoding replays a recorded CUDA graph (see [`CudaGraph`]; `Auto`: on CUDA,
+    /// with greedy or temperature sampling and no repetition penalty).
+    pub cuda_graph: CudaGraph,
 }
 
 impl Default for GenerationConfig {
     fn default() -> Self {
-        Self { max_new_tokens: 128, sampling: SamplingConfig::default(), stop_tokens: Vec::new() }
+        Self {
+            max_new_tokens: 128,
+            sampling: SamplingConfig::default(),
+            stop_tokens: Vec::new(),
+            cuda_graph: CudaGraph::Auto,
+        }
     }
 }
 
@@ -55,6 +65,10 @@ pub struct Stats {
     pub generated_tokens: usize,
     /// Time spent producing tokens after the first.
     pub decode: Duration,
+    /// Decode steps replayed as a CUDA graph.
+    pub graph_steps: usize,
+    /// What recording the CUDA graphs of this generation cost (included in `decode`).
+    pub graph_setup: GraphSetup,
 }
 
 impl Stats {
@@ -86,7 +100,19 @@ impl std::fmt::Display for Stats {
             self.prefill_tokens_per_second(),
             self.generated_tokens,
             self.decode_tokens_per_second()
-        )
+        )?;
+        if self.graph_steps > 0 {
+            let setup = &self.graph_setup;
+            write!(
+                f,
+                " | CUDA graph: {} steps of {} launches, {} recording(s) in {:.0} ms",
+                self.graph_steps,
+                setup.launches,
+                setup.recordings,
+                setup.time.as_secs_f64() * 1e3
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -148,6 +174,10 @@ pub struct Generator<B: GemmaBackend> {
     context: Vec<u32>,
     default_stops: Vec<u32>,
     interrupt: Arc<AtomicBool>,
+    /// Recorded decode steps for the current cache.
+    graphs: Option<DecodeGraphs<B>>,
+    /// Why decoding stays eager in `Auto` mode (said once).
+    graph_off: Option<String>,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -172,6 +202,8 @@ impl<B: GemmaBackend> Generator<B> {
             context: Vec::new(),
             default_stops,
             interrupt: Arc::new(AtomicBool::new(false)),
+            graphs: None,
+            graph_off: None,
         })
     }
 
@@ -262,6 +294,7 @@ impl<B: GemmaBackend> Generator<B> {
             return Err(Error::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
         let mut sampler = Sampler::new(config.sampling.clone())?;
+        let mut graph = self.graph_plan(config.cuda_graph, &sampler)?;
         let needed = self.context.len() + ids.len() + config.max_new_tokens;
         let limit = self.max_context();
         if self.context.len() + ids.len() + 1 > limit || (self.context.is_empty() && needed > limit) {
@@ -290,11 +323,33 @@ impl<B: GemmaBackend> Generator<B> {
                 break;
             }
             let step = tokens.len();
-            let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
-            let logits = self.model.forward_last(token_tensor(&input, &device), cache)?;
-            self.context.extend_from_slice(&input);
-            let ids = sampler.sample_on_device(logits, &self.context).into_data().convert::<i64>();
-            let token = ids.as_slice::<i64>().ok().and_then(|ids| ids.first().copied()).unwrap_or(vocab as i64);
+            let draws = sampler.draws(1);
+            let mut token = None;
+            if graph && input.len() == 1 {
+                match self.graph_step(&input, &draws, &sampler, &mut stats) {
+                    Ok(t) => token = Some(t),
+                    Err(e) if config.cuda_graph == CudaGraph::On => return Err(e.into()),
+                    Err(e) => {
+                        // Auto: eager from here on, saying why once (a failed recording ran
+                        // nothing: the cache is as it was).
+                        graph = false;
+                        self.note_graph_off(&e);
+                    }
+                }
+            }
+            let token = match token {
+                Some(t) => {
+                    self.context.extend_from_slice(&input);
+                    t
+                }
+                None => {
+                    let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
+                    let logits = self.model.forward_last(token_tensor(&input, &device), cache)?;
+                    self.context.extend_from_slice(&input);
+                    let ids = sampler.sample_with_draws(logits, &self.context, &draws).into_data().convert::<i64>();
+                    ids.as_slice::<i64>().ok().and_then(|ids| ids.first().copied()).unwrap_or(vocab as i64)
+                }
+            };
             if token < 0 || token as usize >= vocab {
                 return Err(Error::NonFiniteLogits { step });
             }
@@ -336,6 +391,56 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(GenerationOutput { tokens, text, stop, stats })
     }
 
+    /// Whether decode steps replay a CUDA graph in `mode` with this sampler: `On` where it
+    /// cannot is an error; `Auto` stays eager (the repetition penalty runs as eager tensor
+    /// operations, and backends other than CUDA have no graphs).
+    fn graph_plan(&mut self, mode: CudaGraph, sampler: &Sampler) -> Result<bool, Error> {
+        match mode {
+            CudaGraph::Off => Ok(false),
+            CudaGraph::On if sampler.penalizes() => Err(Error::Request(
+                "--cuda-graph on cannot apply a repetition penalty (it runs eagerly): use --repeat-penalty 1 or --cuda-graph auto".into(),
+            )),
+            CudaGraph::Auto if sampler.penalizes() || self.graph_off.is_some() => Ok(false),
+            CudaGraph::On | CudaGraph::Auto => Ok(true),
+        }
+    }
+
+    /// One decode step replayed as a CUDA graph (recorded first where needed).
+    fn graph_step(
+        &mut self,
+        input: &[u32],
+        draws: &[f32],
+        sampler: &Sampler,
+        stats: &mut Stats,
+    ) -> Result<i64, ModelError> {
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::InvalidInput("KV cache missing".into()))?;
+        let mut graphs = match self.graphs.take() {
+            Some(g) if g.serves(&sampler.params(), cache) => g,
+            _ => DecodeGraphs::new(sampler.params(), cache.batch(), cache.capacity()),
+        };
+        let before = graphs.setup();
+        let ids = graphs.step(&self.model, cache, input, draws)?;
+        let after = graphs.setup();
+        stats.graph_steps += 1;
+        stats.graph_setup.recordings += after.recordings - before.recordings;
+        stats.graph_setup.time += after.time - before.time;
+        stats.graph_setup.compiled += after.compiled - before.compiled;
+        stats.graph_setup.cached += after.cached - before.cached;
+        stats.graph_setup.launches = after.launches;
+        self.graphs = Some(graphs);
+        Ok(ids.first().map_or(-1, |&t| i64::from(t)))
+    }
+
+    /// Remembers why decoding stays eager, and says it once on stderr unless the backend simply
+    /// is not CUDA.
+    fn note_graph_off(&mut self, e: &ModelError) {
+        self.graphs = None;
+        if !matches!(e, ModelError::Graph(GraphError::NotCuda(_))) {
+            eprintln!("burn-gemma: decoding eagerly, the CUDA graph failed: {e}");
+        }
+        self.graph_off = Some(e.to_string());
+    }
+
     /// Makes sure the cache can hold `capacity` positions, keeping the current context.
     fn ensure_cache(&mut self, capacity: usize) -> Result<(), Error> {
         if self.cache.as_ref().is_some_and(|c| c.capacity() >= capacity) {
@@ -346,6 +451,8 @@ impl<B: GemmaBackend> Generator<B> {
         let capacity =
             capacity.max(self.cache.as_ref().map_or(0, |c| c.capacity() * 2)).next_multiple_of(256).min(limit);
         let mut cache = self.model.new_cache(1, capacity)?;
+        // The recorded steps write the old cache's buffers.
+        self.graphs = None;
         if !self.context.is_empty() {
             // Re-run the conversation into the larger cache.
             self.model.forward_last(token_tensor(&self.context, &self.model.device()), &mut cache)?;

@@ -31,7 +31,7 @@ pub mod sampling;
 pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
-pub use burn_gemma_model::{Gemma, GemmaConfig, KvCache, KvFormat, ModelError, WeightFormat};
+pub use burn_gemma_model::{CudaGraph, Gemma, GemmaConfig, KvCache, KvFormat, ModelError, WeightFormat};
 pub use error::Error;
 pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason};
 pub use loader::{Checkpoint, LoadReport};

@@ -3,6 +3,7 @@
 use crate::{Error, GemmaBackend};
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use burn_gemma_kernels::sampling::{self as kernel, SamplingParams};
+use burn_gemma_kernels::Draws;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// How the next token is chosen from the logits.
@@ -168,11 +169,20 @@ impl Sampler {
     /// repetition penalty and the sampler run on the device and only the `[batch]` ids come back.
     /// An id equal to `vocab` means a logit was not finite.
     pub fn sample_on_device<B: GemmaBackend>(&mut self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 1, Int> {
-        let logits = self.penalize_on_device(logits, history);
         let [batch, _] = logits.dims();
-        let uniform: Vec<f32> =
-            if self.config.temperature == 0.0 { vec![0.0; batch] } else { (0..batch).map(|_| self.draw()).collect() };
-        B::sample(logits, &self.params(), &uniform)
+        let uniform = self.draws(batch);
+        self.sample_with_draws(logits, history, &uniform)
+    }
+
+    /// [`Sampler::sample_on_device`] with the draws already taken ([`Sampler::draws`]).
+    pub fn sample_with_draws<B: GemmaBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        history: &[u32],
+        draws: &[f32],
+    ) -> Tensor<B, 1, Int> {
+        let logits = self.penalize_on_device(logits, history);
+        B::sample(logits, &self.params(), Draws::Host(draws))
     }
 
     /// The repetition penalty applied to device logits with tensor ops (a gather and a scatter
@@ -191,6 +201,21 @@ impl Sampler {
         let positive = picked.clone().greater_elem(0.0);
         let penalized = picked.clone().mul_scalar(penalty).mask_where(positive, picked.clone().div_scalar(penalty));
         logits.select_assign(1, index, penalized - picked, IndexingUpdateOp::Add)
+    }
+
+    /// The uniform draws of one sampling step over `batch` rows, as [`Sampler::sample_on_device`]
+    /// takes them (none drawn for greedy decoding, which reads none).
+    pub fn draws(&mut self, batch: usize) -> Vec<f32> {
+        if self.config.temperature == 0.0 {
+            vec![0.0; batch]
+        } else {
+            (0..batch).map(|_| self.draw()).collect()
+        }
+    }
+
+    /// Whether the repetition penalty changes anything (it runs as eager tensor operations).
+    pub fn penalizes(&self) -> bool {
+        self.config.repeat_penalty != 1.0
     }
 
     fn draw(&mut self) -> f32 {

@@ -40,6 +40,7 @@ fn sampled(seed: u64) -> GenerationConfig {
         max_new_tokens: 12,
         sampling: SamplingConfig { temperature: 0.9, top_k: Some(40), top_p: Some(0.95), seed, ..Default::default() },
         stop_tokens: vec![],
+        ..Default::default()
     }
 }
 
@@ -147,4 +148,52 @@ fn non_finite_logits_stop_with_the_step() {
     let mut g = Generator::new(model, tiny_tokenizer()).unwrap();
     let err = g.generate("hello", &GenerationConfig::default(), |_| {}).unwrap_err();
     assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");
+}
+
+/// `--cuda-graph on` is an error where graphs cannot work (here: not CUDA), not a silent
+/// fallback; `auto` quietly decodes eagerly there, with the same tokens as `off`.
+#[test]
+fn cuda_graph_modes_without_cuda() {
+    use burn_gemma::CudaGraph;
+    let mut g = tiny_generator();
+    let config = |cuda_graph| GenerationConfig { max_new_tokens: 6, cuda_graph, ..sampled(3) };
+    let err = g.generate("w300 w301 hello", &config(CudaGraph::On), |_| {}).unwrap_err();
+    assert!(err.to_string().contains("CUDA"), "{err}");
+    let auto = g.generate("w300 w301 hello", &config(CudaGraph::Auto), |_| {}).unwrap();
+    let off = g.generate("w300 w301 hello", &config(CudaGraph::Off), |_| {}).unwrap();
+    assert_eq!(auto.tokens, off.tokens);
+    assert_eq!(auto.stats.graph_steps, 0);
+    // A repetition penalty runs eagerly: `on` refuses it up front, whatever the backend.
+    let mut penalized = config(CudaGraph::On);
+    penalized.sampling.repeat_penalty = 1.3;
+    let err = g.generate("w300 w301 hello", &penalized, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("repetition penalty"), "{err}");
+}
+
+/// On CUDA, generation with the decode graph gives the tokens of eager generation, greedy and
+/// sampled with a seed, over several turns of a chat (the cache is reset and reused).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_graph_generation_equals_eager() {
+    use burn_gemma::{backends::Cuda, CudaGraph};
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    let generator = || {
+        let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<Cuda>(DType::F32, &device, |_, _| {}).unwrap();
+        Generator::new(model, tiny_tokenizer()).unwrap()
+    };
+    let (mut on, mut off) = (generator(), generator());
+    for (turn, base) in [GenerationConfig { max_new_tokens: 40, ..Default::default() }, sampled(11), sampled(12)]
+        .into_iter()
+        .enumerate()
+    {
+        let run = |g: &mut Generator<Cuda>, cuda_graph| {
+            let config = GenerationConfig { cuda_graph, ..base.clone() };
+            g.chat(&format!("w30{turn} w40{turn} hello"), &config, |_| {}).unwrap()
+        };
+        let (a, b) = (run(&mut on, CudaGraph::On), run(&mut off, CudaGraph::Off));
+        assert_eq!(a.tokens, b.tokens, "turn {turn}");
+        assert!(a.stats.graph_steps + 1 >= a.tokens.len(), "turn {turn}: {} graph steps", a.stats.graph_steps);
+        println!("turn {turn}: {} tokens equal; {}", a.tokens.len(), a.stats);
+    }
 }

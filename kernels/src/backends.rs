@@ -1,9 +1,9 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Epilogue, GateUpLayout, GemmaBackend,
-    HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantizedMatrix, ReservedMemory, RopeTables,
-    SamplingParams,
+    cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
+    GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantizedMatrix,
+    ReservedMemory, RopeTables, SamplingParams, StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -37,17 +37,56 @@ where
     /// weight is reused across rows, then one GELU kernel over the interleaved product.
     fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
         let gemv_rows = x.dims()[0] <= crate::linear::GEMV_MAX_ROWS;
+        let gemv_ready = |w: &Matrix<Self>| match w {
+            Matrix::Dense(w) => x.dtype() == w.val().dtype(),
+            Matrix::Quantized(_) => true,
+            Matrix::Stacked(_) => false,
+        };
         let product = match weight {
-            Matrix::Dense(w) if gemv_rows && x.dtype() == w.val().dtype() => {
+            Matrix::Dense(w) if gemv_rows && gemv_ready(weight) => {
                 return cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(w.val()), epilogue));
             }
             Matrix::Quantized(w) if gemv_rows => {
                 return cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(w), epilogue));
             }
-            Matrix::Dense(w) => crate::linear::reference(x, w.val()),
+            // Each block's GEMV writes its own columns of one output.
+            Matrix::Stacked(parts) if gemv_rows && parts.iter().all(|p| gemv_ready(&p.matrix())) => {
+                let x = cube::float(x);
+                let [n, width] = [x.meta.shape()[0], weight.dims()[0]];
+                let out = crate::cube::empty(&x, [n, width], x.dtype);
+                let mut offset = 0;
+                for part in parts {
+                    match part {
+                        Block::Dense(w) => crate::linear::kernel::gemv_into(
+                            x.clone(),
+                            cube::float(w.val()),
+                            Epilogue::Identity,
+                            &out,
+                            offset,
+                        ),
+                        Block::Quantized(w) => {
+                            crate::quant::kernel::gemv_into(x.clone(), &packed(w), Epilogue::Identity, &out, offset)
+                        }
+                    }
+                    offset += part.matrix().dims()[0];
+                }
+                cube::tensor(out)
+            }
+            Matrix::Dense(w) => {
+                crate::graph::unsupported(|| "a projection through Burn's matmul".into());
+                crate::linear::reference(x, w.val())
+            }
             Matrix::Quantized(w) => {
+                crate::graph::unsupported(|| "a projection through Burn's matmul".into());
                 let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
                 crate::linear::reference(x, dense)
+            }
+            Matrix::Stacked(parts) => {
+                crate::graph::unsupported(|| "a stacked projection joined by Burn".into());
+                Tensor::cat(
+                    parts.iter().map(|p| Self::project(x.clone(), &p.matrix(), Epilogue::Identity)).collect(),
+                    1,
+                )
             }
         };
         match epilogue {
@@ -65,17 +104,24 @@ where
             .iter()
             .map(|block| match block {
                 Matrix::Quantized(q) => Some(packed(q)),
-                Matrix::Dense(_) => None,
+                Matrix::Dense(_) | Matrix::Stacked(_) => None,
             })
             .collect();
         if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
             return cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype));
+        }
+        if table.iter().any(|b| matches!(b, Matrix::Dense(w) if w.val().dtype() != dtype)) {
+            crate::graph::unsupported(|| "an embedding cast by Burn".into());
         }
         let blocks = table
             .iter()
             .map(|block| match block {
                 Matrix::Dense(w) => cube::float(w.val()),
                 Matrix::Quantized(q) => crate::quant::kernel::dequantize(&packed(q), dtype),
+                Matrix::Stacked(_) => {
+                    crate::graph::unsupported(|| "a stacked embedding table joined by Burn".into());
+                    cube::float(block.dense_reference(dtype))
+                }
             })
             .collect();
         cube::tensor::<R, F, I, BT, 3>(crate::embedding::kernel::embed(blocks, cube::int(ids), scale)).cast(dtype)
@@ -90,7 +136,6 @@ where
         x: Tensor<Self, 3>,
         norms: &AddNorm<Self>,
     ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
-        let residual = residual.cast(DType::F32);
         let norms = crate::rms_norm::kernel::AddNorm {
             post: norms.post.clone().map(cube::float),
             weight: cube::float(norms.weight.clone()),
@@ -126,7 +171,6 @@ where
         qkv: Tensor<Self, 2>,
         layout: &QkvLayout<Self>,
         store: KvStore<Self>,
-        slot: usize,
     ) -> (Tensor<Self, 4>, KvStore<Self>) {
         use crate::qkv::kernel::{qkv_rope_append, Layout, Store};
         let args = Layout {
@@ -135,14 +179,14 @@ where
             head_dim: layout.head_dim,
             cos: cube::float(layout.rope.cos.clone().cast(DType::F32)),
             sin: cube::float(layout.rope.sin.clone().cast(DType::F32)),
-            position: layout.position,
+            position: position(&layout.position),
             norm: layout.norm.clone().map(|(q, k, eps)| (cube::float(q), cube::float(k), eps)),
         };
         let qkv = cube::float(qkv);
         match store {
             KvStore::Dense { keys, values } => {
                 let (keys, values) = (cube::float_strided(keys), cube::float_strided(values));
-                let q = qkv_rope_append(qkv, &args, Store::Dense { keys: &keys, values: &values }, slot);
+                let q = qkv_rope_append(qkv, &args, Store::Dense { keys: &keys, values: &values });
                 (cube::tensor(q), KvStore::Dense { keys: cube::tensor(keys), values: cube::tensor(values) })
             }
             KvStore::Int8 { keys, values } => {
@@ -150,7 +194,7 @@ where
                 let (v_codes, v_scales) = (cube::int(values.codes), cube::float(values.scales));
                 let store =
                     Store::Int8 { k_codes: &k_codes, k_scales: &k_scales, v_codes: &v_codes, v_scales: &v_scales };
-                let q = qkv_rope_append(qkv, &args, store, slot);
+                let q = qkv_rope_append(qkv, &args, store);
                 let keys =
                     Int8Kv { codes: cube::int_tensor(k_codes), scales: cube::tensor(k_scales), shape: keys.shape };
                 let values =
@@ -164,20 +208,46 @@ where
         cube::tensor(crate::softcap::kernel::softcap(cube::float(x), cap))
     }
 
+    /// A [`KvView::Decode`] with its position on the device attends to the whole store, the
+    /// decode kernel reading the position (and so the visible slots) when it runs.
     fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
-        let kv = match kv {
-            KvView::Dense { keys, values } => {
-                crate::attention::kernel::Kv::Dense { k: cube::float_strided(keys), v: cube::float_strided(values) }
-            }
-            KvView::Int8 { keys, values, len } => crate::attention::kernel::Kv::Int8 {
-                k_codes: cube::int(keys.codes.clone()),
-                k_scales: cube::float(keys.scales.clone()),
-                v_codes: cube::int(values.codes.clone()),
-                v_scales: cube::float(values.scales.clone()),
-                len,
-            },
+        use crate::attention::kernel::{attention, Kv};
+        let int8 = |keys: &Int8Kv<Self>, values: &Int8Kv<Self>, len| Kv::Int8 {
+            k_codes: cube::int(keys.codes.clone()),
+            k_scales: cube::float(keys.scales.clone()),
+            v_codes: cube::int(values.codes.clone()),
+            v_scales: cube::float(values.scales.clone()),
+            len,
         };
-        cube::tensor(crate::attention::kernel::attention(cube::float_strided(q), kv, options))
+        let dense = |keys: Tensor<Self, 4>, values: Tensor<Self, 4>| Kv::Dense {
+            k: cube::float_strided(keys),
+            v: cube::float_strided(values),
+        };
+        let q = cube::float_strided(q);
+        match kv {
+            KvView::Dense { keys, values } => cube::tensor(attention(q, dense(keys, values), options, None)),
+            KvView::Int8 { keys, values, len } => cube::tensor(attention(q, int8(keys, values, len), options, None)),
+            KvView::Decode { store, position: StepPosition::Host(p) } => {
+                let (visible, mask) = crate::step::decode_visible(p, store.shape()[2], options.mask.window);
+                let options = AttentionOptions { mask, ..*options };
+                let kv = match store {
+                    KvStore::Dense { keys, values } => {
+                        let slots = burn::tensor::s![.., .., 0..visible, ..];
+                        dense(keys.clone().slice(slots), values.clone().slice(slots))
+                    }
+                    KvStore::Int8 { keys, values } => int8(keys, values, visible),
+                };
+                cube::tensor(attention(q, kv, &options, None))
+            }
+            KvView::Decode { store, position: device @ StepPosition::Device { .. } } => {
+                let slots = store.shape()[2];
+                let kv = match store {
+                    KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
+                    KvStore::Int8 { keys, values } => int8(keys, values, slots),
+                };
+                cube::tensor(attention(q, kv, options, Some(position(&device))))
+            }
+        }
     }
 
     /// int8: four codes per `u32` word, `[batch, kv_heads, slots, head_dim / 4]`.
@@ -194,7 +264,8 @@ where
         }
     }
 
-    /// int8: quantized in place into the store's buffers (the store owns them).
+    /// Written in place into the store's buffers (cast, or quantized for int8), even where a
+    /// recorded decode step also holds them.
     fn kv_write(store: KvStore<Self>, keys: Tensor<Self, 4>, values: Tensor<Self, 4>, slot: usize) -> KvStore<Self> {
         let write = |cache: Int8Kv<Self>, x: Tensor<Self, 4>| {
             let (codes, scales) = (cube::int(cache.codes), cube::float(cache.scales));
@@ -202,7 +273,12 @@ where
             Int8Kv { codes: cube::int_tensor(codes), scales: cube::tensor(scales), shape: cache.shape }
         };
         match store {
-            KvStore::Dense { .. } => crate::kv::write_reference(store, keys, values, slot),
+            KvStore::Dense { keys: cache_k, values: cache_v } => {
+                let (cache_k, cache_v) = (cube::float_strided(cache_k), cube::float_strided(cache_v));
+                crate::kv::dense::kernel::write(cube::float_strided(keys), &cache_k, slot);
+                crate::kv::dense::kernel::write(cube::float_strided(values), &cache_v, slot);
+                KvStore::Dense { keys: cube::tensor(cache_k), values: cube::tensor(cache_v) }
+            }
             KvStore::Int8 { keys: cache_k, values: cache_v } => {
                 KvStore::Int8 { keys: write(cache_k, keys), values: write(cache_v, values) }
             }
@@ -220,19 +296,38 @@ where
         }
     }
 
-    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
+    /// The logits are read in their own dtype; greedy reads no draws.
+    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, draws: Draws<'_, Self>) -> Tensor<Self, 1, Int> {
         let [batch, _] = logits.dims();
-        let logits = cube::float(logits.cast(DType::F32));
-        // Greedy never reads the draws: the logits stand in, so decoding uploads nothing.
-        let uniform = if params.temperature == 0.0 {
-            logits.clone()
-        } else {
-            let mut draws = uniform.to_vec();
-            draws.resize(batch, 0.0);
-            let device = logits.device.clone();
-            cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
+        let logits = cube::float(logits);
+        let uniform = match draws {
+            // Greedy never reads the draws: the logits stand in, so decoding uploads nothing.
+            _ if params.temperature == 0.0 => logits.clone(),
+            Draws::Device(draws) => cube::float(draws),
+            Draws::Host(draws) => {
+                let mut draws = draws.to_vec();
+                draws.resize(batch, 0.0);
+                let device = logits.device.clone();
+                cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
+            }
         };
         cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
+    }
+}
+
+/// A step position as the kernels take it.
+fn position<R, F, I, BT>(p: &StepPosition<CubeBackend<R, F, I, BT>>) -> crate::step::kernel::Position<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    match p {
+        StepPosition::Host(p) => crate::step::kernel::Position::Host(*p),
+        StepPosition::Device { values, bound } => {
+            crate::step::kernel::Position::Device { values: cube::int(values.clone()), bound: *bound }
+        }
     }
 }
 
@@ -245,6 +340,15 @@ where
 {
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+    }
+
+    fn max_buffer_bytes(device: &Self::Device) -> usize {
+        #[cfg(feature = "cuda")]
+        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+            return R::client(device).properties().memory.max_page_size as usize;
+        }
+        let _ = device;
+        1 << 27
     }
 }
 

@@ -129,7 +129,7 @@ impl Strides4 {
 
 impl Strides4 {
     /// The launch argument holding `t`'s strides (`t` is 4-D).
-    pub fn launch<R: CubeRuntime>(t: &CubeTensor<R>) -> Strides4Launch<R> {
+    pub fn launch<L: Runtime, R: CubeRuntime>(t: &CubeTensor<R>) -> Strides4Launch<L> {
         let s = t.meta.strides();
         Strides4Launch::new(s[0], s[1], s[2], s[3])
     }

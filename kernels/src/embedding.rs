@@ -17,7 +17,7 @@ pub fn table_reference<B: Backend>(
         .iter()
         .map(|block| match block {
             Matrix::Quantized(q) => Some(q),
-            Matrix::Dense(_) => None,
+            Matrix::Dense(_) | Matrix::Stacked(_) => None,
         })
         .collect();
     if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
@@ -27,7 +27,7 @@ pub fn table_reference<B: Backend>(
         .iter()
         .map(|block| match block {
             Matrix::Dense(w) => w.val(),
-            Matrix::Quantized(q) => quant::dequantize_reference(q, dtype),
+            other => other.dense_reference(dtype),
         })
         .collect();
     reference(&blocks, ids, scale).cast(dtype)
@@ -68,6 +68,7 @@ pub fn reference<B: Backend>(table: &[Tensor<B, 2>], ids: Tensor<B, 2, Int>, sca
 /// CubeCL kernel: one launch per row block, one cube per token, units striding over the row.
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid};
+    use crate::graph::{arg, launch};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -127,13 +128,13 @@ pub(crate) mod kernel {
         for (i, block) in blocks.into_iter().enumerate() {
             let rows = block.meta.shape()[0];
             let dtypes = [block.dtype.into(), ids.dtype.into()];
-            embed_kernel::launch::<R>(
+            launch!(embed_kernel(
                 &ids.client,
                 grid(batch * seq),
                 CubeDim::new_1d(THREADS),
-                block.into_array_arg(),
-                ids.clone().into_array_arg(),
-                out.clone().into_array_arg(),
+                arg(&block),
+                arg(&ids),
+                arg(&out),
                 start as u32,
                 rows as u32,
                 vocab as u32,
@@ -141,7 +142,7 @@ pub(crate) mod kernel {
                 scale as f32,
                 i == 0,
                 dtypes,
-            );
+            ));
             start += rows;
         }
         out

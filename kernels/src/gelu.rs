@@ -73,6 +73,7 @@ pub fn pairs_reference<B: Backend>(y: Tensor<B, 2>) -> Tensor<B, 2> {
 pub(crate) mod kernel {
     use super::{GateUpLayout, PAIR_BLOCK};
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
+    use crate::graph::{arg, launch};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -122,16 +123,16 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        gelu_mul_joined_kernel::launch::<R>(
+        launch!(gelu_mul_joined_kernel(
             &x.client,
             count,
             dim,
-            x.clone().into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&x),
+            arg(&out),
             m as u32,
             layout == GateUpLayout::Pairs,
             dtype,
-        );
+        ));
         out
     }
 }

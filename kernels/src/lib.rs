@@ -22,6 +22,7 @@ pub(crate) mod gpu_test;
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
+pub mod graph;
 pub mod kv;
 pub mod linear;
 pub mod matrix;
@@ -31,6 +32,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
 pub mod softcap;
+pub mod step;
 
 mod backends;
 mod cube;
@@ -43,16 +45,25 @@ pub use qkv::QkvLayout;
 pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
 pub use rms_norm::AddNorm;
 pub use rope::RopeTables;
-pub use sampling::SamplingParams;
+pub use sampling::{Draws, SamplingParams};
+pub use step::StepPosition;
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use std::ops::Range;
 
-/// Device memory the backend's allocator holds, where it reports it.
+/// Device memory: what the backend's allocator holds, and the largest buffer worth asking for.
 pub trait ReservedMemory: Backend {
     /// Bytes currently reserved on `device` (`None` for host backends).
     fn memory_reserved(_device: &Self::Device) -> Option<u64> {
         None
+    }
+
+    /// The largest buffer a large table (the embedding) is kept in before it is split into row
+    /// blocks: 128 MiB, wgpu's default limit on a storage binding, which every adapter
+    /// supports; CUDA takes its allocator's page size, so the table and the lm_head are one
+    /// matrix.
+    fn max_buffer_bytes(_device: &Self::Device) -> usize {
+        1 << 27
     }
 }
 
@@ -127,8 +138,8 @@ pub trait GemmaBackend: ReservedMemory {
     }
 
     /// One decode position of an attention layer after its joined `q | k | v` projection:
-    /// QK-norm and RoPE on queries and keys, keys and values written into slot `slot` of
-    /// `store`, in one pass (see [`qkv`]).
+    /// QK-norm and RoPE on queries and keys, keys and values written into slot `position %
+    /// slots` of `store` (see [`step`]), in one pass (see [`qkv`]).
     ///
     /// - `qkv`: `[batch, layout.width()]`, one position per sequence;
     /// - returns the queries `[batch, heads, 1, head_dim]` in `qkv`'s dtype, and the store.
@@ -136,9 +147,8 @@ pub trait GemmaBackend: ReservedMemory {
         qkv: Tensor<Self, 2>,
         layout: &QkvLayout<Self>,
         store: KvStore<Self>,
-        slot: usize,
     ) -> (Tensor<Self, 4>, KvStore<Self>) {
-        qkv::reference(qkv, layout, store, slot)
+        qkv::reference(qkv, layout, store)
     }
 
     /// `tanh(x / cap) * cap`, elementwise.
@@ -153,14 +163,20 @@ pub trait GemmaBackend: ReservedMemory {
     /// - `q`: `[batch, q_heads, q_len, head_dim]`; `kv`: `kv_heads` heads with `q_heads %
     ///   kv_heads == 0`; returns `[batch, q_heads, q_len, head_dim]` in `q`'s dtype.
     fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
-        let (keys, values) = match kv {
-            KvView::Dense { keys, values } => (keys, values),
+        let (keys, values, options) = match kv {
+            KvView::Dense { keys, values } => (keys, values, *options),
             KvView::Int8 { keys, values, len } => {
                 let store = KvStore::Int8 { keys: keys.clone(), values: values.clone() };
-                Self::kv_read(&store, 0..len, q.dtype())
+                let (keys, values) = Self::kv_read(&store, 0..len, q.dtype());
+                (keys, values, *options)
+            }
+            KvView::Decode { store, position } => {
+                let (visible, mask) = step::decode_visible(position.resolve(), store.shape()[2], options.mask.window);
+                let (keys, values) = Self::kv_read(store, 0..visible, q.dtype());
+                (keys, values, AttentionOptions { mask, ..*options })
             }
         };
-        attention::reference(q, keys, values, options)
+        attention::reference(q, keys, values, &options)
     }
 
     /// A store of `shape` = `[batch, kv_heads, slots, head_dim]` in `format` (int8: `head_dim` a
@@ -181,17 +197,19 @@ pub trait GemmaBackend: ReservedMemory {
         kv::read_reference(store, range, dtype)
     }
 
-    /// Picks one token per row of `logits` (`[batch, vocab]`, f32) with `params`, using
-    /// `uniform[row]` in [0, 1) as the random draw. Returns the `[batch]` token ids; only they
-    /// leave the device. The default reads the logits back and runs [`sampling::reference`].
-    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, uniform: &[f32]) -> Tensor<Self, 1, Int> {
+    /// Picks one token per row of `logits` (`[batch, vocab]`, any float dtype) with `params`,
+    /// using `draws` (one uniform number in [0, 1) per row) as the randomness. Returns the
+    /// `[batch]` token ids; only they leave the device. The default reads the logits back and
+    /// runs [`sampling::reference`].
+    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, draws: Draws<'_, Self>) -> Tensor<Self, 1, Int> {
         let [batch, vocab] = logits.dims();
         let device = logits.device();
+        let uniform = draws.resolve(batch);
         let values = logits.cast(DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
         let ids: Vec<i64> = (0..batch)
             .map(|r| {
                 let row = values.get(r * vocab..(r + 1) * vocab).unwrap_or(&[]);
-                sampling::reference(row, params, uniform.get(r).copied().unwrap_or(0.0)) as i64
+                sampling::reference(row, params, uniform[r]) as i64
             })
             .collect();
         Tensor::from_data(burn::tensor::TensorData::new(ids, [batch]), &device)

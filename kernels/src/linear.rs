@@ -23,6 +23,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
     use crate::gelu::kernel::gelu_mul_f32;
+    use crate::graph::{arg, launch};
     use crate::Epilogue;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -49,6 +50,7 @@ pub(crate) mod kernel {
     pub(crate) fn reduce_and_store<F: Float>(
         acc: &Array<f32>,
         out: &mut Array<F>,
+        place: OutPlace,
         first: usize,
         n_out: usize,
         #[comptime] m: usize,
@@ -73,7 +75,7 @@ pub(crate) mod kernel {
                         }
                     } else {
                         if lane == 0 && first + r < n_out {
-                            out[t * n_out + first + r] = F::cast_from(total);
+                            out[t * place.stride as usize + place.offset as usize + first + r] = F::cast_from(total);
                         }
                     }
                 }
@@ -110,7 +112,8 @@ pub(crate) mod kernel {
                             totals[t * ROWS + local + r] = F::cast_from(total);
                         } else {
                             if first + r < n_out {
-                                out[t * n_out + first + r] = F::cast_from(total);
+                                out[t * place.stride as usize + place.offset as usize + first + r] =
+                                    F::cast_from(total);
                             }
                         }
                     }
@@ -124,9 +127,18 @@ pub(crate) mod kernel {
                 let (t, c) = (unit / half, unit % half);
                 let gate = f32::cast_from(totals[t * ROWS + c]);
                 let up = f32::cast_from(totals[t * ROWS + half + c]);
-                out[t * (n_out / 2) + cube_index() * half + c] = F::cast_from(gelu_mul_f32(gate, up));
+                out[t * place.stride as usize + place.offset as usize + cube_index() * half + c] =
+                    F::cast_from(gelu_mul_f32(gate, up));
             }
         }
+    }
+
+    /// Where a product's rows go in `out`: row `t` of the product starts at `t * stride +
+    /// offset` (a product written into its columns of a wider output).
+    #[derive(CubeLaunch, CubeType, Clone, Copy)]
+    pub(crate) struct OutPlace {
+        pub stride: u32,
+        pub offset: u32,
     }
 
     /// `k`: vectors per weight row; `n_out`: weight rows.
@@ -135,6 +147,7 @@ pub(crate) mod kernel {
         x: &Array<Vector<F, N>>,
         w: &Array<Vector<F, N>>,
         out: &mut Array<F>,
+        place: OutPlace,
         k: u32,
         n_out: u32,
         #[comptime] m: usize,
@@ -170,7 +183,7 @@ pub(crate) mod kernel {
                 c += LANES;
             }
         }
-        reduce_and_store::<F>(&acc, out, row, n_out, m, 1usize, plane, pairs);
+        reduce_and_store::<F>(&acc, out, place, row, n_out, m, 1usize, plane, pairs);
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
@@ -178,30 +191,47 @@ pub(crate) mod kernel {
     /// `out` a multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`.
     pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, epilogue: Epilogue) -> CubeTensor<R> {
         let pairs = epilogue == Epilogue::GeluPairs;
+        let n = x.meta.shape()[0];
+        let out_features = w.meta.shape()[0];
+        let width = if pairs { out_features / 2 } else { out_features };
+        let out = empty(&x, [n, width], x.dtype);
+        gemv_into(x, w, epilogue, &out, 0);
+        out
+    }
+
+    /// [`gemv`] written into columns `offset..` of `out` (`[n, wider]`, contiguous).
+    pub fn gemv_into<R: CubeRuntime>(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        epilogue: Epilogue,
+        out: &CubeTensor<R>,
+        offset: usize,
+    ) {
+        let pairs = epilogue == Epilogue::GeluPairs;
         let [n, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
         let out_features = w.meta.shape()[0];
-        let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
         if n == 0 || out_features == 0 {
-            return out;
+            return;
         }
         let dtype = x.dtype.into();
         let width = load_vector_size(&x.client, x.dtype.size(), inp, 16);
-        gemv_kernel::launch::<R>(
+        let stride = out.meta.shape()[1] as u32;
+        launch!(gemv_kernel(
             &x.client,
             grid(out_features.div_ceil(ROWS)),
             CubeDim::new_1d((ROWS * LANES) as u32),
             width,
-            x.clone().into_array_arg(),
-            w.into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&x),
+            arg(&w),
+            arg(out),
+            OutPlaceLaunch::new(stride, offset as u32),
             (inp / width) as u32,
             out_features as u32,
             n,
             planes_of_32(&x.client),
             pairs,
             dtype,
-        );
-        out
+        ));
     }
 }
 

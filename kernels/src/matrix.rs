@@ -15,6 +15,27 @@ pub enum Matrix<B: Backend> {
     Dense(Param<Tensor<B, 2>>),
     /// Block-quantized codes in the backend's layout.
     Quantized(QuantizedMatrix<B>),
+    /// Consecutive row blocks stored differently (a GGUF's `q` and `k` in Q4_K and `v` in
+    /// Q6_K, say): one product, whose output is the blocks' outputs side by side.
+    Stacked(Vec<Block<B>>),
+}
+
+/// One row block of a [`Matrix::Stacked`].
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Block<B: Backend> {
+    Dense(Param<Tensor<B, 2>>),
+    Quantized(QuantizedMatrix<B>),
+}
+
+impl<B: Backend> Block<B> {
+    /// The block as a matrix of its own.
+    pub fn matrix(&self) -> Matrix<B> {
+        match self {
+            Self::Dense(w) => Matrix::Dense(w.clone()),
+            Self::Quantized(w) => Matrix::Quantized(w.clone()),
+        }
+    }
 }
 
 impl<B: Backend> Matrix<B> {
@@ -23,6 +44,10 @@ impl<B: Backend> Matrix<B> {
         match self {
             Self::Dense(w) => w.val().dims(),
             Self::Quantized(w) => w.shape,
+            Self::Stacked(parts) => {
+                let dims: Vec<[usize; 2]> = parts.iter().map(|p| p.matrix().dims()).collect();
+                [dims.iter().map(|d| d[0]).sum(), dims.first().map_or(0, |d| d[1])]
+            }
         }
     }
 
@@ -31,6 +56,34 @@ impl<B: Backend> Matrix<B> {
         match self {
             Self::Dense(w) => w.val().shape().num_elements() * w.val().dtype().size(),
             Self::Quantized(w) => w.device_bytes(),
+            Self::Stacked(parts) => parts.iter().map(|p| p.matrix().device_bytes()).sum(),
+        }
+    }
+
+    /// One matrix of `parts` (consecutive row blocks): the part itself when there is one,
+    /// else [`Matrix::Stacked`] (stacked parts flattened).
+    pub fn stacked(mut parts: Vec<Matrix<B>>) -> Self {
+        if parts.len() == 1 {
+            return parts.remove(0);
+        }
+        let mut blocks = Vec::new();
+        for part in parts {
+            match part {
+                Self::Dense(w) => blocks.push(Block::Dense(w)),
+                Self::Quantized(w) => blocks.push(Block::Quantized(w)),
+                Self::Stacked(inner) => blocks.extend(inner),
+            }
+        }
+        Self::Stacked(blocks)
+    }
+
+    /// The whole matrix dense in `dtype` (quantized blocks dequantized with the reference,
+    /// blocks joined): `[out, in]`.
+    pub fn dense_reference(&self, dtype: DType) -> Tensor<B, 2> {
+        match self {
+            Self::Dense(w) => w.val().cast(dtype),
+            Self::Quantized(w) => quant::dequantize_reference(w, dtype),
+            Self::Stacked(parts) => Tensor::cat(parts.iter().map(|p| p.matrix().dense_reference(dtype)).collect(), 0),
         }
     }
 }
@@ -62,6 +115,9 @@ pub fn reference<B: Backend>(x: Tensor<B, 2>, w: &Matrix<B>, epilogue: Epilogue)
     let y = match w {
         Matrix::Dense(w) => linear::reference(x, w.val()),
         Matrix::Quantized(w) => quant::project_reference(x, w),
+        Matrix::Stacked(parts) => {
+            Tensor::cat(parts.iter().map(|p| reference(x.clone(), &p.matrix(), Epilogue::Identity)).collect(), 1)
+        }
     };
     match epilogue {
         Epilogue::Identity => y,

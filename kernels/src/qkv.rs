@@ -6,7 +6,7 @@
 //! Unfused, this is two RoPE launches, two cache writes and the copies that split the
 //! projection; decode issues it once per layer and token, so the launches are what it costs.
 
-use crate::{rope, GemmaBackend, KvStore, RopeTables};
+use crate::{rope, step, GemmaBackend, KvStore, RopeTables, StepPosition};
 use burn::tensor::{backend::Backend, Tensor};
 
 /// How to read a joined projection and where it sits.
@@ -17,8 +17,9 @@ pub struct QkvLayout<B: Backend> {
     pub head_dim: usize,
     /// The layer type's RoPE tables.
     pub rope: RopeTables<B>,
-    /// Absolute position of the token (its row of the tables).
-    pub position: usize,
+    /// Absolute position of the token (its row of the tables); it goes to slot
+    /// `position % slots` of the store ([`step::slot`]).
+    pub position: StepPosition<B>,
     /// QK-norm: query weight, key weight (`[head_dim]`, f32) and epsilon.
     pub norm: Option<(Tensor<B, 1>, Tensor<B, 1>, f64)>,
 }
@@ -34,14 +35,16 @@ impl<B: Backend> QkvLayout<B> {
 /// [`GemmaBackend::kv_write`] (whose int8 layout is the backend's).
 ///
 /// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence;
-/// - returns the queries `[batch, heads, 1, head_dim]` and the store with slot `slot` written.
+/// - returns the queries `[batch, heads, 1, head_dim]` and the store with the position's slot
+///   written.
 pub fn reference<B: GemmaBackend>(
     qkv: Tensor<B, 2>,
     layout: &QkvLayout<B>,
     store: KvStore<B>,
-    slot: usize,
 ) -> (Tensor<B, 4>, KvStore<B>) {
     let [batch, _] = qkv.dims();
+    let position = layout.position.resolve();
+    let slot = step::slot(position, store.shape()[2]);
     let d = layout.head_dim;
     let part =
         |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
@@ -49,9 +52,8 @@ pub fn reference<B: GemmaBackend>(
         Some((q, k, eps)) => (Some((q.clone(), *eps)), Some((k.clone(), *eps))),
         None => (None, None),
     };
-    let rotate = |x: Tensor<B, 4>, norm| {
-        rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), layout.position, norm)
-    };
+    let rotate =
+        |x: Tensor<B, 4>, norm| rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), position, norm);
     let q = rotate(part(0, layout.heads), q_norm);
     let k = rotate(part(layout.heads, layout.kv_heads), k_norm);
     let v = part(layout.heads + layout.kv_heads, layout.kv_heads);
@@ -67,8 +69,10 @@ pub fn reference<B: GemmaBackend>(
 #[allow(clippy::manual_div_ceil, clippy::collapsible_if)]
 pub(crate) mod kernel {
     use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
+    use crate::graph::{arg, launch};
     use crate::kv::int8::kernel::placed;
     use crate::rms_norm::kernel::row_inv_rms;
+    use crate::step::kernel::Position;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -153,17 +157,24 @@ pub(crate) mod kernel {
         q_out: &mut Array<F>,
         keys: &mut Array<C>,
         values: &mut Array<C>,
+        step: &Array<u32>,
         key_strides: Strides4,
         value_strides: Strides4,
+        slots: u32,
         heads: u32,
         kv_heads: u32,
-        slot: u32,
         position: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
+        #[comptime] position_on_device: bool,
         #[define(F, W, C)] _dtypes: [StorageType; 3],
     ) {
+        let mut position = position;
+        if position_on_device {
+            position = step[0];
+        }
+        let slot = position % slots;
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
         let r = CUBE_POS_X as usize;
         let b = CUBE_POS_Y as usize;
@@ -221,16 +232,22 @@ pub(crate) mod kernel {
         k_scales: &mut Array<f32>,
         v_codes: &mut Array<u32>,
         v_scales: &mut Array<f32>,
+        step: &Array<u32>,
         slots: u32,
         heads: u32,
         kv_heads: u32,
-        slot: u32,
         position: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
+        #[comptime] position_on_device: bool,
         #[define(F, W)] _dtypes: [StorageType; 2],
     ) {
+        let mut position = position;
+        if position_on_device {
+            position = step[0];
+        }
+        let slot = position % slots;
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
         let r = CUBE_POS_X as usize;
         let b = CUBE_POS_Y as usize;
@@ -315,7 +332,7 @@ pub(crate) mod kernel {
         pub head_dim: usize,
         pub cos: CubeTensor<R>,
         pub sin: CubeTensor<R>,
-        pub position: usize,
+        pub position: Position<R>,
         pub norm: Option<(CubeTensor<R>, CubeTensor<R>, f64)>,
     }
 
@@ -333,13 +350,12 @@ pub(crate) mod kernel {
         },
     }
 
-    /// `qkv`: contiguous `[batch, width]`. Writes slot `slot` of `store` and returns the queries
-    /// `[batch, heads, 1, head_dim]`.
+    /// `qkv`: contiguous `[batch, width]`. Writes slot `position % slots` of `store` and returns
+    /// the queries `[batch, heads, 1, head_dim]`.
     pub fn qkv_rope_append<R: CubeRuntime>(
         qkv: CubeTensor<R>,
         layout: &Layout<R>,
         store: Store<'_, R>,
-        slot: usize,
     ) -> CubeTensor<R> {
         let batch = qkv.meta.shape()[0];
         let (heads, kv_heads, dim) = (layout.heads, layout.kv_heads, layout.head_dim);
@@ -355,56 +371,61 @@ pub(crate) mod kernel {
             layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
         let client = qkv.client.clone();
         let (f, w) = (qkv.dtype.into(), q_weight.dtype.into());
-        let common = (qkv.into_array_arg(), q_weight.into_array_arg(), k_weight.into_array_arg());
-        let tables = (layout.cos.clone().into_array_arg(), layout.sin.clone().into_array_arg());
+        let (cos, sin) = (&layout.cos, &layout.sin);
+        let step = layout.position.buffer(cos);
+        let on_device = layout.position.on_device();
+        let position = layout.position.value();
         match store {
-            Store::Dense { keys, values } => qkv_dense_kernel::launch::<R>(
+            Store::Dense { keys, values } => launch!(qkv_dense_kernel(
                 &client,
                 count,
                 cube_dim,
-                common.0,
-                common.1,
-                common.2,
-                tables.0,
-                tables.1,
-                q.clone().into_array_arg(),
-                keys.clone().into_array_arg(),
-                values.clone().into_array_arg(),
+                arg(&qkv),
+                arg(&q_weight),
+                arg(&k_weight),
+                arg(cos),
+                arg(sin),
+                arg(&q),
+                arg(keys),
+                arg(values),
+                arg(&step),
                 Strides4::launch(keys),
                 Strides4::launch(values),
+                keys.meta.shape()[2] as u32,
                 heads as u32,
                 kv_heads as u32,
-                slot as u32,
-                layout.position as u32,
+                position,
                 eps as f32,
                 dim,
                 has_norm,
+                on_device,
                 [f, w, keys.dtype.into()],
-            ),
-            Store::Int8 { k_codes, k_scales, v_codes, v_scales } => qkv_int8_kernel::launch::<R>(
+            )),
+            Store::Int8 { k_codes, k_scales, v_codes, v_scales } => launch!(qkv_int8_kernel(
                 &client,
                 count,
                 cube_dim,
-                common.0,
-                common.1,
-                common.2,
-                tables.0,
-                tables.1,
-                q.clone().into_array_arg(),
-                k_codes.clone().into_array_arg(),
-                k_scales.clone().into_array_arg(),
-                v_codes.clone().into_array_arg(),
-                v_scales.clone().into_array_arg(),
+                arg(&qkv),
+                arg(&q_weight),
+                arg(&k_weight),
+                arg(cos),
+                arg(sin),
+                arg(&q),
+                arg(k_codes),
+                arg(k_scales),
+                arg(v_codes),
+                arg(v_scales),
+                arg(&step),
                 k_codes.meta.shape()[2] as u32,
                 heads as u32,
                 kv_heads as u32,
-                slot as u32,
-                layout.position as u32,
+                position,
                 eps as f32,
                 dim,
                 has_norm,
+                on_device,
                 [f, w],
-            ),
+            )),
         }
         q
     }
@@ -414,7 +435,7 @@ pub(crate) mod kernel {
 mod gpu {
     use super::QkvLayout;
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::{rope, GemmaBackend, KvFormat, KvStore, RopeTables};
+    use crate::{rope, GemmaBackend, KvFormat, KvStore, RopeTables, StepPosition};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// Two independent stores holding the same earlier rows (the kernels write in place, so
@@ -441,12 +462,28 @@ mod gpu {
     }
 
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
-    /// first and last slot, batches of 1 to 3; the untouched slots must stay as they were.
+    /// first and last slot (rings that wrapped and stores that did not), batches of 1 to 3, the
+    /// position passed at launch and read from a device buffer; the untouched slots must stay
+    /// as they were.
     pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "qkv_rope_append");
-        let cases =
-            [(1, 4, 1, 256, 9, 8, 517), (2, 8, 4, 128, 5, 0, 3), (3, 3, 3, 12, 4, 2, 0), (1, 2, 1, 64, 7, 6, 40)];
-        for (batch, heads, kv_heads, dim, slots, slot, position) in cases {
+        let cases = [
+            (1, 4, 1, 256, 9, 521),
+            (2, 8, 4, 128, 5, 5),
+            (3, 3, 3, 12, 4, 2),
+            (1, 2, 1, 64, 7, 41),
+            (1, 1, 1, 32, 64, 0),
+        ];
+        for ((batch, heads, kv_heads, dim, slots, position), on_device) in
+            cases.into_iter().flat_map(|case| [(case, false), (case, true)])
+        {
+            let slot = position % slots;
+            let step = if on_device {
+                let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64, 7], device);
+                StepPosition::Device { values, bound: position + 3 }
+            } else {
+                StepPosition::Host(position)
+            };
             let positions = position + 5;
             let (cos, sin) = rope::tables(positions, dim, 10_000.0, 1.0);
             let table =
@@ -458,16 +495,18 @@ mod gpu {
                     kv_heads,
                     head_dim: dim,
                     rope: RopeTables { cos: table(cos.clone()), sin: table(sin.clone()) },
-                    position,
+                    position: step.clone(),
                     norm: norm.then(|| (weight(), weight(), 1e-6)),
                 };
                 let qkv =
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
                 let format = if int8 { KvFormat::Int8 } else { KvFormat::Dense(dtype) };
                 let (store, reference_store) = stores::<B>(format, [batch, kv_heads, slots, dim], dtype, device);
-                let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store, slot);
-                let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store, slot);
-                let what = format!("qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm} int8 {int8}");
+                let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store);
+                let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store);
+                let what = format!(
+                    "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm} int8 {int8} device position {on_device}"
+                );
                 assert_eq!(q.dtype(), dtype, "{what}");
                 assert_close(q, q_ref, tolerance(dtype), &format!("{what}: queries"));
                 let ((k, v), (k_ref, v_ref)) = (contents(&store), contents(&reference_store));

@@ -53,6 +53,7 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
 /// latency per element a unit handles), f32 accumulation.
 pub(crate) mod kernel {
     use crate::cube::{cube_index, cube_sum, empty, grid};
+    use crate::graph::{arg, launch};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -98,7 +99,7 @@ pub(crate) mod kernel {
     }
 
     #[cube(launch)]
-    fn rms_norm_kernel<F: Float, W: Float>(
+    pub(crate) fn rms_norm_kernel<F: Float, W: Float>(
         x: &Array<F>,
         weight: &Array<W>,
         out: &mut Array<F>,
@@ -125,8 +126,8 @@ pub(crate) mod kernel {
 
     /// With `pre_norm`, `x` is first normalized by `x_weight` and rounded to `F`.
     #[cube(launch)]
-    fn add_rms_norm_kernel<F: Float, W: Float, O: Float>(
-        residual: &Array<f32>,
+    fn add_rms_norm_kernel<F: Float, W: Float, O: Float, S: Float>(
+        residual: &Array<S>,
         x: &Array<F>,
         x_weight: &Array<W>,
         weight: &Array<W>,
@@ -136,7 +137,7 @@ pub(crate) mod kernel {
         eps: f32,
         #[comptime] threads: usize,
         #[comptime] pre_norm: bool,
-        #[define(F, W, O)] _dtypes: [StorageType; 3],
+        #[define(F, W, O, S)] _dtypes: [StorageType; 4],
     ) {
         let n = n as usize;
         let row = cube_index();
@@ -156,7 +157,7 @@ pub(crate) mod kernel {
             if pre_norm {
                 xv = f32::cast_from(F::cast_from(xv * x_inv * (1.0f32 + f32::cast_from(x_weight[c]))));
             }
-            let v = residual[base + c] + xv;
+            let v = f32::cast_from(residual[base + c]) + xv;
             sum[base + c] = v;
             partial += v * v;
             c += threads;
@@ -181,18 +182,18 @@ pub(crate) mod kernel {
         }
         let dtypes = [x.dtype.into(), weight.dtype.into()];
         let threads = threads(&x.client, n);
-        rms_norm_kernel::launch::<R>(
+        launch!(rms_norm_kernel(
             &x.client,
             grid(rows),
             CubeDim::new_1d(threads as u32),
-            x.clone().into_array_arg(),
-            weight.into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&x),
+            arg(&weight),
+            arg(&out),
             n as u32,
             eps as f32,
             threads,
             dtypes,
-        );
+        ));
         out
     }
 
@@ -204,7 +205,8 @@ pub(crate) mod kernel {
         pub out_dtype: DType,
     }
 
-    /// `residual` (f32) and `x`: contiguous `[..., n]`. Returns `(residual + x', normed)`.
+    /// `residual` (any float dtype; f32 after the first add) and `x`: contiguous `[..., n]`.
+    /// Returns `(residual + x'` in f32`, normed)`.
     pub fn add_rms_norm<R: CubeRuntime>(
         residual: CubeTensor<R>,
         x: CubeTensor<R>,
@@ -221,24 +223,24 @@ pub(crate) mod kernel {
         let pre_norm = x_weight.is_some();
         // Without a pre-norm its weight is never read; the main weight stands in.
         let x_weight = x_weight.unwrap_or_else(|| weight.clone());
-        let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into()];
+        let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into(), residual.dtype.into()];
         let threads = threads(&x.client, n);
-        add_rms_norm_kernel::launch::<R>(
+        launch!(add_rms_norm_kernel(
             &x.client,
             grid(rows),
             CubeDim::new_1d(threads as u32),
-            residual.into_array_arg(),
-            x.clone().into_array_arg(),
-            x_weight.into_array_arg(),
-            weight.into_array_arg(),
-            sum.clone().into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&residual),
+            arg(&x),
+            arg(&x_weight),
+            arg(&weight),
+            arg(&sum),
+            arg(&out),
             n as u32,
             eps as f32,
             threads,
             pre_norm,
             dtypes,
-        );
+        ));
         (sum, out)
     }
 }

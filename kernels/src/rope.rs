@@ -80,6 +80,7 @@ pub fn tables(max_positions: usize, head_dim: usize, theta: f64, factor: f64) ->
 /// are computed in f32 and rounded once.
 pub(crate) mod kernel {
     use crate::cube::{cube_index, cube_sum, empty, grid, pow2_ceil};
+    use crate::graph::{launch, tensor_arg};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -159,20 +160,20 @@ pub(crate) mod kernel {
         // Without QK-norm the weight is never read; the cos table stands in for it.
         let (weight, eps) = norm.unwrap_or_else(|| (cos.clone(), 0.0));
         let dtypes = [x.dtype.into(), weight.dtype.into()];
-        rope_kernel::launch::<R>(
+        launch!(rope_kernel(
             &x.client,
             grid(rows),
             CubeDim::new_1d(threads as u32),
-            x.clone().into_tensor_arg(),
-            cos.into_tensor_arg(),
-            sin.into_tensor_arg(),
-            weight.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            tensor_arg(&x),
+            tensor_arg(&cos),
+            tensor_arg(&sin),
+            tensor_arg(&weight),
+            tensor_arg(&out),
             offset as u32,
             eps as f32,
             has_norm,
             dtypes,
-        );
+        ));
         out
     }
 }

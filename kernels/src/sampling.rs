@@ -27,6 +27,37 @@ impl SamplingParams {
     pub const GREEDY: Self = Self { temperature: 0.0, top_k: None, top_p: None, min_p: None };
 }
 
+/// The uniform draws in [0, 1) that sampling uses, one per row (greedy reads none).
+#[derive(Debug, Clone)]
+pub enum Draws<'a, B: burn::tensor::backend::Backend> {
+    /// Drawn on the host, uploaded with the call.
+    Host(&'a [f32]),
+    /// Already on the device (`[batch]`, f32): a replayed decode step, whose host rewrites
+    /// the buffer before each replay.
+    Device(burn::tensor::Tensor<B, 1>),
+}
+
+impl<B: burn::tensor::backend::Backend> Draws<'_, B> {
+    /// The draws on the host: read back from the device for [`Draws::Device`] (which a
+    /// recorded step cannot replay: recording is marked as failed).
+    pub fn resolve(&self, rows: usize) -> Vec<f32> {
+        let mut draws = match self {
+            Self::Host(draws) => draws.to_vec(),
+            Self::Device(t) => {
+                crate::graph::unsupported(|| "an operation read the sampling draws back to the host".into());
+                t.clone()
+                    .cast(burn::tensor::DType::F32)
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .unwrap_or_default()
+            }
+        };
+        draws.resize(rows, 0.0);
+        draws
+    }
+}
+
 /// Index of the largest value, the first one on ties.
 pub fn argmax(values: &[f32]) -> u32 {
     let mut best = 0;
@@ -107,6 +138,7 @@ pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
 pub(crate) mod kernel {
     use super::SamplingParams;
     use crate::cube::empty;
+    use crate::graph::{arg, launch};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -122,8 +154,8 @@ pub(crate) mod kernel {
     /// declare shared memory allocated inside a helper.
     #[allow(clippy::too_many_arguments)]
     #[cube]
-    fn max_min(
-        logits: &Array<f32>,
+    fn max_min<F: Float>(
+        logits: &Array<F>,
         base: usize,
         n: usize,
         values: &mut SharedMemory<f32>,
@@ -139,7 +171,7 @@ pub(crate) mod kernel {
         let mut bad = 0u32;
         let mut i = tid;
         while i < n {
-            let x = logits[base + i];
+            let x = f32::cast_from(logits[base + i]);
             if f32::is_nan(x) || f32::is_inf(x) {
                 bad = 1u32;
             }
@@ -176,8 +208,8 @@ pub(crate) mod kernel {
 
     /// Number of logits `>= tau` and their summed weights (only those also `>= floor`).
     #[cube]
-    fn count_mass(
-        logits: &Array<f32>,
+    fn count_mass<F: Float>(
+        logits: &Array<F>,
         base: usize,
         n: usize,
         tau: f32,
@@ -191,7 +223,7 @@ pub(crate) mod kernel {
         let mut mass = 0.0f32;
         let mut i = UNIT_POS_X as usize;
         while i < n {
-            let x = logits[base + i];
+            let x = f32::cast_from(logits[base + i]);
             if x >= tau {
                 count += 1.0f32;
                 if with_mass {
@@ -222,8 +254,8 @@ pub(crate) mod kernel {
     /// `target`: `low` reaches it, `high` does not; stops at adjacent floats or `MAX_STEPS`.
     #[allow(clippy::too_many_arguments)]
     #[cube]
-    fn bisect(
-        logits: &Array<f32>,
+    fn bisect<F: Float>(
+        logits: &Array<F>,
         base: usize,
         n: usize,
         low: f32,
@@ -240,7 +272,7 @@ pub(crate) mod kernel {
         let mut steps = 0u32;
         let mut mid = lo + (hi - lo) * 0.5f32;
         while steps < MAX_STEPS && mid > lo && mid < hi {
-            let (count, mass) = count_mass(logits, base, n, mid, max, inv_t, scratch, threads, by_mass);
+            let (count, mass) = count_mass::<F>(logits, base, n, mid, max, inv_t, scratch, threads, by_mass);
             let mut value = count;
             if by_mass {
                 value = mass;
@@ -258,8 +290,8 @@ pub(crate) mod kernel {
 
     #[allow(clippy::too_many_arguments)]
     #[cube(launch)]
-    fn sample_kernel<I: Int>(
-        logits: &Array<f32>,
+    fn sample_kernel<F: Float, I: Int>(
+        logits: &Array<F>,
         uniform: &Array<f32>,
         out: &mut Array<I>,
         vocab: u32,
@@ -269,7 +301,7 @@ pub(crate) mod kernel {
         min_p: f32,
         #[comptime] greedy: bool,
         #[comptime] threads: usize,
-        #[define(I)] _dtype: StorageType,
+        #[define(F, I)] _dtypes: [StorageType; 2],
     ) {
         let row = CUBE_POS_X as usize;
         let n = vocab as usize;
@@ -280,7 +312,7 @@ pub(crate) mod kernel {
         let mut lows = SharedMemory::<f32>::new(threads);
         let mut flags = SharedMemory::<u32>::new(threads);
         let (max, max_at, lowest, bad) =
-            max_min(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
+            max_min::<F>(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
         // The reduction buffers are free again: reused as scratch and per-unit sums (CUDA code
         // generation left shared arrays first touched after the early exits undeclared).
         let scratch = &mut values;
@@ -300,23 +332,23 @@ pub(crate) mod kernel {
 
         // Top-k threshold: the largest tau with count(x >= tau) >= k.
         let mut t_k = lowest;
-        let (count_at_max, _m) = count_mass(logits, base, n, max, max, inv_t, scratch, threads, false);
+        let (count_at_max, _m) = count_mass::<F>(logits, base, n, max, max, inv_t, scratch, threads, false);
         if count_at_max >= f32::cast_from(top_k) {
             t_k = max;
         } else if top_k < vocab {
-            t_k = bisect(logits, base, n, lowest, max, f32::cast_from(top_k), max, inv_t, scratch, threads, false);
+            t_k = bisect::<F>(logits, base, n, lowest, max, f32::cast_from(top_k), max, inv_t, scratch, threads, false);
         }
 
         // Top-p threshold inside the top-k set: the largest tau whose mass reaches p of it.
         let mut tau = t_k;
         if top_p < 1.0f32 {
-            let (_count, total) = count_mass(logits, base, n, t_k, max, inv_t, scratch, threads, true);
+            let (_count, total) = count_mass::<F>(logits, base, n, t_k, max, inv_t, scratch, threads, true);
             let target = top_p * total;
-            let (_c, mass_at_max) = count_mass(logits, base, n, max, max, inv_t, scratch, threads, true);
+            let (_c, mass_at_max) = count_mass::<F>(logits, base, n, max, max, inv_t, scratch, threads, true);
             if mass_at_max >= target {
                 tau = max;
             } else {
-                tau = bisect(logits, base, n, t_k, max, target, max, inv_t, scratch, threads, true);
+                tau = bisect::<F>(logits, base, n, t_k, max, target, max, inv_t, scratch, threads, true);
             }
         }
 
@@ -326,7 +358,7 @@ pub(crate) mod kernel {
         let end = min(start + chunk, n);
         let mut mass = 0.0f32;
         for i in start..end {
-            mass += kept_weight(logits[base + i], max, inv_t, tau, min_p).max(0.0f32);
+            mass += kept_weight(f32::cast_from(logits[base + i]), max, inv_t, tau, min_p).max(0.0f32);
         }
         sums[tid] = mass;
         sync_cube();
@@ -349,7 +381,7 @@ pub(crate) mod kernel {
                     let c1 = min(c0 + chunk, n);
                     let mut i = c0;
                     while i < c1 && !found {
-                        let w = kept_weight(logits[base + i], max, inv_t, tau, min_p);
+                        let w = kept_weight(f32::cast_from(logits[base + i]), max, inv_t, tau, min_p);
                         if w >= 0.0f32 {
                             chosen = i as u32;
                             acc += w;
@@ -367,7 +399,8 @@ pub(crate) mod kernel {
         }
     }
 
-    /// `logits`: contiguous f32 `[batch, vocab]`; `uniform`: f32 `[batch]` in [0, 1).
+    /// `logits`: contiguous `[batch, vocab]` in any float dtype (compared and weighed in f32);
+    /// `uniform`: f32 `[batch]` in [0, 1).
     /// Returns `[batch]` token ids in `int_dtype`.
     pub fn sample<R: CubeRuntime>(
         logits: CubeTensor<R>,
@@ -384,13 +417,13 @@ pub(crate) mod kernel {
         let limit = logits.client.properties().hardware.max_units_per_cube as usize;
         let threads = crate::cube::pow2_floor(limit.min(MAX_THREADS));
         let top_k = params.top_k.unwrap_or(vocab).clamp(1, vocab);
-        sample_kernel::launch::<R>(
+        launch!(sample_kernel(
             &logits.client,
             CubeCount::Static(batch as u32, 1, 1),
             CubeDim::new_1d(threads as u32),
-            logits.clone().into_array_arg(),
-            uniform.into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&logits),
+            arg(&uniform),
+            arg(&out),
             vocab as u32,
             1.0 / params.temperature.max(f32::MIN_POSITIVE),
             top_k as u32,
@@ -398,15 +431,15 @@ pub(crate) mod kernel {
             params.min_p.unwrap_or(0.0),
             greedy,
             threads,
-            int_dtype.into(),
-        );
+            [logits.dtype.into(), int_dtype.into()],
+        ));
         out
     }
 }
 
 #[cfg(test)]
 mod gpu {
-    use super::SamplingParams;
+    use super::{Draws, SamplingParams};
     use crate::gpu_test::seed;
     use crate::GemmaBackend;
     use burn::tensor::{DType, Distribution, Tensor};
@@ -455,7 +488,15 @@ mod gpu {
                 let draws: Vec<Vec<f32>> = rows.iter().map(|r| safe_uniforms(r, params, &mut state)).collect();
                 for (&first, &second) in draws[0].iter().zip(&draws[1]).take(8) {
                     let uniform = [first, second];
-                    let got = B::sample(logits.clone(), params, &uniform);
+                    let got = B::sample(logits.clone(), params, Draws::Host(&uniform));
+                    // The same draws read from a device buffer (a replayed decode step).
+                    let on_device = Tensor::<B, 1>::from_data(uniform, (device, DType::F32));
+                    let again = B::sample(logits.clone(), params, Draws::Device(on_device));
+                    assert_eq!(
+                        got.clone().into_data().convert::<i64>().to_vec::<i64>().expect("ids"),
+                        again.into_data().convert::<i64>().to_vec::<i64>().expect("ids"),
+                        "draws on the device, vocab {vocab}, {params:?}"
+                    );
                     let got: Vec<i64> = got.into_data().convert::<i64>().to_vec().expect("ids");
                     let expected: Vec<i64> =
                         (0..2).map(|r| super::reference(&rows[r], params, uniform[r]) as i64).collect();
@@ -476,8 +517,11 @@ mod gpu {
             for params in
                 [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }]
             {
-                let got: Vec<i64> =
-                    B::sample(logits.clone(), &params, &[0.3, 0.3]).into_data().convert::<i64>().to_vec().expect("ids");
+                let got: Vec<i64> = B::sample(logits.clone(), &params, Draws::Host(&[0.3, 0.3]))
+                    .into_data()
+                    .convert::<i64>()
+                    .to_vec()
+                    .expect("ids");
                 // Row 0 is finite (all ties: every token is kept); row 1 is flagged.
                 let row0 = super::reference(&[0.5f32; 513], &params, 0.3) as i64;
                 assert_eq!(got, vec![row0, 513], "{bad} with {params:?}");

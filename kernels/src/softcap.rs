@@ -10,6 +10,7 @@ pub fn reference<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f64) -> Tenso
 /// CubeCL kernel: one unit per element, computed in f32.
 pub(crate) mod kernel {
     use crate::cube::{elementwise, empty, tanh_f32, unit_index};
+    use crate::graph::{arg, launch};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -32,15 +33,7 @@ pub(crate) mod kernel {
         }
         let (count, dim) = elementwise(elements, 256);
         let dtype = x.dtype.into();
-        softcap_kernel::launch::<R>(
-            &x.client,
-            count,
-            dim,
-            x.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            cap as f32,
-            dtype,
-        );
+        launch!(softcap_kernel(&x.client, count, dim, arg(&x), arg(&out), cap as f32, dtype,));
         out
     }
 }

@@ -36,6 +36,9 @@ pub enum ModelError {
     /// A weight cannot be quantized to the requested format.
     #[error("cannot quantize `{name}`: {source}")]
     Quantize { name: String, source: burn_gemma_kernels::quant::QuantError },
+    /// Decode could not be recorded or replayed as a CUDA graph.
+    #[error(transparent)]
+    Graph(#[from] burn_gemma_kernels::graph::GraphError),
     /// The weight source failed (I/O, format).
     #[error(transparent)]
     Source(Box<dyn std::error::Error + Send + Sync>),

@@ -17,7 +17,8 @@ use burn::{
 };
 use burn_gemma_kernels::{
     gelu::{self, PAIR_BLOCK},
-    Epilogue, GateUpLayout, GemmaBackend, HostMatrix, HostQuantized, KvFormat, Matrix, QuantFormat, RopeTables,
+    Draws, Epilogue, GateUpLayout, GemmaBackend, HostMatrix, HostQuantized, KvFormat, Matrix, QuantFormat, RopeTables,
+    SamplingParams, StepPosition,
 };
 
 /// The gate and up projections of an MLP (they read the same input).
@@ -169,7 +170,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         stream: ResidualStream<'a, B>,
         rope: &RopeTables<B>,
         cache: &mut LayerCache<B>,
-        position: usize,
+        position: &StepPosition<B>,
     ) -> ResidualStream<'a, B> {
         let (stream, h) = stream.norm(&self.input_layernorm);
         let h = self.self_attn.forward(h, rope, cache, position);
@@ -180,12 +181,8 @@ impl<B: GemmaBackend> DecoderLayer<B> {
     }
 }
 
-/// Largest block of the embedding table kept in one device buffer: wgpu's default limit on a
-/// storage binding (128 MiB), which every adapter supports.
-pub const MAX_CHUNK_BYTES: usize = 1 << 27;
-
 /// The `[vocab, hidden]` embedding table, also the tied lm_head, in row blocks of at most
-/// [`MAX_CHUNK_BYTES`] (GPU APIs cap the size of one buffer); quantized at least to Q8 (the
+/// [`ReservedMemory::max_buffer_bytes`] (GPU APIs cap the size of one buffer); quantized at least to Q8 (the
 /// table feeds both ends of the model), or dense.
 #[derive(Module, Debug)]
 pub struct Embedding<B: GemmaBackend> {
@@ -213,15 +210,16 @@ impl<B: GemmaBackend> Embedding<B> {
             },
         };
         let upload = |m| B::upload_matrix(m, device);
+        let max_bytes = B::max_buffer_bytes(device);
         let blocks = match host {
             Some(host) => {
-                let rows_per_chunk = (MAX_CHUNK_BYTES / host.cols).max(1);
+                let rows_per_chunk = (max_bytes / host.cols).max(1);
                 row_chunks(host.rows, rows_per_chunk)
                     .map(|r| upload(HostMatrix::Quantized(host.rows_slice(r))))
                     .collect()
             }
             None => {
-                let rows_per_chunk = (MAX_CHUNK_BYTES / (c.hidden_size * settings.dtype.size())).max(1);
+                let rows_per_chunk = (max_bytes / (c.hidden_size * settings.dtype.size())).max(1);
                 let blocks = source.load_row_chunks(Self::NAME, shape, rows_per_chunk, settings.dtype, device)?;
                 blocks.into_iter().map(|b| upload(HostMatrix::Dense(b))).collect()
             }
@@ -241,6 +239,7 @@ impl<B: GemmaBackend> Embedding<B> {
         if blocks.len() == 1 {
             blocks.pop().unwrap_or(hidden)
         } else {
+            burn_gemma_kernels::graph::unsupported(|| "an lm_head of several table blocks joined by Burn".into());
             Tensor::cat(blocks, 1)
         }
     }
@@ -248,6 +247,32 @@ impl<B: GemmaBackend> Embedding<B> {
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
         self.blocks.iter().map(Matrix::device_bytes).sum()
+    }
+}
+
+/// The per-token values of a decode step, in device buffers (see [`Gemma::decode_step`]): a
+/// replayed step reads them there after the host rewrote them.
+#[derive(Debug, Clone)]
+pub struct StepInputs<B: GemmaBackend> {
+    /// `[1]` (int): the position of the step.
+    pub position: Tensor<B, 1, Int>,
+    /// `[batch, 1]` (int): each sequence's token at that position.
+    pub ids: Tensor<B, 2, Int>,
+    /// `[batch]` (f32): the uniform draw each sequence samples with (greedy reads none).
+    pub draws: Tensor<B, 1>,
+    /// The largest position the step serves: attention grids are sized for it.
+    pub bound: usize,
+}
+
+impl<B: GemmaBackend> StepInputs<B> {
+    /// Zeroed buffers for `batch` sequences, serving positions up to `bound`.
+    pub fn zeros(batch: usize, bound: usize, device: &B::Device) -> Self {
+        Self {
+            position: Tensor::zeros([1], device),
+            ids: Tensor::zeros([batch, 1], device),
+            draws: Tensor::zeros([batch], (device, DType::F32)),
+            bound,
+        }
     }
 }
 
@@ -372,15 +397,63 @@ impl<B: GemmaBackend> Gemma<B> {
         }
         cache.check_room(seq)?;
         let position = cache.len();
+        let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position));
+        cache.advance(seq);
+        Ok(hidden)
+    }
+
+    /// Embedding, every layer and the final norm over `ids` at `position` (the cache's length
+    /// is left to the caller).
+    fn layers_forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+        position: &StepPosition<B>,
+    ) -> Tensor<B, 3> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
         let embedded = self.embed_tokens.embed(ids, self.embed_scale(), self.dtype);
         let mut stream = ResidualStream::new(embedded, self.dtype);
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers_mut()) {
             stream = layer.forward(stream, rope.get(layer.self_attn.settings.layer_type), layer_cache, position);
         }
-        cache.advance(seq);
         let (_, hidden) = stream.norm(&self.norm);
-        Ok(hidden)
+        hidden
+    }
+
+    /// One decode step whose per-token values are read on the device (see [`StepInputs`]):
+    /// embedding of `inputs.ids`, every layer at `inputs.position` (appending to `cache`), the
+    /// final norm, the lm_head, the final softcap, and sampling with `inputs.draws`. Every
+    /// operation is one of the backend's [`GemmaBackend`] kernels, so on CUDA the step can be
+    /// recorded once and replayed as one graph for every position up to `inputs.bound`.
+    ///
+    /// Returns the sampled ids `[batch]` and the logits `[batch, vocab]` in the activation
+    /// dtype (capped where the config has a final softcap). The cache's length is not
+    /// advanced: the caller knows the position.
+    pub fn decode_step(
+        &self,
+        inputs: &StepInputs<B>,
+        cache: &mut KvCache<B>,
+        sampling: &SamplingParams,
+    ) -> Result<(Tensor<B, 1, Int>, Tensor<B, 2>), ModelError> {
+        let [batch, seq] = inputs.ids.dims();
+        if seq != 1 || batch != cache.batch() {
+            return Err(ModelError::InvalidInput(format!(
+                "a decode step takes one token per sequence of the cache's batch ({}), got [{batch}, {seq}]",
+                cache.batch()
+            )));
+        }
+        if inputs.bound >= cache.capacity() {
+            return Err(ModelError::ContextOverflow { needed: inputs.bound + 1, capacity: cache.capacity() });
+        }
+        let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
+        let hidden = self.layers_forward(inputs.ids.clone(), cache, &position);
+        let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
+        let logits = match self.config.final_logit_softcapping {
+            Some(cap) => B::softcap(logits, cap),
+            None => logits,
+        };
+        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()));
+        Ok((ids, logits))
     }
 
     /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod decode_graph;
 pub mod error;
 pub mod gemma;
 pub mod norm;
@@ -17,6 +18,7 @@ pub mod weights;
 pub use attention::KvCache;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
 pub use config::{Architecture, GemmaConfig, LayerType, RopeConfig};
+pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
-pub use gemma::Gemma;
+pub use gemma::{Gemma, StepInputs};
 pub use weights::{RandomWeights, WeightFormat, WeightSource};

@@ -33,8 +33,9 @@ impl<B: GemmaBackend> RmsNorm<B> {
     }
 }
 
-/// The residual stream between the blocks of the decoder, `[batch, seq, hidden]` in f32 (Gemma
-/// activations overflow f16).
+/// The residual stream between the blocks of the decoder, `[batch, seq, hidden]`: the
+/// embeddings as they come (in the activation dtype), then f32 from the first add on (Gemma
+/// activations overflow f16; the fused add reads either).
 ///
 /// A block's output is not added at once: [`ResidualStream::add`] keeps it (with its post-norm)
 /// pending, and the next [`ResidualStream::norm`] adds it and normalizes the sum in one kernel
@@ -51,7 +52,7 @@ pub struct ResidualStream<'a, B: GemmaBackend> {
 impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
     /// A stream starting at `x` (the scaled embeddings); norms return `dtype`.
     pub fn new(x: Tensor<B, 3>, dtype: DType) -> Self {
-        Self { residual: x.cast(DType::F32), pending: None, dtype }
+        Self { residual: x, pending: None, dtype }
     }
 
     /// `residual + post_norm(h)`, applied by the next [`ResidualStream::norm`].
@@ -91,7 +92,7 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
                     Some(n) => n.forward(h),
                     None => h,
                 };
-                Self { residual: self.residual + h.cast(DType::F32), pending: None, dtype: self.dtype }
+                Self { residual: self.residual.cast(DType::F32) + h.cast(DType::F32), pending: None, dtype: self.dtype }
             }
         }
     }

@@ -102,12 +102,12 @@ pub(crate) fn upload_joined<B: GemmaBackend>(blocks: Vec<HostMatrix<B>>, device:
 }
 
 /// One or more checkpoint projections that read the same input (q|k|v, gate|up), their outputs
-/// side by side; matrices stored alike are joined row-wise into one, so decode runs one product
-/// instead of several.
+/// side by side, as one matrix: matrices stored alike are joined row-wise, and blocks stored
+/// differently are kept as a [`Matrix::Stacked`], so that every projection is one product.
 #[derive(Module, Debug)]
 pub struct Projection<B: GemmaBackend> {
-    /// Consecutive row blocks of the output.
-    pub parts: Vec<Matrix<B>>,
+    /// `[out, in]`: the checkpoint matrices' rows, in order.
+    pub weight: Matrix<B>,
 }
 
 impl<B: GemmaBackend> Projection<B> {
@@ -129,22 +129,20 @@ impl<B: GemmaBackend> Projection<B> {
 
     /// The projection of matrices already read, in order.
     pub(crate) fn joined(blocks: Vec<HostMatrix<B>>, device: &B::Device) -> Self {
-        Self { parts: upload_joined(blocks, device) }
+        Self { weight: Matrix::stacked(upload_joined(blocks, device)) }
     }
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, inp] = x.dims();
         let x = x.reshape([batch * seq, inp]);
-        let mut outs: Vec<Tensor<B, 2>> =
-            self.parts.iter().map(|w| B::project(x.clone(), w, Epilogue::Identity)).collect();
-        let out = if outs.len() == 1 { outs.pop().unwrap_or(x) } else { Tensor::cat(outs, 1) };
+        let out = B::project(x, &self.weight, Epilogue::Identity);
         let width = out.dims()[1];
         out.reshape([batch, seq, width])
     }
 
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
-        self.parts.iter().map(|w| w.device_bytes()).sum()
+        self.weight.device_bytes()
     }
 }

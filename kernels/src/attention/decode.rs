@@ -2,10 +2,12 @@
 
 #![allow(clippy::manual_div_ceil)]
 
-use super::kernel::{int8_code, AttentionShape, AttentionShapeLaunch, Kv, MAX_SPLITS, TARGET_CUBES};
+use super::kernel::{int8_code, shape_arg, AttentionShape, Kv, ShapeSizes, MAX_SPLITS, TARGET_CUBES};
 use super::merge::merge;
 use super::AttentionOptions;
 use crate::cube::{empty, load_vector_size, planes_of_32, tanh_f32, Strides4};
+use crate::graph::{arg, launch};
+use crate::step::kernel::Position;
 use burn::tensor::DType;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
@@ -94,6 +96,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     k_scales: &Array<f32>,
     v_codes: &Array<Vector<u32, NC>>,
     v_scales: &Array<f32>,
+    step: &Array<u32>,
     q_strides: Strides4,
     k_strides: Strides4,
     v_strides: Strides4,
@@ -109,8 +112,20 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     #[comptime] has_cap: bool,
     #[comptime] split: bool,
     #[comptime] int8: bool,
+    #[comptime] position_on_device: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    // A position read on the device: the first `min(p + 1, kv_len)` slots are visible, placed
+    // so that the query at `p` sees them all (see `crate::step::decode_visible`).
+    let mut kv_len = kv_len;
+    let mut q_offset = q_offset;
+    let mut k_offset = k_offset;
+    if position_on_device {
+        let p = step[0];
+        kv_len = min(p + 1, kv_len);
+        q_offset = p;
+        k_offset = p + 1 - kv_len;
+    }
     let dim = tiling.dim;
     let groups = tiling.groups;
     let per_lane = tiling.per_lane;
@@ -353,21 +368,28 @@ fn kv_vector<R: CubeRuntime>(t: &CubeTensor<R>, per_lane: usize) -> usize {
     n
 }
 
-/// Launches [`decode_attention_kernel`] (and the split merge) into `out`.
+/// Launches [`decode_attention_kernel`] (and the split merge) into `out`. With the position on
+/// the device, the splits are sized for its bound (splits past the visible keys are empty).
 pub(super) fn attention<R: CubeRuntime>(
     q: CubeTensor<R>,
     kv: Kv<R>,
     out: CubeTensor<R>,
     tiling: DecodeTiling,
     options: &AttentionOptions,
+    position: Option<Position<R>>,
 ) -> CubeTensor<R> {
     let AttentionOptions { mask, scale, softcap } = *options;
     let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
     let (kv_heads, k_len, slots) = kv.sizes();
     // Visible keys, as the kernel computes them, to size the splits.
-    let hi = (mask.q_offset + 1).saturating_sub(mask.k_offset).min(k_len);
-    let lo = mask.window.map_or(0, |w| (mask.q_offset + 1).saturating_sub(w + mask.k_offset));
-    let span = hi.saturating_sub(lo);
+    let span = match &position {
+        Some(Position::Device { bound, .. }) => (bound + 1).min(k_len),
+        _ => {
+            let hi = (mask.q_offset + 1).saturating_sub(mask.k_offset).min(k_len);
+            let lo = mask.window.map_or(0, |w| (mask.q_offset + 1).saturating_sub(w + mask.k_offset));
+            hi.saturating_sub(lo)
+        }
+    };
     let base_cubes = batch * kv_heads;
     let splits = TARGET_CUBES
         .div_ceil(base_cubes)
@@ -389,27 +411,30 @@ pub(super) fn attention<R: CubeRuntime>(
     let [k, v, k_codes, k_scales, v_codes, v_scales] = kv.args(&q);
     let n = if int8 { 1 } else { kv_vector(&k, tiling.per_lane).min(kv_vector(&v, tiling.per_lane)) };
     let nc = if int8 { load_vector_size(&client, 4, tiling.per_lane / 4, 4) } else { 1 };
-    let shape = || AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots);
-    decode_attention_kernel::launch::<R>(
+    let shape = ShapeSizes { batch, q_heads, q_len, kv_heads, slots };
+    let on_device = matches!(position, Some(Position::Device { .. }));
+    let step = position.as_ref().map_or_else(|| q.clone(), |p| p.buffer(&q));
+    launch!(decode_attention_kernel(
         &client,
         CubeCount::Static(splits as u32, (batch * kv_heads) as u32, 1),
         CubeDim::new_1d((tiling.planes * 32) as u32),
         n,
         nc,
-        q.clone().into_array_arg(),
-        k.clone().into_array_arg(),
-        v.clone().into_array_arg(),
-        out.clone().into_array_arg(),
-        partial.clone().into_array_arg(),
-        stats.clone().into_array_arg(),
-        k_codes.into_array_arg(),
-        k_scales.into_array_arg(),
-        v_codes.into_array_arg(),
-        v_scales.into_array_arg(),
+        arg(&q),
+        arg(&k),
+        arg(&v),
+        arg(&out),
+        arg(&partial),
+        arg(&stats),
+        arg(&k_codes),
+        arg(&k_scales),
+        arg(&v_codes),
+        arg(&v_scales),
+        arg(&step),
         Strides4::launch(&q),
         Strides4::launch(&k),
         Strides4::launch(&v),
-        shape(),
+        shape_arg(shape),
         k_len as u32,
         mask.q_offset as u32,
         mask.k_offset as u32,
@@ -421,10 +446,11 @@ pub(super) fn attention<R: CubeRuntime>(
         softcap.is_some(),
         split,
         int8,
+        on_device,
         dtype,
-    );
+    ));
     if split {
-        merge(partial, stats, &out, splits, shape(), dim);
+        merge(partial, stats, &out, splits, shape, dim);
     }
     out
 }

@@ -1,7 +1,8 @@
 //! Merging the partial results of attention split over the keys.
 
-use super::kernel::{AttentionShape, AttentionShapeLaunch};
+use super::kernel::{shape_arg, AttentionShape, ShapeSizes};
 use crate::cube::{elementwise, unit_index};
+use crate::graph::{arg, launch};
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
 
@@ -59,20 +60,20 @@ pub(super) fn merge<R: CubeRuntime>(
     stats: CubeTensor<R>,
     out: &CubeTensor<R>,
     splits: usize,
-    shape: AttentionShapeLaunch<R>,
+    shape: ShapeSizes,
     dim: usize,
 ) {
     let (count, cube_dim) = elementwise(out.meta.num_elements(), 256);
-    merge_splits_kernel::launch::<R>(
+    launch!(merge_splits_kernel(
         &out.client,
         count,
         cube_dim,
-        partial.into_array_arg(),
-        stats.into_array_arg(),
-        out.clone().into_array_arg(),
+        arg(&partial),
+        arg(&stats),
+        arg(out),
         splits as u32,
-        shape,
+        shape_arg(shape),
         dim,
         out.dtype.into(),
-    );
+    ));
 }

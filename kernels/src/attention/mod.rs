@@ -95,6 +95,7 @@ mod tiled;
 pub(crate) mod kernel {
     use super::AttentionOptions;
     use crate::cube::empty;
+    use crate::step::kernel::Position;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
@@ -107,6 +108,22 @@ pub(crate) mod kernel {
         pub kv_heads: usize,
         /// Slots per KV head of an int8 cache (unused for dense keys and values).
         pub slots: usize,
+    }
+
+    /// The host side of an [`AttentionShape`].
+    #[derive(Clone, Copy, Debug)]
+    pub struct ShapeSizes {
+        pub batch: usize,
+        pub q_heads: usize,
+        pub q_len: usize,
+        pub kv_heads: usize,
+        pub slots: usize,
+    }
+
+    /// `sizes` as a launch argument for runtime `L` (the tensor's own, or the graph recorder).
+    pub fn shape_arg<L: Runtime>(sizes: ShapeSizes) -> AttentionShapeLaunch<L> {
+        let ShapeSizes { batch, q_heads, q_len, kv_heads, slots } = sizes;
+        AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots)
     }
 
     /// Byte `n` of an int8 KV word as the signed code (`stored - 128`, exact through the
@@ -162,17 +179,41 @@ pub(crate) mod kernel {
     /// `q`: `[batch, q_heads, q_len, dim]` (any strides) over `kv`. Returns a contiguous `[batch,
     /// q_heads, q_len, dim]` in `q`'s dtype: through the decode kernel where it applies (one
     /// query position, see [`super::decode::tiling`]), else the tiled kernel.
-    pub fn attention<R: CubeRuntime>(q: CubeTensor<R>, kv: Kv<R>, options: &AttentionOptions) -> CubeTensor<R> {
+    ///
+    /// With `position` on the device (one decode query over a whole store, see
+    /// [`crate::StepPosition`]), the decode kernel reads it and derives the visible slots and
+    /// the mask offsets; only `options.mask.window` is used. Shapes the decode kernel does not
+    /// take read the position back to the host (which a recorded step cannot replay).
+    pub fn attention<R: CubeRuntime>(
+        q: CubeTensor<R>,
+        kv: Kv<R>,
+        options: &AttentionOptions,
+        position: Option<Position<R>>,
+    ) -> CubeTensor<R> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
         let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
         if batch * q_heads * q_len * dim == 0 {
             return out;
         }
         let shared = q.client.properties().hardware.max_shared_memory_size;
-        match super::decode::tiling(&q, &kv, shared) {
-            Some(tiling) => super::decode::attention(q, kv, out, tiling, options),
-            None => super::tiled::attention(q, kv, out, options),
+        match (super::decode::tiling(&q, &kv, shared), position) {
+            (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position),
+            (None, None | Some(Position::Host(_))) => super::tiled::attention(q, kv, out, options),
+            (None, Some(Position::Device { values, .. })) => {
+                crate::graph::unsupported(|| format!("no decode attention kernel for head size {dim}"));
+                let p = read_position(&values);
+                let (_, k_len, _) = kv.sizes();
+                // The causal mask of the position hides the slots past the visible ones.
+                let (_, mask) = crate::step::decode_visible(p, k_len, options.mask.window);
+                super::tiled::attention(q, kv, out, &AttentionOptions { mask, ..*options })
+            }
         }
+    }
+
+    /// `values[0]` of a step buffer, read back to the host.
+    fn read_position<R: CubeRuntime>(values: &CubeTensor<R>) -> usize {
+        let bytes = values.client.read_one(values.handle.clone()).map(|b| b.to_vec()).unwrap_or_default();
+        bytes.get(..4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
     }
 }
 
@@ -313,5 +354,55 @@ mod gpu {
         }
     }
 
-    gpu_tests!(attention_matches_reference => attention);
+    /// One decode query over a whole store at a position given on the host and read on the
+    /// device ([`KvView::Decode`]): full stores and rings that wrapped, dense and int8, bounds
+    /// far past the position (the device form sizes its splits for the bound), against f64
+    /// attention over the visible slots.
+    pub fn decode_at_position<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        use crate::{KvFormat, StepPosition};
+        seed::<B>(device, "decode_at_position");
+        let normal = Distribution::Normal(0.0, 1.0);
+        // (batch, q heads, kv heads, slots, dim, position, window, bound)
+        let cases = [
+            (1, 4, 1, 600, 256, 0, None, 1023),
+            (1, 4, 1, 600, 256, 517, None, 599),
+            (2, 8, 2, 8, 64, 21, Some(8), 255),
+            (1, 2, 2, 33, 128, 32, Some(33), 4095),
+            (1, 3, 1, 16, 12, 5, None, 15),
+        ];
+        for (batch, hq, hkv, slots, dim, position, window, bound) in cases {
+            for format in [KvFormat::Dense(dtype), KvFormat::Int8] {
+                if format == KvFormat::Int8 && dim % 4 != 0 {
+                    continue;
+                }
+                let shape = [batch, hkv, slots, dim];
+                let rows = || Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
+                let store = B::kv_write(B::kv_zeros(shape, format, device), rows(), rows(), 0);
+                let q = Tensor::<B, 4>::random([batch, hq, 1, dim], normal, device).cast(dtype);
+                let scale = 1.0 / (dim as f64).sqrt();
+                let options =
+                    AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale, softcap: None };
+                let (visible, mask) = crate::step::decode_visible(position, slots, window);
+                let (k, v) = B::kv_read(&store, 0..visible, DType::F32);
+                let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+                let exact = AttentionOptions { mask, ..options };
+                let expected =
+                    super::naive(&host(q.clone()), &host(k), &host(v), [batch, hq, hkv, 1, visible, dim], &exact);
+                let expected =
+                    Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, 1, dim]), (device, DType::F32));
+                let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
+                for (how, at) in
+                    [("host", StepPosition::Host(position)), ("device", StepPosition::Device { values, bound })]
+                {
+                    let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options);
+                    let what = format!(
+                        "decode b{batch} hq{hq} hkv{hkv} slots {slots} d{dim} at {position} window {window:?} {format} position on the {how}"
+                    );
+                    assert_close(got, expected.clone(), tolerance(dtype), &what);
+                }
+            }
+        }
+    }
+
+    gpu_tests!(attention_matches_reference => attention, decode_at_position_matches_reference => decode_at_position);
 }

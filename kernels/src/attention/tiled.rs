@@ -14,10 +14,11 @@
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
 
-use super::kernel::{AttentionShape, AttentionShapeLaunch, Kv, MAX_SPLITS, TARGET_CUBES};
+use super::kernel::{shape_arg, AttentionShape, Kv, ShapeSizes, MAX_SPLITS, TARGET_CUBES};
 use super::merge::merge;
 use super::AttentionOptions;
 use crate::cube::{empty, pow2_ceil, tanh_f32, Strides4};
+use crate::graph::{arg, launch};
 use burn::tensor::DType;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
@@ -333,25 +334,25 @@ pub(super) fn attention<R: CubeRuntime>(
     let client = q.client.clone();
     let int8 = matches!(kv, Kv::Int8 { .. });
     let [k, v, k_codes, k_scales, v_codes, v_scales] = kv.args(&q);
-    let shape = || AttentionShapeLaunch::new(batch, q_heads, q_len, kv_heads, slots);
-    flash_attention_kernel::launch::<R>(
+    let shape = ShapeSizes { batch, q_heads, q_len, kv_heads, slots };
+    launch!(flash_attention_kernel(
         &client,
         CubeCount::Static(row_blocks as u32, (batch * kv_heads) as u32, splits as u32),
         CubeDim::new_1d((tiling.bq * tiling.tpr) as u32),
-        q.clone().into_array_arg(),
-        k.clone().into_array_arg(),
-        v.clone().into_array_arg(),
-        out.clone().into_array_arg(),
-        partial.clone().into_array_arg(),
-        stats.clone().into_array_arg(),
-        k_codes.into_array_arg(),
-        k_scales.into_array_arg(),
-        v_codes.into_array_arg(),
-        v_scales.into_array_arg(),
+        arg(&q),
+        arg(&k),
+        arg(&v),
+        arg(&out),
+        arg(&partial),
+        arg(&stats),
+        arg(&k_codes),
+        arg(&k_scales),
+        arg(&v_codes),
+        arg(&v_scales),
         Strides4::launch(&q),
         Strides4::launch(&k),
         Strides4::launch(&v),
-        shape(),
+        shape_arg(shape),
         k_len as u32,
         mask.q_offset as u32,
         mask.k_offset as u32,
@@ -364,9 +365,9 @@ pub(super) fn attention<R: CubeRuntime>(
         split,
         int8,
         dtype,
-    );
+    ));
     if split {
-        merge(partial, stats, &out, splits, shape(), dim);
+        merge(partial, stats, &out, splits, shape, dim);
     }
     out
 }

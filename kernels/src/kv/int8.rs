@@ -65,6 +65,7 @@ pub fn load_reference<B: Backend>(cache: &Int8Kv<B>, range: std::ops::Range<usiz
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
     use crate::cube::{empty, pow2_ceil};
+    use crate::graph::{launch, tensor_arg};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -168,16 +169,16 @@ pub(crate) mod kernel {
         }
         let threads = pow2_ceil(dim / 4).clamp(32, 256) as u32;
         let dtype = x.dtype.into();
-        store_kernel::launch::<R>(
-            &x.client.clone(),
+        launch!(store_kernel(
+            &x.client,
             CubeCount::Static(t as u32, (b * h) as u32, 1),
             CubeDim::new_1d(threads),
-            x.into_tensor_arg(),
-            codes.clone().into_tensor_arg(),
-            scales.clone().into_tensor_arg(),
+            tensor_arg(&x),
+            tensor_arg(codes),
+            tensor_arg(scales),
             slot as u32,
             dtype,
-        );
+        ));
     }
 
     /// Slots `start..start + n` dequantized to `dtype`, `[batch, heads, n, dim]`.
@@ -196,16 +197,16 @@ pub(crate) mod kernel {
             return out;
         }
         let (count, dim) = crate::cube::elementwise(total, 256);
-        load_kernel::launch::<R>(
+        launch!(load_kernel(
             &codes.client,
             count,
             dim,
-            codes.clone().into_tensor_arg(),
-            scales.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            tensor_arg(codes),
+            tensor_arg(scales),
+            tensor_arg(&out),
             start as u32,
             dtype.into(),
-        );
+        ));
         out
     }
 }

@@ -7,10 +7,12 @@
 //! attending over them ([`KvStore::view`] into [`crate::GemmaBackend::attention`]) take the store
 //! whatever its format, so callers never match on it.
 
+pub mod dense;
 pub mod int8;
 
 pub use int8::Int8Kv;
 
+use crate::StepPosition;
 use burn::tensor::{backend::Backend, s, DType, Tensor};
 use std::ops::Range;
 
@@ -82,6 +84,11 @@ pub enum KvView<'a, B: Backend> {
     Dense { keys: Tensor<B, 4>, values: Tensor<B, 4> },
     /// The first `len` slots of int8 stores.
     Int8 { keys: &'a Int8Kv<B>, values: &'a Int8Kv<B>, len: usize },
+    /// A whole store, for one decode query per sequence at `position`: the slots it attends
+    /// to and their mask offsets follow from the position ([`crate::step::decode_visible`]);
+    /// of the options' mask only the window is read. Where the position is on the device, the
+    /// kernels read it there (a replayed decode step).
+    Decode { store: &'a KvStore<B>, position: StepPosition<B> },
 }
 
 /// Reference: a store of `shape` in `format`, every slot zero (int8 in the reference layout,

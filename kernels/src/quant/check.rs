@@ -28,6 +28,27 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 data")
 }
 
+/// `x [n, in] @ w^T` through the backend against f64 sums over `ws` (`w` on the host,
+/// `[out, in]` row-major), in `x`'s dtype.
+fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws: &[f32], what: &str) {
+    let [n, inp] = x.dims();
+    let out = ws.len() / inp;
+    let (dtype, device) = (x.dtype(), x.device());
+    let xs = host(x.clone());
+    let expected: Vec<f32> = (0..n)
+        .flat_map(|r| {
+            let xs = &xs;
+            (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
+        })
+        .collect();
+    let got = B::project(x, w, Epilogue::Identity);
+    assert_eq!(got.dtype(), dtype, "{what}");
+    let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (&device, DType::F32));
+    let tol = crate::gpu_test::tolerance(dtype)
+        * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
+    assert_close(got, expected, tol, what);
+}
+
 /// Products of quantized matrices for 1 to 17 activation rows and the gather from a quantized
 /// table, with the backend's upload choosing the layout (or `layout` = `(codes, scale dtype)`
 /// when given).
@@ -56,22 +77,33 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             let w = upload(&hq);
             let xs = values(n * inp, seed ^ (0xABCD + i as u64));
             let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
-            let xs = host(x.clone());
-            let ws = hq.dequantize();
-            let expected: Vec<f32> = (0..n)
-                .flat_map(|r| {
-                    let (xs, ws) = (&xs, &ws);
-                    (0..out).map(move |o| {
-                        (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32
-                    })
-                })
-                .collect();
-            let got = B::project(x, &w, Epilogue::Identity);
-            assert_eq!(got.dtype(), dtype);
-            let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (device, DType::F32));
-            let tol = crate::gpu_test::tolerance(dtype)
-                * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
-            assert_close(got, expected, tol, &format!("{format} project {n}x{inp} -> {out}"));
+            check_product(x, &w, &hq.dequantize(), &format!("{format} project {n}x{inp} -> {out}"));
+        }
+        // A stacked matrix (blocks stored differently: this format, the other one, dense), as a
+        // GGUF's q | k | v can be: one product whose columns are the blocks' products.
+        let other = if format == QuantFormat::Q8 { QuantFormat::Q4 } else { QuantFormat::Q8 };
+        let inp = 96;
+        let rows = [37, 20, 13];
+        let a = HostQuantized::quantize(&values(rows[0] * inp, seed + 101), rows[0], inp, format).expect("quantize");
+        let b = HostQuantized::quantize(&values(rows[1] * inp, seed + 102), rows[1], inp, other).expect("quantize");
+        let dense = Tensor::<B, 2>::from_data(
+            TensorData::new(values(rows[2] * inp, seed + 103), [rows[2], inp]),
+            (device, DType::F32),
+        )
+        .cast(dtype);
+        let mut ws = a.dequantize();
+        ws.extend(b.dequantize());
+        ws.extend(host(dense.clone()));
+        let w = Matrix::stacked(vec![upload(&a), upload(&b), B::upload_matrix(HostMatrix::Dense(dense), device)]);
+        let out: usize = rows.iter().sum();
+        assert_eq!(w.dims(), [out, inp]);
+        for n in [1, 3, crate::linear::GEMV_MAX_ROWS + 4] {
+            let x = Tensor::<B, 2>::from_data(
+                TensorData::new(values(n * inp, seed + 104 + n as u64), [n, inp]),
+                (device, DType::F32),
+            )
+            .cast(dtype);
+            check_product(x, &w, &ws, &format!("{format}|{other}|dense stacked project {n}x{inp} -> {out}"));
         }
         // A table of three row blocks (odd sizes), ids in every block plus out-of-range ones.
         let (vocab, hidden) = (203, 96);

@@ -7,6 +7,7 @@
 
 use super::{HostQuantized, QuantFormat, BLOCK};
 use crate::cube::{elementwise, empty, unit_index};
+use crate::graph::{arg, launch};
 use burn::{
     module::{Module, Param},
     tensor::{backend::Backend, DType, Int, Tensor, TensorData},
@@ -186,18 +187,18 @@ pub fn dequantize<R: CubeRuntime>(w: &Packed<R>, dtype: DType) -> CubeTensor<R> 
     let (codes, scales, offsets, q4) = w.args();
     let (row_words, row_blocks) = w.row_sizes();
     let (count, dim) = elementwise(total_words, 256);
-    dequantize_kernel::launch::<R>(
+    launch!(dequantize_kernel(
         &codes.client.clone(),
         count,
         dim,
-        codes.into_array_arg(),
-        scales.clone().into_array_arg(),
-        offsets.into_array_arg(),
-        out.clone().into_array_arg(),
+        arg(&codes),
+        arg(&scales),
+        arg(&offsets),
+        arg(&out),
         row_words,
         row_blocks,
         q4,
         [dtype.into(), scales.dtype.into()],
-    );
+    ));
     out
 }

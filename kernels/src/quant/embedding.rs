@@ -3,6 +3,7 @@
 use super::device::{code, dequantize_reference, int_param, Packed};
 use super::QuantizedMatrix;
 use crate::cube::{cube_index, empty, grid};
+use crate::graph::{arg, launch};
 use burn::{
     module::Param,
     tensor::{backend::Backend, DType, Tensor},
@@ -131,15 +132,15 @@ pub fn embed<R: CubeRuntime>(blocks: &[Packed<R>], ids: CubeTensor<R>, scale: f6
         let (row_words, row_blocks) = block.row_sizes();
         let dtypes = [dtype.into(), scales.dtype.into(), ids.dtype.into()];
         let rows = codes.meta.shape()[0];
-        qembed_kernel::launch::<R>(
+        launch!(qembed_kernel(
             &ids.client,
             grid(batch * seq),
             CubeDim::new_1d(128),
-            codes.into_array_arg(),
-            scales.into_array_arg(),
-            offsets.into_array_arg(),
-            ids.clone().into_array_arg(),
-            out.clone().into_array_arg(),
+            arg(&codes),
+            arg(&scales),
+            arg(&offsets),
+            arg(&ids),
+            arg(&out),
             row_words,
             row_blocks,
             start as u32,
@@ -148,7 +149,7 @@ pub fn embed<R: CubeRuntime>(blocks: &[Packed<R>], ids: CubeTensor<R>, scale: f6
             i == 0,
             q4,
             dtypes,
-        );
+        ));
         start += rows;
     }
     out

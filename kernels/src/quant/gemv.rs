@@ -16,7 +16,8 @@
 
 use super::device::Packed;
 use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
-use crate::linear::kernel::{reduce_and_store, LANES, ROWS};
+use crate::graph::{arg, launch};
+use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::Epilogue;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
@@ -49,6 +50,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     scales: &Array<S>,
     offsets: &Array<S>,
     out: &mut Array<F>,
+    place: OutPlace,
     words: u32,
     blocks: u32,
     n_out: u32,
@@ -143,7 +145,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         }
         v += LANES;
     }
-    reduce_and_store::<F>(&acc, out, first, n_out, m, per_plane, plane, pairs);
+    reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
 }
 
 /// Planes per streaming multiprocessor a quantized GEMV keeps busy before its planes take
@@ -173,8 +175,23 @@ pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue)
     let n = x.meta.shape()[0];
     let out_features = w.codes.meta.shape()[0];
     let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
+    gemv_into(x, w, epilogue, &out, 0);
+    out
+}
+
+/// [`gemv`] written into columns `offset..` of `out` (`[n, wider]`, contiguous).
+pub fn gemv_into<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    w: &Packed<R>,
+    epilogue: Epilogue,
+    out: &CubeTensor<R>,
+    offset: usize,
+) {
+    let pairs = epilogue == Epilogue::GeluPairs;
+    let n = x.meta.shape()[0];
+    let out_features = w.codes.meta.shape()[0];
     if n == 0 || out_features == 0 {
-        return out;
+        return;
     }
     let (codes, scales, offsets, q4) = w.args();
     let (row_words, row_blocks) = w.row_sizes();
@@ -184,17 +201,19 @@ pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue)
     let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
     let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
     let per_plane = rows_per_plane(&x.client, n, out_features);
-    qgemv_kernel::launch::<R>(
+    let stride = out.meta.shape()[1] as u32;
+    launch!(qgemv_kernel(
         &x.client,
         grid(out_features.div_ceil(ROWS)),
         CubeDim::new_1d((ROWS / per_plane * LANES) as u32),
         nw,
         nx,
-        x.clone().into_array_arg(),
-        codes.into_array_arg(),
-        scales.into_array_arg(),
-        offsets.into_array_arg(),
-        out.clone().into_array_arg(),
+        arg(&x),
+        arg(&codes),
+        arg(&scales),
+        arg(&offsets),
+        arg(out),
+        OutPlaceLaunch::new(stride, offset as u32),
         row_words,
         row_blocks,
         out_features as u32,
@@ -204,6 +223,5 @@ pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue)
         planes_of_32(&x.client),
         pairs,
         dtypes,
-    );
-    out
+    ));
 }

@@ -32,7 +32,7 @@ pub use embedding::embed_reference;
 pub(crate) mod kernel {
     pub use super::device::{dequantize, Packed};
     pub use super::embedding::embed;
-    pub use super::gemv::gemv;
+    pub use super::gemv::{gemv, gemv_into};
 }
 
 /// Weights per quantization block.

@@ -45,13 +45,18 @@ impl<B: GemmaBackend> LayerCache<B> {
     }
 
     /// Decode: appends one position per sequence from the joined projection `qkv` (`[batch,
-    /// width]`, see [`QkvLayout`]; `layout.position` is the position) and attends to the
-    /// layer's positions. Returns `[batch, q_heads, 1, head_dim]`.
+    /// width]`, see [`QkvLayout`]; `layout.position` is the position, on the host or the
+    /// device) and attends to the layer's positions. Returns `[batch, q_heads, 1, head_dim]`.
+    ///
+    /// The slot and the visible slots follow from the position and the store's size
+    /// ([`burn_gemma_kernels::step`]), which [`Span`] sized: a full store has a slot per
+    /// position, a sliding-window store is a ring of the window.
     pub fn decode(&mut self, qkv: Tensor<B, 2>, layout: &QkvLayout<B>, scores: Scores) -> Tensor<B, 4> {
-        let step = self.span.decode(layout.position);
+        let mask = AttentionMask { q_offset: 0, k_offset: 0, window: self.span.window() };
         self.update(|store| {
-            let (q, store) = B::qkv_rope_append(qkv, layout, store, step.slot);
-            let out = B::grouped_attention(q, store.view(step.visible), &scores.with(step.mask));
+            let (q, store) = B::qkv_rope_append(qkv, layout, store);
+            let view = KvView::Decode { store: &store, position: layout.position.clone() };
+            let out = B::grouped_attention(q, view, &scores.with(mask));
             (out, store)
         })
     }

@@ -10,7 +10,7 @@ pub use cache::{KvCache, LayerCache, Scores};
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, LayerType};
 use burn::{module::Module, tensor::Tensor};
-use burn_gemma_kernels::{GemmaBackend, QkvLayout, RopeTables};
+use burn_gemma_kernels::{GemmaBackend, QkvLayout, RopeTables, StepPosition};
 
 /// Shape and behaviour of one attention layer, from the config.
 #[derive(Debug, Clone)]
@@ -72,12 +72,13 @@ impl<B: GemmaBackend> Attention<B> {
 
     /// `[batch, seq, hidden]` at positions `position..position + seq` -> `[batch, seq, hidden]`,
     /// appending this layer's keys and values to `cache`; `rope`: the tables of the layer type.
+    /// A position on the device (a replayed decode step) is read by the kernels there.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         cache: &mut LayerCache<B>,
-        position: usize,
+        position: &StepPosition<B>,
     ) -> Tensor<B, 3> {
         let s = &self.settings;
         let [batch, seq, _] = x.dims();
@@ -90,13 +91,14 @@ impl<B: GemmaBackend> Attention<B> {
                 kv_heads: s.num_kv_heads,
                 head_dim: s.head_dim,
                 rope: rope.clone(),
-                position,
+                position: position.clone(),
                 norm: self.qk_norm_weights(),
             };
             let width = layout.width();
             cache.decode(qkv.reshape([batch, width]), &layout, s.scores)
         } else {
             let d = s.head_dim;
+            let position = position.resolve();
             // `[batch, seq, n * d]` -> `[batch, n, seq, d]`.
             let heads = |first: usize, n: usize| {
                 qkv.clone()

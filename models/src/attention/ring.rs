@@ -6,7 +6,7 @@
 //! as the window). Attention does not depend on the order of its keys, so a decode query reads
 //! the ring as it lies; a chunk of several positions reads the previous window in order first.
 
-use burn_gemma_kernels::AttentionMask;
+use burn_gemma_kernels::{step, AttentionMask};
 use std::ops::Range;
 
 /// Which slots a layer's positions occupy.
@@ -35,22 +35,24 @@ impl Span {
         }
     }
 
-    /// Decode at `position`: the slot it is written to, the slots attention then reads (the
-    /// first `visible`), and their mask.
-    pub fn decode(self, position: usize) -> DecodeStep {
+    /// The sliding window, for a ring.
+    pub fn window(self) -> Option<usize> {
         match self {
-            Self::Full => DecodeStep {
-                slot: position,
-                visible: position + 1,
-                mask: AttentionMask { q_offset: position, k_offset: 0, window: None },
-            },
-            Self::Ring(w) => {
-                let visible = (position + 1).min(w);
-                // Every key in the ring is inside the window: the mask only has to place them.
-                let mask = AttentionMask { q_offset: position, k_offset: position + 1 - visible, window: Some(w) };
-                DecodeStep { slot: position % w, visible, mask }
-            }
+            Self::Full => None,
+            Self::Ring(w) => Some(w),
         }
+    }
+
+    /// Decode at `position`: the slot it is written to, the slots attention then reads (the
+    /// first `visible`), and their mask: what the decode kernels derive from the position and
+    /// the store's size ([`burn_gemma_kernels::step`]; a full store has a slot per position).
+    pub fn decode(self, position: usize) -> DecodeStep {
+        let slots = match self {
+            Self::Full => usize::MAX,
+            Self::Ring(w) => w,
+        };
+        let (visible, mask) = step::decode_visible(position, slots, self.window());
+        DecodeStep { slot: step::slot(position, slots), visible, mask }
     }
 }
 

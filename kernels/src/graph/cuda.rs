@@ -1,0 +1,379 @@
+//! Compiling recorded launches (CubeCL's CUDA compiler, then NVRTC), capturing them into one
+//! CUDA graph on a stream of our own, and replaying it.
+
+use super::{recorder::Recorded, GraphError};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::{CudaCompiler, CudaDevice, CudaRuntime};
+use cubecl::server::{CubeCount, Handle};
+use cubecl::Runtime;
+use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
+use cudarc::driver::{result, sys};
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::path::PathBuf;
+
+fn driver(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GraphError {
+    move |e| GraphError::Driver { call, reason: format!("{e:?}") }
+}
+
+/// The device's context made current on this thread (CubeCL uses the primary context).
+fn make_current(ordinal: usize) -> Result<(), GraphError> {
+    result::init().map_err(driver("cuInit"))?;
+    let device = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
+    // SAFETY: `device` is a valid device handle; the primary context is retained once per call
+    // (released with the process, as CubeCL does).
+    unsafe {
+        let ctx = result::primary_ctx::retain(device).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))
+    }
+}
+
+/// The device's compute capability as `major * 10 + minor`.
+fn architecture(ordinal: usize) -> Result<u32, GraphError> {
+    use sys::CUdevice_attribute::*;
+    let device = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
+    // SAFETY: read-only attribute queries of a valid device.
+    unsafe {
+        let major = result::device::get_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(driver("cuDeviceGetAttribute"))?;
+        let minor = result::device::get_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(driver("cuDeviceGetAttribute"))?;
+        Ok((major * 10 + minor) as u32)
+    }
+}
+
+/// The options CubeCL's CUDA runtime compiles with on a device of `arch` (cubecl-cuda 0.10
+/// `runtime.rs`; its own copy is private), so that the graph runs the same code as eager.
+pub(super) fn compilation_options(arch: u32) -> CompilationOptions {
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            fast_math: true,
+            grid_constants: arch >= 70,
+            fast_tanh: arch >= 75 && sys::CUDA_VERSION >= 12080,
+            clusters: arch >= 90,
+            elect_sync: arch >= 90,
+        },
+    }
+}
+
+/// A stable 64-bit hash (FNV-1a) of the NVRTC input, naming its PTX in the disk cache.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Where compiled PTX is kept between runs: `$BURN_GEMMA_PTX_CACHE`, else
+/// `$XDG_CACHE_HOME/burn-gemma/ptx`, else `~/.cache/burn-gemma/ptx`.
+fn ptx_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("BURN_GEMMA_PTX_CACHE") {
+        return Some(PathBuf::from(dir));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("burn-gemma").join("ptx"))
+}
+
+/// NVRTC over `source` (as cubecl-cuda's `compile_kernel`), or the cached PTX of an earlier
+/// run. Returns the PTX (NUL-terminated) and whether it came from the cache.
+fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool), GraphError> {
+    let arch_option =
+        if arch >= 90 { format!("--gpu-architecture=sm_{arch}a") } else { format!("--gpu-architecture=sm_{arch}") };
+    let include = format!("--include-path={}", cubecl::cuda::install::include_path().display());
+    let cccl_path = cubecl::cuda::install::cccl_include_path();
+    let cccl = format!("--include-path={}", cccl_path.display());
+    let mut options = vec![arch_option.as_str(), include.as_str(), "-lineinfo"];
+    if cccl_path.exists() {
+        options.push(cccl.as_str());
+    }
+    let version = sys::CUDA_VERSION.to_string();
+    let mut key: Vec<&[u8]> = vec![source.as_bytes(), version.as_bytes()];
+    key.extend(options.iter().map(|o| o.as_bytes()));
+    let cached = ptx_cache_dir().map(|dir| dir.join(format!("{:016x}.ptx", fnv1a(&key))));
+    if let Some(bytes) = cached.as_ref().and_then(|path| std::fs::read(path).ok()) {
+        if bytes.last() == Some(&0) {
+            return Ok((bytes, true));
+        }
+    }
+    let compile_error = |reason: String| GraphError::Compile { kernel: name.to_string(), reason };
+    let source = CString::new(source).map_err(|e| compile_error(e.to_string()))?;
+    // SAFETY: NVRTC calls on a program created here and destroyed before returning.
+    let ptx = unsafe {
+        let program = cudarc::nvrtc::result::create_program(source.as_c_str(), None)
+            .map_err(|e| compile_error(format!("{e:?}")))?;
+        if cudarc::nvrtc::result::compile_program(program, &options).is_err() {
+            let log = cudarc::nvrtc::result::get_program_log(program).map_err(|e| compile_error(format!("{e:?}")))?;
+            let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+            let _ = cudarc::nvrtc::result::destroy_program(program);
+            return Err(compile_error(log));
+        }
+        let ptx = cudarc::nvrtc::result::get_ptx(program).map_err(|e| compile_error(format!("{e:?}")))?;
+        let _ = cudarc::nvrtc::result::destroy_program(program);
+        ptx
+    };
+    let mut bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+    if bytes.last() != Some(&0) {
+        bytes.push(0);
+    }
+    if let Some(path) = cached {
+        // Best effort: a cache that cannot be written only costs the next run a compile.
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok((bytes, false))
+}
+
+/// A loaded kernel.
+#[derive(Clone, Copy)]
+struct Function {
+    func: sys::CUfunction,
+    block: (u32, u32, u32),
+    shared: u32,
+}
+
+/// Compiles, loads and configures one recorded task.
+fn load(launch: &Recorded, options: &CompilationOptions, arch: u32) -> Result<(Function, bool), GraphError> {
+    let name = launch.task.name().to_string();
+    let compile_error = |reason: String| GraphError::Compile { kernel: name.clone(), reason };
+    let compiled = launch
+        .task
+        .compile(&mut CudaCompiler::default(), options, launch.mode, launch.task.address_type())
+        .map_err(|e| compile_error(format!("{e:?}")))?;
+    let shared = compiled.repr.as_ref().map_or(0, |r| r.shared_memory_size());
+    let (ptx, cached) = ptx(&compiled.source, arch, &name)?;
+    let entry = CString::new(compiled.entrypoint_name.clone()).map_err(|e| compile_error(e.to_string()))?;
+    // SAFETY: `ptx` is NUL-terminated PTX; the module stays loaded for the process (graphs
+    // replay its function).
+    let func = unsafe {
+        let module = result::module::load_data(ptx.as_ptr() as *const c_void).map_err(driver("cuModuleLoadData"))?;
+        let func = result::module::get_function(module, entry).map_err(driver("cuModuleGetFunction"))?;
+        result::function::set_function_attribute(
+            func,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(driver("cuFuncSetAttribute"))?;
+        func
+    };
+    let dim = compiled.cube_dim;
+    Ok((Function { func, block: (dim.x, dim.y, dim.z), shared: shared as u32 }, cached))
+}
+
+/// The device pointer of `handle` (its offset included).
+fn pointer(client: &cubecl::client::ComputeClient<CudaRuntime>, handle: &Handle) -> Result<u64, GraphError> {
+    let resource = client
+        .get_resource(handle.clone())
+        .map_err(|e| GraphError::Driver { call: "get_resource", reason: format!("{e:?}") })?;
+    Ok(resource.resource().ptr)
+}
+
+/// One tensor's memory, for host copies around a replay.
+pub(crate) struct Buffer {
+    ptr: u64,
+    _handle: Handle,
+}
+
+impl Buffer {
+    pub(crate) fn new(t: &CubeTensor<CudaRuntime>) -> Result<Self, GraphError> {
+        Ok(Self { ptr: pointer(&t.client, &t.handle)?, _handle: t.handle.clone() })
+    }
+}
+
+/// One launch as the graph replays it.
+struct Node {
+    function: Function,
+    grid: (u32, u32, u32),
+    /// One device pointer per buffer, in binding order.
+    pointers: Vec<u64>,
+    /// CubeCL's packed scalars and lengths (`info_st`, a grid constant).
+    info: Vec<u64>,
+    has_info: bool,
+}
+
+/// Distinct kernels of a graph: compiled by NVRTC, or loaded from the PTX cache.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Kernels {
+    pub compiled: usize,
+    pub cached: usize,
+}
+
+/// A captured decode step.
+pub(crate) struct Graph {
+    ordinal: usize,
+    stream: sys::CUstream,
+    exec: sys::CUgraphExec,
+    /// Events around the graph launch: the GPU time of a replay.
+    events: (sys::CUevent, sys::CUevent),
+    pub(crate) kernels: Kernels,
+    /// The last replay: host time until the wait began, and GPU time of the graph.
+    pub(crate) last: super::ReplayTimes,
+    /// Every buffer the graph reads or writes, kept alive.
+    _handles: Vec<Handle>,
+}
+
+// SAFETY: the raw CUDA handles are only used through `&mut self` or on drop.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    pub(crate) fn new(launches: Vec<Recorded>, device: &CudaDevice) -> Result<Self, GraphError> {
+        let ordinal = device.index;
+        let client = CudaRuntime::client(device);
+        // Eager work (prefill, cache writes) happens on CubeCL's streams: finish it first.
+        cubecl::future::block_on(client.sync())
+            .map_err(|e| GraphError::Driver { call: "sync", reason: format!("{e:?}") })?;
+        make_current(ordinal)?;
+        let arch = architecture(ordinal)?;
+        let options = compilation_options(arch);
+        if !options.supports_features.grid_constants {
+            return Err(GraphError::Unsupported(format!("compute capability {arch} has no grid constants")));
+        }
+        let mut loaded: HashMap<String, Function> = HashMap::new();
+        let mut nodes = Vec::with_capacity(launches.len());
+        let mut handles = Vec::new();
+        let mut kernels = Kernels::default();
+        for launch in launches {
+            let name = launch.task.name().to_string();
+            if !launch.args.tensor_maps.is_empty() {
+                return Err(GraphError::Unsupported(format!("kernel `{name}` uses tensor maps")));
+            }
+            let info = &launch.args.info;
+            if info.dynamic_metadata_offset < info.data.len() {
+                return Err(GraphError::Unsupported(format!("kernel `{name}` carries dynamic metadata")));
+            }
+            let grid = match launch.count {
+                CubeCount::Static(x, y, z) => (x, y, z),
+                CubeCount::Dynamic(_) => {
+                    return Err(GraphError::Unsupported(format!("kernel `{name}` has a dynamic cube count")));
+                }
+            };
+            let mut key = format!("{:?}", launch.task.id());
+            key.push_str(&format!("{:?}", launch.mode));
+            let function = match loaded.get(&key) {
+                Some(f) => *f,
+                None => {
+                    let (f, from_cache) = load(&launch, &options, arch)?;
+                    if from_cache {
+                        kernels.cached += 1;
+                    } else {
+                        kernels.compiled += 1;
+                    }
+                    loaded.insert(key, f);
+                    f
+                }
+            };
+            let pointers = launch.handles.iter().map(|h| pointer(&client, h)).collect::<Result<Vec<_>, _>>()?;
+            let has_info = !info.data.is_empty();
+            nodes.push(Node { function, grid, pointers, info: info.data.clone(), has_info });
+            handles.extend(launch.handles);
+        }
+        // SAFETY: every function is loaded, every pointer belongs to a live handle kept in
+        // `handles`, and the parameter arrays outlive each launch call (CUDA copies them).
+        let (stream, exec) = unsafe {
+            let stream =
+                result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
+            result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver("cuStreamBeginCapture"))?;
+            let mut failed = None;
+            for node in &mut nodes {
+                let mut params: Vec<*mut c_void> =
+                    node.pointers.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+                if node.has_info {
+                    params.push(node.info.as_mut_ptr() as *mut c_void);
+                }
+                let f = node.function;
+                if let Err(e) = result::launch_kernel(f.func, node.grid, f.block, f.shared, stream, &mut params) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            let graph = result::stream::end_capture(stream).map_err(driver("cuStreamEndCapture"))?;
+            if let Some(e) = failed {
+                let _ = result::graph::destroy(graph);
+                return Err(driver("cuLaunchKernel (capture)")(e));
+            }
+            let exec = result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0))
+                .map_err(driver("cuGraphInstantiate"))?;
+            let _ = result::graph::destroy(graph);
+            result::graph::upload(exec, stream).map_err(driver("cuGraphUpload"))?;
+            result::stream::synchronize(stream).map_err(driver("cuStreamSynchronize"))?;
+            (stream, exec)
+        };
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let events = (
+            result::event::create(flags).map_err(driver("cuEventCreate"))?,
+            result::event::create(flags).map_err(driver("cuEventCreate"))?,
+        );
+        Ok(Self { ordinal, stream, exec, events, kernels, last: Default::default(), _handles: handles })
+    }
+
+    pub(crate) fn replay(&mut self, writes: &[(&Buffer, &[u8])], read: (&Buffer, &mut [u8])) -> Result<(), GraphError> {
+        let start = std::time::Instant::now();
+        make_current(self.ordinal)?;
+        // SAFETY: the buffers are live device allocations at least as large as the host slices
+        // (checked by the caller); the stream, graph and events belong to this context.
+        unsafe {
+            for (buffer, bytes) in writes {
+                result::memcpy_htod_async(buffer.ptr, bytes, self.stream).map_err(driver("cuMemcpyHtoDAsync"))?;
+            }
+            result::event::record(self.events.0, self.stream).map_err(driver("cuEventRecord"))?;
+            result::graph::launch(self.exec, self.stream).map_err(driver("cuGraphLaunch"))?;
+            result::event::record(self.events.1, self.stream).map_err(driver("cuEventRecord"))?;
+            // (A copy into pageable memory waits for the graph: the issue time ends here.)
+            let issue = start.elapsed();
+            let (buffer, out) = read;
+            result::memcpy_dtoh_async(out, buffer.ptr, self.stream).map_err(driver("cuMemcpyDtoHAsync"))?;
+            result::stream::synchronize(self.stream).map_err(driver("cuStreamSynchronize"))?;
+            let gpu_ms = result::event::elapsed(self.events.0, self.events.1).map_err(driver("cuEventElapsedTime"))?;
+            self.last = super::ReplayTimes { issue, gpu: std::time::Duration::from_secs_f64(f64::from(gpu_ms) / 1e3) };
+            Ok(())
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: the graph and stream were created by `new` and are not used after this.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::event::destroy(self.events.0);
+            let _ = result::event::destroy(self.events.1);
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_cache_key_is_stable_and_separates_parts() {
+        assert_eq!(fnv1a(&[b"abc"]), fnv1a(&[b"abc"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+        assert_ne!(fnv1a(&[b"abc"]), fnv1a(&[b"abd"]));
+    }
+
+    #[test]
+    fn options_follow_the_architecture() {
+        let hopper = compilation_options(90);
+        assert!(hopper.supports_features.grid_constants && hopper.supports_features.clusters);
+        let volta = compilation_options(70);
+        assert!(volta.supports_features.grid_constants && !volta.supports_features.fast_tanh);
+        assert!(!compilation_options(61).supports_features.grid_constants);
+    }
+}

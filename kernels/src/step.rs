@@ -1,0 +1,123 @@
+//! The position of a decode step, on the host or on the device.
+//!
+//! A decode step at position `p` writes its keys and values into slot `p % slots` of each
+//! layer's store (a full-attention store has a slot per position, so that is `p`; a
+//! sliding-window store is a ring) and attends to the first `min(p + 1, slots)` slots. Eager
+//! decoding passes `p` to the kernels as a launch value. A step replayed as a CUDA graph cannot
+//! change its launch values, so there the kernels read `p` from a device buffer that the host
+//! rewrites before each replay ([`StepPosition::Device`]), and grids are sized by a bound on
+//! `p` instead of `p` itself.
+
+use crate::{graph, AttentionMask};
+use burn::tensor::{backend::Backend, Int, Tensor};
+
+/// Where a decode step's position comes from.
+#[derive(Debug, Clone)]
+pub enum StepPosition<B: Backend> {
+    /// Known on the host: passed to the kernels as a launch value.
+    Host(usize),
+    /// `values[0]` on the device (an int tensor; the kernels read its low 32 bits), read by
+    /// the kernels when they run: a recorded step replays at any position up to `bound`,
+    /// which sizes the launch grids.
+    Device { values: Tensor<B, 1, Int>, bound: usize },
+}
+
+impl<B: Backend> StepPosition<B> {
+    /// The position on the host: read back from the device for [`StepPosition::Device`] (a
+    /// synchronizing read, which a recorded step cannot replay: recording is marked as failed).
+    pub fn resolve(&self) -> usize {
+        match self {
+            Self::Host(p) => *p,
+            Self::Device { values, .. } => {
+                graph::unsupported(|| "an operation read the step's position back to the host".into());
+                let data = values.clone().slice(0..1).into_data().convert::<i64>();
+                data.as_slice::<i64>().ok().and_then(|v| v.first().copied()).unwrap_or(0).max(0) as usize
+            }
+        }
+    }
+
+    /// The largest position this step can run at: the position itself, or the bound.
+    pub fn bound(&self) -> usize {
+        match self {
+            Self::Host(p) => *p,
+            Self::Device { bound, .. } => *bound,
+        }
+    }
+}
+
+/// The slot position `p` is written to in a store of `slots` slots.
+pub fn slot(position: usize, slots: usize) -> usize {
+    position % slots.max(1)
+}
+
+/// What a decode query at `position` attends to in a store of `slots` slots: the first
+/// `visible` slots, with `mask` placing them (`window`: the layer's sliding window). Every key
+/// of a ring is inside the window, and attention does not depend on the order of its keys, so
+/// the ring is read as it lies.
+pub fn decode_visible(position: usize, slots: usize, window: Option<usize>) -> (usize, AttentionMask) {
+    let visible = (position + 1).min(slots);
+    let mask = AttentionMask { q_offset: position, k_offset: position + 1 - visible, window };
+    (visible, mask)
+}
+
+/// The position as the kernels take it.
+pub(crate) mod kernel {
+    use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
+
+    /// A [`super::StepPosition`] with the device buffer as a kernel argument (built per launch,
+    /// never stored).
+    #[derive(Clone)]
+    #[allow(clippy::large_enum_variant)]
+    pub enum Position<R: CubeRuntime> {
+        Host(usize),
+        /// `values[0]` (low 32 bits), at most `bound`.
+        Device {
+            values: CubeTensor<R>,
+            bound: usize,
+        },
+    }
+
+    impl<R: CubeRuntime> Position<R> {
+        /// The launch value (unused by the kernels for a device position).
+        pub fn value(&self) -> u32 {
+            match self {
+                Self::Host(p) => *p as u32,
+                Self::Device { .. } => 0,
+            }
+        }
+
+        /// Whether the kernels read the position from the buffer (a comptime switch).
+        pub fn on_device(&self) -> bool {
+            matches!(self, Self::Device { .. })
+        }
+
+        /// The buffer argument: the position's buffer, or `stand_in` (never read).
+        pub fn buffer(&self, stand_in: &CubeTensor<R>) -> CubeTensor<R> {
+            match self {
+                Self::Host(_) => stand_in.clone(),
+                Self::Device { values, .. } => values.clone(),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_and_visible_keys_of_full_and_ring_stores() {
+        // Full store of 16 slots: slot = position, everything so far visible.
+        assert_eq!(slot(5, 16), 5);
+        let (visible, mask) = decode_visible(5, 16, None);
+        assert_eq!((visible, mask.q_offset, mask.k_offset), (6, 5, 0));
+        // Ring of 4 slots: wraps, at most 4 visible, placed so that all are in the window.
+        assert_eq!(slot(9, 4), 1);
+        let (visible, mask) = decode_visible(9, 4, Some(4));
+        assert_eq!((visible, mask.q_offset, mask.k_offset, mask.window), (4, 9, 6, Some(4)));
+        let (visible, mask) = decode_visible(2, 4, Some(4));
+        assert_eq!((visible, mask.k_offset), (3, 0));
+        // A ring larger than the positions so far behaves as a full store.
+        assert_eq!(slot(3, 512), 3);
+    }
+}

@@ -1,0 +1,252 @@
+//! Decode replayed as one CUDA graph per token (see [`burn_gemma_kernels::graph`]).
+//!
+//! [`DecodeGraphs`] records [`Gemma::decode_step`] once per bucket of positions (powers of two
+//! from 256, so a 4,096-token generation records five times) and replays it: per token the
+//! host writes the position, the token ids and the sampling draws into the step's buffers,
+//! launches the graph, and reads the sampled ids back.
+
+use crate::{gemma::StepInputs, Gemma, KvCache, ModelError};
+use burn::tensor::DType;
+use burn_gemma_kernels::graph::{self, GraphError, Replay, StepBuffer, StepGraph};
+use burn_gemma_kernels::{GemmaBackend, SamplingParams};
+use std::time::{Duration, Instant};
+
+/// Whether decoding replays a recorded CUDA graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaGraph {
+    /// On CUDA when the step can be recorded; otherwise eager (saying why once).
+    #[default]
+    Auto,
+    /// Always; an error where it cannot work.
+    On,
+    /// Never: every kernel launched eagerly.
+    Off,
+}
+
+impl std::str::FromStr for CudaGraph {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("unknown CUDA-graph mode `{other}` (expected auto, on or off)")),
+        }
+    }
+}
+
+impl std::fmt::Display for CudaGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        })
+    }
+}
+
+/// Smallest position bound a recording serves.
+const MIN_BOUND: usize = 256;
+
+/// The bound of the bucket holding `position` in a cache of `capacity` positions: one less
+/// than a power of two of at least [`MIN_BOUND`], at most the last position.
+pub fn bucket_bound(position: usize, capacity: usize) -> usize {
+    (position + 1).next_power_of_two().max(MIN_BOUND).min(capacity.max(1)) - 1
+}
+
+/// One recorded step and its buffers.
+struct Recorded<B: GemmaBackend> {
+    bound: usize,
+    graph: StepGraph,
+    /// Kept alive with the graph (it reads and writes them).
+    _inputs: StepInputs<B>,
+    position: StepBuffer,
+    ids: StepBuffer,
+    draws: StepBuffer,
+    out: StepBuffer,
+    /// The step's logits buffer (rewritten by every replay).
+    logits: burn::tensor::Tensor<B, 2>,
+    int_bytes: usize,
+}
+
+/// What recording cost, for reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GraphSetup {
+    /// Recordings made (one per bucket crossed).
+    pub recordings: usize,
+    /// Time spent recording, compiling and capturing.
+    pub time: Duration,
+    /// Kernel launches per replayed step (of the last recording).
+    pub launches: usize,
+    /// Distinct kernels compiled by NVRTC and loaded from the PTX cache, over all recordings.
+    pub compiled: usize,
+    pub cached: usize,
+}
+
+/// Decode steps of one model, cache and sampling configuration, recorded per bucket of
+/// positions and replayed. Drop it when the cache is replaced (the graphs write the cache's
+/// buffers); a [`KvCache::reset`] keeps it valid.
+pub struct DecodeGraphs<B: GemmaBackend> {
+    sampling: SamplingParams,
+    batch: usize,
+    capacity: usize,
+    current: Option<Recorded<B>>,
+    setup: GraphSetup,
+}
+
+impl<B: GemmaBackend> DecodeGraphs<B> {
+    /// Nothing recorded yet; steps sample with `sampling` for a cache of `batch` sequences and
+    /// `capacity` positions.
+    pub fn new(sampling: SamplingParams, batch: usize, capacity: usize) -> Self {
+        Self { sampling, batch, capacity, current: None, setup: GraphSetup::default() }
+    }
+
+    /// Whether these graphs serve `sampling` on a cache of this batch and capacity.
+    pub fn serves(&self, sampling: &SamplingParams, cache: &KvCache<B>) -> bool {
+        self.sampling == *sampling && self.batch == cache.batch() && self.capacity == cache.capacity()
+    }
+
+    /// What recording cost so far.
+    pub fn setup(&self) -> GraphSetup {
+        self.setup
+    }
+
+    /// The logits of the last replayed step, `[batch, vocab]` in the activation dtype (a view of
+    /// the step's buffer: read it before the next step).
+    pub fn last_logits(&self) -> Option<burn::tensor::Tensor<B, 2>> {
+        self.current.as_ref().map(|r| r.logits.clone())
+    }
+
+    /// Host issue time and GPU time of the last replayed step.
+    pub fn last_replay(&self) -> graph::ReplayTimes {
+        self.current.as_ref().map(|r| r.graph.last_replay()).unwrap_or_default()
+    }
+
+    /// One decode step at the cache's length: `ids` (one per sequence) go in, the sampled ids
+    /// come out, the cache advances by one. Records the step first when the position leaves the
+    /// current bucket.
+    pub fn step(
+        &mut self,
+        model: &Gemma<B>,
+        cache: &mut KvCache<B>,
+        ids: &[u32],
+        draws: &[f32],
+    ) -> Result<Vec<u32>, ModelError> {
+        if ids.len() != self.batch || draws.len() != self.batch || !self.serves(&self.sampling.clone(), cache) {
+            return Err(ModelError::InvalidInput(format!(
+                "a decode graph for {} sequences of {} positions got {} ids and {} draws for a cache of {} x {}",
+                self.batch,
+                self.capacity,
+                ids.len(),
+                draws.len(),
+                cache.batch(),
+                cache.capacity()
+            )));
+        }
+        cache.check_room(1)?;
+        let position = cache.len();
+        if self.current.as_ref().is_none_or(|r| position > r.bound) {
+            // Free the previous bucket's buffers before allocating the next.
+            self.current = None;
+            self.current = Some(self.record(model, cache, bucket_bound(position, self.capacity))?);
+        }
+        let Some(step) = self.current.as_mut() else {
+            return Err(ModelError::Graph(GraphError::Unsupported("no recorded step".into())));
+        };
+        let int = |v: u64| -> Vec<u8> {
+            let bytes = v.to_le_bytes();
+            bytes[..step.int_bytes].to_vec()
+        };
+        let position_bytes = int(position as u64);
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|&t| int(u64::from(t))).collect();
+        let draw_bytes: Vec<u8> = draws.iter().flat_map(|d| d.to_le_bytes()).collect();
+        let mut writes = vec![(&step.position, position_bytes.as_slice()), (&step.ids, id_bytes.as_slice())];
+        if self.sampling.temperature != 0.0 {
+            writes.push((&step.draws, draw_bytes.as_slice()));
+        }
+        let mut out = vec![0u8; self.batch * step.int_bytes];
+        step.graph.replay(Replay { writes: &writes, read: (&step.out, &mut out) })?;
+        cache.advance(1);
+        Ok(out
+            .chunks_exact(step.int_bytes)
+            .map(|c| {
+                let mut word = [0u8; 8];
+                word[..c.len()].copy_from_slice(c);
+                let v = i64::from_le_bytes(word);
+                // A negative id (an i32 sign bit) or one past u32 is out of any vocabulary.
+                u32::try_from(v).unwrap_or(u32::MAX)
+            })
+            .collect())
+    }
+
+    fn record(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>, bound: usize) -> Result<Recorded<B>, ModelError> {
+        let start = Instant::now();
+        let device = model.device();
+        let inputs = StepInputs::<B>::zeros(self.batch, bound, &device);
+        let sampling = self.sampling;
+        let (result, recording) = graph::record::<B, _>(&device, || model.decode_step(&inputs, cache, &sampling))?;
+        let (out, logits) = result?;
+        let launches = recording.launches();
+        let graph = StepGraph::new(recording)?;
+        let (compiled, cached) = graph.kernels();
+        let int_bytes = inputs.position.dtype().size();
+        if !matches!(int_bytes, 4 | 8) || out.dtype().size() != int_bytes || inputs.draws.dtype() != DType::F32 {
+            return Err(GraphError::Unsupported(format!(
+                "step buffers of {:?} / {:?} / {:?}",
+                inputs.position.dtype(),
+                out.dtype(),
+                inputs.draws.dtype()
+            ))
+            .into());
+        }
+        let recorded = Recorded {
+            bound,
+            position: StepBuffer::int(&inputs.position)?,
+            ids: StepBuffer::int(&inputs.ids)?,
+            draws: StepBuffer::float(&inputs.draws)?,
+            out: StepBuffer::int(&out)?,
+            graph,
+            _inputs: inputs,
+            logits,
+            int_bytes,
+        };
+        self.setup.recordings += 1;
+        self.setup.time += start.elapsed();
+        self.setup.launches = launches;
+        self.setup.compiled += compiled;
+        self.setup.cached += cached;
+        Ok(recorded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_within_the_cache() {
+        // (position, capacity) -> bound
+        let table = [
+            (0, 4096, 255),
+            (255, 4096, 255),
+            (256, 4096, 511),
+            (511, 4096, 511),
+            (512, 4096, 1023),
+            (4000, 4096, 4095),
+            (10, 100, 99),
+            (0, 1, 0),
+        ];
+        for (position, capacity, bound) in table {
+            assert_eq!(bucket_bound(position, capacity), bound, "position {position} of {capacity}");
+            assert!(bucket_bound(position, capacity) >= position.min(capacity - 1));
+        }
+    }
+
+    #[test]
+    fn modes_parse_and_print() {
+        for mode in [CudaGraph::Auto, CudaGraph::On, CudaGraph::Off] {
+            assert_eq!(mode.to_string().parse::<CudaGraph>(), Ok(mode));
+        }
+        assert!("yes".parse::<CudaGraph>().is_err());
+    }
+}
