@@ -36,9 +36,11 @@ pub(crate) struct Recorded {
     pub handles: Vec<Handle>,
 }
 
+/// What the server is handed for one launch.
+type Launch = (Box<dyn CubeTask<CudaCompiler>>, CubeCount, KernelArguments, ExecutionMode);
+
 /// What the server was handed, in launch order.
-static LAUNCHES: Mutex<Vec<(Box<dyn CubeTask<CudaCompiler>>, CubeCount, KernelArguments, ExecutionMode)>> =
-    Mutex::new(Vec::new());
+static LAUNCHES: Mutex<Vec<Launch>> = Mutex::new(Vec::new());
 /// The CUDA device's properties (kernels read them while they are defined).
 static PROPERTIES: Mutex<Option<DeviceProperties>> = Mutex::new(None);
 
