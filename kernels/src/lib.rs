@@ -10,6 +10,10 @@
 //! covered by hand-written kernels here, and an unfused backend lets us hand primitive tensors
 //! straight to those kernels without going through the fusion stream.
 //!
+//! On CUDA, a decode step built from these operations can be recorded once and replayed as one
+//! CUDA graph per token ([`graph`]); the per-token values it needs are read by the kernels from
+//! device buffers ([`step`], [`Draws`]).
+//!
 //! Conventions shared by all operations:
 //! - RMSNorm weights use the Hugging Face convention: the scale applied is `1 + w`.
 //! - Attention tensors are `[batch, heads, seq, head_dim]`.
@@ -106,7 +110,8 @@ pub trait GemmaBackend: ReservedMemory {
     /// Residual add fused with RMSNorm: returns `(residual + x', norm(residual + x'))` where `x'`
     /// is `x` normalized by `norms.post` when given.
     ///
-    /// - `residual`: `[batch, seq, hidden]` in f32 (the residual stream);
+    /// - `residual`: `[batch, seq, hidden]`, the residual stream: f32, or the activation dtype
+    ///   before the first add (the embeddings);
     /// - `x`: `[batch, seq, hidden]` in the activation dtype;
     /// - returns the new residual (f32) and the normalized value in `norms.out_dtype`.
     fn add_rms_norm(

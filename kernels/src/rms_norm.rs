@@ -20,7 +20,7 @@ pub fn add_reference<B: Backend>(
         Some(w) => reference(x, w.clone(), norms.eps),
         None => x,
     };
-    let sum = residual + x.cast(DType::F32);
+    let sum = residual.cast(DType::F32) + x.cast(DType::F32);
     let normed = normalize(sum.clone(), norms.weight.clone(), norms.eps).cast(norms.out_dtype);
     (sum, normed)
 }
@@ -294,9 +294,11 @@ mod gpu {
 
     pub fn add_rms_norm<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "add_rms_norm");
-        for (batch, seq, n) in [(1, 1, 640), (2, 9, 1152), (1, 3, 2560), (3, 5, 33)] {
+        // The residual in f32, and in the activation dtype (the embeddings before the first add).
+        let cases = [(1, 1, 640, DType::F32), (2, 9, 1152, DType::F32), (1, 3, 2560, dtype), (3, 5, 33, dtype)];
+        for (batch, seq, n, residual_dtype) in cases {
             let residual =
-                Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(DType::F32);
+                Tensor::<B, 3>::random([batch, seq, n], Distribution::Normal(0.0, 3.0), device).cast(residual_dtype);
             let x = Tensor::<B, 3>::random([batch, seq, n], NORMAL, device).cast(dtype);
             let w = Tensor::<B, 1>::random([n], NORMAL, device);
             let x_w = Tensor::<B, 1>::random([n], NORMAL, device);
@@ -312,7 +314,9 @@ mod gpu {
                 };
                 let plain = super::AddNorm { post: None, weight: w.clone(), eps: 1e-6, out_dtype: DType::F32 };
                 let (e_sum, e_normed) = super::add_reference(residual.clone(), x_ref.cast(DType::F32), &plain);
-                let what = format!("add_rms_norm {batch}x{seq}x{n} -> {out_dtype:?} (pre-norm {pre})");
+                let what = format!(
+                    "add_rms_norm {batch}x{seq}x{n}, residual {residual_dtype:?} -> {out_dtype:?} (pre-norm {pre})"
+                );
                 // The sum is f32, but with a pre-norm it adds a value rounded to the activation
                 // dtype, where the kernel's and the reference's roundings may differ by one ulp.
                 let sum_tol = tolerance(if pre { dtype } else { DType::F32 });
