@@ -401,7 +401,12 @@ impl<B: GemmaBackend> Generator<B> {
                 "--cuda-graph on cannot apply a repetition penalty (it runs eagerly): use --repeat-penalty 1 or --cuda-graph auto".into(),
             )),
             CudaGraph::Auto if sampler.penalizes() || self.graph_off.is_some() => Ok(false),
-            CudaGraph::On | CudaGraph::Auto => Ok(true),
+            CudaGraph::On => {
+                // Said before any work, not after the first token.
+                burn_gemma_kernels::graph::available::<B>(&self.model.device()).map_err(ModelError::from)?;
+                Ok(true)
+            }
+            CudaGraph::Auto => Ok(true),
         }
     }
 

@@ -157,8 +157,10 @@ fn cuda_graph_modes_without_cuda() {
     use burn_gemma::CudaGraph;
     let mut g = tiny_generator();
     let config = |cuda_graph| GenerationConfig { max_new_tokens: 6, cuda_graph, ..sampled(3) };
-    let err = g.generate("w300 w301 hello", &config(CudaGraph::On), |_| {}).unwrap_err();
+    let mut streamed = String::new();
+    let err = g.generate("w300 w301 hello", &config(CudaGraph::On), |t| streamed.push_str(t)).unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");
+    assert!(streamed.is_empty(), "`on` failed after generating {streamed:?}");
     let auto = g.generate("w300 w301 hello", &config(CudaGraph::Auto), |_| {}).unwrap();
     let off = g.generate("w300 w301 hello", &config(CudaGraph::Off), |_| {}).unwrap();
     assert_eq!(auto.tokens, off.tokens);

@@ -176,6 +176,16 @@ impl Recording {
     }
 }
 
+/// Whether steps on `device` of backend `B` can be recorded at all (the CUDA backend, built
+/// with the `cuda` feature): [`GraphError::NotCuda`] otherwise. A step can still fail to record.
+pub fn available<B: Backend>(device: &B::Device) -> Result<(), GraphError> {
+    #[cfg(feature = "cuda")]
+    if (device as &dyn std::any::Any).is::<cubecl::cuda::CudaDevice>() {
+        return Ok(());
+    }
+    Err(GraphError::NotCuda(format!("the {} backend is not CUDA", B::name(device))))
+}
+
 /// Runs `f` with the crate's kernel launches recorded instead of run, on the CUDA device
 /// `device` of backend `B`. Outputs are allocated but hold nothing until the graph replays.
 ///
