@@ -20,8 +20,9 @@
 #                                          with the quantized GEMVs ($OUT/quant.md)
 #   bash .gpu-bench/bench-gpu.sh hostprof  where the host's time goes while issuing decode work
 #                                          (sampled stacks, synthetic models, $HOSTPROF)
-#   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), then
-#                                          the tiny-model parity tests through CUDA
+#   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), the
+#                                          tiny-model parity tests through CUDA, then CUDA-graph decode
+#                                          against eager decode (tests/cuda_graph.rs, generation.rs)
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
 #                                          entry (model:weights, GGUF files from `prepare` by name)
@@ -55,6 +56,7 @@ bundle() {
   cd "$(dirname "$0")/.."
   local kit=${GPU_BENCH_KIT:-../shared/gpu-bench}
   rm -rf .gpu-bench && mkdir -p .gpu-bench/kit
+  mkdir -p .git/info
   grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
   cargo build --release --features cuda,host-profile --example bench --example kernel_bench --example accuracy
   # The bench keeps its symbol table: `hostprof` names the functions the host spends time in.
@@ -69,6 +71,12 @@ bundle() {
   tests=$(cargo test --release -p burn-gemma --test tiny_models --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
   strip -o .gpu-bench/tiny_models "$tests" && gzip -9 .gpu-bench/tiny_models
+  # CUDA-graph decode against eager decode (tiny models, a random 1B; the generator's chat turns).
+  for t in cuda_graph generation; do
+    tests=$(cargo test --release -p burn-gemma --test $t --features cuda --no-run --message-format=json 2>/dev/null |
+      python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+    strip -o .gpu-bench/$t "$tests" && gzip -9 .gpu-bench/$t
+  done
   cp -r ../shared/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
@@ -195,6 +203,11 @@ kernel_tests() {
   gzip -dc "$here/tiny_models.gz" > /tmp/burn-gemma-tiny-models && chmod +x /tmp/burn-gemma-tiny-models
   BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-tiny-models --test-threads 1 --nocapture cuda > "$OUT/tiny-models.txt" 2>&1 || rc=1
   grep -E "^test |test result" "$OUT/tiny-models.txt"
+  for t in cuda_graph generation; do
+    gzip -dc "$here/$t.gz" > /tmp/burn-gemma-$t && chmod +x /tmp/burn-gemma-$t
+    BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-$t --test-threads 1 --nocapture graph > "$OUT/$t.txt" 2>&1 || rc=1
+    grep -E "^test |test result|steps equal|turn" "$OUT/$t.txt"
+  done
   return $rc
 }
 
@@ -225,6 +238,7 @@ chunks() {
   local i=1
   for p in /tmp/gpu-model-split/part*; do
     mkdir -p .gpu-model-$i && mv "$p" .gpu-model-$i/part
+    mkdir -p .git/info
     grep -qxF "/.gpu-model-$i/" .git/info/exclude 2>/dev/null || echo "/.gpu-model-$i/" >> .git/info/exclude
     i=$((i + 1))
   done

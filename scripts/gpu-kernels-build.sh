@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 fixtures=${BURN_GEMMA_FIXTURES:-../shared/fixtures}
 rm -rf .gpu-bin .gpu-run && mkdir -p .gpu-bin .gpu-run/fixtures
+mkdir -p .git/info
 grep -qxF "/.gpu-bin/" .git/info/exclude 2>/dev/null || echo "/.gpu-bin/" >> .git/info/exclude
 grep -qxF "/.gpu-run/" .git/info/exclude 2>/dev/null || echo "/.gpu-run/" >> .git/info/exclude
 cargo build --release --features cuda --example kernel_bench --example bench
