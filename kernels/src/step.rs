@@ -35,14 +35,6 @@ impl<B: Backend> StepPosition<B> {
             }
         }
     }
-
-    /// The largest position this step can run at: the position itself, or the bound.
-    pub fn bound(&self) -> usize {
-        match self {
-            Self::Host(p) => *p,
-            Self::Device { bound, .. } => *bound,
-        }
-    }
 }
 
 /// The slot position `p` is written to in a store of `slots` slots.

@@ -132,7 +132,11 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         ids: &[u32],
         draws: &[f32],
     ) -> Result<Vec<u32>, ModelError> {
-        if ids.len() != self.batch || draws.len() != self.batch || !self.serves(&self.sampling.clone(), cache) {
+        if ids.len() != self.batch
+            || draws.len() != self.batch
+            || cache.batch() != self.batch
+            || cache.capacity() != self.capacity
+        {
             return Err(ModelError::InvalidInput(format!(
                 "a decode graph for {} sequences of {} positions got {} ids and {} draws for a cache of {} x {}",
                 self.batch,

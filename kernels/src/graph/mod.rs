@@ -90,23 +90,24 @@ pub fn unsupported(reason: impl FnOnce() -> String) {
 /// An array argument built from `t`'s handle for a launch on runtime `L` (the tensor's own, or
 /// the recorder). While recording, the handle is kept for the recorded launch.
 pub(crate) fn arg<L: Runtime, R: CubeRuntime>(t: &CubeTensor<R>) -> ArrayArg<L> {
-    SESSION.with(|s| {
-        if let Some(session) = s.borrow_mut().as_mut() {
-            session.pending.push(t.handle.clone());
-        }
-    });
+    keep(&t.handle);
     // SAFETY: the length is the tensor's element count, as `CubeTensor::into_array_arg` gives.
     unsafe { ArrayArg::from_raw_parts(t.handle.clone(), t.meta.num_elements()) }
+}
+
+/// While recording, keeps `handle` for the launch being built (no-op otherwise).
+fn keep(handle: &Handle) {
+    SESSION.with(|s| {
+        if let Some(session) = s.borrow_mut().as_mut() {
+            session.pending.push(handle.clone());
+        }
+    });
 }
 
 /// A tensor argument (shape and strides passed with it) built from `t`'s handle for runtime
 /// `L`; kept like [`arg`] while recording.
 pub(crate) fn tensor_arg<L: Runtime, R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<L> {
-    SESSION.with(|s| {
-        if let Some(session) = s.borrow_mut().as_mut() {
-            session.pending.push(t.handle.clone());
-        }
-    });
+    keep(&t.handle);
     // SAFETY: the tensor's own shape and strides.
     unsafe { TensorArg::from_raw_parts(t.handle.clone(), t.meta.strides().clone(), t.meta.shape().clone()) }
 }
