@@ -2,6 +2,14 @@
 //! bandwidth next to the device's measured copy bandwidth.
 //!
 //! `cargo run --release --features cuda --example kernel_bench -- --backend cuda --dtype bf16`
+//!
+//! Sections (`--section`): `kernels` (each kernel on prefill-sized inputs against its
+//! reference), `decode` (every decode kernel on the shapes of the Gemma 3 models, 1 and 8
+//! activation rows, dense / Q8 / Q4 weights, bf16 and int8 KV at depth), `launch` (host cost of
+//! small launches), or `all`. On CUDA, decode kernels are timed on the GPU itself: calls
+//! recorded into one CUDA graph, replayed, CUDA events around each replay (no host launch cost
+//! in the figure, as in a replayed decode step); elsewhere by the host around synchronized
+//! batches.
 
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_gemma::{
@@ -15,6 +23,9 @@ use burn_gemma_kernels::{
 use clap::Parser;
 use std::time::Instant;
 
+#[path = "kernel_bench/decode.rs"]
+mod decode;
+
 #[derive(Parser)]
 struct Args {
     /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.
@@ -26,15 +37,28 @@ struct Args {
     /// Timed repetitions per kernel (after 3 warm-up runs); the median is reported.
     #[arg(long, default_value_t = 30)]
     reps: usize,
-    /// Only the launch-cost table (host time per small operation).
-    #[arg(long)]
-    launch_only: bool,
+    /// Which tables: kernels, decode, launch or all.
+    #[arg(long, default_value = "all")]
+    section: Section,
+    /// Decode section: only these models (comma-separated: 270m,1b,4b,12b,27b).
+    #[arg(long, default_value = "270m,1b,4b,12b,27b")]
+    models: String,
+}
+
+/// The tables to print.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Section {
+    All,
+    Kernels,
+    Decode,
+    Launch,
 }
 
 struct Bench {
     dtype: DType,
     reps: usize,
-    launch_only: bool,
+    section: Section,
+    models: Vec<String>,
 }
 
 /// Calls issued back to back per timed sample: one synchronization (a round trip through the
@@ -232,6 +256,13 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     println!("\nreference ms for sampling = copy the logits to the host and sample there");
 }
 
+/// Measured copy bandwidth (GB/s): read and write 256 MiB of f32.
+fn copy_bandwidth<B: GemmaBackend>(d: &B::Device, reps: usize) -> f64 {
+    let copy = random::<B>(vec![64 << 20], DType::F32, d);
+    let copy_s = time::<B, _>(d, reps, || copy.clone().mul_scalar(1.0));
+    2.0 * (64 << 20) as f64 * 4.0 / copy_s / 1e9
+}
+
 fn random<B: GemmaBackend>(shape: Vec<usize>, dtype: DType, d: &B::Device) -> Tensor<B, 1> {
     Tensor::<B, 1>::random([shape.iter().product::<usize>()], Distribution::Normal(0.0, 1.0), d).cast(dtype)
 }
@@ -264,8 +295,14 @@ impl BackendTask for Bench {
         let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
         println!("backend {name}, dtype {dt:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
 
-        if !self.launch_only {
+        if matches!(self.section, Section::All | Section::Kernels) {
             kernels::<B>(d, dt, reps);
+        }
+        if matches!(self.section, Section::All | Section::Decode) {
+            decode::run::<B>(d, dt, reps, &self.models)?;
+        }
+        if !matches!(self.section, Section::All | Section::Launch) {
+            return Ok(());
         }
 
         // Launch cost: decode issues hundreds of small launches per token, so the host time per
@@ -299,7 +336,8 @@ fn main() -> Result<(), Error> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
-    dispatch(kind, Bench { dtype, reps: args.reps.max(1), launch_only: args.launch_only }, &mut |note| {
+    let models = args.models.split(',').map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
+    dispatch(kind, Bench { dtype, reps: args.reps.max(1), section: args.section, models }, &mut |note| {
         eprintln!("{note}")
     })?
 }

@@ -278,18 +278,20 @@ impl GemmaConfig {
     }
 
     /// Names accepted by [`GemmaConfig::preset`].
-    pub const PRESETS: [&'static str; 4] = ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b"];
+    pub const PRESETS: [&'static str; 5] = ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"];
 
     /// The published configuration of a Gemma 3 text model (as in its HF `config.json`), for
     /// synthetic (random-weight) models in tests and benchmarks: `gemma3-270m`, `gemma3-1b`,
-    /// `gemma3-4b` or `gemma3-12b`.
+    /// `gemma3-4b`, `gemma3-12b` or `gemma3-27b`.
     pub fn preset(name: &str) -> Result<Self, ModelError> {
-        // (hidden, intermediate, layers, heads, kv heads, sliding window, global RoPE factor, context)
-        let (hidden, inter, layers, heads, kv, window, factor, context) = match name {
-            "gemma3-270m" => (640, 2048, 18, 4, 1, 512, None, 32_768),
-            "gemma3-1b" => (1152, 6912, 26, 4, 1, 512, None, 32_768),
-            "gemma3-4b" => (2560, 10240, 34, 8, 4, 1024, Some(8.0), 131_072),
-            "gemma3-12b" => (3840, 15360, 48, 16, 8, 1024, Some(8.0), 131_072),
+        // (hidden, intermediate, layers, heads, kv heads, head size, query_pre_attn_scalar,
+        // sliding window, global RoPE factor, context)
+        let (hidden, inter, layers, heads, kv, head_dim, scalar, window, factor, context) = match name {
+            "gemma3-270m" => (640, 2048, 18, 4, 1, 256, 256, 512, None, 32_768),
+            "gemma3-1b" => (1152, 6912, 26, 4, 1, 256, 256, 512, None, 32_768),
+            "gemma3-4b" => (2560, 10240, 34, 8, 4, 256, 256, 1024, Some(8.0), 131_072),
+            "gemma3-12b" => (3840, 15360, 48, 16, 8, 256, 256, 1024, Some(8.0), 131_072),
+            "gemma3-27b" => (5376, 21504, 62, 32, 16, 128, 168, 1024, Some(8.0), 131_072),
             other => {
                 return Err(ModelError::UnsupportedConfig {
                     field: "preset",
@@ -304,7 +306,7 @@ impl GemmaConfig {
         let json = format!(
             r#"{{"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": {hidden},
             "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
-            "num_key_value_heads": {kv}, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "num_key_value_heads": {kv}, "head_dim": {head_dim}, "query_pre_attn_scalar": {scalar},
             "sliding_window": {window}, "_sliding_window_pattern": 6, "rms_norm_eps": 1e-6,
             "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106],
             "rope_parameters": {{"full_attention": {full_rope},
@@ -503,9 +505,13 @@ mod preset_tests {
     #[test]
     fn presets_have_the_published_sizes() {
         // Parameter counts of the published models (text weights, tied embedding).
-        for (name, approx) in
-            [("gemma3-270m", 268e6), ("gemma3-1b", 1.0e9), ("gemma3-4b", 3.88e9), ("gemma3-12b", 11.77e9)]
-        {
+        for (name, approx) in [
+            ("gemma3-270m", 268e6),
+            ("gemma3-1b", 1.0e9),
+            ("gemma3-4b", 3.88e9),
+            ("gemma3-12b", 11.77e9),
+            ("gemma3-27b", 27.0e9),
+        ] {
             let c = GemmaConfig::preset(name).unwrap();
             c.validate().unwrap();
             let n = c.num_parameters() as f64;
