@@ -27,6 +27,9 @@ pub struct DecodeTiling {
     pub per_lane: usize,
     /// Planes of 32 units per cube, each walking its own keys.
     pub planes: usize,
+    /// Consecutive keys a plane takes per step: their loads are all issued before any is
+    /// used (bytes in flight), and the online softmax rescales once per block.
+    pub keys: usize,
     /// `plane_sum` adds the lanes' partial dots (32-wide planes), else shared memory does.
     pub plane_ops: bool,
 }
@@ -160,7 +163,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     let begin = min(lo + split_index * per_split, hi);
     let end = min(begin + per_split, hi);
     // The same step count for every plane, so that all units meet the same barriers.
-    let steps = (end - begin + planes - 1) / planes;
+    let steps = (end - begin + planes * tiling.keys - 1) / (planes * tiling.keys);
 
     // This lane's slice of every query row of the group, with the score scale folded in.
     let mut qr = Array::<f32>::new(comptime!(groups * per_lane));
@@ -186,80 +189,119 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     }
     let mut m = Array::<f32>::new(groups);
     let mut l = Array::<f32>::new(groups);
-    let mut dots = Array::<f32>::new(groups);
     #[unroll]
     for g in 0..groups {
         m[g] = f32::new(-1.0e30);
         l[g] = 0.0f32;
     }
-    let mut scratch = SharedMemory::<f32>::new(comptime!(if tiling.plane_ops { 1usize } else { groups * planes * 32 }));
+    let mut scratch =
+        SharedMemory::<f32>::new(comptime!(if tiling.plane_ops { 1usize } else { tiling.keys * groups * planes * 32 }));
 
+    let kb = tiling.keys;
+    let k_vectors = comptime!(per_lane / n);
+    let c_vectors = comptime!(if int8 { per_lane / 4 / nc } else { 1usize });
+    let mut k_raw = Array::<Vector<F, N>>::new(comptime!(if int8 { 1usize } else { kb * k_vectors }));
+    let mut v_raw = Array::<Vector<F, N>>::new(comptime!(if int8 { 1usize } else { kb * k_vectors }));
+    let mut k_words = Array::<Vector<u32, NC>>::new(comptime!(if int8 { kb * c_vectors } else { 1usize }));
+    let mut v_words = Array::<Vector<u32, NC>>::new(comptime!(if int8 { kb * c_vectors } else { 1usize }));
+    let mut k_sc = Array::<f32>::new(kb);
+    let mut v_sc = Array::<f32>::new(kb);
+    let mut scores = Array::<f32>::new(comptime!(kb * groups));
     for step in 0..steps {
-        let j = begin + step * planes + plane_index;
-        let valid = j < end;
-        // Planes past the end re-read the last key and discard it.
-        let key = min(j, end - 1);
+        let j0 = begin + (step * planes + plane_index) * kb;
+        // Every load of the block first (keys past the end re-read the last key, discarded).
         if active {
-            if int8 {
-                let slot = (b * kv_heads + kvh) * shape.slots + key;
-                let k_scale = k_scales[slot];
-                let v_scale = v_scales[slot];
-                let first = (slot * (dim / 4) + c0 / 4) / nc;
-                #[unroll]
-                for u in 0..comptime!(per_lane / 4 / nc) {
-                    let kw = k_codes[first + u];
-                    let vw = v_codes[first + u];
+            #[unroll]
+            for u in 0..kb {
+                let key = min(j0 + u, end - 1);
+                if int8 {
+                    let slot = (b * kv_heads + kvh) * shape.slots + key;
+                    k_sc[u] = k_scales[slot];
+                    v_sc[u] = v_scales[slot];
+                    let first = (slot * (dim / 4) + c0 / 4) / nc;
                     #[unroll]
-                    for i in 0..nc {
-                        #[unroll]
-                        for byte in 0..4usize {
-                            let e = comptime!((u * nc + i) * 4 + byte);
-                            kf[e] = int8_code(kw[i], byte) * k_scale;
-                            vf[e] = int8_code(vw[i], byte) * v_scale;
-                        }
+                    for w in 0..c_vectors {
+                        k_words[u * c_vectors + w] = k_codes[first + w];
+                        v_words[u * c_vectors + w] = v_codes[first + w];
                     }
-                }
-            } else {
-                let k_first = k_strides.at(b, kvh, key, c0) / n;
-                let v_first = v_strides.at(b, kvh, key, c0) / n;
-                #[unroll]
-                for u in 0..comptime!(per_lane / n) {
-                    let kv = k[k_first + u];
-                    let vv = v[v_first + u];
+                } else {
+                    let k_first = k_strides.at(b, kvh, key, c0) / n;
+                    let v_first = v_strides.at(b, kvh, key, c0) / n;
                     #[unroll]
-                    for i in 0..n {
-                        kf[comptime!(u * n + i)] = f32::cast_from(kv[i]);
-                        vf[comptime!(u * n + i)] = f32::cast_from(vv[i]);
+                    for w in 0..k_vectors {
+                        k_raw[u * k_vectors + w] = k[k_first + w];
+                        v_raw[u * k_vectors + w] = v[v_first + w];
                     }
                 }
             }
         }
+        // The lanes' partial dots of every (key, query row).
         #[unroll]
-        for g in 0..groups {
-            let mut dot = 0.0f32;
+        for u in 0..kb {
             #[unroll]
             for e in 0..per_lane {
-                dot += qr[g * per_lane + e] * kf[e];
+                if int8 {
+                    let word = k_words[u * c_vectors + comptime!(e / 4 / nc)][comptime!((e / 4) % nc)];
+                    kf[e] = int8_code(word, comptime!(e % 4)) * k_sc[u];
+                } else {
+                    kf[e] = f32::cast_from(k_raw[u * k_vectors + comptime!(e / n)][comptime!(e % n)]);
+                }
             }
-            dots[g] = dot;
-        }
-        lanes_sum(&mut dots, &mut scratch, groups, planes, tiling.plane_ops);
-        if valid {
             #[unroll]
             for g in 0..groups {
-                let mut score = dots[g];
+                let mut dot = 0.0f32;
+                #[unroll]
+                for e in 0..per_lane {
+                    dot += qr[g * per_lane + e] * kf[e];
+                }
+                scores[u * groups + g] = dot;
+            }
+        }
+        lanes_sum(&mut scores, &mut scratch, comptime!(kb * groups), planes, tiling.plane_ops);
+        // Online softmax over the block: one rescale, then each valid key's weight.
+        #[unroll]
+        for g in 0..groups {
+            let mut top = m[g];
+            #[unroll]
+            for u in 0..kb {
+                let mut score = scores[u * groups + g];
                 if has_cap {
                     score = tanh_f32(score / cap) * cap;
                 }
-                let m_new = max(m[g], score);
-                let correction = f32::exp(m[g] - m_new);
-                let p = f32::exp(score - m_new);
-                l[g] = l[g] * correction + p;
+                if j0 + u >= end {
+                    score = f32::new(-3.0e38);
+                }
+                scores[u * groups + g] = score;
+                top = max(top, score);
+            }
+            let correction = f32::exp(m[g] - top);
+            l[g] *= correction;
+            #[unroll]
+            for e in 0..per_lane {
+                acc[g * per_lane + e] *= correction;
+            }
+            m[g] = top;
+        }
+        #[unroll]
+        for u in 0..kb {
+            #[unroll]
+            for e in 0..per_lane {
+                if int8 {
+                    let word = v_words[u * c_vectors + comptime!(e / 4 / nc)][comptime!((e / 4) % nc)];
+                    vf[e] = int8_code(word, comptime!(e % 4)) * v_sc[u];
+                } else {
+                    vf[e] = f32::cast_from(v_raw[u * k_vectors + comptime!(e / n)][comptime!(e % n)]);
+                }
+            }
+            #[unroll]
+            for g in 0..groups {
+                // Masked keys: exp(-3e38 - top) is 0.
+                let p = f32::exp(scores[u * groups + g] - m[g]);
+                l[g] += p;
                 #[unroll]
                 for e in 0..per_lane {
-                    acc[g * per_lane + e] = acc[g * per_lane + e] * correction + p * vf[e];
+                    acc[g * per_lane + e] += p * vf[e];
                 }
-                m[g] = m_new;
             }
         }
     }
@@ -325,7 +367,18 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
 
 /// Planes per decode cube at most, and keys each plane walks at least per split.
 const DECODE_PLANES: usize = 4;
-const DECODE_KEYS_PER_PLANE: usize = 4;
+const DECODE_KEYS_PER_PLANE: usize = 16;
+
+/// Keys per plane step: 8 where the lane's query rows and accumulators are small (`groups *
+/// per_lane` at most 16 floats each: Gemma 3 4B, 12B, 27B), else 4 (1B: 4 query heads per KV
+/// head), so that the block's loads fit in registers next to them.
+fn keys_per_step(groups: usize, per_lane: usize) -> usize {
+    if groups * per_lane <= 16 {
+        8
+    } else {
+        4
+    }
+}
 
 /// The decode kernel's configuration where it applies: one query position, a head dimension
 /// that splits evenly over 32 lanes (whole int8 words per lane for an int8 cache), keys and
@@ -344,18 +397,15 @@ pub(super) fn tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>, shared_bytes
     }
     let groups = q_heads / kv_heads;
     let budget = shared_bytes.min(48 * 1024);
-    let bytes = |planes: usize| planes * groups * (dim + 2) * 4 + groups * planes * 32 * 4;
+    let keys = keys_per_step(groups, per_lane);
+    let plane_ops = planes_of_32(&q.client);
+    let scratch = if plane_ops { 0 } else { keys * groups * 32 * 4 };
+    let bytes = |planes: usize| planes * groups * (dim + 2) * 4 + planes * scratch;
     let mut planes = DECODE_PLANES;
     while planes > 1 && bytes(planes) > budget {
         planes /= 2;
     }
-    (bytes(planes) <= budget).then_some(DecodeTiling {
-        dim,
-        groups,
-        per_lane,
-        planes,
-        plane_ops: planes_of_32(&q.client),
-    })
+    (bytes(planes) <= budget).then_some(DecodeTiling { dim, groups, per_lane, planes, keys, plane_ops })
 }
 
 /// The widest load (elements) dividing `per_lane` and every stride but the last of `t`.
@@ -393,7 +443,7 @@ pub(super) fn attention<R: CubeRuntime>(
     let base_cubes = batch * kv_heads;
     let splits = TARGET_CUBES
         .div_ceil(base_cubes)
-        .min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE))
+        .min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE.max(tiling.keys)))
         .clamp(1, MAX_SPLITS);
     let split = splits > 1;
     let groups = tiling.groups;

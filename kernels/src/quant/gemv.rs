@@ -56,6 +56,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     n_out: u32,
     #[comptime] m: usize,
     #[comptime] per_plane: usize,
+    #[comptime] unroll: usize,
     #[comptime] q4: bool,
     #[comptime] plane: bool,
     #[comptime] pairs: bool,
@@ -90,60 +91,75 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     for r in 0..per_plane {
         row_at[r] = min(first + r, n_out - 1);
     }
-    let mut cw = Array::<Vector<u32, NW>>::new(per_plane);
-    let mut scale = Array::<f32>::new(per_plane);
-    let mut offset = Array::<f32>::new(per_plane);
+    // `unroll` code vectors per row and step, all loaded before any is used.
+    let loaded = comptime!(unroll * per_plane);
+    let mut cw = Array::<Vector<u32, NW>>::new(loaded);
+    let mut scale = Array::<f32>::new(loaded);
+    let mut offset = Array::<f32>::new(loaded);
     let mut dots = Array::<f32>::new(slots);
     let mut sx = Array::<f32>::new(m);
-    let mut v = lane;
-    while v < vectors {
-        // A vector never straddles two blocks: one scale (and offset) per row.
-        let block = (v * nw) / words_per_block;
+    let mut v0 = lane;
+    while v0 < vectors {
         #[unroll]
-        for r in 0..per_plane {
-            cw[r] = codes[row_at[r] * vectors + v];
-            scale[r] = f32::cast_from(scales[row_at[r] * blocks + block]);
-            if q4 {
-                offset[r] = f32::cast_from(offsets[row_at[r] * blocks + block]);
+        for u in 0..unroll {
+            // Past the row's end a unit re-reads its last vector and discards it below.
+            let v = min(v0 + u * LANES, vectors - 1);
+            // A vector never straddles two blocks: one scale (and offset) per row.
+            let block = (v * nw) / words_per_block;
+            #[unroll]
+            for r in 0..per_plane {
+                let at = comptime!(u * per_plane + r);
+                cw[at] = codes[row_at[r] * vectors + v];
+                scale[at] = f32::cast_from(scales[row_at[r] * blocks + block]);
+                if q4 {
+                    offset[at] = f32::cast_from(offsets[row_at[r] * blocks + block]);
+                }
             }
         }
         #[unroll]
-        for s in 0..slots {
-            dots[s] = 0.0f32;
-        }
-        #[unroll]
-        for t in 0..m {
-            sx[t] = 0.0f32;
-            #[unroll]
-            for g in 0..loads {
-                let xv = x[(t * k + v * nw * per_word) / nx + g];
+        for u in 0..unroll {
+            let v = v0 + u * LANES;
+            if v < vectors {
                 #[unroll]
-                for i in 0..nx {
-                    let xi = f32::cast_from(xv[i]);
-                    sx[t] += xi;
-                    let c = comptime!(g * nx + i);
+                for s in 0..slots {
+                    dots[s] = 0.0f32;
+                }
+                #[unroll]
+                for t in 0..m {
+                    sx[t] = 0.0f32;
+                    #[unroll]
+                    for g in 0..loads {
+                        let xv = x[(t * k + v * nw * per_word) / nx + g];
+                        #[unroll]
+                        for i in 0..nx {
+                            let xi = f32::cast_from(xv[i]);
+                            sx[t] += xi;
+                            let c = comptime!(g * nx + i);
+                            #[unroll]
+                            for r in 0..per_plane {
+                                let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
+                                dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4) * xi;
+                            }
+                        }
+                    }
+                }
+                #[unroll]
+                for t in 0..m {
                     #[unroll]
                     for r in 0..per_plane {
-                        let word = cw[r][comptime!(c / per_word)];
-                        dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4) * xi;
+                        let s = comptime!(t * per_plane + r);
+                        let at = comptime!(u * per_plane + r);
+                        // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                        let mut shift = scale[at] * sum_scale;
+                        if q4 {
+                            shift -= offset[at];
+                        }
+                        acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
                     }
                 }
             }
         }
-        #[unroll]
-        for t in 0..m {
-            #[unroll]
-            for r in 0..per_plane {
-                let s = comptime!(t * per_plane + r);
-                // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                let mut shift = scale[r] * sum_scale;
-                if q4 {
-                    shift -= offset[r];
-                }
-                acc[s] += scale[r] * unit_scale * dots[s] - shift * sx[t];
-            }
-        }
-        v += LANES;
+        v0 += comptime!(unroll * LANES);
     }
     reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
 }
@@ -164,9 +180,20 @@ fn rows_per_plane<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, out_featu
     [4, 2].into_iter().filter(|&r| r <= most).find(|&r| out_features / r >= PLANES_PER_SM * sms).unwrap_or(1)
 }
 
-/// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype, or
-/// with `pairs` (gate and up rows interleaved, `out` a multiple of `ROWS`) `gelu_tanh(gate) *
-/// up`, `[n, out / 2]`.
+/// Code vectors each unit loads per row before using any: enough 16-byte loads in flight per
+/// unit (`unroll * per_plane`, about 4) to cover the memory latency.
+fn gemv_unroll(per_plane: usize, n: usize) -> usize {
+    if let Ok(u) = std::env::var("BURN_GEMMA_GEMV_UNROLL") {
+        if let Ok(u) = u.parse::<usize>() {
+            return u.max(1);
+        }
+    }
+    if n > 2 {
+        return 1;
+    }
+    (4 / per_plane).max(1)
+}
+
 /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype, or
 /// for [`Epilogue::GeluPairs`] (gate and up rows interleaved, `out` a multiple of `ROWS`)
 /// `gelu_tanh(gate) * up`, `[n, out / 2]`.
@@ -201,6 +228,7 @@ pub fn gemv_into<R: CubeRuntime>(
     let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
     let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
     let per_plane = rows_per_plane(&x.client, n, out_features);
+    let unroll = gemv_unroll(per_plane, n);
     let stride = out.meta.shape()[1] as u32;
     launch!(qgemv_kernel(
         &x.client,
@@ -219,6 +247,7 @@ pub fn gemv_into<R: CubeRuntime>(
         out_features as u32,
         n,
         per_plane,
+        unroll,
         q4,
         planes_of_32(&x.client),
         pairs,
