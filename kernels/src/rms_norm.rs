@@ -48,23 +48,16 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
     x * inv_rms * scale
 }
 
-/// CubeCL kernels: one cube per row, up to `MAX_THREADS` units striding over the row (about two
-/// elements per unit: a decode step normalizes one row, and each pass over it costs a memory
-/// latency per element a unit handles), f32 accumulation.
+/// CubeCL kernels: one cube per row, up to [`kernel::ROW_UNITS`] units; each unit loads its
+/// vectors of the row once (16-byte loads, all issued before the sum needs them) and keeps them
+/// in registers for the output pass; sums by `plane_sum` and one barrier where planes are 32
+/// wide; f32 accumulation.
 pub(crate) mod kernel {
-    use crate::cube::{cube_index, cube_sum, empty, grid};
+    use crate::cube::{cube_index, cube_sum, empty, grid, planes_of_32};
     use crate::graph::{arg, launch};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
-
-    const MAX_THREADS: usize = 1024;
-
-    /// Units per row of `n`: a power of two, at most the runtime's cube size.
-    fn threads<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> usize {
-        let limit = client.properties().hardware.max_units_per_cube as usize;
-        crate::cube::pow2_floor(n.div_ceil(2).next_power_of_two().clamp(32, MAX_THREADS).min(limit))
-    }
 
     /// `1 / sqrt(mean(x^2) + eps)` of a row from each unit's partial sum of squares.
     #[cube]
@@ -98,81 +91,182 @@ pub(crate) mod kernel {
         (shape.num_elements() / n.max(1), n)
     }
 
-    #[cube(launch)]
-    pub(crate) fn rms_norm_kernel<F: Float, W: Float>(
-        x: &Array<F>,
-        weight: &Array<W>,
-        out: &mut Array<F>,
-        n: u32,
-        eps: f32,
-        #[comptime] threads: usize,
-        #[define(F, W)] _dtypes: [StorageType; 2],
-    ) {
-        let n = n as usize;
-        let row = cube_index();
-        if row * n >= x.len() {
-            terminate!();
-        }
-        let base = row * n;
-        let mut scratch = SharedMemory::<f32>::new(threads);
-        let inv = row_inv_rms::<F>(x, base, n, &mut scratch, eps);
-        let mut c = UNIT_POS_X as usize;
-        while c < n {
-            let scale = 1.0f32 + f32::cast_from(weight[c]);
-            out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * inv * scale);
-            c += threads;
+    /// Units per row and row vectors each unit holds in registers (`held`): a row is read
+    /// once, in vectors of `width` elements, and normalized from registers.
+    fn row_split<R: CubeRuntime>(client: &ComputeClient<R>, vectors: usize) -> (usize, usize) {
+        let limit = (client.properties().hardware.max_units_per_cube as usize).min(ROW_UNITS);
+        let units = crate::cube::pow2_floor(vectors.div_ceil(HELD).clamp(32, limit.max(32)));
+        (units, vectors.div_ceil(units).max(1))
+    }
+
+    /// Units per row at most, and the row vectors each unit aims to hold.
+    pub(crate) const ROW_UNITS: usize = 256;
+    const HELD: usize = 2;
+
+    /// The widest vector (at most 16 bytes of the widest of `sizes`) dividing `n`.
+    fn row_vector<R: CubeRuntime>(client: &ComputeClient<R>, sizes: &[usize], n: usize) -> usize {
+        let widest = sizes.iter().copied().max().unwrap_or(4);
+        crate::cube::load_vector_size(client, widest, n, 16 / widest)
+    }
+
+    /// Sum of `value` over the cube: within planes by `plane_sum` where planes are 32 wide,
+    /// then across them through `scratch` (one barrier); else a shared-memory tree.
+    #[cube]
+    fn row_sum(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] plane: bool) -> f32 {
+        if plane {
+            let unit = UNIT_POS_X as usize;
+            let total = plane_sum(value);
+            if unit % 32 == 0 {
+                scratch[unit / 32] = total;
+            }
+            sync_cube();
+            let mut sum = 0.0f32;
+            for p in 0..CUBE_DIM_X as usize / 32 {
+                sum += scratch[p];
+            }
+            sync_cube();
+            sum
+        } else {
+            cube_sum(value, scratch)
         }
     }
 
-    /// With `pre_norm`, `x` is first normalized by `x_weight` and rounded to `F`.
     #[cube(launch)]
-    fn add_rms_norm_kernel<F: Float, W: Float, O: Float, S: Float>(
-        residual: &Array<S>,
-        x: &Array<F>,
-        x_weight: &Array<W>,
-        weight: &Array<W>,
-        sum: &mut Array<f32>,
-        out: &mut Array<O>,
+    pub(crate) fn rms_norm_kernel<F: Float, W: Float, N: Size>(
+        x: &Array<Vector<F, N>>,
+        weight: &Array<Vector<W, N>>,
+        out: &mut Array<Vector<F, N>>,
         n: u32,
         eps: f32,
-        #[comptime] threads: usize,
+        #[comptime] held: usize,
+        #[comptime] plane: bool,
+        #[define(F, W)] _dtypes: [StorageType; 2],
+    ) {
+        let width = x.vector_size();
+        let vectors = n as usize / width;
+        let row = cube_index();
+        if row * vectors >= x.len() {
+            terminate!();
+        }
+        let base = row * vectors;
+        let mut scratch = SharedMemory::<f32>::new(comptime!(if plane { 32usize } else { ROW_UNITS }));
+        let mut values = Array::<Vector<F, N>>::new(held);
+        let mut partial = 0.0f32;
+        #[unroll]
+        for h in 0..held {
+            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+            if c < vectors {
+                let v = x[base + c];
+                values[h] = v;
+                #[unroll]
+                for i in 0..width {
+                    let f = f32::cast_from(v[i]);
+                    partial += f * f;
+                }
+            }
+        }
+        let total = row_sum(partial, &mut scratch, plane);
+        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
+        #[unroll]
+        for h in 0..held {
+            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+            if c < vectors {
+                let w = weight[c];
+                let mut o = Vector::<F, N>::empty();
+                #[unroll]
+                for i in 0..width {
+                    o[i] = F::cast_from(f32::cast_from(values[h][i]) * inv * (1.0f32 + f32::cast_from(w[i])));
+                }
+                out[base + c] = o;
+            }
+        }
+    }
+
+    #[cube(launch)]
+    fn add_rms_norm_kernel<F: Float, W: Float, O: Float, S: Float, N: Size>(
+        residual: &Array<Vector<S, N>>,
+        x: &Array<Vector<F, N>>,
+        x_weight: &Array<Vector<W, N>>,
+        weight: &Array<Vector<W, N>>,
+        sum: &mut Array<Vector<f32, N>>,
+        out: &mut Array<Vector<O, N>>,
+        n: u32,
+        eps: f32,
+        #[comptime] held: usize,
+        #[comptime] plane: bool,
         #[comptime] pre_norm: bool,
         #[define(F, W, O, S)] _dtypes: [StorageType; 4],
     ) {
-        let n = n as usize;
+        let width = x.vector_size();
+        let vectors = n as usize / width;
         let row = cube_index();
-        if row * n >= x.len() {
+        if row * vectors >= x.len() {
             terminate!();
         }
-        let base = row * n;
-        let mut scratch = SharedMemory::<f32>::new(threads);
+        let base = row * vectors;
+        let mut scratch = SharedMemory::<f32>::new(comptime!(if plane { 32usize } else { ROW_UNITS }));
+        // The row's `x` (then the sums) in registers, f32.
+        let mut values = Array::<Vector<f32, N>>::new(held);
         let mut x_inv = 1.0f32;
         if pre_norm {
-            x_inv = row_inv_rms::<F>(x, base, n, &mut scratch, eps);
+            let mut partial = 0.0f32;
+            #[unroll]
+            for h in 0..held {
+                let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+                if c < vectors {
+                    let v = Vector::<f32, N>::cast_from(x[base + c]);
+                    values[h] = v;
+                    #[unroll]
+                    for i in 0..width {
+                        partial += v[i] * v[i];
+                    }
+                }
+            }
+            let total = row_sum(partial, &mut scratch, plane);
+            x_inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
         }
         let mut partial = 0.0f32;
-        let mut c = UNIT_POS_X as usize;
-        while c < n {
-            let mut xv = f32::cast_from(x[base + c]);
-            if pre_norm {
-                xv = f32::cast_from(F::cast_from(xv * x_inv * (1.0f32 + f32::cast_from(x_weight[c]))));
+        #[unroll]
+        for h in 0..held {
+            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+            if c < vectors {
+                let mut xv = Vector::<f32, N>::empty();
+                if pre_norm {
+                    let w = x_weight[c];
+                    #[unroll]
+                    for i in 0..width {
+                        // Rounded to the activation dtype, as the unfused model stores it.
+                        xv[i] = f32::cast_from(F::cast_from(values[h][i] * x_inv * (1.0f32 + f32::cast_from(w[i]))));
+                    }
+                } else {
+                    xv = Vector::<f32, N>::cast_from(x[base + c]);
+                }
+                let v = Vector::<f32, N>::cast_from(residual[base + c]) + xv;
+                sum[base + c] = v;
+                values[h] = v;
+                #[unroll]
+                for i in 0..width {
+                    partial += v[i] * v[i];
+                }
             }
-            let v = f32::cast_from(residual[base + c]) + xv;
-            sum[base + c] = v;
-            partial += v * v;
-            c += threads;
         }
-        let inv = inv_rms(partial, &mut scratch, n, eps);
-        // Each unit reads back only the elements it wrote itself.
-        let mut c = UNIT_POS_X as usize;
-        while c < n {
-            let scale = 1.0f32 + f32::cast_from(weight[c]);
-            out[base + c] = O::cast_from(sum[base + c] * inv * scale);
-            c += threads;
+        let total = row_sum(partial, &mut scratch, plane);
+        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
+        #[unroll]
+        for h in 0..held {
+            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+            if c < vectors {
+                let w = weight[c];
+                let mut o = Vector::<O, N>::empty();
+                #[unroll]
+                for i in 0..width {
+                    o[i] = O::cast_from(values[h][i] * inv * (1.0f32 + f32::cast_from(w[i])));
+                }
+                out[base + c] = o;
+            }
         }
     }
 
-    /// `x`: contiguous `[..., n]`; `weight`: `[n]`.
     pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
         let shape = x.meta.shape().clone();
         let (rows, n) = rows_and_width(&shape);
@@ -181,17 +275,20 @@ pub(crate) mod kernel {
             return out;
         }
         let dtypes = [x.dtype.into(), weight.dtype.into()];
-        let threads = threads(&x.client, n);
+        let width = row_vector(&x.client, &[x.dtype.size(), weight.dtype.size()], n);
+        let (units, held) = row_split(&x.client, n / width);
         launch!(rms_norm_kernel(
             &x.client,
             grid(rows),
-            CubeDim::new_1d(threads as u32),
+            CubeDim::new_1d(units as u32),
+            width,
             arg(&x),
             arg(&weight),
             arg(&out),
             n as u32,
             eps as f32,
-            threads,
+            held,
+            planes_of_32(&x.client),
             dtypes,
         ));
         out
@@ -224,11 +321,14 @@ pub(crate) mod kernel {
         // Without a pre-norm its weight is never read; the main weight stands in.
         let x_weight = x_weight.unwrap_or_else(|| weight.clone());
         let dtypes = [x.dtype.into(), weight.dtype.into(), out_dtype.into(), residual.dtype.into()];
-        let threads = threads(&x.client, n);
+        let sizes = [x.dtype.size(), weight.dtype.size(), out_dtype.size(), residual.dtype.size(), 4];
+        let width = row_vector(&x.client, &sizes, n);
+        let (units, held) = row_split(&x.client, n / width);
         launch!(add_rms_norm_kernel(
             &x.client,
             grid(rows),
-            CubeDim::new_1d(threads as u32),
+            CubeDim::new_1d(units as u32),
+            width,
             arg(&residual),
             arg(&x),
             arg(&x_weight),
@@ -237,7 +337,8 @@ pub(crate) mod kernel {
             arg(&out),
             n as u32,
             eps as f32,
-            threads,
+            held,
+            planes_of_32(&x.client),
             pre_norm,
             dtypes,
         ));

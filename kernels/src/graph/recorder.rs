@@ -283,12 +283,14 @@ mod tests {
             &client(),
             CubeCount::Static(3, 1, 1),
             CubeDim::new_1d(256),
+            1,
             array(&handles[0]),
             array(&handles[1]),
             array(&handles[2]),
             n as u32,
             1e-6f32,
-            256usize,
+            5usize,
+            true,
             [bf16, f32],
         );
         let recorded = take(vec![handles]).expect("one launch with three buffers");
