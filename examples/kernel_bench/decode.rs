@@ -13,6 +13,15 @@ use burn_gemma_kernels::{
 /// Calls recorded into one graph per timing.
 const GRAPH_CALLS: usize = 16;
 
+/// Bytes that the calls of one timing cycle through, at least: several times the largest L2
+/// (50 MB on the H100), so that weights and caches come from device memory as in a decode step.
+const COLD_BYTES: usize = 256 << 20;
+
+/// Copies of an operand of `bytes` to cycle through (at most [`GRAPH_CALLS`]).
+fn copies_for(bytes: usize) -> usize {
+    COLD_BYTES.div_ceil(bytes.max(1)).clamp(1, GRAPH_CALLS)
+}
+
 /// How a kernel was timed.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Clock {
@@ -35,8 +44,8 @@ struct Timer<'a, B: GemmaBackend> {
 }
 
 impl<'a, B: GemmaBackend> Timer<'a, B> {
-    /// Median seconds per call of `f`.
-    fn time<T>(&mut self, mut f: impl FnMut() -> T) -> (f64, Clock) {
+    /// Median seconds per call of `f` (given the call's index).
+    fn time<T>(&mut self, mut f: impl FnMut(usize) -> T) -> (f64, Clock) {
         if self.no_graph.is_none() {
             match self.graph_time(&mut f) {
                 Ok(s) => return (s, Clock::Graph),
@@ -46,14 +55,19 @@ impl<'a, B: GemmaBackend> Timer<'a, B> {
                 }
             }
         }
-        (time::<B, _>(self.device, self.reps, f), Clock::Host)
+        let mut call = 0;
+        let g = || {
+            call += 1;
+            f(call)
+        };
+        (time::<B, _>(self.device, self.reps, g), Clock::Host)
     }
 
-    fn graph_time<T>(&self, f: &mut impl FnMut() -> T) -> Result<f64, graph::GraphError> {
+    fn graph_time<T>(&self, f: &mut impl FnMut(usize) -> T) -> Result<f64, graph::GraphError> {
         let probe = Tensor::<B, 1>::zeros([1], (self.device, DType::F32));
         let buffer = StepBuffer::float(&probe)?;
         let ((), recording) = graph::record::<B, _>(self.device, || {
-            let outs: Vec<T> = (0..GRAPH_CALLS).map(|_| f()).collect();
+            let outs: Vec<T> = (0..GRAPH_CALLS).map(&mut *f).collect();
             drop(outs);
         })?;
         let mut graph = StepGraph::new(recording)?;
@@ -79,7 +93,7 @@ impl<'a, B: GemmaBackend> Timer<'a, B> {
         shape: &str,
         bytes: f64,
         per_token: Option<(Option<&str>, usize)>,
-        f: impl FnMut() -> T,
+        f: impl FnMut(usize) -> T,
     ) {
         let (s, clock) = self.time(f);
         let floor = bytes / (self.copy_gbs * 1e9);
@@ -215,14 +229,20 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
     for weights in WEIGHTS {
         let name = weights.name(dt);
         for (what, inp, out, epilogue, per_token) in shapes {
-            let w = matrix::<B>(out, inp, weights, dt, d);
+            // Enough copies that the calls of one timing do not find the weights in L2 (a
+            // decode step reads each weight once).
+            let one = matrix::<B>(out, inp, weights, dt, d);
+            let copies = copies_for(one.device_bytes());
+            let ws: Vec<Matrix<B>> =
+                std::iter::once(one).chain((1..copies).map(|_| matrix::<B>(out, inp, weights, dt, d))).collect();
+            let w = &ws[0];
             for n in [1usize, 8] {
                 let x = random::<B>(vec![n * inp], dt, d).reshape([n, inp]);
                 let out_cols = if epilogue == Epilogue::GeluPairs { out / 2 } else { out };
                 let bytes = w.device_bytes() as f64 + (n * inp + n * out_cols) as f64 * e;
                 let per_token = (n == 1).then_some((Some(name.as_str()), per_token));
-                t.row(&format!("{name} {what}"), &format!("{n} x {inp} -> {out}"), bytes, per_token, || {
-                    B::project(x.clone(), &w, epilogue)
+                t.row(&format!("{name} {what}"), &format!("{n} x {inp} -> {out}"), bytes, per_token, |i| {
+                    B::project(x.clone(), &ws[i % copies], epilogue)
                 });
             }
         }
@@ -239,7 +259,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
         out_dtype: dt,
     };
     let h = hidden as f64;
-    t.row("add + RMSNorm", &format!("1 x {hidden}"), h * (4.0 + e + 4.0 + e + 8.0), Some((None, 2 * layers)), || {
+    t.row("add + RMSNorm", &format!("1 x {hidden}"), h * (4.0 + e + 4.0 + e + 8.0), Some((None, 2 * layers)), |_| {
         B::add_rms_norm(residual.clone(), x.clone(), &norms)
     });
     let slots = 1024;
@@ -269,7 +289,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
             &format!("{heads}q/{kv}kv x {hd}"),
             bytes,
             per_token,
-            || {
+            |_| {
                 // The kernel writes the store's buffers in place: the clone shares them.
                 B::qkv_rope_append(qkv.clone(), &layout, store.clone()).0
             },
@@ -287,7 +307,10 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
         let keys = random::<B>(vec![kv * depth * hd], dt, d).reshape([1, kv, depth, hd]);
         let values = random::<B>(vec![kv * depth * hd], dt, d).reshape([1, kv, depth, hd]);
         for format in [KvFormat::Dense(dt), KvFormat::Int8] {
-            let store = B::kv_write(B::kv_zeros([1, kv, depth, hd], format, d), keys.clone(), values.clone(), 0);
+            let store = || B::kv_write(B::kv_zeros([1, kv, depth, hd], format, d), keys.clone(), values.clone(), 0);
+            let first = store();
+            let copies = copies_for(first.device_bytes());
+            let stores: Vec<_> = std::iter::once(first).chain((1..copies).map(|_| store())).collect();
             let (name, bytes) = match format {
                 KvFormat::Int8 => ("int8 KV", (2 * kv * depth * (hd + 4)) as f64),
                 KvFormat::Dense(_) => ("bf16 KV", (2 * kv * depth * hd) as f64 * e),
@@ -300,8 +323,9 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
                 &format!("{heads}q/{kv}kv x {hd}, depth {depth}"),
                 bytes + 2.0 * (heads * hd) as f64 * e,
                 per_token,
-                || {
-                    let view: KvView<'_, B> = KvView::Decode { store: &store, position: StepPosition::Host(depth - 1) };
+                |i| {
+                    let view: KvView<'_, B> =
+                        KvView::Decode { store: &stores[i % copies], position: StepPosition::Host(depth - 1) };
                     B::grouped_attention(q.clone(), view, &options)
                 },
             );
@@ -310,7 +334,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
 
     // Sampling over the vocabulary (greedy, the id stays on the device).
     let logits = random::<B>(vec![c.vocab_size], DType::F32, d).reshape([1, c.vocab_size]);
-    t.row("sample (greedy)", &format!("1 x {}", c.vocab_size), c.vocab_size as f64 * 4.0, Some((None, 1)), || {
+    t.row("sample (greedy)", &format!("1 x {}", c.vocab_size), c.vocab_size as f64 * 4.0, Some((None, 1)), |_| {
         B::sample(logits.clone(), &SamplingParams::GREEDY, Draws::Host(&[0.5]))
     });
 }

@@ -206,6 +206,25 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     let mut v_words = Array::<Vector<u32, NC>>::new(comptime!(if int8 { kb * c_vectors } else { 1usize }));
     let mut k_sc = Array::<f32>::new(kb);
     let mut v_sc = Array::<f32>::new(kb);
+    // Lanes past the head dimension never load: their zeros keep the plane sums finite.
+    if int8 {
+        #[unroll]
+        for w in 0..comptime!(kb * c_vectors) {
+            k_words[w] = Vector::new(0u32);
+            v_words[w] = Vector::new(0u32);
+        }
+        #[unroll]
+        for u in 0..kb {
+            k_sc[u] = 0.0f32;
+            v_sc[u] = 0.0f32;
+        }
+    } else {
+        #[unroll]
+        for w in 0..comptime!(kb * k_vectors) {
+            k_raw[w] = Vector::new(F::new(0.0));
+            v_raw[w] = Vector::new(F::new(0.0));
+        }
+    }
     let mut scores = Array::<f32>::new(comptime!(kb * groups));
     for step in 0..steps {
         let j0 = begin + (step * planes + plane_index) * kb;
@@ -365,9 +384,11 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     }
 }
 
-/// Planes per decode cube at most, and keys each plane walks at least per split.
+/// Planes per decode cube at most, and steps (blocks of [`DecodeTiling::keys`] keys) each
+/// plane takes per split at least: a step costs a memory latency, so a short cache is split
+/// until each plane has a few steps, and a long one is not split past what fills the GPU.
 const DECODE_PLANES: usize = 4;
-const DECODE_KEYS_PER_PLANE: usize = 16;
+const DECODE_STEPS_PER_PLANE: usize = 4;
 
 /// Keys per plane step: 8 where the lane's query rows and accumulators are small (`groups *
 /// per_lane` at most 16 floats each: Gemma 3 4B, 12B, 27B), else 4 (1B: 4 query heads per KV
@@ -443,7 +464,7 @@ pub(super) fn attention<R: CubeRuntime>(
     let base_cubes = batch * kv_heads;
     let splits = TARGET_CUBES
         .div_ceil(base_cubes)
-        .min(span.div_ceil(tiling.planes * DECODE_KEYS_PER_PLANE.max(tiling.keys)))
+        .min(span.div_ceil(tiling.planes * tiling.keys * DECODE_STEPS_PER_PLANE))
         .clamp(1, MAX_SPLITS);
     let split = splits > 1;
     let groups = tiling.groups;
