@@ -183,7 +183,7 @@ quant() {
       done
     done
   done
-  /tmp/burn-gemma-kernel-bench --backend cuda --dtype bf16 > "$OUT/kernels.txt" 2>> "$OUT/log.txt" || log "kernel_bench failed"
+  /tmp/burn-gemma-kernel-bench --backend cuda --dtype bf16 --section kernels > "$OUT/kernels.txt" 2>> "$OUT/log.txt" || log "kernel_bench failed"
   python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
 }
 

@@ -129,7 +129,8 @@ pub fn reference(logits: &[f32], params: &SamplingParams, u: f32) -> u32 {
 
 /// CubeCL kernel: one cube per sequence (up to 1024 units), shared-memory reductions only.
 ///
-/// Greedy: one pass for the argmax. Sampling: a pass for max/min, bisection passes over the
+/// A first pass over the whole GPU finds each chunk's max, argmax, min and non-finite flag.
+/// Greedy: the chunks' argmax. Sampling: the chunks' max/min, bisection passes over the
 /// logit value for the top-k and top-p thresholds (each pass counts and sums the kept weights;
 /// the interval stops shrinking at adjacent floats, at most `MAX_STEPS` passes per threshold),
 /// then a chunked prefix sum to find the sampled index.
@@ -147,30 +148,21 @@ pub(crate) mod kernel {
     /// device allows (up to 1024) to keep enough loads in flight.
     const MAX_THREADS: usize = 1024;
     const MAX_STEPS: u32 = 64;
+    /// Logits per cube of the first pass at least, and its units.
+    const CHUNK: usize = 2048;
+    const CHUNK_UNITS: usize = 256;
 
-    /// Max (first index on ties), min, and whether a value is NaN or infinite, over row
-    /// `base..base + n`, to every unit.
-    /// The shared arrays are allocated by the kernel itself: CUDA code generation does not
-    /// declare shared memory allocated inside a helper.
-    #[allow(clippy::too_many_arguments)]
+    /// This unit's max (first index on ties), min, and whether a value is NaN or infinite,
+    /// over `base + first .. base + end` in strides of the cube's units (indices from
+    /// `base`).
     #[cube]
-    fn max_min<F: Float>(
-        logits: &Array<F>,
-        base: usize,
-        n: usize,
-        values: &mut SharedMemory<f32>,
-        index: &mut SharedMemory<u32>,
-        lows: &mut SharedMemory<f32>,
-        flags: &mut SharedMemory<u32>,
-        #[comptime] threads: usize,
-    ) -> (f32, u32, f32, u32) {
-        let tid = UNIT_POS_X as usize;
+    fn scan<F: Float>(logits: &Array<F>, base: usize, first: usize, end: usize) -> (f32, u32, f32, u32) {
         let mut best = f32::new(-3.0e38);
-        let mut best_at = n as u32;
+        let mut best_at = 4_294_967_295u32;
         let mut low = f32::new(3.0e38);
         let mut bad = 0u32;
-        let mut i = tid;
-        while i < n {
+        let mut i = first + UNIT_POS_X as usize;
+        while i < end {
             let x = f32::cast_from(logits[base + i]);
             if f32::is_nan(x) || f32::is_inf(x) {
                 bad = 1u32;
@@ -180,8 +172,25 @@ pub(crate) mod kernel {
                 best_at = i as u32;
             }
             low = low.min(x);
-            i += threads;
+            i += CUBE_DIM_X as usize;
         }
+        (best, best_at, low, bad)
+    }
+
+    /// The units' [`scan`] results combined, to every unit.
+    /// The shared arrays are allocated by the kernel itself: CUDA code generation does not
+    /// declare shared memory allocated inside a helper.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn combine(
+        mine: (f32, u32, f32, u32),
+        values: &mut SharedMemory<f32>,
+        index: &mut SharedMemory<u32>,
+        lows: &mut SharedMemory<f32>,
+        flags: &mut SharedMemory<u32>,
+    ) -> (f32, u32, f32, u32) {
+        let tid = UNIT_POS_X as usize;
+        let (best, best_at, low, bad) = mine;
         values[tid] = best;
         index[tid] = best_at;
         lows[tid] = low;
@@ -204,6 +213,39 @@ pub(crate) mod kernel {
         let result = (values[0], index[0], lows[0], flags[0]);
         sync_cube();
         result
+    }
+
+    /// First pass over the logits, spread over the GPU: cube `(c, row)` writes the [`scan`] of
+    /// chunk `c` of the row (`chunk` logits) to `stats` (max, min) and `marks` (argmax, flag),
+    /// `[batch, chunks, 2]` each; the sampling kernel combines the chunks.
+    #[cube(launch)]
+    fn chunk_stats_kernel<F: Float>(
+        logits: &Array<F>,
+        stats: &mut Array<f32>,
+        marks: &mut Array<u32>,
+        vocab: u32,
+        chunk: u32,
+        #[comptime] threads: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let c = CUBE_POS_X as usize;
+        let row = CUBE_POS_Y as usize;
+        let n = vocab as usize;
+        let first = min(c * chunk as usize, n);
+        let end = min(first + chunk as usize, n);
+        let mut values = SharedMemory::<f32>::new(threads);
+        let mut index = SharedMemory::<u32>::new(threads);
+        let mut lows = SharedMemory::<f32>::new(threads);
+        let mut flags = SharedMemory::<u32>::new(threads);
+        let mine = scan::<F>(logits, row * n, first, end);
+        let (best, best_at, low, bad) = combine(mine, &mut values, &mut index, &mut lows, &mut flags);
+        if UNIT_POS_X == 0 {
+            let at = (row * CUBE_COUNT_X as usize + c) * 2;
+            stats[at] = best;
+            stats[at + 1] = low;
+            marks[at] = best_at;
+            marks[at + 1] = bad;
+        }
     }
 
     /// Number of logits `>= tau` and their summed weights (only those also `>= floor`).
@@ -292,6 +334,9 @@ pub(crate) mod kernel {
     #[cube(launch)]
     fn sample_kernel<F: Float, I: Int>(
         logits: &Array<F>,
+        stats: &Array<f32>,
+        marks: &Array<u32>,
+        chunks: u32,
         uniform: &Array<f32>,
         out: &mut Array<I>,
         vocab: u32,
@@ -311,8 +356,15 @@ pub(crate) mod kernel {
         let mut index = SharedMemory::<u32>::new(threads);
         let mut lows = SharedMemory::<f32>::new(threads);
         let mut flags = SharedMemory::<u32>::new(threads);
-        let (max, max_at, lowest, bad) =
-            max_min::<F>(logits, base, n, &mut values, &mut index, &mut lows, &mut flags, threads);
+        // The row's max (first index on ties), min and non-finite flag, from its chunks.
+        let mut mine = (f32::new(-3.0e38), 4_294_967_295u32, f32::new(3.0e38), 0u32);
+        if tid < chunks as usize {
+            let at = (row * chunks as usize + tid) * 2;
+            mine = (stats[at], marks[at], stats[at + 1], marks[at + 1]);
+        }
+        let (max, first_max, lowest, bad) = combine(mine, &mut values, &mut index, &mut lows, &mut flags);
+        // No logit above -3e38: `vocab`, as for a non-finite row.
+        let max_at = min(first_max, vocab);
         // The reduction buffers are free again: reused as scratch and per-unit sums (CUDA code
         // generation left shared arrays first touched after the early exits undeclared).
         let scratch = &mut values;
@@ -417,11 +469,32 @@ pub(crate) mod kernel {
         let limit = logits.client.properties().hardware.max_units_per_cube as usize;
         let threads = crate::cube::pow2_floor(limit.min(MAX_THREADS));
         let top_k = params.top_k.unwrap_or(vocab).clamp(1, vocab);
+        // The first pass in chunks of at least `CHUNK` logits, at most one per unit of the
+        // sampling kernel.
+        let chunks = vocab.div_ceil(CHUNK).clamp(1, threads);
+        let chunk = vocab.div_ceil(chunks);
+        let stats = empty(&logits, [batch * chunks * 2], DType::F32);
+        let marks = empty(&logits, [batch * chunks * 2], DType::U32);
+        launch!(chunk_stats_kernel(
+            &logits.client,
+            CubeCount::Static(chunks as u32, batch as u32, 1),
+            CubeDim::new_1d(CHUNK_UNITS as u32),
+            arg(&logits),
+            arg(&stats),
+            arg(&marks),
+            vocab as u32,
+            chunk as u32,
+            CHUNK_UNITS,
+            logits.dtype.into(),
+        ));
         launch!(sample_kernel(
             &logits.client,
             CubeCount::Static(batch as u32, 1, 1),
             CubeDim::new_1d(threads as u32),
             arg(&logits),
+            arg(&stats),
+            arg(&marks),
+            chunks as u32,
             arg(&uniform),
             arg(&out),
             vocab as u32,
