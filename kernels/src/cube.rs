@@ -174,6 +174,39 @@ fn cube_reduce(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] max: boo
     total
 }
 
+/// Sum (or with `max`, the largest) of `value` over the cube's units, to every unit: within
+/// planes by plane operations where planes are 32 wide (`plane`), then across the planes
+/// through `scratch` (at least `CUBE_DIM_X / 32` values) with one barrier; else
+/// [`cube_reduce`] (`scratch`: `CUBE_DIM_X` values).
+#[cube]
+pub(crate) fn planes_reduce(
+    value: f32,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] plane: bool,
+    #[comptime] max: bool,
+) -> f32 {
+    if plane {
+        let unit = UNIT_POS_X as usize;
+        let mine = if max { plane_max(value) } else { plane_sum(value) };
+        if unit % 32 == 0 {
+            scratch[unit / 32] = mine;
+        }
+        sync_cube();
+        let mut total = scratch[0];
+        for p in 1..CUBE_DIM_X as usize / 32 {
+            if max {
+                total = f32::max(total, scratch[p]);
+            } else {
+                total += scratch[p];
+            }
+        }
+        sync_cube();
+        total
+    } else {
+        cube_reduce(value, scratch, max)
+    }
+}
+
 /// Sum of `value` over the cube's units; see [`cube_reduce`].
 #[cube]
 pub(crate) fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {

@@ -199,11 +199,6 @@ pub(crate) mod kernel {
 
     /// Weight vectors (16 bytes) each unit loads before using any.
     fn dense_unroll(n: usize) -> usize {
-        if let Ok(u) = std::env::var("BURN_GEMMA_GEMV_UNROLL") {
-            if let Ok(u) = u.parse::<usize>() {
-                return u.max(1);
-            }
-        }
         if n > 2 {
             2
         } else {

@@ -109,26 +109,10 @@ pub(crate) mod kernel {
         crate::cube::load_vector_size(client, widest, n, 16 / widest)
     }
 
-    /// Sum of `value` over the cube: within planes by `plane_sum` where planes are 32 wide,
-    /// then across them through `scratch` (one barrier); else a shared-memory tree.
+    /// Sum of `value` over the cube (see [`crate::cube::planes_reduce`]).
     #[cube]
     fn row_sum(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] plane: bool) -> f32 {
-        if plane {
-            let unit = UNIT_POS_X as usize;
-            let total = plane_sum(value);
-            if unit % 32 == 0 {
-                scratch[unit / 32] = total;
-            }
-            sync_cube();
-            let mut sum = 0.0f32;
-            for p in 0..CUBE_DIM_X as usize / 32 {
-                sum += scratch[p];
-            }
-            sync_cube();
-            sum
-        } else {
-            cube_sum(value, scratch)
-        }
+        crate::cube::planes_reduce(value, scratch, plane, false)
     }
 
     #[cube(launch)]

@@ -387,8 +387,8 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
 /// Planes per decode cube at most, and steps (blocks of [`DecodeTiling::keys`] keys) each
 /// plane takes per split at least: a step costs a memory latency, so a short cache is split
 /// until each plane has a few steps, and a long one is not split past what fills the GPU.
-const DECODE_PLANES: usize = 4;
-const DECODE_STEPS_PER_PLANE: usize = 4;
+const DECODE_PLANES: usize = 8;
+const DECODE_STEPS_PER_PLANE: usize = 2;
 
 /// Keys per plane step: 8 where the lane's query rows and accumulators are small (`groups *
 /// per_lane` at most 16 floats each: Gemma 3 4B, 12B, 27B), else 4 (1B: 4 query heads per KV

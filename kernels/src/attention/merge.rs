@@ -1,7 +1,7 @@
 //! Merging the partial results of attention split over the keys.
 
 use super::kernel::{shape_arg, AttentionShape, ShapeSizes};
-use crate::cube::{cube_index, cube_max, cube_sum, grid, load_vector_size, pow2_floor};
+use crate::cube::{cube_index, grid, load_vector_size, planes_of_32, planes_reduce, pow2_floor};
 use crate::graph::{arg, launch};
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
@@ -24,6 +24,7 @@ fn merge_splits_kernel<F: Float, N: Size>(
     #[comptime] dim: usize,
     #[comptime] groups: usize,
     #[comptime] max_splits: usize,
+    #[comptime] plane: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = partial.vector_size();
@@ -55,7 +56,7 @@ fn merge_splits_kernel<F: Float, N: Size>(
         top = max(top, stats[(first + s * step) * 2]);
         s += MERGE_UNITS;
     }
-    let top = cube_max(top, &mut scratch);
+    let top = planes_reduce(top, &mut scratch, plane, true);
     let mut l = 0.0f32;
     let mut s = tid;
     while s < splits {
@@ -65,7 +66,7 @@ fn merge_splits_kernel<F: Float, N: Size>(
         l += stats[slot * 2 + 1] * w;
         s += MERGE_UNITS;
     }
-    let l = cube_sum(l, &mut scratch);
+    let l = planes_reduce(l, &mut scratch, plane, false);
 
     let mut sums = SharedMemory::<Vector<f32, N>>::new(comptime!(groups * columns));
     let mut at = tid;
@@ -127,6 +128,7 @@ pub(super) fn merge<R: CubeRuntime>(
         dim,
         groups,
         super::kernel::MAX_SPLITS,
+        planes_of_32(&out.client),
         out.dtype.into(),
     ));
 }

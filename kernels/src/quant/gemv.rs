@@ -183,11 +183,6 @@ fn rows_per_plane<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, out_featu
 /// Code vectors each unit loads per row before using any: enough 16-byte loads in flight per
 /// unit (`unroll * per_plane`, about 4) to cover the memory latency.
 fn gemv_unroll(per_plane: usize, n: usize) -> usize {
-    if let Ok(u) = std::env::var("BURN_GEMMA_GEMV_UNROLL") {
-        if let Ok(u) = u.parse::<usize>() {
-            return u.max(1);
-        }
-    }
     if n > 2 {
         return 1;
     }
