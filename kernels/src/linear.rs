@@ -151,7 +151,6 @@ pub(crate) mod kernel {
         k: u32,
         n_out: u32,
         #[comptime] m: usize,
-        #[comptime] unroll: usize,
         #[comptime] plane: bool,
         #[comptime] pairs: bool,
         #[define(F)] _dtype: StorageType,
@@ -168,42 +167,23 @@ pub(crate) mod kernel {
         for t in 0..m {
             acc[t] = 0.0f32;
         }
-        // `unroll` weight vectors loaded before any is used (bytes in flight); rows past
-        // `n_out` read the last row and are not stored.
-        let base = min(row, n_out - 1) * k;
-        let mut wv = Array::<Vector<F, N>>::new(unroll);
-        let mut c0 = lane;
-        while c0 < k {
-            #[unroll]
-            for u in 0..unroll {
-                wv[u] = w[base + min(c0 + u * LANES, k - 1)];
-            }
-            #[unroll]
-            for u in 0..unroll {
-                let c = c0 + u * LANES;
-                if c < k {
+        if row < n_out {
+            let base = row * k;
+            let mut c = lane;
+            while c < k {
+                let wv = w[base + c];
+                #[unroll]
+                for t in 0..m {
+                    let xv = x[t * k + c];
                     #[unroll]
-                    for t in 0..m {
-                        let xv = x[t * k + c];
-                        #[unroll]
-                        for i in 0..width {
-                            acc[t] += f32::cast_from(wv[u][i]) * f32::cast_from(xv[i]);
-                        }
+                    for i in 0..width {
+                        acc[t] += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
                     }
                 }
+                c += LANES;
             }
-            c0 += comptime!(unroll * LANES);
         }
         reduce_and_store::<F>(&acc, out, place, row, n_out, m, 1usize, plane, pairs);
-    }
-
-    /// Weight vectors (16 bytes) each unit loads before using any.
-    fn dense_unroll(n: usize) -> usize {
-        if n > 2 {
-            2
-        } else {
-            4
-        }
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
@@ -248,7 +228,6 @@ pub(crate) mod kernel {
             (inp / width) as u32,
             out_features as u32,
             n,
-            dense_unroll(n),
             planes_of_32(&x.client),
             pairs,
             dtype,
