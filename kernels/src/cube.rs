@@ -179,6 +179,7 @@ fn cube_reduce(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] max: boo
 /// through `scratch` (at least `CUBE_DIM_X / 32` values) with one barrier; else
 /// [`cube_reduce`] (`scratch`: `CUBE_DIM_X` values).
 #[cube]
+#[allow(clippy::manual_is_multiple_of)] // Kernel code: `%` is what CubeCL expands.
 pub(crate) fn planes_reduce(
     value: f32,
     scratch: &mut SharedMemory<f32>,

@@ -120,14 +120,14 @@ pub(crate) mod kernel {
         x: &Array<Vector<F, N>>,
         weight: &Array<Vector<W, N>>,
         out: &mut Array<Vector<F, N>>,
-        n: u32,
+        len: u32,
         eps: f32,
         #[comptime] held: usize,
         #[comptime] plane: bool,
         #[define(F, W)] _dtypes: [StorageType; 2],
     ) {
         let width = x.vector_size();
-        let vectors = n as usize / width;
+        let vectors = len as usize / width;
         let row = cube_index();
         if row * vectors >= x.len() {
             terminate!();
@@ -150,7 +150,7 @@ pub(crate) mod kernel {
             }
         }
         let total = row_sum(partial, &mut scratch, plane);
-        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
+        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
         #[unroll]
         for h in 0..held {
             let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
@@ -174,7 +174,7 @@ pub(crate) mod kernel {
         weight: &Array<Vector<W, N>>,
         sum: &mut Array<Vector<f32, N>>,
         out: &mut Array<Vector<O, N>>,
-        n: u32,
+        len: u32,
         eps: f32,
         #[comptime] held: usize,
         #[comptime] plane: bool,
@@ -182,7 +182,7 @@ pub(crate) mod kernel {
         #[define(F, W, O, S)] _dtypes: [StorageType; 4],
     ) {
         let width = x.vector_size();
-        let vectors = n as usize / width;
+        let vectors = len as usize / width;
         let row = cube_index();
         if row * vectors >= x.len() {
             terminate!();
@@ -207,7 +207,7 @@ pub(crate) mod kernel {
                 }
             }
             let total = row_sum(partial, &mut scratch, plane);
-            x_inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
+            x_inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
         }
         let mut partial = 0.0f32;
         #[unroll]
@@ -235,7 +235,7 @@ pub(crate) mod kernel {
             }
         }
         let total = row_sum(partial, &mut scratch, plane);
-        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(n) + eps);
+        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
         #[unroll]
         for h in 0..held {
             let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
