@@ -4,7 +4,8 @@
 //! - `gemv`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
 //!   Each cube owns `ROWS` output features, each plane of 32 units one, two or four of them; the
 //!   units stride over the rows in vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so
-//!   a plane reads 512 consecutive bytes of each row per step and every code byte once), with
+//!   a plane reads 512 consecutive bytes of each row per step and every code byte once; each
+//!   unit loads up to four such vectors per row before using any, see `gemv_unroll`), with
 //!   the vector's block scale (and offset) per row. The matching activations are loaded in
 //!   vectors as wide as the runtime allows, converted to f32 and summed once for all the rows of
 //!   the plane; the codes become floats `1 + code / 2^bits` by a shift and a mask (see
