@@ -53,16 +53,18 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
 /// in registers for the output pass; sums by `plane_sum` and one barrier where planes are 32
 /// wide; f32 accumulation.
 pub(crate) mod kernel {
-    use crate::cube::{cube_index, cube_sum, empty, grid, planes_of_32};
+    use crate::cube::{cube_index, empty, grid, planes_of_32, planes_reduce};
     use crate::graph::{arg, launch};
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
 
     /// `1 / sqrt(mean(x^2) + eps)` of a row from each unit's partial sum of squares.
+    /// Sums within planes first where they are 32 wide (`plane`, see
+    /// [`crate::cube::planes_reduce`]).
     #[cube]
-    fn inv_rms(partial: f32, scratch: &mut SharedMemory<f32>, n: usize, eps: f32) -> f32 {
-        let total = cube_sum(partial, scratch);
+    fn inv_rms(partial: f32, scratch: &mut SharedMemory<f32>, n: usize, eps: f32, #[comptime] plane: bool) -> f32 {
+        let total = planes_reduce(partial, scratch, plane, false);
         1.0f32 / f32::sqrt(total / f32::cast_from(n as u32) + eps)
     }
 
@@ -82,7 +84,7 @@ pub(crate) mod kernel {
             partial += v * v;
             c += CUBE_DIM_X as usize;
         }
-        inv_rms(partial, scratch, n, eps)
+        inv_rms(partial, scratch, n, eps, false)
     }
 
     /// `(rows, n)` of a `[..., n]` shape.
@@ -109,10 +111,31 @@ pub(crate) mod kernel {
         crate::cube::load_vector_size(client, widest, n, 16 / widest)
     }
 
-    /// Sum of `value` over the cube (see [`crate::cube::planes_reduce`]).
+    /// Writes this unit's `held` vectors of a row (`values`, at `base` of `out`) normalized:
+    /// `value * inv * (1 + weight)`.
     #[cube]
-    fn row_sum(value: f32, scratch: &mut SharedMemory<f32>, #[comptime] plane: bool) -> f32 {
-        crate::cube::planes_reduce(value, scratch, plane, false)
+    fn store_normed<V: Float, W: Float, O: Float, N: Size>(
+        values: &Array<Vector<V, N>>,
+        weight: &Array<Vector<W, N>>,
+        out: &mut Array<Vector<O, N>>,
+        base: usize,
+        vectors: usize,
+        inv: f32,
+        #[comptime] held: usize,
+    ) {
+        #[unroll]
+        for h in 0..held {
+            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
+            if c < vectors {
+                let w = weight[c];
+                let mut o = Vector::<O, N>::empty();
+                #[unroll]
+                for i in 0..out.vector_size() {
+                    o[i] = O::cast_from(f32::cast_from(values[h][i]) * inv * (1.0f32 + f32::cast_from(w[i])));
+                }
+                out[base + c] = o;
+            }
+        }
     }
 
     #[cube(launch)]
@@ -149,21 +172,8 @@ pub(crate) mod kernel {
                 }
             }
         }
-        let total = row_sum(partial, &mut scratch, plane);
-        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
-        #[unroll]
-        for h in 0..held {
-            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
-            if c < vectors {
-                let w = weight[c];
-                let mut o = Vector::<F, N>::empty();
-                #[unroll]
-                for i in 0..width {
-                    o[i] = F::cast_from(f32::cast_from(values[h][i]) * inv * (1.0f32 + f32::cast_from(w[i])));
-                }
-                out[base + c] = o;
-            }
-        }
+        let inv = inv_rms(partial, &mut scratch, len as usize, eps, plane);
+        store_normed::<F, W, F, N>(&values, weight, out, base, vectors, inv, held);
     }
 
     #[cube(launch)]
@@ -206,8 +216,7 @@ pub(crate) mod kernel {
                     }
                 }
             }
-            let total = row_sum(partial, &mut scratch, plane);
-            x_inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
+            x_inv = inv_rms(partial, &mut scratch, len as usize, eps, plane);
         }
         let mut partial = 0.0f32;
         #[unroll]
@@ -234,21 +243,8 @@ pub(crate) mod kernel {
                 }
             }
         }
-        let total = row_sum(partial, &mut scratch, plane);
-        let inv = 1.0f32 / f32::sqrt(total / f32::cast_from(len) + eps);
-        #[unroll]
-        for h in 0..held {
-            let c = UNIT_POS_X as usize + h * CUBE_DIM_X as usize;
-            if c < vectors {
-                let w = weight[c];
-                let mut o = Vector::<O, N>::empty();
-                #[unroll]
-                for i in 0..width {
-                    o[i] = O::cast_from(values[h][i] * inv * (1.0f32 + f32::cast_from(w[i])));
-                }
-                out[base + c] = o;
-            }
-        }
+        let inv = inv_rms(partial, &mut scratch, len as usize, eps, plane);
+        store_normed::<f32, W, O, N>(&values, weight, out, base, vectors, inv, held);
     }
 
     pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
