@@ -112,7 +112,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     let residual = rand(vec![rows * hidden], DType::F32).reshape([1, rows, hidden]);
     let x = rand(vec![rows * hidden], dt).reshape([1, rows, hidden]);
     let w = rand(vec![hidden], DType::F32);
-    let plain = AddNorm { post: None, weight: w.clone(), eps: 1e-6, out_dtype: dt };
+    let plain = AddNorm { post: None, weight: w.clone(), eps: 1e-6, scale: 1.0, out_dtype: dt };
     let k = time::<B, _>(d, reps, || B::add_rms_norm(residual.clone(), x.clone(), &plain));
     let r = time::<B, _>(d, reps, || rms_norm::add_reference(residual.clone(), x.clone(), &plain));
     row("add_rms_norm", "4096 x 2560", k, r, (rows * hidden) as f64 * (4.0 + e + 4.0 + e));
@@ -144,7 +144,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     row("gelu_mul", "512 x 10240", k, r, (512 * inter) as f64 * 3.0 * e);
 
     // RoPE + QK-norm on 512 positions of 8 heads x 256, read through the projection's swap.
-    let (cos, sin) = rope::tables(4096, 256, 10_000.0, 1.0);
+    let (cos, sin) = rope::tables(4096, &rope::Frequencies::plain(256, 10_000.0));
     let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [4096, 128]), d);
     let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [4096, 128]), d);
     let q = rand(vec![512 * 8 * 256], dt).reshape([1, 512, 8, 256]).swap_dims(1, 2);

@@ -9,9 +9,9 @@ use crate::{
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::{GemmaBackend, HostQuantized, QuantFormat};
 use burn_gemma_model::{
-    config::default_layer_types,
+    config::{default_layer_types, NormScale},
     weights::{quantize, row_chunks, WeightKind},
-    Architecture, Gemma, GemmaConfig, ModelError, RopeConfig, WeightFormat, WeightSource,
+    Architecture, Gemma, GemmaConfig, LayerType, ModelError, MoeConfig, RopeConfig, WeightFormat, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -122,10 +122,23 @@ impl Checkpoint {
 
     /// Number of tensors the model will request (for progress reporting).
     pub fn tensors_to_load(&self) -> usize {
-        let per_layer = 9
-            + if self.config.model_type.has_sandwich_norms() { 2 } else { 0 }
-            + if self.config.model_type.has_qk_norm() { 2 } else { 0 };
-        2 + per_layer * self.config.num_hidden_layers
+        let c = &self.config;
+        let layers: usize = (0..c.num_hidden_layers)
+            .map(|i| {
+                let kind = c.layer_types[i];
+                let (own_kv, values) = (c.kv_producer(i).is_none(), !c.values_from_keys(kind));
+                // q, o, gate, up, down, and two norms; k and v; sandwich and QK norms.
+                let base = 7 + usize::from(own_kv) * (1 + usize::from(values));
+                let sandwich = if c.model_type.has_sandwich_norms() { 2 } else { 0 };
+                let qk_norm = if c.model_type.has_qk_norm() { 1 + usize::from(own_kv) } else { 0 };
+                let gemma4 = if c.model_type == Architecture::Gemma4 { 1 } else { 0 };
+                let per_layer_input = if c.hidden_size_per_layer_input > 0 { 3 } else { 0 };
+                let experts = if c.moe.is_some() { 8 } else { 0 };
+                base + sandwich + qk_norm + gemma4 + per_layer_input + experts
+            })
+            .sum();
+        let per_layer_tables = if c.hidden_size_per_layer_input > 0 { 3 } else { 0 };
+        2 + per_layer_tables + layers
     }
 
     /// Loads the model onto `device` with dense weights in `dtype`, calling
@@ -157,6 +170,8 @@ impl Checkpoint {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
             Format::Gguf(f) => f.tensors.keys().filter(|n| !used.contains(*n)).cloned().collect(),
         };
+        // Gemma 4's `rope_freqs` is read into the config (the share of rotating pairs).
+        unused.retain(|n| n != "rope_freqs.weight");
         unused.sort();
         Ok((model, LoadReport { unused_tensors: unused }))
     }
@@ -194,12 +209,34 @@ fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
     match name {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
+        "model.embed_tokens_per_layer.weight" => return Some("per_layer_token_embd.weight".into()),
+        "model.per_layer_model_projection.weight" => return Some("per_layer_model_proj.weight".into()),
+        "model.per_layer_projection_norm.weight" => return Some("per_layer_proj_norm.weight".into()),
         _ => {}
     }
     let rest = name.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
+    // Gemma 4's parameters without a `.weight` suffix.
+    let unsuffixed = match rest {
+        "layer_scalar" => Some("layer_output_scale.weight"),
+        "router.scale" => Some("ffn_gate_inp.scale"),
+        "router.per_expert_scale" => Some("ffn_down_exps.scale"),
+        "experts.gate_up_proj" => Some("ffn_gate_up_exps.weight"),
+        "experts.down_proj" => Some("ffn_down_exps.weight"),
+        _ => None,
+    };
+    if let Some(gguf) = unsuffixed {
+        return Some(format!("blk.{layer}.{gguf}"));
+    }
     let part = rest.strip_suffix(".weight")?;
     let gguf = match part {
+        "router.proj" => "ffn_gate_inp",
+        "pre_feedforward_layernorm_2" => "pre_ffw_norm_2",
+        "post_feedforward_layernorm_1" => "post_ffw_norm_1",
+        "post_feedforward_layernorm_2" => "post_ffw_norm_2",
+        "per_layer_input_gate" => "inp_gate",
+        "per_layer_projection" => "proj",
+        "post_per_layer_input_norm" => "post_norm",
         "input_layernorm" => "attn_norm",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
@@ -260,8 +297,9 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                     return Err(mismatch(&info.shape));
                 }
                 let mut values = file.dequantize(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
-                if kind == WeightKind::Norm {
-                    // llama.cpp's converter stores Gemma norm weights as `1 + w`.
+                if kind == WeightKind::Norm(NormScale::OnePlusWeight) {
+                    // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
+                    // scale by `w` and are stored as they are).
                     values.iter_mut().for_each(|v| *v -= 1.0);
                 }
                 self.used.insert(stored);
@@ -382,6 +420,26 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     };
     let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
 
+    // Per-layer values (Gemma 4 writes some keys as one entry per layer): the first entry, and
+    // the entries themselves.
+    let per_layer = |k: &'static str| -> Result<Option<Vec<usize>>, ModelError> {
+        match meta(file, &key(k)) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().and_then(|n| usize::try_from(n).ok()))
+                .collect::<Option<Vec<_>>>()
+                .filter(|v| !v.is_empty())
+                .map(Some)
+                .ok_or(ModelError::InvalidConfig { field: k, reason: "must be unsigned integers".into() }),
+            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(|n| Some(vec![n])).ok_or_else(|| {
+                ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }
+            }),
+        }
+    };
+    if arch == Architecture::Gemma4 {
+        return gemma4_config_from_gguf(file, arch_name, &per_layer);
+    }
     let hidden_size = required("embedding_length")?;
     let num_attention_heads = required("attention.head_count")?;
     let num_hidden_layers = required("block_count")?;
@@ -401,7 +459,7 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     let pattern = match arch {
         Architecture::Gemma => None,
         Architecture::Gemma2 => Some(2),
-        Architecture::Gemma3 => Some(uint("attention.sliding_window_pattern")?.unwrap_or(6)),
+        Architecture::Gemma3 | Architecture::Gemma4 => Some(uint("attention.sliding_window_pattern")?.unwrap_or(6)),
     };
     let theta = float("rope.freq_base").unwrap_or(10_000.0);
     let scaling = meta(file, &key("rope.scaling.type")).and_then(Value::as_str);
@@ -412,13 +470,14 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
             return Err(ModelError::UnsupportedConfig { field: "rope.scaling.type", value: other.to_string() })
         }
     };
-    let rope_full_attention = RopeConfig { rope_theta: theta, factor };
+    let rope_full_attention = RopeConfig { rope_theta: theta, factor, partial_rotary_factor: 1.0 };
     let rope_sliding_attention = match arch {
         // llama.cpp uses a fixed local base of 10000 for Gemma 3's sliding layers.
-        Architecture::Gemma3 => RopeConfig { rope_theta: 10_000.0, factor: 1.0 },
+        Architecture::Gemma3 => RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
         _ => rope_full_attention,
     };
     let token = |k: &str, default: u32| meta(file, k).and_then(Value::as_u64).map_or(default, |v| v as u32);
+    let num_key_value_heads = uint("attention.head_count_kv")?.unwrap_or(num_attention_heads);
     let config = GemmaConfig {
         model_type: arch,
         vocab_size,
@@ -426,7 +485,7 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
         intermediate_size: required("feed_forward_length")?,
         num_hidden_layers,
         num_attention_heads,
-        num_key_value_heads: uint("attention.head_count_kv")?.unwrap_or(num_attention_heads),
+        num_key_value_heads,
         head_dim,
         rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
         max_position_embeddings: uint("context_length")?.unwrap_or(8192),
@@ -439,6 +498,128 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
         rope_sliding_attention,
         bos_token_id: token("tokenizer.ggml.bos_token_id", 2),
         eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)],
+        global_head_dim: head_dim,
+        num_global_key_value_heads: num_key_value_heads,
+        attention_k_eq_v: false,
+        num_kv_shared_layers: 0,
+        use_double_wide_mlp: false,
+        hidden_size_per_layer_input: 0,
+        vocab_size_per_layer_input: 0,
+        moe: None,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// A Gemma 4 config from llama.cpp's `gemma4` metadata: head sizes `key_length` (full layers)
+/// and `key_length_swa`, KV heads and MLP widths per layer, the sliding pattern as one flag per
+/// layer, `shared_kv_layers`, `embedding_length_per_layer_input`, the expert counts; the share
+/// of rotating pairs from the `rope_freqs` tensor (1 for a rotating pair, 1e30 for one left as
+/// it is), and the full layers' values-from-keys from the missing `attn_v` tensors.
+fn gemma4_config_from_gguf(
+    file: &GgufFile,
+    arch_name: &str,
+    per_layer: &dyn Fn(&'static str) -> Result<Option<Vec<usize>>, ModelError>,
+) -> Result<GemmaConfig, ModelError> {
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
+    let missing = |field: &'static str| ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() };
+    let first = |field: &'static str| -> Result<usize, ModelError> {
+        per_layer(field)?.and_then(|v| v.first().copied()).ok_or_else(|| missing(field))
+    };
+    let hidden_size = first("embedding_length")?;
+    let num_attention_heads = first("attention.head_count")?;
+    let num_hidden_layers = first("block_count")?;
+    let global_head_dim = first("attention.key_length")?;
+    let head_dim = per_layer("attention.key_length_swa")?.and_then(|v| v.first().copied()).unwrap_or(global_head_dim);
+    let field = "attention.sliding_window_pattern";
+    let layer_types: Vec<LayerType> = match meta(file, &key(field)) {
+        Some(Value::Array(flags)) => flags
+            .iter()
+            .map(|f| match f {
+                Value::Bool(true) => Ok(LayerType::SlidingAttention),
+                Value::Bool(false) => Ok(LayerType::FullAttention),
+                other => Err(ModelError::InvalidConfig { field, reason: format!("has a non-boolean entry {other:?}") }),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(missing(field)),
+    };
+    let kv_heads = per_layer("attention.head_count_kv")?.unwrap_or_else(|| vec![num_attention_heads]);
+    let kv_of = |kind: LayerType| {
+        let at = layer_types.iter().position(|t| *t == kind);
+        at.and_then(|i| kv_heads.get(i).or(kv_heads.first()).copied()).unwrap_or(kv_heads[0])
+    };
+    let widths = per_layer("feed_forward_length")?.ok_or_else(|| missing("feed_forward_length"))?;
+    let intermediate_size = widths[0];
+    let shared = meta(file, &key("attention.shared_kv_layers")).and_then(Value::as_u64).unwrap_or(0) as usize;
+    let use_double_wide_mlp = widths.last().is_some_and(|&w| w == 2 * intermediate_size) && widths.len() > 1;
+    let per_layer_width =
+        meta(file, &key("embedding_length_per_layer_input")).and_then(Value::as_u64).unwrap_or(0) as usize;
+    let vocab_size = match meta(file, "tokenizer.ggml.tokens").and_then(Value::as_array) {
+        Some(tokens) => tokens.len(),
+        None => file.tensors.get("token_embd.weight").map_or(0, |t| t.shape[0]),
+    };
+    let vocab_size_per_layer_input = file.tensors.get("per_layer_token_embd.weight").map_or(0, |t| t.shape[0]);
+    // Full layers with keys of their own but no `attn_v`: their values are the keys.
+    let first_shared = num_hidden_layers.saturating_sub(shared);
+    let attention_k_eq_v = layer_types.iter().take(first_shared).enumerate().any(|(i, t)| {
+        *t == LayerType::FullAttention
+            && file.tensors.contains_key(&format!("blk.{i}.attn_k.weight"))
+            && !file.tensors.contains_key(&format!("blk.{i}.attn_v.weight"))
+    });
+    let partial_rotary_factor = match file.tensors.get("rope_freqs.weight") {
+        Some(info) => {
+            let factors = file.dequantize("rope_freqs.weight", info).map_err(|e| ModelError::Source(Box::new(e)))?;
+            let rotated = factors.iter().filter(|f| **f < 1e10).count();
+            2.0 * rotated as f64 / global_head_dim.max(1) as f64
+        }
+        None => 1.0,
+    };
+    let moe = match meta(file, &key("expert_count")).and_then(Value::as_u64) {
+        Some(experts) if experts > 0 => Some(MoeConfig {
+            num_experts: experts as usize,
+            top_k_experts: meta(file, &key("expert_used_count")).and_then(Value::as_u64).ok_or_else(|| missing("expert_used_count"))? as usize,
+            moe_intermediate_size: first("expert_feed_forward_length")?,
+        }),
+        _ => None,
+    };
+    let token = |k: &str, default: u32| meta(file, k).and_then(Value::as_u64).map_or(default, |v| v as u32);
+    let config = GemmaConfig {
+        model_type: Architecture::Gemma4,
+        vocab_size,
+        hidden_size,
+        intermediate_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads: kv_of(LayerType::SlidingAttention),
+        head_dim,
+        global_head_dim,
+        num_global_key_value_heads: kv_of(LayerType::FullAttention),
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        max_position_embeddings: first("context_length").unwrap_or(131_072),
+        query_pre_attn_scalar: 1.0,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: float("final_logit_softcapping"),
+        sliding_window: Some(first("attention.sliding_window")?),
+        layer_types,
+        rope_full_attention: RopeConfig {
+            rope_theta: float("rope.freq_base").unwrap_or(1_000_000.0),
+            factor: 1.0,
+            partial_rotary_factor,
+        },
+        rope_sliding_attention: RopeConfig {
+            rope_theta: float("rope.freq_base_swa").unwrap_or(10_000.0),
+            factor: 1.0,
+            partial_rotary_factor: 1.0,
+        },
+        bos_token_id: token("tokenizer.ggml.bos_token_id", 2),
+        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)],
+        attention_k_eq_v,
+        num_kv_shared_layers: shared,
+        use_double_wide_mlp,
+        hidden_size_per_layer_input: per_layer_width,
+        vocab_size_per_layer_input,
+        moe,
     };
     config.validate()?;
     Ok(config)

@@ -1,4 +1,4 @@
-//! Tiny random Gemma 1/2/3 checkpoints against HF transformers' full logits.
+//! Tiny random Gemma 1/2/3/4 checkpoints against HF transformers' full logits.
 
 mod common;
 
@@ -11,12 +11,19 @@ struct Case {
     tolerance: f32,
 }
 
-const CASES: [Case; 5] = [
+const CASES: [Case; 8] = [
     Case { name: "gemma1", tolerance: 1e-3 },
     Case { name: "gemma2", tolerance: 1e-3 },
     Case { name: "gemma3", tolerance: 1e-3 },
     Case { name: "gemma3-bf16", tolerance: 1e-2 },
     Case { name: "gemma3-legacy-config", tolerance: 1e-3 },
+    // Per-layer embeddings, KV sharing over the last 3 of 10 layers with double-wide MLPs, head
+    // sizes 16 and 32.
+    Case { name: "gemma4-e", tolerance: 1e-3 },
+    // Full layers whose values are their keys, on one KV head; sliding layers on two.
+    Case { name: "gemma4-dense", tolerance: 1e-3 },
+    // 4 experts, top 2, beside the dense MLP.
+    Case { name: "gemma4-moe", tolerance: 1e-3 },
 ];
 
 /// Largest logit error over all positions, and the greedy continuation.
@@ -130,10 +137,20 @@ impl<B: GemmaBackend> burn_gemma_model::WeightSource<B> for HostRandomWeights {
         device: &B::Device,
     ) -> Result<burn::tensor::Tensor<B, D>, burn_gemma::ModelError> {
         let (width, dtype) = match kind {
-            burn_gemma_model::weights::WeightKind::Norm => (0.1, DType::F32),
+            burn_gemma_model::weights::WeightKind::Norm(_) | burn_gemma_model::weights::WeightKind::Scale => {
+                (0.1, DType::F32)
+            }
             burn_gemma_model::weights::WeightKind::Matrix => (0.02 * 3f32.sqrt(), dtype),
         };
-        let values = self.values(shape.iter().product(), width);
+        let mut values = self.values(shape.iter().product(), width);
+        // Around the neutral value of weights that scale (Gemma 4's norms and scalars).
+        if matches!(
+            kind,
+            burn_gemma_model::weights::WeightKind::Scale
+                | burn_gemma_model::weights::WeightKind::Norm(burn_gemma_model::config::NormScale::Weight)
+        ) {
+            values.iter_mut().for_each(|v| *v += 1.0);
+        }
         Ok(burn::tensor::Tensor::<B, D>::from_data(burn::tensor::TensorData::new(values, shape), device).cast(dtype))
     }
 
@@ -272,4 +289,70 @@ fn quantized_formats_track_dense_on_ndarray() {
 #[test]
 fn quantized_formats_track_dense_on_wgpu() {
     quantized_formats_track_dense::<burn_gemma::backends::Wgpu>(&Default::default());
+}
+
+/// Greedy tokens of the fixture's greedy prompt with matrices in `weights` and the cache in `kv`.
+fn greedy_ids<B: GemmaBackend>(
+    name: &str,
+    weights: burn_gemma::WeightFormat,
+    kv: burn_gemma::KvFormat,
+    device: &B::Device,
+) -> (Vec<u32>, Vec<u32>) {
+    let dir = common::fixtures().join("tiny-gemma").join(name);
+    let reference = common::read_json(dir.join("reference.json"));
+    let (prompt, want) = (common::ids(&reference["greedy_prompt_ids"]), common::ids(&reference["greedy_ids"]));
+    let (mut model, _) =
+        Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
+    model.kv_cache = kv;
+    let mut cache = model.new_cache(1, prompt.len() + want.len()).unwrap();
+    let mut next = prompt;
+    let mut produced = Vec::new();
+    for _ in 0..want.len() {
+        let logits = model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
+        let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
+        produced.push(token);
+        next = vec![token];
+    }
+    (produced, want)
+}
+
+/// Gemma 4's tiny random models attend with scale 1 over QK-normed random heads, so their
+/// attention is near-argmax and small weight or cache errors grow with the positions attended
+/// over. Measured on NdArray against the dense f32 decode: at position 0 (one key) the int8
+/// cache moves logits by 0.9% of their scale and Q8 weights by 2.7% (Gemma 3's fixture: 1.4%
+/// and 3.4%), by positions 6-8 up to 17% and 35%; over 40 positions 0.14-1.3. Greedy decoding
+/// with Q8 weights and the int8 cache keeps the reference's first token on every fixture (the
+/// first 6 of 12 on gemma4-moe), which is what this holds; the kernels themselves are held to
+/// their references, and the dense model to HF's logits.
+const GEMMA4_GREEDY_PREFIX: usize = 1;
+
+fn gemma4_quantized_keep_greedy_prefix<B: GemmaBackend>(device: &B::Device) {
+    use burn_gemma::{KvFormat, QuantFormat, WeightFormat};
+    let mut failures = Vec::new();
+    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe"] {
+        let (got, want) = greedy_ids::<B>(name, WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Int8, device);
+        let kept = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        println!("{name} Q8 weights, int8 KV: first {kept}/{} greedy tokens as the reference", want.len());
+        if kept < GEMMA4_GREEDY_PREFIX {
+            failures.push(format!("{name}: {got:?} vs {want:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn gemma4_quantized_keep_greedy_prefix_on_ndarray() {
+    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::NdArray>(&Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn gemma4_quantized_keep_greedy_prefix_on_wgpu() {
+    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::Wgpu>(&Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gemma4_quantized_keep_greedy_prefix_on_cuda() {
+    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::Cuda>(&Default::default());
 }

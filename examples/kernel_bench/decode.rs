@@ -6,8 +6,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::{Error, GemmaBackend, GemmaConfig};
 use burn_gemma_kernels::{
     graph::{self, Replay, StepBuffer, StepGraph},
-    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HostMatrix, HostQuantized, KvFormat, KvView,
-    Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition,
+    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HeadNorms, HostMatrix, HostQuantized, KvFormat, KvRows, KvView,
+    Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition, ValueNorm,
 };
 
 /// Calls recorded into one graph per timing.
@@ -256,6 +256,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
         post: Some(random::<B>(vec![hidden], DType::F32, d)),
         weight: random::<B>(vec![hidden], DType::F32, d),
         eps: 1e-6,
+        scale: 1.0,
         out_dtype: dt,
     };
     let h = hidden as f64;
@@ -263,18 +264,24 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
         B::add_rms_norm(residual.clone(), x.clone(), &norms)
     });
     let slots = 1024;
-    let (cos, sin) = rope::tables(slots, hd, 10_000.0, 1.0);
+    let (cos, sin) = rope::tables(slots, &rope::Frequencies::plain(hd, 10_000.0));
     let tables = RopeTables {
         cos: Tensor::from_data(TensorData::new(cos, [slots, hd / 2]), d),
         sin: Tensor::from_data(TensorData::new(sin, [slots, hd / 2]), d),
     };
-    let norm = Some((random::<B>(vec![hd], DType::F32, d), random::<B>(vec![hd], DType::F32, d), 1e-6));
+    let norm = Some(HeadNorms {
+        query: random::<B>(vec![hd], DType::F32, d),
+        key: random::<B>(vec![hd], DType::F32, d),
+        eps: 1e-6,
+        value: ValueNorm::None,
+    });
     let qkv = random::<B>(vec![width], dt, d).reshape([1, width]);
     for format in [KvFormat::Dense(dt), KvFormat::Int8] {
         let layout = QkvLayout {
             heads,
             kv_heads: kv,
             head_dim: hd,
+            kv: KvRows::Projected,
             rope: tables.clone(),
             position: StepPosition::Host(700),
             norm: norm.clone(),

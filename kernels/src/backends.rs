@@ -140,6 +140,7 @@ where
             post: norms.post.clone().map(cube::float),
             weight: cube::float(norms.weight.clone()),
             eps: norms.eps,
+            scale: norms.scale,
             out_dtype: norms.out_dtype,
         };
         let (sum, normed) = crate::rms_norm::kernel::add_rms_norm(cube::float(residual), cube::float(x), norms);
@@ -177,10 +178,11 @@ where
             heads: layout.heads,
             kv_heads: layout.kv_heads,
             head_dim: layout.head_dim,
+            kv: layout.kv,
             cos: cube::float(layout.rope.cos.clone().cast(DType::F32)),
             sin: cube::float(layout.rope.sin.clone().cast(DType::F32)),
             position: position(&layout.position),
-            norm: layout.norm.clone().map(|(q, k, eps)| (cube::float(q), cube::float(k), eps)),
+            norm: layout.norm.clone().map(|n| (cube::float(n.query), cube::float(n.key), n.eps, n.value)),
         };
         let qkv = cube::float(qkv);
         match store {

@@ -45,10 +45,10 @@ pub use attention::{AttentionMask, AttentionOptions};
 pub use gelu::GateUpLayout;
 pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
-pub use qkv::QkvLayout;
+pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
 pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
 pub use rms_norm::AddNorm;
-pub use rope::RopeTables;
+pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
 pub use step::StepPosition;
 

@@ -9,25 +9,69 @@
 use crate::{rope, step, GemmaBackend, KvStore, RopeTables, StepPosition};
 use burn::tensor::{backend::Backend, Tensor};
 
+/// Which rows follow the query heads in the joined projection, and what is appended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRows {
+    /// `kv_heads` key heads, then `kv_heads` value heads: both appended.
+    Projected,
+    /// `kv_heads` key heads only; the values are those rows as projected, before the key norm
+    /// and RoPE (Gemma 4's `attention_k_eq_v`): both appended.
+    FromKeys,
+    /// Queries only: the layer attends over another layer's cache (Gemma 4's KV sharing) and
+    /// appends nothing.
+    Shared,
+}
+
+/// Per-head RMSNorms of a layer (Gemma 3 and 4).
+#[derive(Debug, Clone)]
+pub struct HeadNorms<B: Backend> {
+    /// Query and key weights (`[head_dim]`, f32, applied as `1 + w`).
+    pub query: Tensor<B, 1>,
+    pub key: Tensor<B, 1>,
+    pub eps: f64,
+    /// Gemma 4 also normalizes values, without a weight.
+    pub value: ValueNorm,
+}
+
+/// Whether values are normalized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueNorm {
+    None,
+    /// RMSNorm with scale 1.
+    Unweighted,
+}
+
 /// How to read a joined projection and where it sits.
 #[derive(Debug, Clone)]
 pub struct QkvLayout<B: Backend> {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// What follows the queries.
+    pub kv: KvRows,
     /// The layer type's RoPE tables.
     pub rope: RopeTables<B>,
     /// Absolute position of the token (its row of the tables); it goes to slot
     /// `position % slots` of the store ([`step::slot`]).
     pub position: StepPosition<B>,
-    /// QK-norm: query weight, key weight (`[head_dim]`, f32) and epsilon.
-    pub norm: Option<(Tensor<B, 1>, Tensor<B, 1>, f64)>,
+    /// QK-norm (and value norm), where the layer has them.
+    pub norm: Option<HeadNorms<B>>,
 }
 
 impl<B: Backend> QkvLayout<B> {
-    /// Width of the joined projection, `(heads + 2 kv_heads) * head_dim`.
+    /// Head rows per sequence in the joined projection.
+    pub fn projected_heads(&self) -> usize {
+        self.heads
+            + match self.kv {
+                KvRows::Projected => 2 * self.kv_heads,
+                KvRows::FromKeys => self.kv_heads,
+                KvRows::Shared => 0,
+            }
+    }
+
+    /// Width of the joined projection, `projected_heads() * head_dim`.
     pub fn width(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.projected_heads() * self.head_dim
     }
 }
 
@@ -48,15 +92,25 @@ pub fn reference<B: GemmaBackend>(
     let d = layout.head_dim;
     let part =
         |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
-    let (q_norm, k_norm) = match &layout.norm {
-        Some((q, k, eps)) => (Some((q.clone(), *eps)), Some((k.clone(), *eps))),
-        None => (None, None),
-    };
+    let norm = |w: fn(&HeadNorms<B>) -> &Tensor<B, 1>| layout.norm.as_ref().map(|n| (w(n).clone(), n.eps));
     let rotate =
         |x: Tensor<B, 4>, norm| rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), position, norm);
-    let q = rotate(part(0, layout.heads), q_norm);
-    let k = rotate(part(layout.heads, layout.kv_heads), k_norm);
-    let v = part(layout.heads + layout.kv_heads, layout.kv_heads);
+    let q = rotate(part(0, layout.heads), norm(|n| &n.query));
+    let (heads, kv_heads) = (layout.heads, layout.kv_heads);
+    let v = match layout.kv {
+        KvRows::Shared => return (q, store),
+        KvRows::Projected => part(heads + kv_heads, kv_heads),
+        KvRows::FromKeys => part(heads, kv_heads),
+    };
+    let k = rotate(part(heads, kv_heads), norm(|n| &n.key));
+    let v = match &layout.norm {
+        Some(HeadNorms { value: ValueNorm::Unweighted, eps, .. }) => {
+            // The reference norm scales by `1 + w`: a zero weight is scale 1.
+            let unit_scale = Tensor::zeros([d], (&v.device(), burn::tensor::DType::F32));
+            crate::rms_norm::reference(v, unit_scale, *eps)
+        }
+        _ => v,
+    };
     let store = B::kv_write(store, k, v, slot);
     (q, store)
 }
@@ -93,6 +147,7 @@ pub(crate) mod kernel {
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
+        #[comptime] value_norm: bool,
     ) {
         let half = dim / 2;
         let threads = CUBE_DIM_X as usize;
@@ -100,6 +155,11 @@ pub(crate) mod kernel {
         // `kind` is the same for the whole cube, so every unit reaches the reduction's barriers.
         if norm {
             if kind <= 1u32 {
+                inv_rms = row_inv_rms::<F>(qkv, base, dim, scratch, eps);
+            }
+        }
+        if value_norm {
+            if kind == 2u32 {
                 inv_rms = row_inv_rms::<F>(qkv, base, dim, scratch, eps);
             }
         }
@@ -124,6 +184,9 @@ pub(crate) mod kernel {
                 let r2 = x2 * c + x1 * sn;
                 x1 = r1;
                 x2 = r2;
+            } else if value_norm {
+                x1 *= inv_rms;
+                x2 *= inv_rms;
             }
             stage[p] = f32::cast_from(F::cast_from(x1));
             stage[p + half] = f32::cast_from(F::cast_from(x2));
@@ -163,10 +226,13 @@ pub(crate) mod kernel {
         slots: u32,
         heads: u32,
         kv_heads: u32,
+        row_width: u32,
+        value_offset: u32,
         position: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
+        #[comptime] value_norm: bool,
         #[comptime] position_on_device: bool,
         #[define(F, W, C)] _dtypes: [StorageType; 3],
     ) {
@@ -181,7 +247,12 @@ pub(crate) mod kernel {
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
-        let base = (b * (heads + 2 * kv_heads) + r) * dim;
+        // Value rows read the key rows where the values are the keys (`value_offset = kv_heads`).
+        let mut source = r;
+        if kind == 2u32 {
+            source = r - value_offset as usize;
+        }
+        let base = (b * row_width as usize + source) * dim;
         let table = position as usize * (dim / 2);
         stage_row::<F, W>(
             qkv,
@@ -197,6 +268,7 @@ pub(crate) mod kernel {
             eps,
             dim,
             norm,
+            value_norm,
         );
         let mut p = UNIT_POS_X as usize;
         if kind == 0u32 {
@@ -236,10 +308,13 @@ pub(crate) mod kernel {
         slots: u32,
         heads: u32,
         kv_heads: u32,
+        row_width: u32,
+        value_offset: u32,
         position: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
+        #[comptime] value_norm: bool,
         #[comptime] position_on_device: bool,
         #[define(F, W)] _dtypes: [StorageType; 2],
     ) {
@@ -254,7 +329,12 @@ pub(crate) mod kernel {
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
-        let base = (b * (heads + 2 * kv_heads) + r) * dim;
+        // Value rows read the key rows where the values are the keys (`value_offset = kv_heads`).
+        let mut source = r;
+        if kind == 2u32 {
+            source = r - value_offset as usize;
+        }
+        let base = (b * row_width as usize + source) * dim;
         let table = position as usize * (dim / 2);
         stage_row::<F, W>(
             qkv,
@@ -270,6 +350,7 @@ pub(crate) mod kernel {
             eps,
             dim,
             norm,
+            value_norm,
         );
         let threads = CUBE_DIM_X as usize;
         let unit = UNIT_POS_X as usize;
@@ -330,10 +411,12 @@ pub(crate) mod kernel {
         pub heads: usize,
         pub kv_heads: usize,
         pub head_dim: usize,
+        pub kv: super::KvRows,
         pub cos: CubeTensor<R>,
         pub sin: CubeTensor<R>,
         pub position: Position<R>,
-        pub norm: Option<(CubeTensor<R>, CubeTensor<R>, f64)>,
+        /// Query and key weights, epsilon, and whether values are normalized.
+        pub norm: Option<(CubeTensor<R>, CubeTensor<R>, f64, super::ValueNorm)>,
     }
 
     /// Where the keys and values go.
@@ -363,12 +446,20 @@ pub(crate) mod kernel {
         if batch == 0 || dim == 0 {
             return q;
         }
-        let count = CubeCount::Static((heads + 2 * kv_heads) as u32, batch as u32, 1);
+        use super::{KvRows, ValueNorm};
+        // Value rows read `value_offset` rows back in the projection (the key rows for FromKeys).
+        let (rows, row_width, value_offset) = match layout.kv {
+            KvRows::Projected => (heads + 2 * kv_heads, heads + 2 * kv_heads, 0),
+            KvRows::FromKeys => (heads + 2 * kv_heads, heads + kv_heads, kv_heads),
+            KvRows::Shared => (heads, heads, 0),
+        };
+        let count = CubeCount::Static(rows as u32, batch as u32, 1);
         let cube_dim = CubeDim::new_1d(pow2_ceil(dim / 2).clamp(32, 256) as u32);
         let has_norm = layout.norm.is_some();
+        let value_norm = matches!(layout.norm, Some((_, _, _, ValueNorm::Unweighted)));
         // Without QK-norm the weights are never read; the cos table stands in for them.
-        let (q_weight, k_weight, eps) =
-            layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0));
+        let (q_weight, k_weight, eps, _) =
+            layout.norm.clone().unwrap_or_else(|| (layout.cos.clone(), layout.cos.clone(), 0.0, ValueNorm::None));
         let client = qkv.client.clone();
         let (f, w) = (qkv.dtype.into(), q_weight.dtype.into());
         let (cos, sin) = (&layout.cos, &layout.sin);
@@ -394,10 +485,13 @@ pub(crate) mod kernel {
                 keys.meta.shape()[2] as u32,
                 heads as u32,
                 kv_heads as u32,
+                row_width as u32,
+                value_offset as u32,
                 position,
                 eps as f32,
                 dim,
                 has_norm,
+                value_norm,
                 on_device,
                 [f, w, keys.dtype.into()],
             )),
@@ -419,10 +513,13 @@ pub(crate) mod kernel {
                 k_codes.meta.shape()[2] as u32,
                 heads as u32,
                 kv_heads as u32,
+                row_width as u32,
+                value_offset as u32,
                 position,
                 eps as f32,
                 dim,
                 has_norm,
+                value_norm,
                 on_device,
                 [f, w],
             )),
@@ -473,6 +570,20 @@ mod gpu {
             (3, 3, 3, 12, 4, 2),
             (1, 2, 1, 64, 7, 41),
             (1, 1, 1, 32, 64, 0),
+            // Gemma 4's full layers: head size 512, a quarter of the pairs rotating.
+            (1, 8, 2, 512, 6, 700),
+        ];
+        use super::{HeadNorms, KvRows, ValueNorm};
+        // (QK-norm with its value norm, rows after the queries, int8 store)
+        let variants = [
+            (Some(ValueNorm::None), KvRows::Projected, false),
+            (None, KvRows::Projected, false),
+            (Some(ValueNorm::None), KvRows::Projected, true),
+            (None, KvRows::Projected, true),
+            (Some(ValueNorm::Unweighted), KvRows::Projected, false),
+            (Some(ValueNorm::Unweighted), KvRows::FromKeys, false),
+            (Some(ValueNorm::Unweighted), KvRows::FromKeys, true),
+            (Some(ValueNorm::Unweighted), KvRows::Shared, false),
         ];
         for ((batch, heads, kv_heads, dim, slots, position), on_device) in
             cases.into_iter().flat_map(|case| [(case, false), (case, true)])
@@ -485,18 +596,22 @@ mod gpu {
                 StepPosition::Host(position)
             };
             let positions = position + 5;
-            let (cos, sin) = rope::tables(positions, dim, 10_000.0, 1.0);
+            let partial = if dim == 512 { 0.25 } else { 1.0 };
+            let frequencies =
+                rope::Frequencies { head_dim: dim, theta: 10_000.0, factor: 1.0, partial_rotary_factor: partial };
+            let (cos, sin) = rope::tables(positions, &frequencies);
             let table =
                 |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [positions, dim / 2]), (device, DType::F32));
             let weight = || Tensor::<B, 1>::random([dim], Distribution::Normal(0.0, 0.5), device);
-            for (norm, int8) in [(true, false), (false, false), (true, true), (false, true)] {
+            for (norm, kv, int8) in variants {
                 let layout = QkvLayout {
                     heads,
                     kv_heads,
                     head_dim: dim,
+                    kv,
                     rope: RopeTables { cos: table(cos.clone()), sin: table(sin.clone()) },
                     position: step.clone(),
-                    norm: norm.then(|| (weight(), weight(), 1e-6)),
+                    norm: norm.map(|value| HeadNorms { query: weight(), key: weight(), eps: 1e-6, value }),
                 };
                 let qkv =
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
@@ -505,7 +620,7 @@ mod gpu {
                 let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store);
                 let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store);
                 let what = format!(
-                    "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm} int8 {int8} device position {on_device}"
+                    "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm:?} {kv:?} int8 {int8} device position {on_device}"
                 );
                 assert_eq!(q.dtype(), dtype, "{what}");
                 assert_close(q, q_ref, tolerance(dtype), &format!("{what}: queries"));

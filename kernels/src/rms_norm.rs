@@ -20,7 +20,7 @@ pub fn add_reference<B: Backend>(
         Some(w) => reference(x, w.clone(), norms.eps),
         None => x,
     };
-    let sum = residual.cast(DType::F32) + x.cast(DType::F32);
+    let sum = (residual.cast(DType::F32) + x.cast(DType::F32)).mul_scalar(norms.scale);
     let normed = normalize(sum.clone(), norms.weight.clone(), norms.eps).cast(norms.out_dtype);
     (sum, normed)
 }
@@ -35,6 +35,9 @@ pub struct AddNorm<B: Backend> {
     pub weight: Tensor<B, 1>,
     /// Epsilon of both norms.
     pub eps: f64,
+    /// The sum is multiplied by this before it is kept and normalized (Gemma 4's per-layer
+    /// `layer_scalar` at the end of a layer; 1 otherwise).
+    pub scale: f64,
     /// Dtype of the normalized sum.
     pub out_dtype: DType,
 }
@@ -186,6 +189,7 @@ pub(crate) mod kernel {
         out: &mut Array<Vector<O, N>>,
         len: u32,
         eps: f32,
+        scale: f32,
         #[comptime] held: usize,
         #[comptime] plane: bool,
         #[comptime] pre_norm: bool,
@@ -234,7 +238,7 @@ pub(crate) mod kernel {
                 } else {
                     xv = Vector::<f32, N>::cast_from(x[base + c]);
                 }
-                let v = Vector::<f32, N>::cast_from(residual[base + c]) + xv;
+                let v = (Vector::<f32, N>::cast_from(residual[base + c]) + xv) * Vector::new(scale);
                 sum[base + c] = v;
                 values[h] = v;
                 #[unroll]
@@ -279,6 +283,7 @@ pub(crate) mod kernel {
         pub post: Option<T>,
         pub weight: T,
         pub eps: f64,
+        pub scale: f64,
         pub out_dtype: DType,
     }
 
@@ -289,7 +294,7 @@ pub(crate) mod kernel {
         x: CubeTensor<R>,
         norms: AddNorm<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
-        let AddNorm { post: x_weight, weight, eps, out_dtype } = norms;
+        let AddNorm { post: x_weight, weight, eps, scale, out_dtype } = norms;
         let shape = x.meta.shape().clone();
         let (rows, n) = rows_and_width(&shape);
         let sum = empty(&x, shape.clone(), DType::F32);
@@ -317,6 +322,7 @@ pub(crate) mod kernel {
             arg(&out),
             n as u32,
             eps as f32,
+            scale as f32,
             held,
             planes_of_32(&x.client),
             pre_norm,
@@ -383,9 +389,12 @@ mod gpu {
             let x = Tensor::<B, 3>::random([batch, seq, n], NORMAL, device).cast(dtype);
             let w = Tensor::<B, 1>::random([n], NORMAL, device);
             let x_w = Tensor::<B, 1>::random([n], NORMAL, device);
-            for (out_dtype, x_weight) in [(DType::F32, None), (dtype, None), (dtype, Some(x_w))] {
+            // The last adds a layer's sum scaled as Gemma 4's `layer_scalar` does.
+            for (out_dtype, x_weight, scale) in
+                [(DType::F32, None, 1.0), (dtype, None, 1.0), (dtype, Some(x_w.clone()), 1.0), (dtype, Some(x_w), 0.37)]
+            {
                 let pre = x_weight.is_some();
-                let norms = super::AddNorm { post: x_weight.clone(), weight: w.clone(), eps: 1e-6, out_dtype };
+                let norms = super::AddNorm { post: x_weight.clone(), weight: w.clone(), eps: 1e-6, scale, out_dtype };
                 let (sum, normed) = B::add_rms_norm(residual.clone(), x.clone(), &norms);
                 assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, out_dtype));
                 // The pre-norm's output is rounded to the activation dtype, as the model's own.
@@ -393,10 +402,10 @@ mod gpu {
                     Some(xw) => super::reference(x.clone(), xw, 1e-6),
                     None => x.clone(),
                 };
-                let plain = super::AddNorm { post: None, weight: w.clone(), eps: 1e-6, out_dtype: DType::F32 };
+                let plain = super::AddNorm { post: None, weight: w.clone(), eps: 1e-6, scale, out_dtype: DType::F32 };
                 let (e_sum, e_normed) = super::add_reference(residual.clone(), x_ref.cast(DType::F32), &plain);
                 let what = format!(
-                    "add_rms_norm {batch}x{seq}x{n}, residual {residual_dtype:?} -> {out_dtype:?} (pre-norm {pre})"
+                    "add_rms_norm {batch}x{seq}x{n}, residual {residual_dtype:?} -> {out_dtype:?} (pre-norm {pre}, scale {scale})"
                 );
                 // The sum is f32, but with a pre-norm it adds a value rounded to the activation
                 // dtype, where the kernel's and the reference's roundings may differ by one ulp.

@@ -10,11 +10,52 @@ pub struct RopeTables<B: Backend> {
     pub sin: Tensor<B, 2>,
 }
 
+/// The rotary frequencies of one layer type.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Frequencies {
+    /// Head size (the rotate-half layout pairs `i` with `i + head_dim / 2`).
+    pub head_dim: usize,
+    /// Base of the frequencies.
+    pub theta: f64,
+    /// Linear position scaling: positions are divided by it.
+    pub factor: f64,
+    /// Share of the pairs that rotate (Gemma 4's `proportional` RoPE): pair `i` rotates with
+    /// frequency `theta^(-2i / head_dim)` for `i < partial_rotary_factor * head_dim / 2`, the
+    /// others keep frequency 0 (cos 1, sin 0: left as they are). 1 for every pair.
+    pub partial_rotary_factor: f64,
+}
+
+impl Frequencies {
+    /// Every pair rotating, no scaling.
+    pub fn plain(head_dim: usize, theta: f64) -> Self {
+        Self { head_dim, theta, factor: 1.0, partial_rotary_factor: 1.0 }
+    }
+
+    /// Pairs that rotate (HF: `int(partial_rotary_factor * head_dim // 2)`).
+    pub fn rotated_pairs(&self) -> usize {
+        ((self.partial_rotary_factor * self.head_dim as f64) as usize / 2).min(self.head_dim / 2)
+    }
+
+    /// The `head_dim / 2` inverse frequencies in f32, as transformers computes them.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let rotated = self.rotated_pairs();
+        (0..self.head_dim / 2)
+            .map(|i| {
+                if i < rotated {
+                    (1.0 / self.theta.powf((2 * i) as f64 / self.head_dim as f64)) as f32 / self.factor as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect()
+    }
+}
+
 impl<B: Backend> RopeTables<B> {
     /// The tables of positions `0..positions` ([`tables`]).
-    pub fn new(positions: usize, head_dim: usize, theta: f64, factor: f64, device: &B::Device) -> Self {
-        let (cos, sin) = tables(positions, head_dim, theta, factor);
-        let shape = [positions, head_dim / 2];
+    pub fn new(positions: usize, frequencies: &Frequencies, device: &B::Device) -> Self {
+        let (cos, sin) = tables(positions, frequencies);
+        let shape = [positions, frequencies.head_dim / 2];
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), (device, DType::F32)),
             sin: Tensor::from_data(TensorData::new(sin, shape), (device, DType::F32)),
@@ -55,13 +96,10 @@ pub fn reference<B: Backend>(
     Tensor::cat(vec![out1, out2], 3)
 }
 
-/// The `[max_positions, head_dim / 2]` cos and sin tables (f32 values) for `theta`, with linear
-/// position scaling `factor` (positions are divided by it).
-pub fn tables(max_positions: usize, head_dim: usize, theta: f64, factor: f64) -> (Vec<f32>, Vec<f32>) {
-    let half = head_dim / 2;
-    // Inverse frequencies in f32, as transformers computes them.
-    let inv_freq: Vec<f32> =
-        (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32 / factor as f32).collect();
+/// The `[max_positions, head_dim / 2]` cos and sin tables (f32 values) of `frequencies`.
+pub fn tables(max_positions: usize, frequencies: &Frequencies) -> (Vec<f32>, Vec<f32>) {
+    let half = frequencies.head_dim / 2;
+    let inv_freq = frequencies.inv_freq();
     let mut cos = Vec::with_capacity(max_positions * half);
     let mut sin = Vec::with_capacity(max_positions * half);
     for pos in 0..max_positions {
@@ -188,10 +226,18 @@ mod gpu {
     /// without QK-norm.
     pub fn rope<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "rope");
-        for (batch, heads, seq, dim, offset) in
-            [(1, 4, 7, 256, 0), (2, 1, 1, 64, 300), (1, 8, 5, 128, 17), (3, 3, 2, 16, 9)]
-        {
-            let (cos, sin) = super::tables(offset + seq + 3, dim, 10_000.0, 1.0);
+        // (batch, heads, seq, head size, offset, share of the pairs rotating)
+        for (batch, heads, seq, dim, offset, partial) in [
+            (1, 4, 7, 256, 0, 1.0),
+            (2, 1, 1, 64, 300, 1.0),
+            (1, 8, 5, 128, 17, 1.0),
+            (3, 3, 2, 16, 9, 1.0),
+            (1, 3, 9, 512, 40, 0.25),
+            (2, 2, 3, 32, 5, 0.25),
+        ] {
+            let frequencies =
+                super::Frequencies { head_dim: dim, theta: 1_000_000.0, factor: 1.0, partial_rotary_factor: partial };
+            let (cos, sin) = super::tables(offset + seq + 3, &frequencies);
             let table = |v: Vec<f32>| {
                 Tensor::<B, 2>::from_data(TensorData::new(v, [offset + seq + 3, dim / 2]), (device, DType::F32))
             };
@@ -207,7 +253,22 @@ mod gpu {
                 assert_eq!(got.dtype(), dtype);
                 let expected =
                     super::reference(x.clone().cast(DType::F32), cos.clone(), sin.clone(), offset, norm.clone());
-                let what = format!("rope b{batch} h{heads} s{seq} d{dim} offset {offset} norm {}", norm.is_some());
+                let what = format!(
+                    "rope b{batch} h{heads} s{seq} d{dim} offset {offset} partial {partial} norm {}",
+                    norm.is_some()
+                );
+                if norm.is_none() && partial < 1.0 {
+                    // Pairs past the rotated share come out as they went in.
+                    let rotated = frequencies.rotated_pairs();
+                    let kept = |t: Tensor<B, 4>| {
+                        Tensor::cat(
+                            vec![t.clone().slice_dim(3, rotated..dim / 2), t.slice_dim(3, dim / 2 + rotated..dim)],
+                            3,
+                        )
+                        .cast(DType::F32)
+                    };
+                    assert_close(kept(got.clone()), kept(x.clone()), tolerance(dtype), &format!("{what}: unrotated"));
+                }
                 assert_close(got, expected, tolerance(dtype), &what);
             }
         }

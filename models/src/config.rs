@@ -17,6 +17,10 @@ pub enum Architecture {
     Gemma2,
     /// Gemma 3 (`gemma3_text`, or the language model of `gemma3`): QK-norm, 5:1 local/global.
     Gemma3,
+    /// Gemma 4 (`gemma4_text`, or the language model of `gemma4`): norms that scale by `w`, a
+    /// second attention shape on full layers, value norms, and optionally shared KV layers,
+    /// per-layer embeddings and a routed expert block.
+    Gemma4,
 }
 
 impl Architecture {
@@ -26,6 +30,7 @@ impl Architecture {
             "gemma" => Ok(Self::Gemma),
             "gemma2" => Ok(Self::Gemma2),
             "gemma3" | "gemma3_text" => Ok(Self::Gemma3),
+            "gemma4" | "gemma4_text" => Ok(Self::Gemma4),
             other => Err(ModelError::NotGemma(other.to_string())),
         }
     }
@@ -35,10 +40,37 @@ impl Architecture {
         !matches!(self, Self::Gemma)
     }
 
-    /// Gemma 3 normalizes queries and keys per head.
+    /// Gemma 3 and 4 normalize queries and keys per head.
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Gemma3)
+        matches!(self, Self::Gemma3 | Self::Gemma4)
     }
+
+    /// How the checkpoint's RMSNorm weights scale.
+    pub fn norm_scale(self) -> NormScale {
+        match self {
+            Self::Gemma4 => NormScale::Weight,
+            _ => NormScale::OnePlusWeight,
+        }
+    }
+
+    /// The `model_type` of the text model, as HF writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gemma => "gemma",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
+            Self::Gemma4 => "gemma4_text",
+        }
+    }
+}
+
+/// What an RMSNorm weight `w` of a checkpoint means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormScale {
+    /// Gemma 1-3: the norm scales by `1 + w`.
+    OnePlusWeight,
+    /// Gemma 4: the norm scales by `w`.
+    Weight,
 }
 
 /// Attention kind of one decoder layer.
@@ -51,8 +83,8 @@ pub enum LayerType {
     FullAttention,
 }
 
-/// Rotary embedding of one layer type: `rope_theta`, and linear position scaling `factor`
-/// (1 for none).
+/// Rotary embedding of one layer type: `rope_theta`, linear position scaling `factor` (1 for
+/// none), and the share of the head that rotates.
 #[derive(Config, Debug, Copy)]
 pub struct RopeConfig {
     /// Base of the rotary frequencies.
@@ -60,6 +92,21 @@ pub struct RopeConfig {
     /// Linear scaling: positions are divided by this factor.
     #[config(default = 1.0)]
     pub factor: f64,
+    /// Gemma 4's `proportional` RoPE: the first `partial_rotary_factor * head_dim / 2` pairs
+    /// rotate with frequencies over the full head size, the remaining pairs are left as they are
+    /// (1: every pair rotates, the default RoPE).
+    #[config(default = 1.0)]
+    pub partial_rotary_factor: f64,
+}
+
+/// The routed expert block of a mixture-of-experts layer (Gemma 4 26B-A4B), beside the dense MLP.
+#[derive(Config, Debug, Copy)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k_experts: usize,
+    /// Width of each expert's MLP.
+    pub moe_intermediate_size: usize,
 }
 
 /// A resolved Gemma configuration. Field names follow HF `config.json`.
@@ -72,8 +119,16 @@ pub struct GemmaConfig {
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
+    /// KV heads of sliding layers (of every layer before Gemma 4).
     pub num_key_value_heads: usize,
+    /// Head size of sliding layers (of every layer before Gemma 4).
     pub head_dim: usize,
+    /// Head size of full-attention layers (Gemma 4: HF's `global_head_dim`, or the
+    /// `per_layer_config` of the full layers; otherwise `head_dim`).
+    pub global_head_dim: usize,
+    /// KV heads of full-attention layers (Gemma 4: `num_global_key_value_heads` or
+    /// `per_layer_config`; otherwise `num_key_value_heads`).
+    pub num_global_key_value_heads: usize,
     pub rms_norm_eps: f64,
     pub max_position_embeddings: usize,
     /// Attention scores are scaled by `query_pre_attn_scalar^-0.5`.
@@ -91,6 +146,25 @@ pub struct GemmaConfig {
     pub bos_token_id: u32,
     /// Tokens that end generation (`eos_token_id`, which may be a list in HF configs).
     pub eos_token_id: Vec<u32>,
+    /// Gemma 4: full layers have no `v_proj`; their values are the key projection.
+    #[config(default = false)]
+    pub attention_k_eq_v: bool,
+    /// Gemma 4: the last this many layers have no keys and values of their own; they attend over
+    /// the cache of the last earlier layer of the same type.
+    #[config(default = 0)]
+    pub num_kv_shared_layers: usize,
+    /// Gemma 4: the MLPs of the KV-sharing layers are twice `intermediate_size` wide.
+    #[config(default = false)]
+    pub use_double_wide_mlp: bool,
+    /// Gemma 4 E models: width of each layer's slice of the per-layer embeddings (0: none).
+    #[config(default = 0)]
+    pub hidden_size_per_layer_input: usize,
+    /// Rows of the per-layer embedding table.
+    #[config(default = 0)]
+    pub vocab_size_per_layer_input: usize,
+    /// Gemma 4 26B-A4B: the routed expert block of every layer.
+    #[config(default = "None")]
+    pub moe: Option<MoeConfig>,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
@@ -136,13 +210,72 @@ fn rope_entry(entry: Option<&Value>, theta: Option<f64>, field: &'static str) ->
         Some(v) => return Err(invalid(field, format!("must be an object, found {v}"))),
     };
     let rope_type = get_str(obj, "rope_type")?.or(get_str(obj, "type")?).unwrap_or("default");
-    let factor = match rope_type {
-        "default" => 1.0,
-        "linear" => get_f64(obj, "factor")?.ok_or_else(|| invalid(field, "linear scaling needs `factor`"))?,
+    let partial = get_f64(obj, "partial_rotary_factor")?;
+    let (factor, partial_rotary_factor) = match rope_type {
+        "default" => (1.0, 1.0),
+        "linear" => (get_f64(obj, "factor")?.ok_or_else(|| invalid(field, "linear scaling needs `factor`"))?, 1.0),
+        // Frequencies over the full head size, the pairs past the rotated share left as they are.
+        "proportional" => (get_f64(obj, "factor")?.unwrap_or(1.0), partial.unwrap_or(1.0)),
         other => return Err(ModelError::UnsupportedConfig { field, value: format!("rope_type {other:?}") }),
     };
+    if rope_type != "proportional" && partial.is_some_and(|p| p != 1.0) {
+        return Err(ModelError::UnsupportedConfig {
+            field,
+            value: format!("partial_rotary_factor with rope_type {rope_type:?} (only `proportional` takes it)"),
+        });
+    }
     let rope_theta = get_f64(obj, "rope_theta")?.or(theta).unwrap_or(10_000.0);
-    Ok(RopeConfig { rope_theta, factor })
+    Ok(RopeConfig { rope_theta, factor, partial_rotary_factor })
+}
+
+/// The head size and KV heads of Gemma 4's full layers: from `per_layer_config` (which 5.23
+/// writes: one override, the same for every full layer and none for sliding layers), else
+/// `global_head_dim` (default 512) and `num_global_key_value_heads` (read where
+/// `attention_k_eq_v`, as HF does).
+fn gemma4_full_shape(
+    obj: &Map<String, Value>,
+    layer_types: &[LayerType],
+    base: (usize, usize),
+    k_eq_v: bool,
+) -> Result<(usize, usize), ModelError> {
+    let field = "per_layer_config";
+    let Some(per_layer) = obj.get(field).filter(|v| !v.is_null()) else {
+        let head_dim = get_usize(obj, "global_head_dim")?.unwrap_or(512);
+        let kv_heads = if k_eq_v { get_usize(obj, "num_global_key_value_heads")? } else { None };
+        return Ok((head_dim, kv_heads.unwrap_or(base.1)));
+    };
+    let per_layer = per_layer.as_object().ok_or_else(|| invalid(field, "must be an object"))?;
+    let mut full_shape: Option<(usize, usize)> = None;
+    for (key, entry) in per_layer {
+        let index: usize = key.parse().map_err(|_| invalid(field, format!("has key {key:?}, not a layer index")))?;
+        let entry = entry.as_object().ok_or_else(|| invalid(field, format!("entry {key} must be an object")))?;
+        if let Some(other) = entry.keys().find(|k| !matches!(k.as_str(), "head_dim" | "num_key_value_heads")) {
+            return Err(ModelError::UnsupportedConfig { field, value: format!("override of `{other}` (layer {key})") });
+        }
+        match layer_types.get(index) {
+            Some(LayerType::FullAttention) => {}
+            Some(LayerType::SlidingAttention) => {
+                return Err(ModelError::UnsupportedConfig {
+                    field,
+                    value: format!("override of sliding layer {index} (only full layers differ)"),
+                })
+            }
+            None => return Err(invalid(field, format!("names layer {index} of {}", layer_types.len()))),
+        }
+        let shape = (
+            get_usize(entry, "head_dim")?.unwrap_or(base.0),
+            get_usize(entry, "num_key_value_heads")?.unwrap_or(base.1),
+        );
+        if full_shape.is_some_and(|s| s != shape) {
+            return Err(invalid(field, "gives the full layers different shapes"));
+        }
+        full_shape = Some(shape);
+    }
+    let full_layers = layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
+    if full_shape.is_some() && per_layer.len() != full_layers {
+        return Err(invalid(field, format!("overrides {} of the {full_layers} full layers", per_layer.len())));
+    }
+    Ok(full_shape.unwrap_or(base))
 }
 
 impl GemmaConfig {
@@ -152,7 +285,10 @@ impl GemmaConfig {
         let root = root.as_object().ok_or_else(|| invalid("config", "must be a JSON object"))?;
         let top_type = get_str(root, "model_type")?.unwrap_or("");
         let (obj, model_type) = match root.get("text_config") {
-            Some(Value::Object(text)) => (text, get_str(text, "model_type")?.unwrap_or("gemma3_text")),
+            Some(Value::Object(text)) => {
+                let default = if top_type == "gemma4" { "gemma4_text" } else { "gemma3_text" };
+                (text, get_str(text, "model_type")?.unwrap_or(default))
+            }
             _ => (root, top_type),
         };
         let model_type = if model_type.is_empty() { top_type } else { model_type };
@@ -198,6 +334,7 @@ impl GemmaConfig {
                 let pattern = match arch {
                     Architecture::Gemma => None,
                     Architecture::Gemma2 => Some(2),
+                    Architecture::Gemma4 => Some(6),
                     Architecture::Gemma3 => Some(
                         get_usize(obj, "sliding_window_pattern")?
                             .or(get_usize(obj, "_sliding_window_pattern")?)
@@ -209,6 +346,10 @@ impl GemmaConfig {
         };
 
         let (rope_full_attention, rope_sliding_attention) = match obj.get("rope_parameters") {
+            None | Some(Value::Null) if arch == Architecture::Gemma4 => (
+                RopeConfig { rope_theta: 1_000_000.0, factor: 1.0, partial_rotary_factor: 0.25 },
+                RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
+            ),
             Some(Value::Object(params))
                 if params.contains_key("full_attention") || params.contains_key("sliding_attention") =>
             {
@@ -228,6 +369,7 @@ impl GemmaConfig {
                     Architecture::Gemma3 => RopeConfig {
                         rope_theta: get_f64(obj, "rope_local_base_freq")?.unwrap_or(10_000.0),
                         factor: 1.0,
+                        partial_rotary_factor: 1.0,
                     },
                     _ => global,
                 };
@@ -252,6 +394,49 @@ impl GemmaConfig {
         };
         let bos = get_usize(obj, "bos_token_id")?.or(get_usize(root, "bos_token_id")?).unwrap_or(2);
 
+        let num_key_value_heads = get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let get_bool = |key: &'static str| match obj.get(key) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(invalid(key, format!("must be true or false, found {v}"))),
+        };
+        let gemma4 = arch == Architecture::Gemma4;
+        let attention_k_eq_v = gemma4 && get_bool("attention_k_eq_v")?;
+        let (global_head_dim, num_global_key_value_heads) = if gemma4 {
+            if let Some(mode) = get_str(obj, "use_bidirectional_attention")? {
+                return Err(ModelError::UnsupportedConfig {
+                    field: "use_bidirectional_attention",
+                    value: format!("{mode:?} (text generation is causal)"),
+                });
+            }
+            gemma4_full_shape(obj, &layer_types, (head_dim, num_key_value_heads), attention_k_eq_v)?
+        } else {
+            (head_dim, num_key_value_heads)
+        };
+        let moe = if gemma4 && get_bool("enable_moe_block")? {
+            let need = |key: &'static str| {
+                get_usize(obj, key)?.ok_or_else(|| invalid(key, "is missing (enable_moe_block is true)"))
+            };
+            Some(MoeConfig {
+                num_experts: need("num_experts")?,
+                top_k_experts: need("top_k_experts")?,
+                moe_intermediate_size: need("moe_intermediate_size")?,
+            })
+        } else {
+            None
+        };
+        let (num_kv_shared_layers, use_double_wide_mlp, hidden_size_per_layer_input, vocab_size_per_layer_input) =
+            if gemma4 {
+                (
+                    get_usize(obj, "num_kv_shared_layers")?.unwrap_or(0),
+                    get_bool("use_double_wide_mlp")?,
+                    get_usize(obj, "hidden_size_per_layer_input")?.unwrap_or(0),
+                    get_usize(obj, "vocab_size_per_layer_input")?.unwrap_or(262_144),
+                )
+            } else {
+                (0, false, 0, 0)
+            };
+
         let config = GemmaConfig {
             model_type: arch,
             vocab_size: require_usize(obj, "vocab_size")?,
@@ -259,31 +444,55 @@ impl GemmaConfig {
             intermediate_size: require_usize(obj, "intermediate_size")?,
             num_hidden_layers,
             num_attention_heads,
-            num_key_value_heads: get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads),
+            num_key_value_heads,
             head_dim,
+            global_head_dim,
+            num_global_key_value_heads,
             rms_norm_eps: get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
             max_position_embeddings: get_usize(obj, "max_position_embeddings")?.unwrap_or(8192),
-            query_pre_attn_scalar: get_f64(obj, "query_pre_attn_scalar")?.unwrap_or(head_dim as f64),
-            attn_logit_softcapping: get_f64(obj, "attn_logit_softcapping")?,
+            // Gemma 4 attends with a scale of 1 (its QK-norm sets the magnitude) and no softcap.
+            query_pre_attn_scalar: if gemma4 {
+                1.0
+            } else {
+                get_f64(obj, "query_pre_attn_scalar")?.unwrap_or(head_dim as f64)
+            },
+            attn_logit_softcapping: if gemma4 { None } else { get_f64(obj, "attn_logit_softcapping")? },
             final_logit_softcapping: get_f64(obj, "final_logit_softcapping")?,
-            sliding_window,
+            sliding_window: if gemma4 { Some(get_usize(obj, "sliding_window")?.unwrap_or(512)) } else { sliding_window },
             layer_types,
             rope_full_attention,
             rope_sliding_attention,
             bos_token_id: u32::try_from(bos).map_err(|_| invalid("bos_token_id", "is too large"))?,
             eos_token_id,
+            attention_k_eq_v,
+            num_kv_shared_layers,
+            use_double_wide_mlp,
+            hidden_size_per_layer_input,
+            vocab_size_per_layer_input,
+            moe,
         };
         config.validate()?;
         Ok(config)
     }
 
     /// Names accepted by [`GemmaConfig::preset`].
-    pub const PRESETS: [&'static str; 5] = ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"];
+    pub const PRESETS: [&'static str; 8] = [
+        "gemma3-270m",
+        "gemma3-1b",
+        "gemma3-4b",
+        "gemma3-12b",
+        "gemma3-27b",
+        "gemma4-e2b",
+        "gemma4-e4b",
+        "gemma4-31b",
+    ];
 
-    /// The published configuration of a Gemma 3 text model (as in its HF `config.json`), for
-    /// synthetic (random-weight) models in tests and benchmarks: `gemma3-270m`, `gemma3-1b`,
-    /// `gemma3-4b`, `gemma3-12b` or `gemma3-27b`.
+    /// The published configuration of a Gemma 3 or 4 text model (as in its HF `config.json`),
+    /// for synthetic (random-weight) models in tests and benchmarks: one of [`Self::PRESETS`].
     pub fn preset(name: &str) -> Result<Self, ModelError> {
+        if let Some(json) = gemma4_preset(name) {
+            return Self::from_hf_json(&json);
+        }
         // (hidden, intermediate, layers, heads, kv heads, head size, query_pre_attn_scalar,
         // sliding window, global RoPE factor, context)
         let (hidden, inter, layers, heads, kv, head_dim, scalar, window, factor, context) = match name {
@@ -338,17 +547,15 @@ impl GemmaConfig {
         if self.hidden_size > MAX_DIM || self.intermediate_size > MAX_DIM || self.num_hidden_layers > 4096 {
             return Err(invalid("hidden_size", "or intermediate_size / num_hidden_layers is implausibly large"));
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(invalid(
-                "num_key_value_heads",
-                format!(
-                    "({}) must divide num_attention_heads ({})",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            ));
+        for (field, dim) in [("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)] {
+            burn_gemma_kernels::attention::check_head_dim(dim).map_err(|reason| invalid(field, reason))?;
         }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(invalid("head_dim", format!("must be even for rotary embeddings, found {}", self.head_dim)));
+        for (field, kv) in
+            [("num_key_value_heads", self.num_key_value_heads), ("num_global_key_value_heads", self.num_global_key_value_heads)]
+        {
+            if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
+                return Err(invalid(field, format!("({kv}) must divide num_attention_heads ({})", self.num_attention_heads)));
+            }
         }
         if self.vocab_size.checked_mul(self.hidden_size).is_none_or(|n| n > 1 << 36) {
             return Err(invalid("vocab_size", "times hidden_size is implausibly large"));
@@ -359,6 +566,10 @@ impl GemmaConfig {
                 format!("has {} entries for {} layers", self.layer_types.len(), self.num_hidden_layers),
             ));
         }
+        if self.model_type == Architecture::Gemma4 && self.layer_types.last() != Some(&LayerType::FullAttention) {
+            return Err(invalid("layer_types", "must end with a full_attention layer (Gemma 4's last layer is global)"));
+        }
+        self.check_gemma4_parts()?;
         if self.layer_types.contains(&LayerType::SlidingAttention) && self.sliding_window.is_none_or(|w| w == 0) {
             return Err(invalid("sliding_window", "must be a positive integer when layers use sliding attention"));
         }
@@ -395,6 +606,98 @@ impl GemmaConfig {
         Ok(())
     }
 
+    /// Checks KV sharing, per-layer embeddings and the expert block.
+    fn check_gemma4_parts(&self) -> Result<(), ModelError> {
+        let layers = self.num_hidden_layers;
+        if self.num_kv_shared_layers >= layers {
+            return Err(invalid(
+                "num_kv_shared_layers",
+                format!("({}) leaves no layer of the {layers} to produce keys and values", self.num_kv_shared_layers),
+            ));
+        }
+        for layer in self.first_kv_shared_layer()..layers {
+            if self.kv_producer(layer).is_none() {
+                let kind = self.layer_types[layer];
+                return Err(invalid(
+                    "num_kv_shared_layers",
+                    format!("({}) leaves no earlier {kind:?} layer for layer {layer} to share", self.num_kv_shared_layers),
+                ));
+            }
+        }
+        if self.hidden_size_per_layer_input > 0 {
+            if self.vocab_size_per_layer_input == 0 {
+                return Err(invalid("vocab_size_per_layer_input", "must be positive with per-layer inputs"));
+            }
+            let width = self.hidden_size_per_layer_input.checked_mul(layers);
+            if width.and_then(|w| w.checked_mul(self.vocab_size_per_layer_input)).is_none_or(|n| n > 1 << 36) {
+                return Err(invalid("hidden_size_per_layer_input", "times the layers and vocabulary is implausibly large"));
+            }
+        }
+        if let Some(moe) = self.moe {
+            if moe.num_experts == 0 || moe.num_experts > 4096 {
+                return Err(invalid("num_experts", format!("must be in 1..=4096, found {}", moe.num_experts)));
+            }
+            if moe.top_k_experts == 0 || moe.top_k_experts > moe.num_experts {
+                return Err(invalid(
+                    "top_k_experts",
+                    format!("({}) must be in 1..=num_experts ({})", moe.top_k_experts, moe.num_experts),
+                ));
+            }
+            if moe.moe_intermediate_size == 0 || moe.moe_intermediate_size > 1 << 20 {
+                return Err(invalid("moe_intermediate_size", format!("is out of range ({})", moe.moe_intermediate_size)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Head size of a layer type's attention.
+    pub fn head_dim_of(&self, layer_type: LayerType) -> usize {
+        match layer_type {
+            LayerType::FullAttention => self.global_head_dim,
+            LayerType::SlidingAttention => self.head_dim,
+        }
+    }
+
+    /// KV heads of a layer type's attention.
+    pub fn kv_heads_of(&self, layer_type: LayerType) -> usize {
+        match layer_type {
+            LayerType::FullAttention => self.num_global_key_value_heads,
+            LayerType::SlidingAttention => self.num_key_value_heads,
+        }
+    }
+
+    /// The first layer that shares another layer's keys and values (the layer count when none
+    /// does).
+    pub fn first_kv_shared_layer(&self) -> usize {
+        self.num_hidden_layers - self.num_kv_shared_layers.min(self.num_hidden_layers)
+    }
+
+    /// For a KV-sharing layer, the layer whose cache it attends over: the last layer of the same
+    /// type before [`Self::first_kv_shared_layer`]. `None` for layers with their own keys.
+    pub fn kv_producer(&self, layer: usize) -> Option<usize> {
+        let first = self.first_kv_shared_layer();
+        if layer < first {
+            return None;
+        }
+        let kind = *self.layer_types.get(layer)?;
+        (0..first).rev().find(|&i| self.layer_types[i] == kind)
+    }
+
+    /// Width of layer `layer`'s MLP (doubled on KV-sharing layers with `use_double_wide_mlp`).
+    pub fn intermediate_size_of(&self, layer: usize) -> usize {
+        if self.use_double_wide_mlp && layer >= self.first_kv_shared_layer() {
+            2 * self.intermediate_size
+        } else {
+            self.intermediate_size
+        }
+    }
+
+    /// Whether a layer type's values are its key projection (Gemma 4's `attention_k_eq_v`, full
+    /// layers).
+    pub fn values_from_keys(&self, layer_type: LayerType) -> bool {
+        self.attention_k_eq_v && layer_type == LayerType::FullAttention
+    }
+
     /// RoPE settings of a layer type.
     pub fn rope(&self, layer_type: LayerType) -> RopeConfig {
         match layer_type {
@@ -411,12 +714,58 @@ impl GemmaConfig {
         }
     }
 
-    /// Number of parameters (embeddings counted once: the lm_head is tied).
+    /// Number of parameters of the text model (embeddings counted once: the lm_head is tied;
+    /// the per-layer embedding table included).
     pub fn num_parameters(&self) -> usize {
-        let attn = self.hidden_size * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads);
-        let mlp = 3 * self.hidden_size * self.intermediate_size;
-        self.vocab_size * self.hidden_size + self.num_hidden_layers * (attn + mlp)
+        let h = self.hidden_size;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|i| {
+                let kind = self.layer_types[i];
+                let (d, kv) = (self.head_dim_of(kind), self.kv_heads_of(kind));
+                let kv_projections = match (self.kv_producer(i), self.values_from_keys(kind)) {
+                    (Some(_), _) => 0,
+                    (None, true) => 1,
+                    (None, false) => 2,
+                };
+                let attn = h * d * (2 * self.num_attention_heads + kv_projections * kv);
+                let mlp = 3 * h * self.intermediate_size_of(i);
+                let experts = self.moe.map_or(0, |m| m.num_experts * (3 * h * m.moe_intermediate_size + 1) + h * m.num_experts);
+                let per_layer = 2 * h * self.hidden_size_per_layer_input;
+                attn + mlp + experts + per_layer
+            })
+            .sum();
+        let per_layer_tables = self.hidden_size_per_layer_input
+            * self.num_hidden_layers
+            * (self.vocab_size_per_layer_input + h);
+        self.vocab_size * h + layers + per_layer_tables
     }
+}
+
+/// The text config of a published Gemma 4 model: (layers, hidden, intermediate, heads, KV heads
+/// of sliding / full layers, full layers' values from keys, sliding window, pattern, KV-sharing
+/// layers, double-wide MLPs, per-layer input width, context).
+fn gemma4_preset(name: &str) -> Option<String> {
+    let (layers, hidden, inter, heads, kv, global_kv, k_eq_v, window, pattern, shared, wide, per_layer, context) =
+        match name {
+            "gemma4-e2b" => (35, 1536, 6144, 8, 1, 1, false, 512, 5, 20, true, 256, 131_072),
+            "gemma4-e4b" => (42, 2560, 10240, 8, 2, 2, false, 512, 6, 18, false, 256, 131_072),
+            "gemma4-31b" => (60, 5376, 21504, 32, 16, 4, true, 1024, 6, 0, false, 0, 262_144),
+            _ => return None,
+        };
+    let layer_types: Vec<String> = (0..layers)
+        .map(|i| if (i + 1) % pattern == 0 { "\"full_attention\"" } else { "\"sliding_attention\"" }.to_string())
+        .collect();
+    Some(format!(
+        r#"{{"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": {hidden},
+        "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+        "num_key_value_heads": {kv}, "head_dim": 256, "global_head_dim": 512,
+        "num_global_key_value_heads": {global_kv}, "attention_k_eq_v": {k_eq_v},
+        "sliding_window": {window}, "layer_types": [{}], "num_kv_shared_layers": {shared},
+        "use_double_wide_mlp": {wide}, "hidden_size_per_layer_input": {per_layer},
+        "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106]}}"#,
+        layer_types.join(", ")
+    ))
 }
 
 /// Layer types from a local:global pattern: with pattern `p`, layer `i` is global when

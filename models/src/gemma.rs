@@ -1,14 +1,17 @@
-//! Gemma 1, 2 and 3, from the small parts to the whole model (HF's `modeling_gemma3.py`).
+//! Gemma 1, 2, 3 and 4, from the small parts to the whole model (HF's `modeling_gemma3.py` and
+//! `modeling_gemma4.py`).
 //!
 //! The residual stream is kept in f32 whatever the weight dtype ([`ResidualStream`]): Gemma
 //! activations overflow f16. Matrix products run in the weight dtype.
 
 use crate::{
     attention::{Attention, LayerCache},
+    moe::MoeBlock,
     norm::{ResidualStream, RmsNorm},
+    per_layer::{PerLayerEmbeddings, PerLayerInput},
     projection::{load_matrix, Projection, WeightSettings},
     rope::RotaryEmbeddings,
-    weights::{row_chunks, WeightFormat, WeightSource},
+    weights::{row_chunks, WeightFormat, WeightKind, WeightSource},
     Architecture, GemmaConfig, KvCache, ModelError,
 };
 use burn::{
@@ -92,30 +95,48 @@ pub struct Mlp<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Mlp<B> {
+    /// The MLP of layer `index` (Gemma 4's KV-sharing layers may be twice as wide).
     fn load(
         source: &mut impl WeightSource<B>,
         prefix: &str,
+        index: usize,
         c: &GemmaConfig,
         settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let (hidden, inter) = (c.hidden_size, c.intermediate_size_of(index));
         let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], settings, device)?;
         let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], settings, device)?;
-        Ok(Self {
-            gate_up: GateUp::new(gate, up, inter, device),
-            down_proj: Projection::load(source, &[(&format!("{prefix}.down_proj"), hidden)], inter, settings, device)?,
-        })
+        let down = load_matrix(source, &format!("{prefix}.down_proj.weight"), [hidden, inter], settings, device)?;
+        Ok(Self::from_matrices(gate, up, down, inter, device))
+    }
+
+    /// The MLP of matrices already read: `gate` and `up` `[intermediate, hidden]`, `down`
+    /// `[hidden, intermediate]`.
+    pub(crate) fn from_matrices(
+        gate: HostMatrix<B>,
+        up: HostMatrix<B>,
+        down: HostMatrix<B>,
+        intermediate: usize,
+        device: &B::Device,
+    ) -> Self {
+        Self { gate_up: GateUp::new(gate, up, intermediate, device), down_proj: Projection::joined(vec![down], device) }
     }
 
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.down_proj.forward(self.gate_up.forward(x))
     }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        self.gate_up.device_bytes() + self.down_proj.device_bytes()
+    }
 }
 
-/// One decoder layer. Gemma 1 has a norm before attention and one before the MLP; Gemma 2 and 3
-/// also normalize the outputs of both.
+/// One decoder layer. Gemma 1 has a norm before attention and one before the MLP; Gemma 2, 3
+/// and 4 also normalize the outputs of both. Gemma 4 may add a routed expert block beside the
+/// MLP, a per-layer input after it, and scales the layer's output.
 #[derive(Module, Debug)]
 pub struct DecoderLayer<B: GemmaBackend> {
     pub self_attn: Attention<B>,
@@ -124,6 +145,14 @@ pub struct DecoderLayer<B: GemmaBackend> {
     pub post_attention_layernorm: Option<RmsNorm<B>>,
     pub pre_feedforward_layernorm: RmsNorm<B>,
     pub post_feedforward_layernorm: Option<RmsNorm<B>>,
+    /// Gemma 4 26B-A4B.
+    pub moe: Option<MoeBlock<B>>,
+    /// Gemma 4 E models.
+    pub per_layer_input: Option<PerLayerInput<B>>,
+    /// Gemma 4's `layer_scalar` (1 before), read once at load: it multiplies the residual in
+    /// the kernel of the next add.
+    #[module(skip)]
+    pub layer_scalar: f64,
 }
 
 impl<B: GemmaBackend> DecoderLayer<B> {
@@ -135,49 +164,102 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let prefix = format!("model.layers.{index}");
+        let scale = c.model_type.norm_scale();
         let norm = |source: &mut _, name: &str| {
-            RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, device)
+            RmsNorm::load(source, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps, scale, device)
         };
         let self_attn = Attention::load(source, &format!("{prefix}.self_attn"), index, c, settings, device)?;
-        let mlp = Mlp::load(source, &format!("{prefix}.mlp"), c, settings, device)?;
+        let mlp = Mlp::load(source, &format!("{prefix}.mlp"), index, c, settings, device)?;
         let input_layernorm = norm(source, "input_layernorm")?;
-        Ok(if c.model_type.has_sandwich_norms() {
-            Self {
-                self_attn,
-                mlp,
-                input_layernorm,
-                post_attention_layernorm: Some(norm(source, "post_attention_layernorm")?),
-                pre_feedforward_layernorm: norm(source, "pre_feedforward_layernorm")?,
-                post_feedforward_layernorm: Some(norm(source, "post_feedforward_layernorm")?),
-            }
-        } else {
+        if !c.model_type.has_sandwich_norms() {
             // Gemma 1 calls its pre-MLP norm `post_attention_layernorm`.
-            Self {
+            return Ok(Self {
                 self_attn,
                 mlp,
                 input_layernorm,
                 post_attention_layernorm: None,
                 pre_feedforward_layernorm: norm(source, "post_attention_layernorm")?,
                 post_feedforward_layernorm: None,
+                moe: None,
+                per_layer_input: None,
+                layer_scalar: 1.0,
+            });
+        }
+        let post_attention_layernorm = Some(norm(source, "post_attention_layernorm")?);
+        let pre_feedforward_layernorm = norm(source, "pre_feedforward_layernorm")?;
+        let post_feedforward_layernorm = Some(norm(source, "post_feedforward_layernorm")?);
+        let moe = match c.moe {
+            Some(moe) => Some(MoeBlock::load(source, &prefix, c, moe, settings, device)?),
+            None => None,
+        };
+        let per_layer_input = PerLayerInput::load(source, &prefix, c, settings, device)?;
+        let layer_scalar = if c.model_type == Architecture::Gemma4 {
+            let name = format!("{prefix}.layer_scalar");
+            let t: Tensor<B, 1> = source.load(&name, [1], WeightKind::Scale, DType::F32, device)?;
+            let value = t.into_data().convert::<f32>().into_vec::<f32>().ok().and_then(|v| v.first().copied());
+            match value {
+                Some(v) if v.is_finite() => v as f64,
+                other => return Err(ModelError::Source(format!("{name} is not a finite number: {other:?}").into())),
             }
+        } else {
+            1.0
+        };
+        Ok(Self {
+            self_attn,
+            mlp,
+            input_layernorm,
+            post_attention_layernorm,
+            pre_feedforward_layernorm,
+            post_feedforward_layernorm,
+            moe,
+            per_layer_input,
+            layer_scalar,
         })
     }
 
     /// The block at `position` (HF's `Gemma3DecoderLayer.forward`); each `residual + h` is
     /// added by the next norm, in one kernel ([`ResidualStream`]).
+    /// `per_layer_input`: this layer's slice of the per-layer inputs (`[batch, seq, width]`,
+    /// Gemma 4 E models).
     fn forward<'a>(
         &'a self,
         stream: ResidualStream<'a, B>,
         rope: &RopeTables<B>,
         cache: &mut LayerCache<B>,
         position: &StepPosition<B>,
+        per_layer_input: Option<Tensor<B, 3>>,
     ) -> ResidualStream<'a, B> {
         let (stream, h) = stream.norm(&self.input_layernorm);
         let h = self.self_attn.forward(h, rope, cache, position);
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
         let h = self.mlp.forward(h);
-        stream.add(h, self.post_feedforward_layernorm.as_ref())
+        let (stream, h) = match &self.moe {
+            Some(moe) => {
+                let (stream, residual) = stream.residual();
+                (stream, moe.forward(residual, h))
+            }
+            None => (stream, h),
+        };
+        let mut stream = stream.add(h, self.post_feedforward_layernorm.as_ref());
+        if let (Some(block), Some(input)) = (&self.per_layer_input, per_layer_input) {
+            let dtype = input.dtype();
+            let (settled, residual) = stream.residual();
+            let h = block.forward(residual.cast(dtype), input);
+            stream = settled.add(h, Some(&block.post_per_layer_input_norm));
+        }
+        stream.scaled(self.layer_scalar)
+    }
+}
+
+/// The embedding scale `sqrt(width)`, rounded to the activation dtype as the reference
+/// implementation does.
+pub(crate) fn embed_scale(width: usize, dtype: DType) -> f64 {
+    let scale = (width as f64).sqrt();
+    match dtype {
+        DType::BF16 => half::bf16::from_f64(scale).to_f64(),
+        DType::F16 => half::f16::from_f64(scale).to_f64(),
+        _ => scale as f32 as f64,
     }
 }
 
@@ -198,13 +280,24 @@ impl<B: GemmaBackend> Embedding<B> {
         settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let shape = [c.vocab_size, c.hidden_size];
-        let host = match settings.table_blocks() {
+        Self::load_table(source, Self::NAME, [c.vocab_size, c.hidden_size], settings, device)
+    }
+
+    /// The `[rows, cols]` table `name` in row blocks, quantized at least to Q8 where `settings`
+    /// asks for blocks.
+    pub(crate) fn load_table(
+        source: &mut impl WeightSource<B>,
+        name: &str,
+        shape: [usize; 2],
+        settings: WeightSettings,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let host = match settings.table_blocks(shape[1]) {
             None => None,
-            Some(request) => match source.load_host_quantized(Self::NAME, shape, request.format(), device)? {
-                // Q4 is not enough for the table: requantize a Q4 checkpoint's to Q8.
+            Some(request) => match source.load_host_quantized(name, shape, request.format(), device)? {
+                // Q4 is not enough for a table: requantize a Q4 checkpoint's to Q8.
                 Some(q) if q.format == QuantFormat::Q4 => {
-                    Some(crate::weights::quantize(Self::NAME, &q.dequantize(), shape, QuantFormat::Q8)?)
+                    Some(crate::weights::quantize(name, &q.dequantize(), shape, QuantFormat::Q8)?)
                 }
                 other => other,
             },
@@ -219,8 +312,8 @@ impl<B: GemmaBackend> Embedding<B> {
                     .collect()
             }
             None => {
-                let rows_per_chunk = (max_bytes / (c.hidden_size * settings.dtype.size())).max(1);
-                let blocks = source.load_row_chunks(Self::NAME, shape, rows_per_chunk, settings.dtype, device)?;
+                let rows_per_chunk = (max_bytes / (shape[1] * settings.dtype.size()).max(1)).max(1);
+                let blocks = source.load_row_chunks(name, shape, rows_per_chunk, settings.dtype, device)?;
                 blocks.into_iter().map(|b| upload(HostMatrix::Dense(b))).collect()
             }
         };
@@ -228,7 +321,7 @@ impl<B: GemmaBackend> Embedding<B> {
     }
 
     /// `table[ids] * scale` in `dtype`: `[batch, seq]` -> `[batch, seq, hidden]`.
-    fn embed(&self, ids: Tensor<B, 2, Int>, scale: f64, dtype: DType) -> Tensor<B, 3> {
+    pub(crate) fn embed(&self, ids: Tensor<B, 2, Int>, scale: f64, dtype: DType) -> Tensor<B, 3> {
         B::embed(&self.blocks, ids, scale, dtype)
     }
 
@@ -280,6 +373,8 @@ impl<B: GemmaBackend> StepInputs<B> {
 #[derive(Module, Debug)]
 pub struct Gemma<B: GemmaBackend> {
     pub embed_tokens: Embedding<B>,
+    /// Gemma 4 E models' per-layer embeddings.
+    pub per_layer: Option<PerLayerEmbeddings<B>>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
     /// The rotary embedding of each layer type (HF's `rotary_emb` and `rotary_emb_local`).
@@ -328,12 +423,15 @@ impl<B: GemmaBackend> Gemma<B> {
         let settings = WeightSettings { dtype, format };
         let model = B::memory_persistent_allocations(device, source, |source| {
             let embed_tokens = Embedding::load(source, &config, settings, device)?;
+            let per_layer = PerLayerEmbeddings::load(source, &config, settings, device)?;
             let layers = (0..config.num_hidden_layers)
                 .map(|i| DecoderLayer::load(source, i, &config, settings, device))
                 .collect::<Result<Vec<_>, _>>()?;
-            let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, device)?;
+            let scale = config.model_type.norm_scale();
+            let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, scale, device)?;
             Ok(Self {
                 embed_tokens,
+                per_layer,
                 layers,
                 norm,
                 rotary_emb: RotaryEmbeddings::new(&config),
@@ -357,14 +455,15 @@ impl<B: GemmaBackend> Gemma<B> {
             .layers
             .iter()
             .map(|l| {
-                let (a, m) = (&l.self_attn, &l.mlp);
+                let a = &l.self_attn;
                 a.qkv_proj.device_bytes()
                     + a.o_proj.device_bytes()
-                    + m.gate_up.device_bytes()
-                    + m.down_proj.device_bytes()
+                    + l.mlp.device_bytes()
+                    + l.moe.as_ref().map_or(0, MoeBlock::device_bytes)
+                    + l.per_layer_input.as_ref().map_or(0, PerLayerInput::device_bytes)
             })
             .sum();
-        self.embed_tokens.device_bytes() + layers
+        self.embed_tokens.device_bytes() + self.per_layer.as_ref().map_or(0, PerLayerEmbeddings::device_bytes) + layers
     }
 
     /// A KV cache for `batch` sequences of up to `capacity` positions.
@@ -372,16 +471,6 @@ impl<B: GemmaBackend> Gemma<B> {
         KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
     }
 
-    /// The embedding scale `sqrt(hidden_size)`, rounded to the activation dtype as the reference
-    /// implementation does.
-    fn embed_scale(&self) -> f64 {
-        let scale = (self.config.hidden_size as f64).sqrt();
-        match self.dtype {
-            DType::BF16 => half::bf16::from_f64(scale).to_f64(),
-            DType::F16 => half::f16::from_f64(scale).to_f64(),
-            _ => scale as f32 as f64,
-        }
-    }
 
     /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
     fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
@@ -395,6 +484,7 @@ impl<B: GemmaBackend> Gemma<B> {
                 cache.batch()
             )));
         }
+        self.check_cache(cache)?;
         cache.check_room(seq)?;
         let position = cache.len();
         let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position));
@@ -411,13 +501,32 @@ impl<B: GemmaBackend> Gemma<B> {
         position: &StepPosition<B>,
     ) -> Tensor<B, 3> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
-        let embedded = self.embed_tokens.embed(ids, self.embed_scale(), self.dtype);
+        let [batch, seq] = ids.dims();
+        let embedded = self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
+        let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
         let mut stream = ResidualStream::new(embedded, self.dtype);
-        for (layer, layer_cache) in self.layers.iter().zip(cache.layers_mut()) {
-            stream = layer.forward(stream, rope.get(layer.self_attn.settings.layer_type), layer_cache, position);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let input = per_layer.as_ref().map(|inputs| {
+                let width = inputs.dims()[3];
+                inputs.clone().slice([0..batch, 0..seq, i..i + 1, 0..width]).reshape([batch, seq, width])
+            });
+            let rope = rope.get(layer.self_attn.settings.layer_type);
+            stream = layer.forward(stream, rope, cache.layer_mut(i), position, input);
         }
         let (_, hidden) = stream.norm(&self.norm);
         hidden
+    }
+
+    /// Fails unless `cache` was made for this model's layers.
+    fn check_cache(&self, cache: &KvCache<B>) -> Result<(), ModelError> {
+        if cache.num_layers() != self.layers.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "a KV cache of {} layers for a model of {}",
+                cache.num_layers(),
+                self.layers.len()
+            )));
+        }
+        Ok(())
     }
 
     /// One decode step whose per-token values are read on the device (see [`StepInputs`]):
@@ -445,6 +554,7 @@ impl<B: GemmaBackend> Gemma<B> {
         if inputs.bound >= cache.capacity() {
             return Err(ModelError::ContextOverflow { needed: inputs.bound + 1, capacity: cache.capacity() });
         }
+        self.check_cache(cache)?;
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
         let hidden = self.layers_forward(inputs.ids.clone(), cache, &position);
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));

@@ -1,7 +1,8 @@
-//! The Gemma model definition (Gemma 1, 2 and 3) for Burn.
+//! The Gemma model definition (Gemma 1, 2, 3 and 4) for Burn.
 //!
-//! One config-driven definition covers the three generations; [`GemmaConfig`] says which parts a
-//! checkpoint has (QK-norm, sandwich norms, softcapping, sliding-window layers, per-layer RoPE).
+//! One config-driven definition covers the four generations; [`GemmaConfig`] says which parts a
+//! checkpoint has (QK-norm, sandwich norms, softcapping, sliding-window layers, per-layer RoPE,
+//! and Gemma 4's second attention shape, shared KV layers, per-layer embeddings and experts).
 //! The hot operations go through [`burn_gemma_kernels::GemmaBackend`], so the same code runs on
 //! every backend.
 
@@ -10,14 +11,16 @@ pub mod config;
 pub mod decode_graph;
 pub mod error;
 pub mod gemma;
+pub mod moe;
 pub mod norm;
+pub mod per_layer;
 pub mod projection;
 pub mod rope;
 pub mod weights;
 
 pub use attention::KvCache;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
-pub use config::{Architecture, GemmaConfig, LayerType, RopeConfig};
+pub use config::{Architecture, GemmaConfig, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use gemma::{Gemma, StepInputs};

@@ -1,13 +1,14 @@
 //! RMSNorm, and the residual stream that carries a pending add into the next norm.
 
-use crate::{weights::WeightKind, weights::WeightSource, ModelError};
+use crate::{config::NormScale, weights::WeightKind, weights::WeightSource, ModelError};
 use burn::{
     module::{Module, Param},
     tensor::{DType, Tensor},
 };
 use burn_gemma_kernels::{AddNorm, GemmaBackend};
 
-/// RMSNorm with Gemma's `1 + w` scale; `weight` is kept in f32.
+/// RMSNorm as the kernels apply it: scale `1 + weight`, `weight` kept in f32. Checkpoints whose
+/// norms scale by `w` itself (Gemma 4, [`NormScale::Weight`]) are held as `w - 1`.
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: GemmaBackend> {
     pub weight: Param<Tensor<B, 1>>,
@@ -21,10 +22,20 @@ impl<B: GemmaBackend> RmsNorm<B> {
         name: &str,
         size: usize,
         eps: f64,
+        scale: NormScale,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let weight = source.load(&format!("{name}.weight"), [size], WeightKind::Norm, DType::F32, device)?;
+        let weight = source.load(&format!("{name}.weight"), [size], WeightKind::Norm(scale), DType::F32, device)?;
+        let weight = match scale {
+            NormScale::OnePlusWeight => weight,
+            NormScale::Weight => weight.sub_scalar(1.0),
+        };
         Ok(Self { weight: Param::from_tensor(weight), eps })
+    }
+
+    /// A norm without a weight (scale 1): Gemma 4's value norm and its router's input norm.
+    pub fn unit(size: usize, eps: f64, device: &B::Device) -> Self {
+        Self { weight: Param::from_tensor(Tensor::zeros([size], (device, DType::F32))), eps }
     }
 
     /// Normalizes the last dimension.
@@ -44,9 +55,18 @@ impl<B: GemmaBackend> RmsNorm<B> {
 #[derive(Debug)]
 pub struct ResidualStream<'a, B: GemmaBackend> {
     residual: Tensor<B, 3>,
-    pending: Option<(Tensor<B, 3>, Option<&'a RmsNorm<B>>)>,
+    pending: Option<Pending<'a, B>>,
     /// The activation dtype the norms return.
     dtype: DType,
+}
+
+/// A block output waiting to be added: `(residual + post_norm(h)) * scale`.
+#[derive(Debug)]
+struct Pending<'a, B: GemmaBackend> {
+    h: Tensor<B, 3>,
+    post_norm: Option<&'a RmsNorm<B>>,
+    /// Gemma 4's `layer_scalar` where the add ends a layer; 1 otherwise.
+    scale: f64,
 }
 
 impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
@@ -58,7 +78,23 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
     /// `residual + post_norm(h)`, applied by the next [`ResidualStream::norm`].
     pub fn add(self, h: Tensor<B, 3>, post_norm: Option<&'a RmsNorm<B>>) -> Self {
         let stream = self.settle();
-        Self { pending: Some((h, post_norm)), ..stream }
+        Self { pending: Some(Pending { h, post_norm, scale: 1.0 }), ..stream }
+    }
+
+    /// The stream times `scale` (Gemma 4's `layer_scalar`): folded into the pending add, which
+    /// the next norm's kernel applies.
+    pub fn scaled(self, scale: f64) -> Self {
+        match self.pending {
+            Some(p) => Self { pending: Some(Pending { scale: p.scale * scale, ..p }), ..self },
+            None => Self { residual: self.residual.cast(DType::F32).mul_scalar(scale), ..self },
+        }
+    }
+
+    /// The residual (f32, pending add applied; unfused).
+    pub fn residual(self) -> (Self, Tensor<B, 3>) {
+        let stream = self.settle();
+        let residual = stream.residual.clone().cast(DType::F32);
+        (stream, residual)
     }
 
     /// The stream (pending add applied) and `norm(stream)` in the activation dtype.
@@ -69,11 +105,12 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
                 let normed = norm.forward(self.residual.clone()).cast(dtype);
                 (self, normed)
             }
-            Some((h, post)) => {
+            Some(Pending { h, post_norm, scale }) => {
                 let norms = AddNorm {
-                    post: post.map(|n| n.weight.val()),
+                    post: post_norm.map(|n| n.weight.val()),
                     weight: norm.weight.val(),
                     eps: norm.eps,
+                    scale,
                     out_dtype: dtype,
                 };
                 let (residual, normed) = B::add_rms_norm(self.residual, h, &norms);
@@ -82,17 +119,19 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
         }
     }
 
-    /// The stream with a pending add applied unfused (two adds in a row; the decoder never
-    /// does this).
+    /// The stream with a pending add applied unfused (two adds in a row, or the residual
+    /// itself wanted: Gemma 4's expert router and per-layer inputs read it).
     fn settle(self) -> Self {
         match self.pending {
             None => self,
-            Some((h, post)) => {
-                let h = match post {
+            Some(Pending { h, post_norm, scale }) => {
+                let h = match post_norm {
                     Some(n) => n.forward(h),
                     None => h,
                 };
-                Self { residual: self.residual.cast(DType::F32) + h.cast(DType::F32), pending: None, dtype: self.dtype }
+                burn_gemma_kernels::graph::unsupported(|| "a residual add by Burn operations".into());
+                let residual = (self.residual.cast(DType::F32) + h.cast(DType::F32)).mul_scalar(scale);
+                Self { residual, pending: None, dtype: self.dtype }
             }
         }
     }

@@ -9,7 +9,7 @@ use burn::{
     module::Module,
     tensor::{DType, Tensor},
 };
-use burn_gemma_kernels::{Epilogue, GemmaBackend, HostMatrix, HostQuantized, Matrix, QuantFormat};
+use burn_gemma_kernels::{quant::BLOCK, Epilogue, GemmaBackend, HostMatrix, HostQuantized, Matrix, QuantFormat};
 
 /// How the model's weights are loaded: the activation/dense dtype and the matrix format.
 #[derive(Debug, Clone, Copy)]
@@ -19,8 +19,12 @@ pub struct WeightSettings {
 }
 
 impl WeightSettings {
-    /// The block format a matrix is read in, `None` for dense.
-    fn blocks(&self) -> Option<BlockRequest> {
+    /// The block format a matrix of `cols` columns is read in, `None` for dense: rows that do
+    /// not split into [`BLOCK`]-wide blocks stay dense (as in GGUF files).
+    fn blocks(&self, cols: usize) -> Option<BlockRequest> {
+        if !cols.is_multiple_of(BLOCK) {
+            return None;
+        }
         match self.format {
             WeightFormat::Native => Some(BlockRequest::Native),
             WeightFormat::Quantized(q) => Some(BlockRequest::Format(q)),
@@ -28,9 +32,10 @@ impl WeightSettings {
         }
     }
 
-    /// The block format of the embedding table: at least Q8 (it feeds both ends of the model).
-    pub(crate) fn table_blocks(&self) -> Option<BlockRequest> {
-        self.blocks().map(|request| match request {
+    /// The block format of an embedding table of `cols` columns: at least Q8 (the main table
+    /// feeds both ends of the model).
+    pub(crate) fn table_blocks(&self, cols: usize) -> Option<BlockRequest> {
+        self.blocks(cols).map(|request| match request {
             BlockRequest::Native => BlockRequest::Native,
             BlockRequest::Format(_) => BlockRequest::Format(QuantFormat::Q8),
         })
@@ -64,7 +69,7 @@ pub(crate) fn load_matrix<B: GemmaBackend>(
     settings: WeightSettings,
     device: &B::Device,
 ) -> Result<HostMatrix<B>, ModelError> {
-    if let Some(request) = settings.blocks() {
+    if let Some(request) = settings.blocks(shape[1]) {
         if let Some(host) = source.load_host_quantized(name, shape, request.format(), device)? {
             return Ok(HostMatrix::Quantized(host));
         }

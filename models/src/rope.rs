@@ -1,21 +1,20 @@
 //! Rotary position embeddings of the model, one per layer type (Gemma 3: `rope_theta` and linear
-//! scaling on full-attention layers, `rope_local_base_freq` on sliding ones).
+//! scaling on full-attention layers, `rope_local_base_freq` on sliding ones; Gemma 4: a quarter of
+//! the pairs rotating on full layers, over their own head size).
 //!
 //! The kernels read cos/sin tables; the model keeps them on the device for the longest context
 //! a cache was made for, building them anew (longer) when a larger cache comes.
 
 use crate::{GemmaConfig, LayerType};
 use burn::tensor::backend::Backend;
-use burn_gemma_kernels::RopeTables;
+use burn_gemma_kernels::{Frequencies, RopeTables};
 use std::any::Any;
 use std::sync::{Arc, RwLock};
 
 /// The rotary embedding of one layer type.
 #[derive(Clone)]
 pub struct RotaryEmbedding {
-    head_dim: usize,
-    theta: f64,
-    factor: f64,
+    frequencies: Frequencies,
     /// The device tables built last, a `RopeTables<B>` (held without the backend type, so the
     /// model's `Module` derive keeps it out of the weights).
     tables: Arc<RwLock<Option<Box<dyn Any + Send + Sync>>>>,
@@ -23,11 +22,7 @@ pub struct RotaryEmbedding {
 
 impl std::fmt::Debug for RotaryEmbedding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RotaryEmbedding")
-            .field("head_dim", &self.head_dim)
-            .field("theta", &self.theta)
-            .field("factor", &self.factor)
-            .finish_non_exhaustive()
+        f.debug_struct("RotaryEmbedding").field("frequencies", &self.frequencies).finish_non_exhaustive()
     }
 }
 
@@ -36,9 +31,12 @@ impl RotaryEmbedding {
     pub fn new(config: &GemmaConfig, layer_type: LayerType) -> Self {
         let rope = config.rope(layer_type);
         Self {
-            head_dim: config.head_dim,
-            theta: rope.rope_theta,
-            factor: rope.factor,
+            frequencies: Frequencies {
+                head_dim: config.head_dim_of(layer_type),
+                theta: rope.rope_theta,
+                factor: rope.factor,
+                partial_rotary_factor: rope.partial_rotary_factor,
+            },
             tables: Arc::new(RwLock::new(None)),
         }
     }
@@ -57,9 +55,9 @@ impl RotaryEmbedding {
         }
         // Long-lived like the weights: in the persistent memory, out of the pools that serve every
         // step's activations (CubeCL searches a pool's slices on each allocation).
-        let (head_dim, theta, factor) = (self.head_dim, self.theta, self.factor);
+        let frequencies = self.frequencies;
         let tables = B::memory_persistent_allocations(device, positions, |positions| {
-            RopeTables::<B>::new(positions, head_dim, theta, factor, device)
+            RopeTables::<B>::new(positions, &frequencies, device)
         });
         if let Ok(mut held) = self.tables.write() {
             *held = Some(Box::new(tables.clone()));

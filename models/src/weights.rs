@@ -4,7 +4,7 @@
 //! implies; a [`WeightSource`] (safetensors, GGUF, random) produces it on the device in the
 //! requested dtype, or says precisely what is wrong.
 
-use crate::ModelError;
+use crate::{config::NormScale, ModelError};
 use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
 use burn_gemma_kernels::{HostQuantized, QuantFormat};
 
@@ -15,7 +15,9 @@ pub enum WeightFormat {
     /// as Q4; other GGUF block types requantized to Q8; float tensors dense in the model dtype.
     #[default]
     Native,
-    /// Every matrix quantized to this format (the embedding table at least Q8).
+    /// Every matrix quantized to this format (the embedding table at least Q8); matrices
+    /// whose rows do not split into 32-wide blocks stay dense in the model dtype, as GGUF
+    /// files keep them.
     Quantized(QuantFormat),
     /// Every matrix dense in the model dtype.
     Dense,
@@ -31,14 +33,17 @@ impl std::fmt::Display for WeightFormat {
     }
 }
 
-/// What a weight is used for; sources that store weights differently per kind (GGUF keeps RMSNorm
-/// weights with the `+1` folded in) use it to convert to the Hugging Face convention.
+/// What a weight is used for; sources that store weights differently per kind (GGUF keeps Gemma
+/// 1-3's RMSNorm weights with the `+1` folded in) use it to convert to the Hugging Face
+/// convention, and random sources to pick neutral values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightKind {
     /// A matrix multiplied with activations (projections, embeddings).
     Matrix,
-    /// An RMSNorm weight `w`, applied as `1 + w`.
-    Norm,
+    /// An RMSNorm weight, meaning what the architecture's [`NormScale`] says.
+    Norm(NormScale),
+    /// A multiplier whose neutral value is 1 (Gemma 4's `layer_scalar`, router scales).
+    Scale,
 }
 
 /// A provider of named weights.
@@ -102,7 +107,7 @@ pub fn row_chunks(rows: usize, per_chunk: usize) -> impl Iterator<Item = std::op
     (0..rows.div_ceil(per_chunk)).map(move |i| i * per_chunk..((i + 1) * per_chunk).min(rows))
 }
 
-/// Random weights from a seed (normal, std 0.02; norm weights 0), generated on the device: the
+/// Random weights from a seed (normal, std 0.02; norms and scales neutral), generated on the device: the
 /// exact shapes of a config without any file, for tests and synthetic benchmarks.
 #[derive(Debug, Clone)]
 pub struct RandomWeights {
@@ -136,7 +141,8 @@ impl<B: Backend> WeightSource<B> for RandomWeights {
     ) -> Result<Tensor<B, D>, ModelError> {
         let seed = self.next_seed();
         Ok(match kind {
-            WeightKind::Norm => Tensor::zeros(shape, (device, DType::F32)),
+            WeightKind::Norm(NormScale::OnePlusWeight) => Tensor::zeros(shape, (device, DType::F32)),
+            WeightKind::Norm(NormScale::Weight) | WeightKind::Scale => Tensor::ones(shape, (device, DType::F32)),
             WeightKind::Matrix => {
                 B::seed(device, seed);
                 Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 0.02), device).cast(dtype)

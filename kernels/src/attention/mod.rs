@@ -86,6 +86,22 @@ pub fn reference<B: Backend>(
     probs.matmul(v).reshape([batch, q_heads, q_len, head_dim])
 }
 
+/// Largest head size the kernels take: the tiled kernel stages a key and a value row (f32) per
+/// key of its tile in shared memory (about 17 KiB at one key per tile for this size).
+pub const MAX_HEAD_DIM: usize = 2048;
+
+/// Whether the attention kernels (and RoPE, which rotates pairs) take heads of `dim` elements;
+/// the reason where not.
+pub fn check_head_dim(dim: usize) -> Result<(), String> {
+    if dim == 0 || !dim.is_multiple_of(2) {
+        return Err(format!("must be positive and even for rotary embeddings, found {dim}"));
+    }
+    if dim > MAX_HEAD_DIM {
+        return Err(format!("({dim}) is larger than the attention kernels take ({MAX_HEAD_DIM})"));
+    }
+    Ok(())
+}
+
 mod decode;
 mod merge;
 mod tiled;
@@ -304,7 +320,7 @@ mod gpu {
     /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
     type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
 
-    const CASES: [Case; 13] = [
+    const CASES: [Case; 15] = [
         // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
         (1, 4, 1, 37, 37, 256, 0, 0, None, None),
         // Sliding window smaller than the prompt, crossing tile edges.
@@ -326,6 +342,9 @@ mod gpu {
         (1, 4, 1, 70, 582, 256, 530, 18, Some(512), None),
         // 16 KV heads, several query rows.
         (1, 16, 16, 3, 70, 128, 67, 0, None, None),
+        // Gemma 4's full layers: head size 512, prefill and decode (8 query heads per KV head).
+        (1, 8, 1, 13, 13, 512, 0, 0, None, None),
+        (1, 16, 2, 1, 301, 512, 300, 0, None, None),
     ];
 
     pub fn attention<B: GemmaBackend>(device: &B::Device, dtype: DType) {
@@ -369,6 +388,7 @@ mod gpu {
             (2, 8, 2, 8, 64, 21, Some(8), 255),
             (1, 2, 2, 33, 128, 32, Some(33), 4095),
             (1, 3, 1, 16, 12, 5, None, 15),
+            (1, 8, 1, 40, 512, 37, None, 255),
         ];
         for (batch, hq, hkv, slots, dim, position, window, bound) in cases {
             for format in [KvFormat::Dense(dtype), KvFormat::Int8] {

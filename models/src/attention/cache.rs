@@ -26,14 +26,28 @@ pub struct LayerCache<B: GemmaBackend> {
     /// which needs the only handle), put back at once.
     store: Option<KvStore<B>>,
     span: Span,
+    /// Where later layers share this layer's keys (Gemma 4): what the last chunk of a ring
+    /// attended over (the previous window and the chunk's own rows), for them to attend over
+    /// too; the ring itself no longer holds the first rows once the chunk is written.
+    shared_chunk: Option<SharedChunk<B>>,
+    shared: bool,
+}
+
+/// The keys and values a multi-position chunk attended over, and their mask.
+#[derive(Debug, Clone)]
+struct SharedChunk<B: GemmaBackend> {
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    mask: AttentionMask,
 }
 
 impl<B: GemmaBackend> LayerCache<B> {
-    /// A zeroed store of `[batch, kv_heads, slots, head_dim]` for a layer with `window`.
-    fn new(shape: LayerShape, window: Option<usize>, format: KvFormat, device: &B::Device) -> Self {
+    /// A zeroed store of `[batch, kv_heads, slots, head_dim]` for a layer with `window`;
+    /// `shared`: later layers attend over it.
+    fn new(shape: LayerShape, window: Option<usize>, format: KvFormat, shared: bool, device: &B::Device) -> Self {
         let span = Span::new(window, shape.capacity);
         let dims = [shape.batch, shape.kv_heads, span.slots(shape.capacity), shape.head_dim];
-        Self { store: Some(B::kv_zeros(dims, format, device)), span }
+        Self { store: Some(B::kv_zeros(dims, format, device)), span, shared_chunk: None, shared }
     }
 
     /// Runs `f` on the store and keeps the store it returns.
@@ -82,7 +96,9 @@ impl<B: GemmaBackend> LayerCache<B> {
                 let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
                 (out, store)
             }),
-            Span::Ring(w) => self.update(|store| {
+            Span::Ring(w) => {
+                let shared = self.shared;
+                let (out, chunk) = self.update(|store| {
                 // Attend over [the previous window in order] ++ [the new rows], then keep the
                 // last `w` positions in the ring.
                 let dtype = q.dtype();
@@ -95,16 +111,40 @@ impl<B: GemmaBackend> LayerCache<B> {
                 }
                 old_k.push(keys.clone());
                 old_v.push(values.clone());
-                let kv = KvView::Dense { keys: Tensor::cat(old_k, 2), values: Tensor::cat(old_v, 2) };
+                let (all_k, all_v) = (Tensor::cat(old_k, 2), Tensor::cat(old_v, 2));
                 let mask = AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
+                let chunk = shared.then(|| SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask });
+                let kv = KvView::Dense { keys: all_k, values: all_v };
                 let out = B::grouped_attention(q, kv, &scores.with(mask));
                 let mut store = store;
                 for (rows, slot) in ring_writes(position, t, w) {
                     let rows = s![.., .., rows, ..];
                     store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
                 }
+                ((out, chunk), store)
+                });
+                self.shared_chunk = chunk;
+                out
+            }
+        }
+    }
+
+    /// A KV-sharing layer's chunk (Gemma 4): attends `q` (`[batch, q_heads, t, head_dim]`, at
+    /// positions `position..position + t`) over what this layer's own chunk at the same
+    /// positions attended over, without writing. Returns `[batch, q_heads, t, head_dim]`.
+    pub fn prefill_shared(&mut self, q: Tensor<B, 4>, position: usize, t: usize, scores: Scores) -> Tensor<B, 4> {
+        match (self.span, &self.shared_chunk) {
+            (Span::Ring(_), Some(chunk)) => {
+                let kv = KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() };
+                B::grouped_attention(q, kv, &scores.with(chunk.mask))
+            }
+            _ => {
+                let mask = AttentionMask { q_offset: position, k_offset: 0, window: self.span.window() };
+                self.update(|store| {
+                let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
                 (out, store)
-            }),
+            })
+            }
         }
     }
 
@@ -126,7 +166,11 @@ struct LayerShape {
 /// The KV cache of a whole model, for a fixed batch size and capacity.
 #[derive(Debug)]
 pub struct KvCache<B: GemmaBackend> {
+    /// One per layer with keys of its own.
     layers: Vec<LayerCache<B>>,
+    /// For each decoder layer, its entry of `layers` (a KV-sharing layer's is the one of the
+    /// layer it shares).
+    layer_of: Vec<usize>,
     len: usize,
     capacity: usize,
     batch: usize,
@@ -147,10 +191,10 @@ impl<B: GemmaBackend> KvCache<B> {
             )));
         }
         match format {
-            KvFormat::Int8 if !config.head_dim.is_multiple_of(4) => {
+            KvFormat::Int8 if !config.head_dim.is_multiple_of(4) || !config.global_head_dim.is_multiple_of(4) => {
                 return Err(ModelError::InvalidInput(format!(
-                    "an int8 KV cache needs head_dim divisible by 4, the model has {}",
-                    config.head_dim
+                    "an int8 KV cache needs head sizes divisible by 4, the model has {} and {}",
+                    config.head_dim, config.global_head_dim
                 )));
             }
             KvFormat::Dense(dtype)
@@ -160,13 +204,27 @@ impl<B: GemmaBackend> KvCache<B> {
             }
             _ => {}
         }
-        let shape = LayerShape { batch, capacity, kv_heads: config.num_key_value_heads, head_dim: config.head_dim };
-        let layers = config
-            .layer_types
-            .iter()
-            .map(|&layer_type| LayerCache::new(shape, config.window(layer_type), format, device))
-            .collect();
-        Ok(Self { layers, len: 0, capacity, batch })
+        let producers: Vec<usize> = (0..config.num_hidden_layers).filter_map(|i| config.kv_producer(i)).collect();
+        let mut layers = Vec::new();
+        let mut layer_of = Vec::with_capacity(config.num_hidden_layers);
+        for (i, &layer_type) in config.layer_types.iter().enumerate() {
+            let entry = match config.kv_producer(i) {
+                Some(producer) => layer_of[producer],
+                None => {
+                    let shape = LayerShape {
+                        batch,
+                        capacity,
+                        kv_heads: config.kv_heads_of(layer_type),
+                        head_dim: config.head_dim_of(layer_type),
+                    };
+                    let shared = producers.contains(&i);
+                    layers.push(LayerCache::new(shape, config.window(layer_type), format, shared, device));
+                    layers.len() - 1
+                }
+            };
+            layer_of.push(entry);
+        }
+        Ok(Self { layers, layer_of, len: 0, capacity, batch })
     }
 
     /// Positions processed so far.
@@ -184,6 +242,11 @@ impl<B: GemmaBackend> KvCache<B> {
         self.capacity
     }
 
+    /// Decoder layers the cache serves.
+    pub fn num_layers(&self) -> usize {
+        self.layer_of.len()
+    }
+
     /// Batch size the cache was allocated for.
     pub fn batch(&self) -> usize {
         self.batch
@@ -194,9 +257,10 @@ impl<B: GemmaBackend> KvCache<B> {
         self.len = 0;
     }
 
-    /// The per-layer caches, in layer order.
-    pub(crate) fn layers_mut(&mut self) -> &mut [LayerCache<B>] {
-        &mut self.layers
+    /// The cache decoder layer `layer` reads and writes (a KV-sharing layer: the one of the
+    /// layer it shares).
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> &mut LayerCache<B> {
+        &mut self.layers[self.layer_of[layer]]
     }
 
     /// Fails unless `new_tokens` more positions fit.

@@ -8,9 +8,9 @@ pub mod ring;
 pub use cache::{KvCache, LayerCache, Scores};
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
-use crate::{weights::WeightSource, LayerType};
+use crate::{weights::WeightSource, Architecture, LayerType};
 use burn::{module::Module, tensor::Tensor};
-use burn_gemma_kernels::{GemmaBackend, QkvLayout, RopeTables, StepPosition};
+use burn_gemma_kernels::{GemmaBackend, HeadNorms, KvRows, QkvLayout, RopeTables, StepPosition, ValueNorm};
 
 /// Shape and behaviour of one attention layer, from the config.
 #[derive(Debug, Clone)]
@@ -20,16 +20,22 @@ pub struct AttentionSettings {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scores: Scores,
+    /// What the projection holds after the queries: keys and values, keys only (Gemma 4's
+    /// `attention_k_eq_v`), or nothing (a KV-sharing layer).
+    pub kv: KvRows,
 }
 
-/// Multi-head attention with grouped KV heads, RoPE and (Gemma 3) QK-norm.
+/// Multi-head attention with grouped KV heads, RoPE and (Gemma 3 and 4) QK-norm.
 #[derive(Module, Debug)]
 pub struct Attention<B: GemmaBackend> {
-    /// `q_proj`, `k_proj` and `v_proj` side by side: `[batch, seq, (heads + 2 kv_heads) * head_dim]`.
+    /// `q_proj`, `k_proj` and `v_proj` side by side: `[batch, seq, (heads + 2 kv_heads) * head_dim]`
+    /// (no `v_proj` where the values are the keys, only `q_proj` on KV-sharing layers).
     pub qkv_proj: Projection<B>,
     pub o_proj: Projection<B>,
     pub q_norm: Option<RmsNorm<B>>,
     pub k_norm: Option<RmsNorm<B>>,
+    /// Gemma 4's weightless value norm.
+    pub v_norm: Option<RmsNorm<B>>,
     #[module(skip)]
     pub settings: AttentionSettings,
 }
@@ -43,36 +49,55 @@ impl<B: GemmaBackend> Attention<B> {
         settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let (hidden, d) = (c.hidden_size, c.head_dim);
-        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
-        let qk_norm = |source: &mut _, name: &str| -> Result<Option<RmsNorm<B>>, ModelError> {
-            if c.model_type.has_qk_norm() {
-                Ok(Some(RmsNorm::load(source, &format!("{prefix}.{name}"), d, c.rms_norm_eps, device)?))
+        let layer_type = c.layer_types[index];
+        let (hidden, d) = (c.hidden_size, c.head_dim_of(layer_type));
+        let (heads, kv_heads) = (c.num_attention_heads, c.kv_heads_of(layer_type));
+        let kv = if c.kv_producer(index).is_some() {
+            KvRows::Shared
+        } else if c.values_from_keys(layer_type) {
+            KvRows::FromKeys
+        } else {
+            KvRows::Projected
+        };
+        let scale = c.model_type.norm_scale();
+        let head_norm = |source: &mut _, name: &str, present: bool| -> Result<Option<RmsNorm<B>>, ModelError> {
+            if present {
+                Ok(Some(RmsNorm::load(source, &format!("{prefix}.{name}"), d, c.rms_norm_eps, scale, device)?))
             } else {
                 Ok(None)
             }
         };
         let name = |p: &str| format!("{prefix}.{p}");
         let (q, k, v, o) = (name("q_proj"), name("k_proj"), name("v_proj"), name("o_proj"));
-        let qkv = [(q.as_str(), heads * d), (k.as_str(), kv_heads * d), (v.as_str(), kv_heads * d)];
+        let (q_rows, k_rows, v_rows) = ((q.as_str(), heads * d), (k.as_str(), kv_heads * d), (v.as_str(), kv_heads * d));
+        let qkv: &[(&str, usize)] = match kv {
+            KvRows::Projected => &[q_rows, k_rows, v_rows],
+            KvRows::FromKeys => &[q_rows, k_rows],
+            KvRows::Shared => &[q_rows],
+        };
+        let has_qk_norm = c.model_type.has_qk_norm();
+        let owns_kv = kv != KvRows::Shared;
         Ok(Self {
-            qkv_proj: Projection::load(source, &qkv, hidden, settings, device)?,
+            qkv_proj: Projection::load(source, qkv, hidden, settings, device)?,
             o_proj: Projection::load(source, &[(&o, hidden)], heads * d, settings, device)?,
-            q_norm: qk_norm(source, "q_norm")?,
-            k_norm: qk_norm(source, "k_norm")?,
+            q_norm: head_norm(source, "q_norm", has_qk_norm)?,
+            k_norm: head_norm(source, "k_norm", has_qk_norm && owns_kv)?,
+            v_norm: (c.model_type == Architecture::Gemma4 && owns_kv).then(|| RmsNorm::unit(d, c.rms_norm_eps, device)),
             settings: AttentionSettings {
-                layer_type: c.layer_types[index],
+                layer_type,
                 num_heads: heads,
                 num_kv_heads: kv_heads,
                 head_dim: d,
                 scores: Scores { scale: c.query_pre_attn_scalar.powf(-0.5), softcap: c.attn_logit_softcapping },
+                kv,
             },
         })
     }
 
     /// `[batch, seq, hidden]` at positions `position..position + seq` -> `[batch, seq, hidden]`,
-    /// appending this layer's keys and values to `cache`; `rope`: the tables of the layer type.
-    /// A position on the device (a replayed decode step) is read by the kernels there.
+    /// appending this layer's keys and values to `cache` (a KV-sharing layer gets the cache of
+    /// the layer it shares, which ran before it, and appends nothing); `rope`: the tables of the
+    /// layer type. A position on the device (a replayed decode step) is read by the kernels there.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -90,9 +115,10 @@ impl<B: GemmaBackend> Attention<B> {
                 heads: s.num_heads,
                 kv_heads: s.num_kv_heads,
                 head_dim: s.head_dim,
+                kv: s.kv,
                 rope: rope.clone(),
                 position: position.clone(),
-                norm: self.qk_norm_weights(),
+                norm: self.head_norms(),
             };
             let width = layout.width();
             cache.decode(qkv.reshape([batch, width]), &layout, s.scores)
@@ -108,17 +134,34 @@ impl<B: GemmaBackend> Attention<B> {
             };
             let norm = |n: &Option<RmsNorm<B>>| n.as_ref().map(|n| (n.weight.val(), n.eps));
             let q = B::qk_norm_rope(heads(0, s.num_heads), rope, position, norm(&self.q_norm));
-            let k = B::qk_norm_rope(heads(s.num_heads, s.num_kv_heads), rope, position, norm(&self.k_norm));
-            let v = heads(s.num_heads + s.num_kv_heads, s.num_kv_heads);
-            cache.prefill(q, k, v, position, s.scores).swap_dims(1, 2)
+            let values = match s.kv {
+                KvRows::Shared => None,
+                KvRows::Projected => Some(heads(s.num_heads + s.num_kv_heads, s.num_kv_heads)),
+                KvRows::FromKeys => Some(heads(s.num_heads, s.num_kv_heads)),
+            };
+            match values {
+                None => cache.prefill_shared(q, position, seq, s.scores),
+                Some(v) => {
+                    let k = B::qk_norm_rope(heads(s.num_heads, s.num_kv_heads), rope, position, norm(&self.k_norm));
+                    let v = match &self.v_norm {
+                        Some(n) => n.forward(v),
+                        None => v,
+                    };
+                    cache.prefill(q, k, v, position, s.scores)
+                }
+            }
+            .swap_dims(1, 2)
         };
         self.o_proj.forward(out.reshape([batch, seq, s.num_heads * s.head_dim]))
     }
 
-    /// QK-norm weights `(q, k, eps)` where the layer has them.
-    fn qk_norm_weights(&self) -> Option<(Tensor<B, 1>, Tensor<B, 1>, f64)> {
+    /// The per-head norms the decode kernel applies, where the layer has them.
+    fn head_norms(&self) -> Option<HeadNorms<B>> {
+        let value = if self.v_norm.is_some() { ValueNorm::Unweighted } else { ValueNorm::None };
         match (&self.q_norm, &self.k_norm) {
-            (Some(q), Some(k)) => Some((q.weight.val(), k.weight.val(), q.eps)),
+            (Some(q), Some(k)) => Some(HeadNorms { query: q.weight.val(), key: k.weight.val(), eps: q.eps, value }),
+            // A KV-sharing layer normalizes its queries only; the key weight is never read.
+            (Some(q), None) => Some(HeadNorms { query: q.weight.val(), key: q.weight.val(), eps: q.eps, value }),
             _ => None,
         }
     }
