@@ -523,7 +523,8 @@ fn gemma4_config_from_gguf(
 ) -> Result<GemmaConfig, ModelError> {
     let key = |k: &str| format!("{arch_name}.{k}");
     let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
-    let missing = |field: &'static str| ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() };
+    let missing =
+        |field: &'static str| ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() };
     let first = |field: &'static str| -> Result<usize, ModelError> {
         per_layer(field)?.and_then(|v| v.first().copied()).ok_or_else(|| missing(field))
     };
@@ -578,7 +579,9 @@ fn gemma4_config_from_gguf(
     let moe = match meta(file, &key("expert_count")).and_then(Value::as_u64) {
         Some(experts) if experts > 0 => Some(MoeConfig {
             num_experts: experts as usize,
-            top_k_experts: meta(file, &key("expert_used_count")).and_then(Value::as_u64).ok_or_else(|| missing("expert_used_count"))? as usize,
+            top_k_experts: meta(file, &key("expert_used_count"))
+                .and_then(Value::as_u64)
+                .ok_or_else(|| missing("expert_used_count"))? as usize,
             moe_intermediate_size: first("expert_feed_forward_length")?,
         }),
         _ => None,

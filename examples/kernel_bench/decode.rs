@@ -6,8 +6,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::{Error, GemmaBackend, GemmaConfig};
 use burn_gemma_kernels::{
     graph::{self, Replay, StepBuffer, StepGraph},
-    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HeadNorms, HostMatrix, HostQuantized, KvFormat, KvRows, KvView,
-    Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition, ValueNorm,
+    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HeadNorms, HostMatrix, HostQuantized, KvFormat,
+    KvRows, KvView, Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition, ValueNorm,
 };
 
 /// Calls recorded into one graph per timing.

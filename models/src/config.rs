@@ -427,12 +427,10 @@ impl GemmaConfig {
         };
         let (num_kv_shared_layers, use_double_wide_mlp, hidden_size_per_layer_input, vocab_size_per_layer_input) =
             if gemma4 {
-                (
-                    get_usize(obj, "num_kv_shared_layers")?.unwrap_or(0),
-                    get_bool("use_double_wide_mlp")?,
-                    get_usize(obj, "hidden_size_per_layer_input")?.unwrap_or(0),
-                    get_usize(obj, "vocab_size_per_layer_input")?.unwrap_or(262_144),
-                )
+                let width = get_usize(obj, "hidden_size_per_layer_input")?.unwrap_or(0);
+                // The table's rows only matter where there is a table.
+                let rows = if width > 0 { get_usize(obj, "vocab_size_per_layer_input")?.unwrap_or(262_144) } else { 0 };
+                (get_usize(obj, "num_kv_shared_layers")?.unwrap_or(0), get_bool("use_double_wide_mlp")?, width, rows)
             } else {
                 (0, false, 0, 0)
             };
@@ -458,7 +456,11 @@ impl GemmaConfig {
             },
             attn_logit_softcapping: if gemma4 { None } else { get_f64(obj, "attn_logit_softcapping")? },
             final_logit_softcapping: get_f64(obj, "final_logit_softcapping")?,
-            sliding_window: if gemma4 { Some(get_usize(obj, "sliding_window")?.unwrap_or(512)) } else { sliding_window },
+            sliding_window: if gemma4 {
+                Some(get_usize(obj, "sliding_window")?.unwrap_or(512))
+            } else {
+                sliding_window
+            },
             layer_types,
             rope_full_attention,
             rope_sliding_attention,
@@ -476,16 +478,8 @@ impl GemmaConfig {
     }
 
     /// Names accepted by [`GemmaConfig::preset`].
-    pub const PRESETS: [&'static str; 8] = [
-        "gemma3-270m",
-        "gemma3-1b",
-        "gemma3-4b",
-        "gemma3-12b",
-        "gemma3-27b",
-        "gemma4-e2b",
-        "gemma4-e4b",
-        "gemma4-31b",
-    ];
+    pub const PRESETS: [&'static str; 8] =
+        ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "gemma4-e2b", "gemma4-e4b", "gemma4-31b"];
 
     /// The published configuration of a Gemma 3 or 4 text model (as in its HF `config.json`),
     /// for synthetic (random-weight) models in tests and benchmarks: one of [`Self::PRESETS`].
@@ -550,11 +544,15 @@ impl GemmaConfig {
         for (field, dim) in [("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)] {
             burn_gemma_kernels::attention::check_head_dim(dim).map_err(|reason| invalid(field, reason))?;
         }
-        for (field, kv) in
-            [("num_key_value_heads", self.num_key_value_heads), ("num_global_key_value_heads", self.num_global_key_value_heads)]
-        {
+        for (field, kv) in [
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("num_global_key_value_heads", self.num_global_key_value_heads),
+        ] {
             if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
-                return Err(invalid(field, format!("({kv}) must divide num_attention_heads ({})", self.num_attention_heads)));
+                return Err(invalid(
+                    field,
+                    format!("({kv}) must divide num_attention_heads ({})", self.num_attention_heads),
+                ));
             }
         }
         if self.vocab_size.checked_mul(self.hidden_size).is_none_or(|n| n > 1 << 36) {
@@ -567,7 +565,10 @@ impl GemmaConfig {
             ));
         }
         if self.model_type == Architecture::Gemma4 && self.layer_types.last() != Some(&LayerType::FullAttention) {
-            return Err(invalid("layer_types", "must end with a full_attention layer (Gemma 4's last layer is global)"));
+            return Err(invalid(
+                "layer_types",
+                "must end with a full_attention layer (Gemma 4's last layer is global)",
+            ));
         }
         self.check_gemma4_parts()?;
         if self.layer_types.contains(&LayerType::SlidingAttention) && self.sliding_window.is_none_or(|w| w == 0) {
@@ -620,7 +621,10 @@ impl GemmaConfig {
                 let kind = self.layer_types[layer];
                 return Err(invalid(
                     "num_kv_shared_layers",
-                    format!("({}) leaves no earlier {kind:?} layer for layer {layer} to share", self.num_kv_shared_layers),
+                    format!(
+                        "({}) leaves no earlier {kind:?} layer for layer {layer} to share",
+                        self.num_kv_shared_layers
+                    ),
                 ));
             }
         }
@@ -630,7 +634,10 @@ impl GemmaConfig {
             }
             let width = self.hidden_size_per_layer_input.checked_mul(layers);
             if width.and_then(|w| w.checked_mul(self.vocab_size_per_layer_input)).is_none_or(|n| n > 1 << 36) {
-                return Err(invalid("hidden_size_per_layer_input", "times the layers and vocabulary is implausibly large"));
+                return Err(invalid(
+                    "hidden_size_per_layer_input",
+                    "times the layers and vocabulary is implausibly large",
+                ));
             }
         }
         if let Some(moe) = self.moe {
@@ -644,7 +651,10 @@ impl GemmaConfig {
                 ));
             }
             if moe.moe_intermediate_size == 0 || moe.moe_intermediate_size > 1 << 20 {
-                return Err(invalid("moe_intermediate_size", format!("is out of range ({})", moe.moe_intermediate_size)));
+                return Err(invalid(
+                    "moe_intermediate_size",
+                    format!("is out of range ({})", moe.moe_intermediate_size),
+                ));
             }
         }
         Ok(())
@@ -729,14 +739,14 @@ impl GemmaConfig {
                 };
                 let attn = h * d * (2 * self.num_attention_heads + kv_projections * kv);
                 let mlp = 3 * h * self.intermediate_size_of(i);
-                let experts = self.moe.map_or(0, |m| m.num_experts * (3 * h * m.moe_intermediate_size + 1) + h * m.num_experts);
+                let experts =
+                    self.moe.map_or(0, |m| m.num_experts * (3 * h * m.moe_intermediate_size + 1) + h * m.num_experts);
                 let per_layer = 2 * h * self.hidden_size_per_layer_input;
                 attn + mlp + experts + per_layer
             })
             .sum();
-        let per_layer_tables = self.hidden_size_per_layer_input
-            * self.num_hidden_layers
-            * (self.vocab_size_per_layer_input + h);
+        let per_layer_tables =
+            self.hidden_size_per_layer_input * self.num_hidden_layers * (self.vocab_size_per_layer_input + h);
         self.vocab_size * h + layers + per_layer_tables
     }
 }

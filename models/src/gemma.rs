@@ -471,7 +471,6 @@ impl<B: GemmaBackend> Gemma<B> {
         KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
     }
 
-
     /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
     fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
         let [batch, seq] = ids.dims();
@@ -502,7 +501,8 @@ impl<B: GemmaBackend> Gemma<B> {
     ) -> Tensor<B, 3> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
         let [batch, seq] = ids.dims();
-        let embedded = self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
+        let embedded =
+            self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
         let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
         let mut stream = ResidualStream::new(embedded, self.dtype);
         for (i, layer) in self.layers.iter().enumerate() {

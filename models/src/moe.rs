@@ -138,8 +138,13 @@ impl<B: GemmaBackend> MoeBlock<B> {
             settings,
             device,
         )?;
-        let down =
-            expert_matrices(source, &format!("{prefix}.experts.down_proj"), [experts, hidden, inter], settings, device)?;
+        let down = expert_matrices(
+            source,
+            &format!("{prefix}.experts.down_proj"),
+            [experts, hidden, inter],
+            settings,
+            device,
+        )?;
         let experts = gate_up
             .into_iter()
             .zip(down)

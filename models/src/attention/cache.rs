@@ -99,29 +99,30 @@ impl<B: GemmaBackend> LayerCache<B> {
             Span::Ring(w) => {
                 let shared = self.shared;
                 let (out, chunk) = self.update(|store| {
-                // Attend over [the previous window in order] ++ [the new rows], then keep the
-                // last `w` positions in the ring.
-                let dtype = q.dtype();
-                let mut old_k = Vec::new();
-                let mut old_v = Vec::new();
-                for range in window_in_order(position, w) {
-                    let (k, v) = B::kv_read(&store, range, dtype);
-                    old_k.push(k);
-                    old_v.push(v);
-                }
-                old_k.push(keys.clone());
-                old_v.push(values.clone());
-                let (all_k, all_v) = (Tensor::cat(old_k, 2), Tensor::cat(old_v, 2));
-                let mask = AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
-                let chunk = shared.then(|| SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask });
-                let kv = KvView::Dense { keys: all_k, values: all_v };
-                let out = B::grouped_attention(q, kv, &scores.with(mask));
-                let mut store = store;
-                for (rows, slot) in ring_writes(position, t, w) {
-                    let rows = s![.., .., rows, ..];
-                    store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
-                }
-                ((out, chunk), store)
+                    // Attend over [the previous window in order] ++ [the new rows], then keep the
+                    // last `w` positions in the ring.
+                    let dtype = q.dtype();
+                    let mut old_k = Vec::new();
+                    let mut old_v = Vec::new();
+                    for range in window_in_order(position, w) {
+                        let (k, v) = B::kv_read(&store, range, dtype);
+                        old_k.push(k);
+                        old_v.push(v);
+                    }
+                    old_k.push(keys.clone());
+                    old_v.push(values.clone());
+                    let (all_k, all_v) = (Tensor::cat(old_k, 2), Tensor::cat(old_v, 2));
+                    let mask =
+                        AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
+                    let chunk = shared.then(|| SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask });
+                    let kv = KvView::Dense { keys: all_k, values: all_v };
+                    let out = B::grouped_attention(q, kv, &scores.with(mask));
+                    let mut store = store;
+                    for (rows, slot) in ring_writes(position, t, w) {
+                        let rows = s![.., .., rows, ..];
+                        store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
+                    }
+                    ((out, chunk), store)
                 });
                 self.shared_chunk = chunk;
                 out
@@ -141,9 +142,9 @@ impl<B: GemmaBackend> LayerCache<B> {
             _ => {
                 let mask = AttentionMask { q_offset: position, k_offset: 0, window: self.span.window() };
                 self.update(|store| {
-                let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
-                (out, store)
-            })
+                    let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
+                    (out, store)
+                })
             }
         }
     }

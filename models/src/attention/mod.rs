@@ -69,7 +69,8 @@ impl<B: GemmaBackend> Attention<B> {
         };
         let name = |p: &str| format!("{prefix}.{p}");
         let (q, k, v, o) = (name("q_proj"), name("k_proj"), name("v_proj"), name("o_proj"));
-        let (q_rows, k_rows, v_rows) = ((q.as_str(), heads * d), (k.as_str(), kv_heads * d), (v.as_str(), kv_heads * d));
+        let (q_rows, k_rows, v_rows) =
+            ((q.as_str(), heads * d), (k.as_str(), kv_heads * d), (v.as_str(), kv_heads * d));
         let qkv: &[(&str, usize)] = match kv {
             KvRows::Projected => &[q_rows, k_rows, v_rows],
             KvRows::FromKeys => &[q_rows, k_rows],
