@@ -1,7 +1,7 @@
 //! Text generation over a [`Gemma`] model: streaming, stop conditions, chat history, statistics.
 
 use crate::{
-    chat,
+    chat::{self, ChatTemplate},
     sampling::{Sampler, SamplingConfig},
     tokenizer::Bos,
     Error, Gemma, GemmaBackend, KvCache, Tokenizer,
@@ -24,7 +24,8 @@ pub struct GenerationConfig {
     pub max_new_tokens: usize,
     /// How tokens are chosen.
     pub sampling: SamplingConfig,
-    /// Extra stop tokens beside `<eos>` and `<end_of_turn>`.
+    /// Extra stop tokens beside `<eos>` and the end-of-turn token (`<end_of_turn>`, Gemma 4's
+    /// `<turn|>`).
     pub stop_tokens: Vec<u32>,
     /// Whether decoding replays a recorded CUDA graph (see [`CudaGraph`]; `Auto`: on CUDA,
     /// with greedy or temperature sampling and no repetition penalty).
@@ -178,6 +179,8 @@ pub struct Generator<B: GemmaBackend> {
     graphs: Option<DecodeGraphs<B>>,
     /// Why decoding stays eager in `Auto` mode (said once).
     graph_off: Option<String>,
+    /// The model's chat layout.
+    template: ChatTemplate,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -190,14 +193,16 @@ impl<B: GemmaBackend> Generator<B> {
                 tokenizer.vocab_size()
             )));
         }
+        let template = ChatTemplate::for_architecture(model.config.model_type);
         let mut default_stops = model.config.eos_token_id.clone();
-        default_stops.extend(tokenizer.token_id("<end_of_turn>"));
+        default_stops.extend(tokenizer.token_id(template.end_of_turn()));
         default_stops.extend(tokenizer.token_id("<eos>"));
         default_stops.sort_unstable();
         default_stops.dedup();
         Ok(Self {
             model,
             tokenizer,
+            template,
             cache: None,
             context: Vec::new(),
             default_stops,
@@ -251,7 +256,7 @@ impl<B: GemmaBackend> Generator<B> {
         self.continue_ids(&ids, config, on_text)
     }
 
-    /// One chat turn: appends the user's message in the Gemma template to the conversation and
+    /// One chat turn: appends the user's message in the model's chat template to the conversation and
     /// generates the model's reply.
     pub fn chat(
         &mut self,
@@ -264,14 +269,15 @@ impl<B: GemmaBackend> Generator<B> {
         }
         let mut text = String::new();
         if !self.context.is_empty() {
-            // The previous reply ended with <end_of_turn> (already in the context) or was cut
-            // short; either way close the turn before the next one.
-            if self.context.last().is_none_or(|&t| Some(t) != self.tokenizer.token_id("<end_of_turn>")) {
-                text.push_str("<end_of_turn>");
+            // The previous reply ended with its end-of-turn token (already in the context) or
+            // was cut short; either way close the turn before the next one.
+            let end = self.template.end_of_turn();
+            if self.context.last().is_none_or(|&t| Some(t) != self.tokenizer.token_id(end)) {
+                text.push_str(end);
             }
             text.push_str(chat::TURN_SEPARATOR);
         }
-        text.push_str(&chat::user_turn(message));
+        text.push_str(&self.template.user_turn(message));
         let ids = self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })?;
         self.continue_ids(&ids, config, on_text)
     }

@@ -631,6 +631,13 @@ fn gemma4_config_from_gguf(
 fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
     let missing = |k: &str| Error::Tokenizer(format!("GGUF has no usable `{k}`"));
     let model = meta(file, "tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
+    if model == "gemma4" {
+        return Err(Error::Tokenizer(
+            "this GGUF carries Gemma 4's BPE tokenizer (`gemma4`), which this crate does not build from GGUF \
+             metadata yet: load the model's HF directory (its tokenizer.json) to generate text"
+                .into(),
+        ));
+    }
     if model != "llama" {
         return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} is not SentencePiece (`llama`)")));
     }

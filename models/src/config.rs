@@ -345,6 +345,18 @@ impl GemmaConfig {
             }
         };
 
+        if layer_types.len() != num_hidden_layers {
+            return Err(invalid(
+                "layer_types",
+                format!("has {} entries for {num_hidden_layers} layers", layer_types.len()),
+            ));
+        }
+        if arch == Architecture::Gemma4 && layer_types.last() != Some(&LayerType::FullAttention) {
+            return Err(invalid(
+                "layer_types",
+                "must end with a full_attention layer (Gemma 4's last layer is global)",
+            ));
+        }
         let (rope_full_attention, rope_sliding_attention) = match obj.get("rope_parameters") {
             None | Some(Value::Null) if arch == Architecture::Gemma4 => (
                 RopeConfig { rope_theta: 1_000_000.0, factor: 1.0, partial_rotary_factor: 0.25 },
@@ -858,6 +870,93 @@ mod tests {
 }
 
 #[cfg(test)]
+mod gemma4_tests {
+    use super::*;
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/tiny-gemma");
+
+    fn fixture(name: &str) -> Value {
+        let text = std::fs::read_to_string(format!("{FIXTURES}/{name}/config.json")).expect("fixture config");
+        serde_json::from_str(&text).expect("fixture JSON")
+    }
+
+    fn error(config: &Value) -> String {
+        GemmaConfig::from_hf_json(&config.to_string()).expect_err("config must be refused").to_string()
+    }
+
+    #[test]
+    fn fixtures_resolve_their_shapes() {
+        let e = GemmaConfig::from_hf_json(&fixture("gemma4-e").to_string()).unwrap();
+        assert_eq!((e.head_dim, e.global_head_dim, e.num_global_key_value_heads), (16, 32, 1));
+        assert_eq!(
+            (e.first_kv_shared_layer(), e.kv_producer(7), e.kv_producer(9), e.kv_producer(6)),
+            (7, Some(6), Some(5), None)
+        );
+        assert_eq!((e.intermediate_size_of(6), e.intermediate_size_of(7)), (96, 192));
+        assert_eq!(e.rope(LayerType::FullAttention).partial_rotary_factor, 0.25);
+        assert_eq!(e.query_pre_attn_scalar, 1.0);
+        let dense = GemmaConfig::from_hf_json(&fixture("gemma4-dense").to_string()).unwrap();
+        assert!(
+            dense.values_from_keys(LayerType::FullAttention) && !dense.values_from_keys(LayerType::SlidingAttention)
+        );
+        assert_eq!(
+            (dense.kv_heads_of(LayerType::SlidingAttention), dense.kv_heads_of(LayerType::FullAttention)),
+            (2, 1)
+        );
+        let moe = GemmaConfig::from_hf_json(&fixture("gemma4-moe").to_string()).unwrap();
+        assert_eq!(moe.moe.map(|m| (m.num_experts, m.top_k_experts, m.moe_intermediate_size)), Some((4, 2, 24)));
+        // The older keys, without per_layer_config.
+        let mut legacy = fixture("gemma4-dense");
+        legacy.as_object_mut().unwrap().remove("per_layer_config");
+        legacy["global_head_dim"] = 32.into();
+        legacy["num_global_key_value_heads"] = 1.into();
+        let legacy = GemmaConfig::from_hf_json(&legacy.to_string()).unwrap();
+        assert_eq!((legacy.global_head_dim, legacy.num_global_key_value_heads), (32, 1));
+    }
+
+    #[test]
+    fn bad_gemma4_configs_name_the_field() {
+        let mut c = fixture("gemma4-dense");
+        c["per_layer_config"]["5"]["head_dim"] = 4100.into();
+        c["per_layer_config"]["7"]["head_dim"] = 4100.into();
+        let message = error(&c);
+        assert!(message.contains("global_head_dim") && message.contains("4100"), "{message}");
+        let mut c = fixture("gemma4-dense");
+        c["per_layer_config"]["5"]["head_dim"] = 33.into();
+        c["per_layer_config"]["7"]["head_dim"] = 33.into();
+        assert!(error(&c).contains("global_head_dim"), "{}", error(&c));
+        let mut c = fixture("gemma4-dense");
+        c["per_layer_config"]["7"]["head_dim"] = 64.into();
+        assert!(error(&c).contains("per_layer_config"), "{}", error(&c));
+        // The last 3 layers share, but the 5 before them are all sliding: no full layer produces.
+        let mut c = fixture("gemma4-e");
+        c["num_kv_shared_layers"] = 5.into();
+        let message = error(&c);
+        assert!(message.contains("num_kv_shared_layers") && message.contains("FullAttention"), "{message}");
+        let mut c = fixture("gemma4-e");
+        c["num_kv_shared_layers"] = 10.into();
+        assert!(error(&c).contains("num_kv_shared_layers"), "{}", error(&c));
+        let mut c = fixture("gemma4-moe");
+        c["top_k_experts"] = 5.into();
+        let message = error(&c);
+        assert!(message.contains("top_k_experts") && message.contains("num_experts (4)"), "{message}");
+        let mut c = fixture("gemma4-moe");
+        c.as_object_mut().unwrap().remove("moe_intermediate_size");
+        assert!(error(&c).contains("moe_intermediate_size"), "{}", error(&c));
+        let mut c = fixture("gemma4-e");
+        c["layer_types"].as_array_mut().unwrap().pop();
+        let message = error(&c);
+        assert!(message.contains("layer_types") && message.contains("9 entries for 10 layers"), "{message}");
+        let mut c = fixture("gemma4-e");
+        c["layer_types"][9] = "sliding_attention".into();
+        assert!(error(&c).contains("layer_types"), "{}", error(&c));
+        let mut c = fixture("gemma4-e");
+        c["use_bidirectional_attention"] = "all".into();
+        assert!(error(&c).contains("use_bidirectional_attention"), "{}", error(&c));
+    }
+}
+
+#[cfg(test)]
 mod preset_tests {
     use super::*;
 
@@ -870,11 +969,18 @@ mod preset_tests {
             ("gemma3-4b", 3.88e9),
             ("gemma3-12b", 11.77e9),
             ("gemma3-27b", 27.0e9),
+            // The E models' "effective" sizes: without the per-layer embedding tables (their
+            // published 5.1B and 8B also count the vision and audio encoders).
+            ("gemma4-e2b", 2.3e9),
+            ("gemma4-e4b", 4.5e9),
+            ("gemma4-31b", 30.7e9),
         ] {
             let c = GemmaConfig::preset(name).unwrap();
             c.validate().unwrap();
-            let n = c.num_parameters() as f64;
-            assert!((n / approx - 1.0).abs() < 0.03, "{name}: {n}");
+            let tables = c.hidden_size_per_layer_input * c.num_hidden_layers * c.vocab_size_per_layer_input;
+            let n = (c.num_parameters() - tables) as f64;
+            // Published sizes are rounded to 0.1B (E4B: 4.64B counted here against "4.5B").
+            assert!((n / approx - 1.0).abs() < 0.04, "{name}: {n}");
         }
         let c = GemmaConfig::preset("gemma3-4b").unwrap();
         assert_eq!((c.rope(LayerType::FullAttention).factor, c.sliding_window), (8.0, Some(1024)));
