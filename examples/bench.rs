@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 #[derive(Parser, Clone)]
 struct Args {
     /// GGUF file, HF directory, `default` (the default model, fetched once), or
-    /// synthetic:<gemma3-270m|gemma3-1b|gemma3-4b|gemma3-12b>.
+    /// synthetic:<preset> (see `GemmaConfig::PRESETS`).
     #[arg(long)]
     model: String,
     /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.

@@ -26,6 +26,10 @@
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
 #                                          entry (model:weights, GGUF files from `prepare` by name)
+#   bash .gpu-bench/bench-gpu.sh prepare4  Gemma 4 files: $G4MODELS ("e2b e4b") written as Q8_0 by
+#                                          gen_gguf4.py, requantized to $G4QUANTS by llama-quantize
+#   bash .gpu-bench/bench-gpu.sh gemma4    their decode side by side (llama-bench, F16 KV; ours, bf16
+#                                          KV), then our synthetic $G4SYNTH (model:weights, none by default)
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
 # The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
@@ -48,6 +52,10 @@ MODEL_FILE=${MODEL_FILE:-/tmp/gemma3-270m-q4_k_m.gguf}
 PROFILE=${PROFILE:-"270m 4b"}
 HOSTPROF=${HOSTPROF:-"1b:bf16 1b:q4 4b:q8"}
 HF=${HF:-1}
+G4MODELS=${G4MODELS:-"e2b e4b"}
+G4QUANTS=${G4QUANTS:-"Q8_0 Q4_K_M"}
+G4DEPTH=${G4DEPTH:-0}
+G4SYNTH=${G4SYNTH:-""}
 LCPP=${LCPP:-/tmp/lcpp}
 GGUF=${GGUF:-/tmp/gguf}
 
@@ -80,7 +88,8 @@ bundle() {
   cp -r ../shared/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
-  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py scripts/host_profile.py .gpu-bench/
+  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py scripts/host_profile.py \
+    scripts/gen_gguf4.py .gpu-bench/
   cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
   du -sh .gpu-bench
@@ -95,7 +104,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
 
-prepare() {
+build_llama() {
   if [ ! -x "$LCPP/build/bin/llama-bench" ]; then
     log "building llama.cpp in $LCPP"
     mkdir -p "$LCPP" && tar xzf "$here/kit/llama.cpp-src.tgz" -C "$LCPP" || return 1
@@ -105,6 +114,10 @@ prepare() {
       { log "llama.cpp build failed (see llama-build.txt)"; return 1; }
   fi
   export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+}
+
+prepare() {
+  build_llama || return 1
   mkdir -p "$GGUF"
   for m in $MODELS; do
     if [ ! -s "$GGUF/$m-F16.gguf" ]; then
@@ -185,6 +198,62 @@ quant() {
   done
   /tmp/burn-gemma-kernel-bench --backend cuda --dtype bf16 --section kernels > "$OUT/kernels.txt" 2>> "$OUT/log.txt" || log "kernel_bench failed"
   python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
+}
+
+# Gemma 4: random-weight GGUFs of the $G4MODELS shapes written as Q8_0 (gen_gguf4.py), and
+# Q4_K_M requantized from them by llama-quantize.
+prepare4() {
+  build_llama || return 1
+  mkdir -p "$GGUF"
+  for m in $G4MODELS; do
+    if [ ! -s "$GGUF/g4-$m-Q8_0.gguf" ]; then
+      log "writing $GGUF/g4-$m-Q8_0.gguf"
+      python3 "$here/gen_gguf4.py" "$m" "$here/kit/gemma3-vocab.json.gz" "$GGUF/g4-$m-Q8_0.gguf" >> "$OUT/log.txt" 2>&1 || return 1
+    fi
+    for q in $G4QUANTS; do
+      [ "$q" = Q8_0 ] || [ -s "$GGUF/g4-$m-$q.gguf" ] && continue
+      log "requantizing g4-$m to $q"
+      "$LCPP/build/bin/llama-quantize" --allow-requantize "$GGUF/g4-$m-Q8_0.gguf" "$GGUF/g4-$m-$q.gguf" "$q" "$(nproc)" \
+        > /dev/null 2>&1 || return 1
+    done
+  done
+  log "prepared: $(ls -s "$GGUF" | tr '\n' ' ')"
+}
+
+# Gemma 4 decode side by side on the prepared files (tg128 after a 512-token prompt at depth
+# $G4DEPTH): llama-bench with an F16 KV cache, ours with bf16 KV and the files' own blocks; then
+# our synthetic presets of $G4SYNTH (model:weights) where no file was written.
+gemma4() {
+  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  unpack
+  copy_bandwidth
+  for m in $G4MODELS; do
+    for q in $G4QUANTS; do
+      f=$GGUF/g4-$m-$q.gguf
+      [ -s "$f" ] || { log "missing $f"; continue; }
+      if [ -x "$LCPP/build/bin/llama-bench" ]; then
+        log "llama-bench g4-$m $q"
+        "$LCPP/build/bin/llama-bench" -m "$f" -p 512 -n 128 -d "$G4DEPTH" -fa 1 -ngl 99 -r "$REPS" -o jsonl \
+          >> "$OUT/g4-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f"
+      fi
+      log "ours g4-$m $q"
+      "$bin" --model "$f" --backend cuda --dtype bf16 --weights native --prompt-len 512 --gen 128 --depth "$G4DEPTH" \
+        --reps "$REPS" >> "$OUT/g4-ours.txt" 2>&1 || log "our bench failed on $f"
+    done
+  done
+  for entry in $G4SYNTH; do
+    log "ours synthetic:${entry%%:*} ${entry##*:}"
+    "$bin" --model "synthetic:${entry%%:*}" --backend cuda --dtype bf16 --weights "${entry##*:}" --prompt-len 512 \
+      --gen 128 --depth "$G4DEPTH" --reps "$REPS" >> "$OUT/g4-ours.txt" 2>&1 || log "our bench failed on $entry"
+  done
+  grep -h '"n_gen": 128' "$OUT/g4-llama.jsonl" 2>/dev/null | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l); print("llama.cpp", r["model_filename"].split("/")[-1], "tg128 %.1f tok/s" % r["avg_ts"])'
+  grep -h "^JSON" "$OUT/g4-ours.txt" | sed "s/^JSON //" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l); print("ours", r["model"].split("/")[-1], r["weights"], "tg%d %.1f tok/s" % (r["gen"], r["tg"]), "graph", r["cuda_graph"])'
 }
 
 accuracy() {
@@ -312,7 +381,9 @@ case "${1:-}" in
   tests) kernel_tests ;;
   ab) ab ;;
   hostprof) hostprof ;;
+  prepare4) prepare4 ;;
+  gemma4) gemma4 ;;
   chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
-  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|ab|hostprof|chunks" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|ab|hostprof|chunks|prepare4|gemma4" >&2; exit 2 ;;
 esac

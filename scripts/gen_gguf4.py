@@ -1,0 +1,101 @@
+# Writes a Gemma 4 GGUF (`gemma4` architecture, Q8_0 blocks written directly, random weights,
+# the real Gemma 3 vocabulary as a SentencePiece `llama` tokenizer) of a published text shape, for
+# speed tests: llama.cpp and burn-gemma read the same file. Metadata and tensor names as
+# llama.cpp's converter writes them (conversion/gemma.py, Gemma4Model).
+#   python3 gen_gguf4.py e2b|e4b|31b VOCAB.json.gz OUT.gguf
+# Needs the pure-Python `gguf` package (llama.cpp's gguf-py) and numpy.
+import sys, gzip, json, numpy as np, gguf
+
+# layers, hidden, intermediate, heads, KV heads (sliding, full), values from keys, window,
+# sliding pattern, KV-sharing layers, double-wide MLPs, per-layer input width
+CFG = {
+    "e2b": dict(L=35, h=1536, ffn=6144, nh=8, kv=1, kv_full=1, k_eq_v=False, win=512, pattern=5, shared=20, wide=True, ple=256),
+    "e4b": dict(L=42, h=2560, ffn=10240, nh=8, kv=2, kv_full=2, k_eq_v=False, win=512, pattern=6, shared=18, wide=False, ple=256),
+    # A small file of the same layout, to check the script and the loaders.
+    "tiny": dict(L=6, h=64, ffn=128, nh=2, kv=1, kv_full=1, k_eq_v=True, win=8, pattern=3, shared=2, wide=True, ple=32),
+    "31b": dict(L=60, h=5376, ffn=21504, nh=32, kv=16, kv_full=4, k_eq_v=True, win=1024, pattern=6, shared=0, wide=False, ple=0),
+}
+HD, HD_FULL, PARTIAL = 256, 512, 0.25
+
+size, vocab_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+c = CFG[size]
+voc = json.load(gzip.open(vocab_path, "rt"))
+V = len(voc["tokens"])
+L, h, nh = c["L"], c["h"], c["nh"]
+swa = [(i + 1) % c["pattern"] != 0 for i in range(L)]
+first_shared = L - c["shared"]
+ffn = [c["ffn"] * (2 if c["wide"] and i >= first_shared else 1) for i in range(L)]
+
+w = gguf.GGUFWriter(out, "gemma4")
+w.add_name(f"gemma4-{size}-random")
+a = lambda k: f"gemma4.{k}"
+w.add_uint32(a("context_length"), 131072)
+w.add_uint32(a("embedding_length"), h)
+w.add_uint32(a("block_count"), L)
+w.add_array(a("feed_forward_length"), ffn) if c["wide"] else w.add_uint32(a("feed_forward_length"), c["ffn"])
+w.add_uint32(a("attention.head_count"), nh)
+w.add_array(a("attention.head_count_kv"), [c["kv"] if s else c["kv_full"] for s in swa])
+w.add_uint32(a("attention.key_length"), HD_FULL)
+w.add_uint32(a("attention.value_length"), HD_FULL)
+w.add_uint32(a("attention.key_length_swa"), HD)
+w.add_uint32(a("attention.value_length_swa"), HD)
+w.add_float32(a("attention.layer_norm_rms_epsilon"), 1e-6)
+w.add_uint32(a("attention.sliding_window"), c["win"])
+w.add_array(a("attention.sliding_window_pattern"), swa)
+w.add_uint32(a("attention.shared_kv_layers"), c["shared"])
+w.add_uint32(a("embedding_length_per_layer_input"), c["ple"])
+w.add_float32(a("rope.freq_base"), 1e6)
+w.add_float32(a("rope.freq_base_swa"), 1e4)
+w.add_uint32(a("rope.dimension_count"), HD_FULL)
+w.add_uint32(a("rope.dimension_count_swa"), HD)
+w.add_float32(a("final_logit_softcapping"), 30.0)
+w.add_tokenizer_model("llama"); w.add_tokenizer_pre("default")
+w.add_token_list(voc["tokens"]); w.add_token_scores(voc["scores"]); w.add_token_types(voc["types"])
+w.add_bos_token_id(2); w.add_eos_token_id(1); w.add_unk_token_id(3); w.add_pad_token_id(0)
+w.add_add_bos_token(True); w.add_add_eos_token(False)
+
+rng = np.random.default_rng(0)
+# A pool of Q8_0 blocks (f16 scale, 32 int8 codes: values about N(0, 0.02)), tiled over each matrix.
+POOL = 1 << 20
+scales = np.full((POOL, 1), 0.06 / 127, dtype=np.float16).view(np.uint8).reshape(POOL, 2)
+codes = np.clip(np.round(rng.standard_normal((POOL, 32)) * 127 / 3), -127, 127).astype(np.int8).view(np.uint8)
+pool = np.concatenate([scales, codes], axis=1).reshape(-1)  # 34 bytes per block
+
+def q8(rows, cols):
+    blocks = rows * cols // 32
+    reps = -(-blocks // POOL)
+    return np.tile(pool, reps)[: blocks * 34].reshape(rows, cols // 32 * 34)
+
+def mat(name, rows, cols):
+    w.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+def norm(name, n):
+    w.add_tensor(name, (1.0 + rng.standard_normal(n) * 0.05).astype(np.float32))
+
+mat("token_embd.weight", V, h)
+norm("output_norm.weight", h)
+rotated = int(PARTIAL * HD_FULL / 2)
+w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (HD_FULL // 2 - rotated), dtype=np.float32))
+if c["ple"]:
+    mat("per_layer_token_embd.weight", V, L * c["ple"])
+    mat("per_layer_model_proj.weight", L * c["ple"], h)
+    norm("per_layer_proj_norm.weight", c["ple"])
+for i in range(L):
+    p = f"blk.{i}."
+    hd, kv = (HD, c["kv"]) if swa[i] else (HD_FULL, c["kv_full"])
+    mat(p + "attn_q.weight", nh * hd, h)
+    norm(p + "attn_q_norm.weight", hd)
+    if i < first_shared:
+        mat(p + "attn_k.weight", kv * hd, h)
+        norm(p + "attn_k_norm.weight", hd)
+        if swa[i] or not c["k_eq_v"]:
+            mat(p + "attn_v.weight", kv * hd, h)
+    mat(p + "attn_output.weight", h, nh * hd)
+    for n in ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"]:
+        norm(p + n + ".weight", h)
+    mat(p + "ffn_gate.weight", ffn[i], h); mat(p + "ffn_up.weight", ffn[i], h); mat(p + "ffn_down.weight", h, ffn[i])
+    w.add_tensor(p + "layer_output_scale.weight", np.array([0.5], dtype=np.float32))
+    if c["ple"]:
+        mat(p + "inp_gate.weight", c["ple"], h); mat(p + "proj.weight", h, c["ple"]); norm(p + "post_norm.weight", h)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+print("wrote", out)
