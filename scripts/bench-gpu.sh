@@ -64,8 +64,11 @@ bundle() {
   cd "$(dirname "$0")/.."
   local kit=${GPU_BENCH_KIT:-../shared/gpu-bench}
   rm -rf .gpu-bench && mkdir -p .gpu-bench/kit
-  mkdir -p .git/info
-  grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
+  # Ignored by git (in a worktree, .git is a file: the main checkout's exclude applies).
+  if [ -d .git ]; then
+    mkdir -p .git/info
+    grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
+  fi
   cargo build --release --features cuda,host-profile --example bench --example kernel_bench --example accuracy
   # The bench keeps its symbol table: `hostprof` names the functions the host spends time in.
   strip --strip-debug -o .gpu-bench/bench target/release/examples/bench && gzip -9 .gpu-bench/bench

@@ -59,16 +59,21 @@ fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Dev
     // Greedy decoding through the KV cache, one token at a time after the prompt.
     let prompt = common::ids(&reference["greedy_prompt_ids"]);
     let want = common::ids(&reference["greedy_ids"]);
-    let mut cache = model.new_cache(1, prompt.len() + want.len()).unwrap();
-    let mut next = prompt.clone();
+    assert_eq!(greedy(&model, &prompt, want.len(), device), want, "{}: greedy ids", case.name);
+}
+
+/// `n` greedy tokens after `prompt`, one decode step each through the KV cache.
+fn greedy<B: GemmaBackend>(model: &burn_gemma::Gemma<B>, prompt: &[u32], n: usize, device: &B::Device) -> Vec<u32> {
+    let mut cache = model.new_cache(1, prompt.len() + n).unwrap();
+    let mut next = prompt.to_vec();
     let mut produced = Vec::new();
-    for _ in 0..want.len() {
+    for _ in 0..n {
         let logits = model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
         let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
         produced.push(token);
         next = vec![token];
     }
-    assert_eq!(produced, want, "{}: greedy ids", case.name);
+    produced
 }
 
 #[test]
@@ -304,16 +309,7 @@ fn greedy_ids<B: GemmaBackend>(
     let (mut model, _) =
         Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
     model.kv_cache = kv;
-    let mut cache = model.new_cache(1, prompt.len() + want.len()).unwrap();
-    let mut next = prompt;
-    let mut produced = Vec::new();
-    for _ in 0..want.len() {
-        let logits = model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
-        let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
-        produced.push(token);
-        next = vec![token];
-    }
-    (produced, want)
+    (greedy(&model, &prompt, want.len(), device), want)
 }
 
 /// Gemma 4's tiny random models attend with scale 1 over QK-normed random heads, so their
