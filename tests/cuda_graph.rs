@@ -148,9 +148,9 @@ fn random_1b_graph_equals_eager() {
 }
 
 /// Gemma 4: the dense fixture (values from keys, value norms, head sizes 16 and 32, partial
-/// RoPE, layer scalars) records and replays like eager decode; the per-layer-embedding and
-/// expert fixtures decode through Burn operations and host reads, so their steps are refused with
-/// the reason, and the cache is left as it was.
+/// RoPE, layer scalars) and the E fixture (per-layer inputs, KV sharing) record and replay like
+/// eager decode; the expert fixture reads its routes back, so its step is refused with the
+/// reason, and the cache is left as it was.
 #[test]
 fn gemma4_graph_equals_eager_or_says_why() {
     let d = device();
@@ -159,9 +159,10 @@ fn gemma4_graph_equals_eager_or_says_why() {
         let dir = common::fixtures().join("tiny-gemma").join(name);
         Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &d, |_, _| {}).unwrap().0
     };
-    let dense = open("gemma4-dense");
-    compare(&dense, &prompt, 60, SamplingParams::GREEDY, 1e-4, "gemma4-dense greedy");
-    for (name, needle) in [("gemma4-e", "per-layer embeddings"), ("gemma4-moe", "mixture-of-experts")] {
+    for name in ["gemma4-dense", "gemma4-e"] {
+        compare(&open(name), &prompt, 60, SamplingParams::GREEDY, 1e-4, &format!("{name} greedy"));
+    }
+    for (name, needle) in [("gemma4-moe", "mixture-of-experts")] {
         let model = open(name);
         let mut cache = model.new_cache(1, 64).unwrap();
         model.forward_last(token_tensor::<B>(&prompt, &d), &mut cache).unwrap();

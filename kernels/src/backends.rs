@@ -151,6 +151,10 @@ where
         cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), layout))
     }
 
+    fn gelu_gate(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        cube::tensor(crate::gelu::kernel::gelu_gate(cube::float(gate), cube::float(up)))
+    }
+
     fn qk_norm_rope(
         x: Tensor<Self, 4>,
         tables: &RopeTables<Self>,

@@ -110,6 +110,36 @@ pub(crate) mod kernel {
         out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + up])));
     }
 
+    /// `gelu_tanh(gate) * up` of two tensors of the same length.
+    #[cube(launch)]
+    fn gelu_gate_kernel<F: Float, U: Float>(
+        gate: &Array<F>,
+        up: &Array<U>,
+        out: &mut Array<F>,
+        #[define(F, U)] _dtypes: [StorageType; 2],
+    ) {
+        let i = unit_index();
+        if i >= out.len() {
+            terminate!();
+        }
+        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up[i])));
+    }
+
+    /// `gate` and `up`: contiguous, the same shape; returns `gelu_tanh(gate) * up` in `gate`'s
+    /// dtype.
+    pub fn gelu_gate<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+        let shape = gate.meta.shape().clone();
+        let out = empty(&gate, shape.clone(), gate.dtype);
+        let elements = shape.num_elements();
+        if elements == 0 {
+            return out;
+        }
+        let (count, dim) = elementwise(elements, 256);
+        let dtypes = [gate.dtype.into(), up.dtype.into()];
+        launch!(gelu_gate_kernel(&gate.client, count, dim, arg(&gate), arg(&up), arg(&out), dtypes));
+        out
+    }
+
     /// `x`: contiguous `[..., 2m]` laid out as `layout` says; returns `[..., m]`.
     pub fn gelu_mul_joined<R: CubeRuntime>(x: CubeTensor<R>, layout: GateUpLayout) -> CubeTensor<R> {
         let mut shape = x.meta.shape().clone();
@@ -168,6 +198,10 @@ mod gpu {
                 let what = format!("gelu_mul {layout:?} {shape:?} (gate std {spread})");
                 assert_close(got, expected.clone(), tolerance(dtype), &what);
             }
+            // Separate tensors (Gemma 4's per-layer input gate), the second in f32.
+            let got = B::gelu_gate(gate.clone(), up.clone().cast(DType::F32));
+            assert_eq!((got.dims(), got.dtype()), (shape, dtype));
+            assert_close(got, expected.clone(), tolerance(dtype), &format!("gelu_gate {shape:?} (gate std {spread})"));
         }
     }
 

@@ -128,6 +128,13 @@ pub trait GemmaBackend: ReservedMemory {
         gelu::joined_reference(x, layout)
     }
 
+    /// `gelu_tanh(gate) * up` of two tensors of the same shape (any float dtypes), in `gate`'s
+    /// dtype: Gemma 4's per-layer input gate.
+    fn gelu_gate(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+        let dtype = gate.dtype();
+        gelu::reference(gate, up.cast(dtype))
+    }
+
     /// Rotary position embedding (rotate-half layout), preceded by a per-head RMSNorm when
     /// `qk_norm` (`(weight [head_dim], eps)`, Gemma 3's QK-norm) is given.
     ///

@@ -243,9 +243,9 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         };
         let mut stream = stream.add(h, self.post_feedforward_layernorm.as_ref());
         if let (Some(block), Some(input)) = (&self.per_layer_input, per_layer_input) {
-            let dtype = input.dtype();
-            let (settled, residual) = stream.residual();
-            let h = block.forward(residual.cast(dtype), input);
+            // The gate reads the residual itself (f32), which the pending add writes.
+            let (settled, residual) = stream.settled(&block.post_per_layer_input_norm);
+            let h = block.forward(residual, input);
             stream = settled.add(h, Some(&block.post_per_layer_input_norm));
         }
         stream.scaled(self.layer_scalar)

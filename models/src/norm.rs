@@ -90,6 +90,30 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
         }
     }
 
+    /// The stream and its residual (f32) with the pending add applied by the add + RMSNorm
+    /// kernel (the normalized sum, by `norm`, is not used): where the next block reads the
+    /// residual itself (Gemma 4's per-layer input gate).
+    pub fn settled(self, norm: &RmsNorm<B>) -> (Self, Tensor<B, 3>) {
+        let dtype = self.dtype;
+        match self.pending {
+            None => {
+                let residual = self.residual.clone().cast(DType::F32);
+                (self, residual)
+            }
+            Some(Pending { h, post_norm, scale }) => {
+                let norms = AddNorm {
+                    post: post_norm.map(|n| n.weight.val()),
+                    weight: norm.weight.val(),
+                    eps: norm.eps,
+                    scale,
+                    out_dtype: dtype,
+                };
+                let (residual, _) = B::add_rms_norm(self.residual, h, &norms);
+                (Self { residual: residual.clone(), pending: None, dtype }, residual)
+            }
+        }
+    }
+
     /// The residual (f32, pending add applied; unfused).
     pub fn residual(self) -> (Self, Tensor<B, 3>) {
         let stream = self.settle();

@@ -24,7 +24,7 @@ use burn::{
     module::Module,
     tensor::{DType, Int, Tensor},
 };
-use burn_gemma_kernels::{gelu, GemmaBackend};
+use burn_gemma_kernels::{AddNorm, GemmaBackend};
 
 /// The model-level half: the table, the projection of the embeddings and its norm.
 #[derive(Module, Debug)]
@@ -85,20 +85,29 @@ impl<B: GemmaBackend> PerLayerEmbeddings<B> {
         }))
     }
 
-    /// Every layer's input, `[batch, seq, layers, width]` in `dtype`, from the token ids and
-    /// their scaled embeddings `embedded` (`[batch, seq, hidden]`).
+    /// Every layer's input, `[batch, seq, layers, width]` (f32), from the token ids and their
+    /// scaled embeddings `embedded` (`[batch, seq, hidden]`): `(norm(projection(embedded) /
+    /// sqrt(hidden)) + table[ids] * sqrt(width)) / sqrt(2)`, in two kernels (the gather, the
+    /// projection) and one add + RMSNorm whose pre-norm is the projection's norm and whose scale
+    /// is `1 / sqrt(2)`. RMSNorm of `x / c` with epsilon `e` is RMSNorm of `x` with `e * c^2`:
+    /// the projection's scale goes into the epsilon.
     pub fn inputs(&self, ids: Tensor<B, 2, Int>, embedded: Tensor<B, 3>, dtype: DType) -> Tensor<B, 4> {
         let [batch, seq] = ids.dims();
-        let (layers, width) = (self.layers, self.width);
+        let (layers, width, rows) = (self.layers, self.width, batch * seq * self.layers);
         let scale = crate::gemma::embed_scale(self.width, dtype);
-        let own = self.embed_tokens_per_layer.embed(ids, scale, dtype).reshape([batch, seq, layers, width]);
-        let projected = self
-            .per_layer_model_projection
-            .forward(embedded)
-            .mul_scalar((self.hidden as f64).powf(-0.5))
-            .reshape([batch, seq, layers, width]);
-        let projected = self.per_layer_projection_norm.forward(projected);
-        (projected + own).mul_scalar(0.5f64.sqrt())
+        let own = self.embed_tokens_per_layer.embed(ids, scale, dtype).reshape([1, rows, width]);
+        let projected = self.per_layer_model_projection.forward(embedded).reshape([1, rows, width]);
+        let norm = &self.per_layer_projection_norm;
+        let norms = AddNorm {
+            post: Some(norm.weight.val()),
+            // The normalized sum is not used; any weight of the width serves.
+            weight: norm.weight.val(),
+            eps: norm.eps * self.hidden as f64,
+            scale: 0.5f64.sqrt(),
+            out_dtype: dtype,
+        };
+        let (sum, _) = B::add_rms_norm(own, projected, &norms);
+        sum.reshape([batch, seq, layers, width])
     }
 
     /// Bytes on the device.
@@ -156,13 +165,12 @@ impl<B: GemmaBackend> PerLayerInput<B> {
         }))
     }
 
-    /// `projection(gelu_tanh(gate(h)) * input)` for the residual `h` (`[batch, seq, hidden]`, in
-    /// the activation dtype) and this layer's input slice (`[batch, seq, width]`); the post-norm
-    /// is applied by the residual add.
+    /// `projection(gelu_tanh(gate(h)) * input)` for the residual `h` (`[batch, seq, hidden]`)
+    /// and this layer's input slice (`[batch, seq, width]`); the post-norm is applied by the
+    /// residual add.
     pub fn forward(&self, h: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = self.per_layer_input_gate.forward(h);
-        burn_gemma_kernels::graph::unsupported(|| "per-layer embeddings (gated by Burn operations)".into());
-        self.per_layer_projection.forward(gelu::reference(gate, input))
+        self.per_layer_projection.forward(B::gelu_gate(gate, input))
     }
 
     /// Bytes on the device.
