@@ -70,11 +70,11 @@ fn compare(
         let logits = model.forward_last(token_tensor::<B>(&[e], &d), &mut eager).unwrap();
         e = first(B::sample(logits.clone(), &sampling, Draws::Host(u)));
         g = graphs.step(model, &mut graphed, &[g], u).unwrap_or_else(|err| panic!("{what}: step {step}: {err}"))[0];
-        assert_eq!(e, g, "{what}: token {step} (position {})", prompt.len() + step);
         let expected = logits.into_data().to_vec::<f32>().unwrap();
         let got = graphs.last_logits().unwrap().cast(DType::F32).into_data().to_vec::<f32>().unwrap();
-        assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite graph logits at step {step}");
         let diff = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert_eq!(e, g, "{what}: token {step} (position {}); logits differ by {diff}", prompt.len() + step);
+        assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite graph logits at step {step}");
         worst = worst.max(diff);
         assert!(diff <= tolerance, "{what}: logits at step {step} differ by {diff} > {tolerance}");
         eager_tokens.push(e);

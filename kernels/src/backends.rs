@@ -151,8 +151,8 @@ where
         cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), layout))
     }
 
-    fn gelu_gate(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
-        cube::tensor(crate::gelu::kernel::gelu_gate(cube::float(gate), cube::float(up)))
+    fn gelu_gate(gate: Tensor<Self, 3>, inputs: Tensor<Self, 4>, layer: usize) -> Tensor<Self, 3> {
+        cube::tensor(crate::gelu::kernel::gelu_gate(cube::float(gate), cube::float(inputs), layer))
     }
 
     fn qk_norm_rope(

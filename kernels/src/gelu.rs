@@ -110,33 +110,52 @@ pub(crate) mod kernel {
         out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(x[at]), f32::cast_from(x[at + up])));
     }
 
-    /// `gelu_tanh(gate) * up` of two tensors of the same length.
+    /// `gelu_tanh(gate[r, c]) * inputs[r, layer, c]` for rows of `width` values.
     #[cube(launch)]
     fn gelu_gate_kernel<F: Float, U: Float>(
         gate: &Array<F>,
-        up: &Array<U>,
+        inputs: &Array<U>,
         out: &mut Array<F>,
+        width: u32,
+        layers: u32,
+        layer: u32,
         #[define(F, U)] _dtypes: [StorageType; 2],
     ) {
         let i = unit_index();
         if i >= out.len() {
             terminate!();
         }
-        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up[i])));
+        let (width, layers) = (width as usize, layers as usize);
+        let (row, c) = (i / width, i % width);
+        let up = inputs[(row * layers + layer as usize) * width + c];
+        out[i] = F::cast_from(gelu_mul_f32(f32::cast_from(gate[i]), f32::cast_from(up)));
     }
 
-    /// `gate` and `up`: contiguous, the same shape; returns `gelu_tanh(gate) * up` in `gate`'s
-    /// dtype.
-    pub fn gelu_gate<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+    /// `gate`: contiguous `[..., width]`; `inputs`: contiguous `[..., layers, width]` with the
+    /// same leading dims. Returns `gelu_tanh(gate) * inputs[..., layer, :]` in `gate`'s dtype.
+    pub fn gelu_gate<R: CubeRuntime>(gate: CubeTensor<R>, inputs: CubeTensor<R>, layer: usize) -> CubeTensor<R> {
         let shape = gate.meta.shape().clone();
+        let dims = inputs.meta.shape().num_dims();
+        let (layers, width) = (inputs.meta.shape()[dims - 2], inputs.meta.shape()[dims - 1]);
         let out = empty(&gate, shape.clone(), gate.dtype);
         let elements = shape.num_elements();
         if elements == 0 {
             return out;
         }
         let (count, dim) = elementwise(elements, 256);
-        let dtypes = [gate.dtype.into(), up.dtype.into()];
-        launch!(gelu_gate_kernel(&gate.client, count, dim, arg(&gate), arg(&up), arg(&out), dtypes));
+        let dtypes = [gate.dtype.into(), inputs.dtype.into()];
+        launch!(gelu_gate_kernel(
+            &gate.client,
+            count,
+            dim,
+            arg(&gate),
+            arg(&inputs),
+            arg(&out),
+            width as u32,
+            layers as u32,
+            layer as u32,
+            dtypes
+        ));
         out
     }
 
@@ -198,8 +217,10 @@ mod gpu {
                 let what = format!("gelu_mul {layout:?} {shape:?} (gate std {spread})");
                 assert_close(got, expected.clone(), tolerance(dtype), &what);
             }
-            // Separate tensors (Gemma 4's per-layer input gate), the second in f32.
-            let got = B::gelu_gate(gate.clone(), up.clone().cast(DType::F32));
+            // Gemma 4's per-layer input gate: `up` as one layer of 3 (in f32), the others noise.
+            let noise = || Tensor::<B, 4>::random([batch, seq, 1, m], Distribution::Normal(0.0, 1.0), device);
+            let inputs = Tensor::cat(vec![noise(), up.clone().cast(DType::F32).unsqueeze_dim(2), noise()], 2);
+            let got = B::gelu_gate(gate.clone(), inputs, 1);
             assert_eq!((got.dims(), got.dtype()), (shape, dtype));
             assert_close(got, expected.clone(), tolerance(dtype), &format!("gelu_gate {shape:?} (gate std {spread})"));
         }

@@ -128,9 +128,14 @@ pub trait GemmaBackend: ReservedMemory {
         gelu::joined_reference(x, layout)
     }
 
-    /// `gelu_tanh(gate) * up` of two tensors of the same shape (any float dtypes), in `gate`'s
-    /// dtype: Gemma 4's per-layer input gate.
-    fn gelu_gate(gate: Tensor<Self, 3>, up: Tensor<Self, 3>) -> Tensor<Self, 3> {
+    /// Gemma 4's per-layer input gate: `gelu_tanh(gate) * inputs[:, :, layer, :]` in `gate`'s
+    /// dtype, reading the layer's slice in place (no copy of it is made).
+    ///
+    /// - `gate`: `[batch, seq, width]`; `inputs`: `[batch, seq, layers, width]` (any float dtype).
+    fn gelu_gate(gate: Tensor<Self, 3>, inputs: Tensor<Self, 4>, layer: usize) -> Tensor<Self, 3> {
+        let [batch, seq, layers, width] = inputs.dims();
+        let up =
+            inputs.slice([0..batch, 0..seq, layer..(layer + 1).min(layers), 0..width]).reshape([batch, seq, width]);
         let dtype = gate.dtype();
         gelu::reference(gate, up.cast(dtype))
     }

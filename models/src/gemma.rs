@@ -219,15 +219,15 @@ impl<B: GemmaBackend> DecoderLayer<B> {
 
     /// The block at `position` (HF's `Gemma3DecoderLayer.forward`); each `residual + h` is
     /// added by the next norm, in one kernel ([`ResidualStream`]).
-    /// `per_layer_input`: this layer's slice of the per-layer inputs (`[batch, seq, width]`,
-    /// Gemma 4 E models).
+    /// `per_layer_input`: the per-layer inputs (`[batch, seq, layers, width]`) and this layer's
+    /// index among them (Gemma 4 E models).
     fn forward<'a>(
         &'a self,
         stream: ResidualStream<'a, B>,
         rope: &RopeTables<B>,
         cache: &mut LayerCache<B>,
         position: &StepPosition<B>,
-        per_layer_input: Option<Tensor<B, 3>>,
+        per_layer_input: Option<(Tensor<B, 4>, usize)>,
     ) -> ResidualStream<'a, B> {
         let (stream, h) = stream.norm(&self.input_layernorm);
         let h = self.self_attn.forward(h, rope, cache, position);
@@ -242,10 +242,10 @@ impl<B: GemmaBackend> DecoderLayer<B> {
             None => (stream, h),
         };
         let mut stream = stream.add(h, self.post_feedforward_layernorm.as_ref());
-        if let (Some(block), Some(input)) = (&self.per_layer_input, per_layer_input) {
+        if let (Some(block), Some((inputs, layer))) = (&self.per_layer_input, per_layer_input) {
             // The gate reads the residual itself (f32), which the pending add writes.
             let (settled, residual) = stream.settled(&block.post_per_layer_input_norm);
-            let h = block.forward(residual, input);
+            let h = block.forward(residual, inputs, layer);
             stream = settled.add(h, Some(&block.post_per_layer_input_norm));
         }
         stream.scaled(self.layer_scalar)
@@ -500,16 +500,12 @@ impl<B: GemmaBackend> Gemma<B> {
         position: &StepPosition<B>,
     ) -> Tensor<B, 3> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
-        let [batch, seq] = ids.dims();
         let embedded =
             self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
         let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
         let mut stream = ResidualStream::new(embedded, self.dtype);
         for (i, layer) in self.layers.iter().enumerate() {
-            let input = per_layer.as_ref().map(|inputs| {
-                let width = inputs.dims()[3];
-                inputs.clone().slice([0..batch, 0..seq, i..i + 1, 0..width]).reshape([batch, seq, width])
-            });
+            let input = per_layer.as_ref().map(|inputs| (inputs.clone(), i));
             let rope = rope.get(layer.self_attn.settings.layer_type);
             stream = layer.forward(stream, rope, cache.layer_mut(i), position, input);
         }

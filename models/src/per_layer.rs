@@ -165,12 +165,13 @@ impl<B: GemmaBackend> PerLayerInput<B> {
         }))
     }
 
-    /// `projection(gelu_tanh(gate(h)) * input)` for the residual `h` (`[batch, seq, hidden]`)
-    /// and this layer's input slice (`[batch, seq, width]`); the post-norm is applied by the
-    /// residual add.
-    pub fn forward(&self, h: Tensor<B, 3>, input: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// `projection(gelu_tanh(gate(h)) * inputs[:, :, layer])` for the residual `h` (`[batch,
+    /// seq, hidden]`) and every layer's inputs (`[batch, seq, layers, width]`, read in place: a
+    /// sliced copy made by Burn would not be part of a recorded decode step); the post-norm is
+    /// applied by the residual add.
+    pub fn forward(&self, h: Tensor<B, 3>, inputs: Tensor<B, 4>, layer: usize) -> Tensor<B, 3> {
         let gate = self.per_layer_input_gate.forward(h);
-        self.per_layer_projection.forward(B::gelu_gate(gate, input))
+        self.per_layer_projection.forward(B::gelu_gate(gate, inputs, layer))
     }
 
     /// Bytes on the device.
