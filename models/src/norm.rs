@@ -69,6 +69,20 @@ struct Pending<'a, B: GemmaBackend> {
     scale: f64,
 }
 
+impl<B: GemmaBackend> Pending<'_, B> {
+    /// The new residual (f32) and its `norm` in `dtype`, in one add + RMSNorm kernel.
+    fn apply(self, residual: Tensor<B, 3>, norm: &RmsNorm<B>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let norms = AddNorm {
+            post: self.post_norm.map(|n| n.weight.val()),
+            weight: norm.weight.val(),
+            eps: norm.eps,
+            scale: self.scale,
+            out_dtype: dtype,
+        };
+        B::add_rms_norm(residual, self.h, &norms)
+    }
+}
+
 impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
     /// A stream starting at `x` (the scaled embeddings); norms return `dtype`.
     pub fn new(x: Tensor<B, 3>, dtype: DType) -> Self {
@@ -100,15 +114,8 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
                 let residual = self.residual.clone().cast(DType::F32);
                 (self, residual)
             }
-            Some(Pending { h, post_norm, scale }) => {
-                let norms = AddNorm {
-                    post: post_norm.map(|n| n.weight.val()),
-                    weight: norm.weight.val(),
-                    eps: norm.eps,
-                    scale,
-                    out_dtype: dtype,
-                };
-                let (residual, _) = B::add_rms_norm(self.residual, h, &norms);
+            Some(pending) => {
+                let (residual, _) = pending.apply(self.residual, norm, dtype);
                 (Self { residual: residual.clone(), pending: None, dtype }, residual)
             }
         }
@@ -129,15 +136,8 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
                 let normed = norm.forward(self.residual.clone()).cast(dtype);
                 (self, normed)
             }
-            Some(Pending { h, post_norm, scale }) => {
-                let norms = AddNorm {
-                    post: post_norm.map(|n| n.weight.val()),
-                    weight: norm.weight.val(),
-                    eps: norm.eps,
-                    scale,
-                    out_dtype: dtype,
-                };
-                let (residual, normed) = B::add_rms_norm(self.residual, h, &norms);
+            Some(pending) => {
+                let (residual, normed) = pending.apply(self.residual, norm, dtype);
                 (Self { residual, pending: None, dtype }, normed)
             }
         }
