@@ -11,7 +11,7 @@ use crate::{
     per_layer::{PerLayerEmbeddings, PerLayerInput},
     projection::{load_matrix, Projection, WeightSettings},
     rope::RotaryEmbeddings,
-    weights::{row_chunks, WeightFormat, WeightKind, WeightSource},
+    weights::{host_values, row_chunks, WeightFormat, WeightKind, WeightSource},
     Architecture, GemmaConfig, KvCache, ModelError,
 };
 use burn::{
@@ -196,8 +196,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         let layer_scalar = if c.model_type == Architecture::Gemma4 {
             let name = format!("{prefix}.layer_scalar");
             let t: Tensor<B, 1> = source.load(&name, [1], WeightKind::Scale, DType::F32, device)?;
-            let value = t.into_data().convert::<f32>().into_vec::<f32>().ok().and_then(|v| v.first().copied());
-            match value {
+            match host_values(t, &name)?.first().copied() {
                 Some(v) if v.is_finite() => v as f64,
                 other => return Err(ModelError::Source(format!("{name} is not a finite number: {other:?}").into())),
             }

@@ -12,7 +12,7 @@ use crate::{
     gemma::Mlp,
     norm::RmsNorm,
     projection::{Projection, WeightSettings},
-    weights::{quantize, WeightKind, WeightSource},
+    weights::{host_values, quantize, WeightKind, WeightSource},
     GemmaConfig, ModelError, MoeConfig, WeightFormat,
 };
 use burn::{
@@ -103,11 +103,6 @@ impl<B: GemmaBackend> Router<B> {
             })
             .collect()
     }
-}
-
-/// Values of a small device tensor on the host, naming it on failure.
-fn host_values<B: GemmaBackend>(t: Tensor<B, 1>, name: &str) -> Result<Vec<f32>, ModelError> {
-    t.into_data().convert::<f32>().into_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))
 }
 
 /// The expert block of one layer: router, experts and its three norms.
@@ -226,14 +221,7 @@ fn expert_matrices<B: GemmaBackend>(
             let expert = all.clone().slice([e..e + 1, 0..rows, 0..cols]).reshape([rows, cols]);
             match format {
                 None => Ok(HostMatrix::Dense(expert.cast(settings.dtype))),
-                Some(q) => {
-                    let values = expert
-                        .into_data()
-                        .convert::<f32>()
-                        .into_vec::<f32>()
-                        .map_err(|err| ModelError::Source(format!("{name}: {err:?}").into()))?;
-                    Ok(HostMatrix::Quantized(quantize(name, &values, [rows, cols], q)?))
-                }
+                Some(q) => Ok(HostMatrix::Quantized(quantize(name, &host_values(expert, name)?, [rows, cols], q)?)),
             }
         })
         .collect()

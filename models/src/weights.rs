@@ -84,10 +84,13 @@ pub trait WeightSource<B: Backend> {
     ) -> Result<Option<HostQuantized>, ModelError> {
         let Some(format) = format else { return Ok(None) };
         let dense: Tensor<B, 2> = self.load(name, shape, WeightKind::Matrix, DType::F32, device)?;
-        let values =
-            dense.into_data().to_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
-        quantize(name, &values, shape, format).map(Some)
+        quantize(name, &host_values(dense, name)?, shape, format).map(Some)
     }
+}
+
+/// The values of a device tensor on the host as f32, naming the tensor on failure.
+pub(crate) fn host_values<B: Backend, const D: usize>(t: Tensor<B, D>, name: &str) -> Result<Vec<f32>, ModelError> {
+    t.into_data().convert::<f32>().into_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))
 }
 
 /// Quantizes host values, naming the tensor in the error.
