@@ -46,6 +46,9 @@ struct Args {
     kv_cache: String,
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
+    /// Most prompt tokens per forward pass (as `generate --prefill-chunk`).
+    #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: std::num::NonZeroUsize,
     #[arg(long, default_value_t = 128)]
     gen: usize,
     /// Context already in the cache before the timed prefill and decode.
@@ -93,20 +96,21 @@ fn ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
         .collect()
 }
 
-/// Feeds `tokens` in chunks of at most 512 (bounds the activation memory), returns the last
-/// chunk's greedy token id.
+/// Feeds `tokens` in chunks of at most `chunk` (bounds the activation memory), returns the
+/// greedy token id after the last.
 fn feed<B: GemmaBackend>(
     model: &Gemma<B>,
     cache: &mut KvCache<B>,
     tokens: &[u32],
+    chunk: std::num::NonZeroUsize,
     device: &B::Device,
 ) -> Result<u32, Error> {
-    let mut last = 0;
-    for chunk in tokens.chunks(512) {
-        let logits = model.forward_last(token_tensor::<B>(chunk, device), cache)?;
-        last = first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0])));
+    let mut logits = None;
+    for chunk in tokens.chunks(chunk.get()) {
+        logits = Some(model.forward_last(token_tensor::<B>(chunk, device), cache)?);
     }
-    Ok(last)
+    let logits = logits.ok_or_else(|| Error::Backend("no tokens to feed".into()))?;
+    Ok(first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))))
 }
 
 /// Reads a sampled id back to the host (this waits for the device).
@@ -176,15 +180,19 @@ impl BackendTask for Bench {
         for rep in 0..=a.reps {
             // Prefill at depth.
             cache.reset();
-            feed(&model, &mut cache, &context, &device)?;
+            if !context.is_empty() {
+                feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
+            }
             let _ = B::sync(&device);
             let start = Instant::now();
-            let mut token = feed(&model, &mut cache, &prompt, &device)?;
+            let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
             let prefill = start.elapsed();
             peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
             // Decode at depth.
             cache.reset();
-            feed(&model, &mut cache, &context, &device)?;
+            if !context.is_empty() {
+                feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
+            }
             let _ = B::sync(&device);
             let profiler = match (&a.host_profile, rep == a.reps) {
                 (Some(_), true) => Some(host_profile::start()?),
@@ -246,6 +254,15 @@ impl BackendTask for Bench {
             a.model, a.depth, a.reps
         );
         show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
+        let tuning = burn_gemma_kernels::gemm::tune::summary();
+        if tuning.tuned > 0 || tuning.cached > 0 {
+            println!(
+                "prefill GEMM tuning: {} shape classes timed in {:.2} s (first rep, untimed warm-up), {} choices read from the cache",
+                tuning.tuned,
+                tuning.time.as_secs_f64(),
+                tuning.cached
+            );
+        }
         show(&format!("decode tg{}", a.gen), &tg, "tok/s");
         show("time to first token", &ttft, "ms");
         show("decode host time per token", &host, "ms");
@@ -282,8 +299,8 @@ impl BackendTask for Bench {
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak}{graph_json}}}",
-            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2)
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}}}",
+            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2), tuning.time.as_secs_f64()
         );
         Ok(())
     }

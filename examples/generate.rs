@@ -74,6 +74,10 @@ struct Args {
     /// without a repetition penalty; `on`: an error where it cannot work).
     #[arg(long, default_value = "auto")]
     cuda_graph: burn_gemma::CudaGraph,
+    /// Most prompt tokens per forward pass: longer prompts run in chunks of this size, which
+    /// bounds the device memory their activations take.
+    #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: std::num::NonZeroUsize,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -255,6 +259,7 @@ fn real_main(args: Args) -> Result<(), Error> {
         sampling,
         stop_tokens: Vec::new(),
         cuda_graph: args.cuda_graph,
+        prefill_chunk: args.prefill_chunk,
     };
     let run = Run { args, model_path, prompt, generation, interrupt };
     dispatch(kind, run, &mut |note| eprintln!("{note}"))?

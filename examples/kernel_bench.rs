@@ -25,6 +25,8 @@ use std::time::Instant;
 
 #[path = "kernel_bench/decode.rs"]
 mod decode;
+#[path = "kernel_bench/gemm.rs"]
+mod gemm;
 
 #[derive(Parser)]
 struct Args {
@@ -40,9 +42,24 @@ struct Args {
     /// Which tables: kernels, decode, launch or all.
     #[arg(long, default_value = "all")]
     section: Section,
+    /// Gemm section: activation rows of each product (comma-separated).
+    #[arg(long, default_value = "512,4096")]
+    rows: String,
+    /// Gemm section: `all` also times every CubeCL kernel candidate, `tuned` only `project`.
+    #[arg(long, value_enum, default_value_t = GemmKernels::Tuned)]
+    gemm_kernels: GemmKernels,
     /// Decode section: only these models (comma-separated: 270m,1b,4b,12b,27b).
     #[arg(long, default_value = "270m,1b,4b,12b,27b")]
     models: String,
+}
+
+/// Which kernels the gemm section times.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GemmKernels {
+    /// `project` only: the tuned kernel, dense and quantized weights.
+    Tuned,
+    /// Also every CubeCL kernel candidate on its own.
+    All,
 }
 
 /// The tables to print.
@@ -52,6 +69,9 @@ enum Section {
     Kernels,
     Decode,
     Launch,
+    /// Prefill products (CubeCL's matmul kernels) and prefill attention (CUDA and wgpu only;
+    /// not part of `all`).
+    Gemm,
 }
 
 struct Bench {
@@ -332,11 +352,62 @@ impl BackendTask for Bench {
     }
 }
 
+/// `--section gemm` on a CubeCL backend (the kernels are CubeCL's, so no CPU backend has them).
+fn gemm_section(
+    kind: BackendKind,
+    dtype: DType,
+    reps: usize,
+    rows: &[usize],
+    models: &[String],
+    all: bool,
+) -> Result<(), Error> {
+    println!("dtype {dtype:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
+    match kind {
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            gemm::run::<burn_gemma::backends::Cuda>(
+                &burn::backend::cuda::CudaDevice::new(0),
+                dtype,
+                reps,
+                rows,
+                models,
+                all,
+                burn_gemma_kernels::gemm::product,
+            );
+            gemm::attention::<burn_gemma::backends::Cuda>(&burn::backend::cuda::CudaDevice::new(0), dtype, reps);
+            Ok(())
+        }
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => {
+            gemm::run::<burn_gemma::backends::Wgpu>(
+                &Default::default(),
+                dtype,
+                reps,
+                rows,
+                models,
+                all,
+                burn_gemma_kernels::gemm::product,
+            );
+            gemm::attention::<burn_gemma::backends::Wgpu>(&Default::default(), dtype, reps);
+            Ok(())
+        }
+        _ => Err(Error::Request("--section gemm runs on --backend cuda or wgpu (CubeCL's kernels)".into())),
+    }
+}
+
 fn main() -> Result<(), Error> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
-    let models = args.models.split(',').map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
+    let models: Vec<String> = args.models.split(',').map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
+    if args.section == Section::Gemm {
+        let rows = args
+            .rows
+            .split(',')
+            .map(|r| r.trim().parse::<usize>().map_err(|e| Error::Request(format!("--rows {r:?}: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        return gemm_section(kind, dtype, args.reps.max(1), &rows, &models, args.gemm_kernels == GemmKernels::All);
+    }
     dispatch(kind, Bench { dtype, reps: args.reps.max(1), section: args.section, models }, &mut |note| {
         eprintln!("{note}")
     })?

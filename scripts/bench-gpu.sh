@@ -30,6 +30,9 @@
 #                                          gen_gguf4.py, requantized to $G4QUANTS by llama-quantize
 #   bash .gpu-bench/bench-gpu.sh gemma4    their decode side by side (llama-bench, F16 KV; ours, bf16
 #                                          KV), then our synthetic $G4SYNTH (model:weights, none by default)
+#   bash .gpu-bench/bench-gpu.sh prefill   pp512 and pp4096 side by side on $PMODELS x $PFILES (files
+#                                          from `prepare` with QUANTS="Q8_0 Q4_K_M"), and the time to
+#                                          first token of a 2k-token prompt on the real 270M
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
 # The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
@@ -52,6 +55,8 @@ MODEL_FILE=${MODEL_FILE:-/tmp/gemma3-270m-q4_k_m.gguf}
 PROFILE=${PROFILE:-"270m 4b"}
 HOSTPROF=${HOSTPROF:-"1b:bf16 1b:q4 4b:q8"}
 HF=${HF:-1}
+PMODELS=${PMODELS:-"1b 4b"}
+PFILES=${PFILES:-"F16 Q8_0 Q4_K_M"}
 G4MODELS=${G4MODELS:-"e2b e4b"}
 G4QUANTS=${G4QUANTS:-"Q8_0 Q4_K_M"}
 G4DEPTH=${G4DEPTH:-0}
@@ -91,7 +96,7 @@ bundle() {
   cp -r ../shared/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
-  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/decode_profile.py scripts/host_profile.py \
+  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/prefill_table.py scripts/decode_profile.py scripts/host_profile.py \
     scripts/gen_gguf4.py .gpu-bench/
   cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
@@ -259,6 +264,35 @@ for l in sys.stdin:
     r = json.loads(l); print("ours", r["model"].split("/")[-1], r["weights"], "tg%d %.1f tok/s" % (r["gen"], r["tg"]), "graph", r["cuda_graph"])'
 }
 
+# Prefill side by side: llama-bench pp512 and pp4096 (no generation) and ours on the same files,
+# then the time to first token of a 2k-token prompt on the real 270M ($MODEL_FILE, if there).
+prefill() {
+  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  unpack
+  for m in $PMODELS; do
+    for q in $PFILES; do
+      f=$GGUF/$m-$q.gguf
+      [ -s "$f" ] || { log "missing $f"; continue; }
+      if [ -x "$LCPP/build/bin/llama-bench" ]; then
+        log "llama-bench prefill $m $q"
+        "$LCPP/build/bin/llama-bench" -m "$f" -p 512,4096 -n 0 -fa 1 -ngl 99 -r "$REPS" -o jsonl \
+          >> "$OUT/prefill-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f"
+      fi
+      for p in 512 4096; do
+        log "ours prefill $m $q pp$p"
+        "$bin" --model "$f" --backend cuda --dtype bf16 --prompt-len "$p" --gen 1 --reps "$REPS" \
+          >> "$OUT/prefill-ours.txt" 2>&1 || log "our bench failed on $f pp$p"
+      done
+    done
+  done
+  if [ -s "$MODEL_FILE" ]; then
+    log "ours time to first token, real 270M, 2048-token prompt"
+    "$bin" --model "$MODEL_FILE" --backend cuda --dtype bf16 --prompt-len 2048 --gen 1 --reps "$REPS" \
+      >> "$OUT/prefill-ours.txt" 2>&1 || log "our bench failed on $MODEL_FILE"
+  fi
+  python3 "$here/prefill_table.py" "$OUT" > "$OUT/prefill.md" && cat "$OUT/prefill.md"
+}
+
 accuracy() {
   unpack
   [ -s "$MODEL_FILE" ] || { log "no $MODEL_FILE"; return 1; }
@@ -386,7 +420,8 @@ case "${1:-}" in
   hostprof) hostprof ;;
   prepare4) prepare4 ;;
   gemma4) gemma4 ;;
+  prefill) prefill ;;
   chunks) shift; chunks "$@" ;;
   all) prepare && run ;;
-  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|ab|hostprof|chunks|prepare4|gemma4" >&2; exit 2 ;;
+  *) echo "usage: $0 bundle|prepare|run|profile|quant|accuracy|tests|ab|hostprof|chunks|prepare4|gemma4|prefill" >&2; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
 use burn_gemma_model::{CudaGraph, DecodeGraphs, GraphSetup, ModelError};
 use std::{
+    num::NonZeroUsize,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -30,7 +31,19 @@ pub struct GenerationConfig {
     /// Whether decoding replays a recorded CUDA graph (see [`CudaGraph`]; `Auto`: on CUDA,
     /// with greedy or temperature sampling and no repetition penalty).
     pub cuda_graph: CudaGraph,
+    /// Most prompt tokens run through the model in one forward pass: a longer prompt is run in
+    /// chunks of this many tokens, each attending to the cache the previous ones filled, so the
+    /// activations a prompt needs on the device are bounded by the chunk, not the prompt.
+    pub prefill_chunk: NonZeroUsize,
 }
+
+/// [`GenerationConfig::prefill_chunk`]'s default: large enough that the products run at the
+/// matrix units' speed, small enough that a chunk's activations (and attention scores of the
+/// reference path) stay within a few hundred MB on the larger models.
+pub const DEFAULT_PREFILL_CHUNK: NonZeroUsize = match NonZeroUsize::new(2048) {
+    Some(n) => n,
+    None => unreachable!(),
+};
 
 impl Default for GenerationConfig {
     fn default() -> Self {
@@ -39,6 +52,7 @@ impl Default for GenerationConfig {
             sampling: SamplingConfig::default(),
             stop_tokens: Vec::new(),
             cuda_graph: CudaGraph::Auto,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }
@@ -70,6 +84,10 @@ pub struct Stats {
     pub graph_steps: usize,
     /// What recording the CUDA graphs of this generation cost (included in `decode`).
     pub graph_setup: GraphSetup,
+    /// Time spent choosing prefill GEMM kernels for product shapes not seen before on this
+    /// device (included in `prefill`; once per shape, then read from the tuning cache, see
+    /// `burn_gemma_kernels::gemm::tune`).
+    pub gemm_tuning: Duration,
 }
 
 impl Stats {
@@ -102,6 +120,13 @@ impl std::fmt::Display for Stats {
             self.generated_tokens,
             self.decode_tokens_per_second()
         )?;
+        if !self.gemm_tuning.is_zero() {
+            write!(
+                f,
+                " | prefill includes {:.0} ms choosing GEMM kernels for new shapes (cached for later runs)",
+                self.gemm_tuning.as_secs_f64() * 1e3
+            )?;
+        }
         if self.graph_steps > 0 {
             let setup = &self.graph_setup;
             write!(
@@ -316,6 +341,7 @@ impl<B: GemmaBackend> Generator<B> {
         let device = self.model.device();
 
         let start = Instant::now();
+        let tuning_before = burn_gemma_kernels::gemm::tune::summary().time;
         let mut stats = Stats { prompt_tokens: ids.len(), ..Default::default() };
         let mut stream = Utf8Stream::default();
         let mut text = String::new();
@@ -350,7 +376,16 @@ impl<B: GemmaBackend> Generator<B> {
                 }
                 None => {
                     let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
-                    let logits = self.model.forward_last(token_tensor(&input, &device), cache)?;
+                    // Every chunk but the last only fills the cache; its logits are dropped.
+                    let mut chunks = input.chunks(config.prefill_chunk.get()).peekable();
+                    let mut logits = None;
+                    while let Some(chunk) = chunks.next() {
+                        let last = self.model.forward_last(token_tensor(chunk, &device), cache)?;
+                        if chunks.peek().is_none() {
+                            logits = Some(last);
+                        }
+                    }
+                    let logits = logits.ok_or_else(|| Error::Request("no input tokens to run".into()))?;
                     self.context.extend_from_slice(&input);
                     let ids = sampler.sample_with_draws(logits, &self.context, &draws).into_data().convert::<i64>();
                     ids.as_slice::<i64>().ok().and_then(|ids| ids.first().copied()).unwrap_or(vocab as i64)
@@ -363,6 +398,7 @@ impl<B: GemmaBackend> Generator<B> {
             if step == 0 {
                 stats.prefill = start.elapsed();
                 stats.time_to_first_token = start.elapsed();
+                stats.gemm_tuning = burn_gemma_kernels::gemm::tune::summary().time.saturating_sub(tuning_before);
                 decode_start = Instant::now();
             }
             tokens.push(token);

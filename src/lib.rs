@@ -33,7 +33,7 @@ pub mod tokenizer;
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{CudaGraph, Gemma, GemmaConfig, KvCache, KvFormat, ModelError, WeightFormat};
 pub use error::Error;
-pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason};
+pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason, DEFAULT_PREFILL_CHUNK};
 pub use loader::{Checkpoint, LoadReport};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};

@@ -33,8 +33,8 @@ where
 
     /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernels, the
     /// epilogue inside them (one launch, the GELU halving what is written); larger ones to the
-    /// backend's matmul (over the dequantized matrix for quantized weights), which wins once the
-    /// weight is reused across rows, then one GELU kernel over the interleaved product.
+    /// prefill GEMM on the matrix units ([`crate::gemm`]; quantized weights dequantized into a
+    /// transient dense matrix first), then one GELU kernel over the interleaved product.
     fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
         let gemv_rows = x.dims()[0] <= crate::linear::GEMV_MAX_ROWS;
         let gemv_ready = |w: &Matrix<Self>| match w {
@@ -72,14 +72,18 @@ where
                 }
                 cube::tensor(out)
             }
+            Matrix::Dense(w) if x.dtype() == w.val().dtype() => {
+                crate::graph::unsupported(|| "a prefill product".into());
+                prefill_product(x, w.val())
+            }
             Matrix::Dense(w) => {
                 crate::graph::unsupported(|| "a projection through Burn's matmul".into());
                 crate::linear::reference(x, w.val())
             }
             Matrix::Quantized(w) => {
-                crate::graph::unsupported(|| "a projection through Burn's matmul".into());
+                crate::graph::unsupported(|| "a prefill product".into());
                 let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
-                crate::linear::reference(x, dense)
+                prefill_product(x, dense)
             }
             Matrix::Stacked(parts) => {
                 crate::graph::unsupported(|| "a stacked projection joined by Burn".into());
@@ -359,6 +363,24 @@ where
 }
 
 /// The device tensors of a quantized matrix as kernel arguments.
+/// `x @ w^T` by the prefill GEMM ([`crate::gemm`]); a shape CubeCL refuses for the device's
+/// kernel (none of Gemma's) through Burn's matmul, as every prefill product ran before.
+fn prefill_product<R, F, I, BT>(
+    x: Tensor<CubeBackend<R, F, I, BT>, 2>,
+    w: Tensor<CubeBackend<R, F, I, BT>, 2>,
+) -> Tensor<CubeBackend<R, F, I, BT>, 2>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    match crate::gemm::kernel::prefill(cube::float(x.clone()), cube::float(w.clone())) {
+        Ok(out) => cube::tensor(out),
+        Err(_) => crate::gemm::reference(x, w),
+    }
+}
+
 fn packed<R, F, I, BT>(w: &QuantizedMatrix<CubeBackend<R, F, I, BT>>) -> Packed<R>
 where
     R: CubeRuntime,

@@ -26,6 +26,7 @@ pub(crate) mod gpu_test;
 pub mod attention;
 pub mod embedding;
 pub mod gelu;
+pub mod gemm;
 pub mod graph;
 pub mod kv;
 pub mod linear;

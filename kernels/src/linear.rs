@@ -241,7 +241,8 @@ mod gpu {
     use crate::{Epilogue, GemmaBackend, HostMatrix};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
-    /// 1 to 8 activation rows (the kernel) and 9 (the matmul path), odd and Gemma sizes.
+    /// 1 to 8 activation rows (the GEMV kernel) and more (the prefill GEMM, [`crate::gemm`]),
+    /// odd and Gemma sizes.
     pub fn linear<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "linear");
         for (n, inp, out) in [
@@ -252,6 +253,10 @@ mod gpu {
             (5, 17, 3),
             (9, 640, 256),
             (1, 640, 52_428),
+            // Prefill products (the GEMM): odd sizes, and a Gemma 3 1B projection's shape.
+            (37, 333, 1001),
+            (130, 72, 200),
+            (257, 1152, 1536),
         ] {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);

@@ -102,6 +102,7 @@ pub fn check_head_dim(dim: usize) -> Result<(), String> {
     Ok(())
 }
 
+mod blocked;
 mod decode;
 mod merge;
 mod tiled;
@@ -214,7 +215,18 @@ pub(crate) mod kernel {
         let shared = q.client.properties().hardware.max_shared_memory_size;
         match (super::decode::tiling(&q, &kv, shared), position) {
             (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position),
-            (None, None | Some(Position::Host(_))) => super::tiled::attention(q, kv, out, options),
+            (None, None | Some(Position::Host(_))) => match kv {
+                // Prefill-sized blocks of dense keys on matrix units: the GEMM path.
+                Kv::Dense { k, v }
+                    if q_len >= super::blocked::MIN_QUERIES
+                        && crate::gemm::kernel::has_matrix_units(&q.client, q.dtype)
+                        && super::blocked::applies(q_len, k.meta.shape()[2], options)
+                        && super::blocked::attention(&q, &k, &v, &out, options).is_ok() =>
+                {
+                    out
+                }
+                kv => super::tiled::attention(q, kv, out, options),
+            },
             (None, Some(Position::Device { values, .. })) => {
                 crate::graph::unsupported(|| format!("no decode attention kernel for head size {dim}"));
                 let p = read_position(&values);
@@ -320,7 +332,7 @@ mod gpu {
     /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
     type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
 
-    const CASES: [Case; 15] = [
+    const CASES: [Case; 18] = [
         // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
         (1, 4, 1, 37, 37, 256, 0, 0, None, None),
         // Sliding window smaller than the prompt, crossing tile edges.
@@ -345,6 +357,11 @@ mod gpu {
         // Gemma 4's full layers: head size 512, prefill and decode (8 query heads per KV head).
         (1, 8, 1, 13, 13, 512, 0, 0, None, None),
         (1, 16, 2, 1, 301, 512, 300, 0, None, None),
+        // Prefill long enough for the GEMM path where the device has matrix units: several
+        // query blocks in a window; a chunk after a cache with softcap; head size 512.
+        (1, 8, 4, 600, 600, 256, 0, 0, Some(200), None),
+        (2, 8, 2, 130, 330, 128, 200, 0, None, Some(50.0)),
+        (1, 8, 1, 96, 96, 512, 0, 0, None, None),
     ];
 
     pub fn attention<B: GemmaBackend>(device: &B::Device, dtype: DType) {

@@ -69,6 +69,7 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             (3, 64, 4500),
             (9, 160, 75),
             (17, 64, 33),
+            (70, 352, 129),
         ]
         .into_iter()
         .enumerate()

@@ -1,0 +1,120 @@
+//! `--section gemm`: every CubeCL matmul kernel of [`GemmKernel::candidates`] on the prefill
+//! products of Gemma 3 1B and 4B (and 270M), TFLOP/s and the largest difference to Burn's
+//! matmul (with `--gemm-kernels all`), beside what `GemmaBackend::project` does: the tuned
+//! kernel, and for Q8 and Q4 weights the dequantization before it.
+
+use super::{random, time};
+use burn::tensor::{DType, ElementConversion, Tensor};
+use burn_gemma::GemmaBackend;
+use burn_gemma_kernels::{
+    gemm::{tune, GemmError, GemmKernel},
+    Epilogue, HostMatrix, HostQuantized, QuantFormat,
+};
+
+/// `(model, product, n, k)`: each projection's output and input width.
+pub const SHAPES: &[(&str, &str, usize, usize)] = &[
+    ("270m", "qkv", 1024 + 2 * 256, 640),
+    ("270m", "gate|up", 2 * 2048, 640),
+    ("270m", "down", 640, 2048),
+    ("1b", "qkv", 1024 + 2 * 256, 1152),
+    ("1b", "o", 1152, 1024),
+    ("1b", "gate|up", 2 * 6912, 1152),
+    ("1b", "down", 1152, 6912),
+    ("4b", "qkv", 2048 + 2 * 1024, 2560),
+    ("4b", "o", 2560, 2048),
+    ("4b", "gate|up", 2 * 10240, 2560),
+    ("4b", "down", 2560, 10240),
+];
+
+/// Prints one table row per (shape, rows, kernel).
+pub fn run<B: GemmaBackend>(
+    d: &B::Device,
+    dt: DType,
+    reps: usize,
+    rows: &[usize],
+    models: &[String],
+    all: bool,
+    product: impl Fn(Tensor<B, 2>, Tensor<B, 2>, GemmKernel) -> Result<Tensor<B, 2>, GemmError>,
+) {
+    println!("| model | product | m x n x k | kernel | ms | TFLOP/s | max abs diff to Burn's matmul |");
+    println!("|---|---|---|---|---:|---:|---:|");
+    for &(model, what, n, k) in SHAPES.iter().filter(|s| models.iter().any(|m| m == s.0)) {
+        for &m in rows {
+            let x = random::<B>(vec![m * k], dt, d).reshape([m, k]).mul_scalar(0.1);
+            let w = random::<B>(vec![n * k], dt, d).reshape([n, k]).mul_scalar(0.1);
+            let flop = 2.0 * (m * n * k) as f64;
+            let shape = format!("{m} x {n} x {k}");
+            let expected = burn_gemma_kernels::gemm::reference(x.clone(), w.clone()).cast(DType::F32);
+            // What prefill runs: `project` (tuned kernel; quantized weights dequantized first).
+            let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), d);
+            let host: Vec<f32> = w.clone().cast(DType::F32).into_data().to_vec().unwrap_or_default();
+            let mut weights = vec![("project dense", matrix)];
+            for format in [QuantFormat::Q8, QuantFormat::Q4] {
+                if let Ok(q) = HostQuantized::quantize(&host, n, k, format) {
+                    weights.push((
+                        if format == QuantFormat::Q8 { "project q8" } else { "project q4" },
+                        B::upload_matrix(HostMatrix::Quantized(q), d),
+                    ));
+                }
+            }
+            for (label, matrix) in &weights {
+                let s = time::<B, _>(d, reps, || B::project(x.clone(), matrix, Epilogue::Identity));
+                println!("| {model} | {what} | {shape} | {label} | {:.3} | {:.1} | - |", s * 1e3, flop / s / 1e12);
+            }
+            for kernel in GemmKernel::candidates().into_iter().filter(|_| all) {
+                match product(x.clone(), w.clone(), kernel) {
+                    Err(e) => println!("| {model} | {what} | {shape} | {kernel} | - | - | {e} |"),
+                    Ok(got) => {
+                        let diff: f32 = (got.cast(DType::F32) - expected.clone()).abs().max().into_scalar().elem();
+                        let s = time::<B, _>(d, reps, || product(x.clone(), w.clone(), kernel));
+                        println!(
+                            "| {model} | {what} | {shape} | {kernel} | {:.3} | {:.1} | {diff:.3e} |",
+                            s * 1e3,
+                            flop / s / 1e12
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let t = tune::summary();
+    println!(
+        "\nprefill kernel tuning: {} shape classes timed in {:.2} s, {} choices read from {}",
+        t.tuned,
+        t.time.as_secs_f64(),
+        t.cached,
+        t.path.map_or("(no cache folder)".into(), |p| p.display().to_string())
+    );
+}
+
+/// Prefill attention (`GemmaBackend::grouped_attention`, dense keys and values) on Gemma's
+/// shapes, causal, global and sliding-window, TFLOP/s counted over the visible (query, key)
+/// pairs only (4 flops per pair and head dimension: scores and output).
+pub fn attention<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
+    use burn_gemma_kernels::{AttentionMask, AttentionOptions, KvView};
+    println!("\n| attention | q heads / kv heads x dim | tokens | window | ms | TFLOP/s (visible pairs) |");
+    println!("|---|---|---:|---:|---:|---:|");
+    // (what, q heads, kv heads, dim, window)
+    let shapes: [(&str, usize, usize, usize, Option<usize>); 4] = [
+        ("gemma3-1b global", 4, 1, 256, None),
+        ("gemma3-4b global", 8, 4, 256, None),
+        ("gemma3-4b local", 8, 4, 256, Some(1024)),
+        ("gemma4 full", 16, 2, 512, None),
+    ];
+    for (what, hq, hkv, dim, window) in shapes {
+        for tokens in [2048, 4096, 8192] {
+            let q = random::<B>(vec![tokens * hq * dim], dt, d).reshape([1, tokens, hq, dim]).swap_dims(1, 2);
+            let k = random::<B>(vec![tokens * hkv * dim], dt, d).reshape([1, hkv, tokens, dim]);
+            let v = random::<B>(vec![tokens * hkv * dim], dt, d).reshape([1, hkv, tokens, dim]);
+            let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
+            let options = AttentionOptions { mask, scale: 1.0 / (dim as f64).sqrt(), softcap: None };
+            let s = time::<B, _>(d, reps, || {
+                B::grouped_attention(q.clone(), KvView::Dense { keys: k.clone(), values: v.clone() }, &options)
+            });
+            let pairs: f64 = (0..tokens).map(|i| window.map_or(i + 1, |w| (i + 1).min(w)) as f64).sum();
+            let flop = 4.0 * pairs * (hq * dim) as f64;
+            let win = window.map_or("-".to_string(), |w| w.to_string());
+            println!("| {what} | {hq} / {hkv} x {dim} | {tokens} | {win} | {:.3} | {:.1} |", s * 1e3, flop / s / 1e12);
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Prefill products `x [m, k] @ w[n, k]^T -> [m, n]` on the matrix units: CubeCL's tiled matmul
+//! (`cubek`) with the kernel chosen here instead of its untuned default.
+//!
+//! The weight is read in its checkpoint layout: `w^T` is a column-major `[k, n]` view, so both
+//! operands are contiguous along `k` and the output is written row-major, as the next kernel
+//! reads it (no transposed copy before or after the product).
+//!
+//! [`GemmKernel`] names the candidates. Prefill takes, where the device multiplies the dtype on
+//! matrix units, the fastest of [`tune::TUNED`] for the product's shape, timed once and cached
+//! on disk ([`tune`]); elsewhere (f32, or no matrix units: lavapipe) CubeCL's per-unit kernel.
+
+pub mod tune;
+
+use crate::cube::{empty, Cb};
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeRuntime, FloatElement, IntElement};
+use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubek::matmul::{
+    components::tile::TileMatmulKind,
+    definition::{MatmulElems, MatmulGlobalElems},
+    launch::Strategy,
+    routines::{
+        double_buffering::DoubleBufferingArgs, ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
+        BlueprintStrategy,
+    },
+};
+use cubek::std::InputBinding;
+
+/// A tiled matmul kernel of CubeCL's (`cubek`) for the prefill products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// CubeCL's default (`Strategy::Auto`): one cooperative-matrix stage per cube, its tile
+    /// sizes inferred from the shape.
+    Auto,
+    /// One stage, cooperative-matrix (`cmma`) tiles; `multi_rows` gives each plane several
+    /// rows of tiles.
+    Simple { tiles: TileKind, multi_rows: bool },
+    /// Two stages in flight (loads of the next overlap the products of this one).
+    DoubleCyclic { tiles: TileKind },
+    /// Two stages, partitions ordered along `k`, `rows` tile rows per cube.
+    OrderedDouble { tiles: TileKind, rows: u32 },
+    /// One stage loaded by the tensor memory accelerator (Hopper's TMA).
+    SimpleTma { tiles: TileKind, multi_rows: bool },
+    /// Loader planes and compute planes apart, stages loaded by TMA.
+    SpecializedTma { tiles: TileKind },
+    /// Two stages loaded by TMA.
+    DoubleTma { tiles: TileKind },
+    /// No matrix units: each unit computes a small tile with scalar products.
+    Unit,
+}
+
+/// Which instruction the tiles are multiplied with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TileKind {
+    /// Cooperative-matrix fragments (`wmma` on CUDA, `OpCooperativeMatrix` on Vulkan).
+    Cmma,
+    /// Register-level `mma` instructions (CUDA, HIP).
+    Mma,
+}
+
+impl TileKind {
+    fn cubek(self) -> TileMatmulKind {
+        match self {
+            Self::Cmma => TileMatmulKind::Cmma,
+            Self::Mma => TileMatmulKind::Mma,
+        }
+    }
+}
+
+impl std::fmt::Display for GemmKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tiles = |t: &TileKind| match t {
+            TileKind::Cmma => "cmma",
+            TileKind::Mma => "mma",
+        };
+        match self {
+            Self::Auto => write!(f, "auto"),
+            Self::Simple { tiles: t, multi_rows } => {
+                write!(f, "simple-{}{}", tiles(t), if *multi_rows { "-multirow" } else { "" })
+            }
+            Self::DoubleCyclic { tiles: t } => write!(f, "double-{}", tiles(t)),
+            Self::OrderedDouble { tiles: t, rows } => write!(f, "ordered-{}-r{rows}", tiles(t)),
+            Self::SimpleTma { tiles: t, multi_rows } => {
+                write!(f, "tma-{}{}", tiles(t), if *multi_rows { "-multirow" } else { "" })
+            }
+            Self::SpecializedTma { tiles: t } => write!(f, "specialized-tma-{}", tiles(t)),
+            Self::DoubleTma { tiles: t } => write!(f, "double-tma-{}", tiles(t)),
+            Self::Unit => write!(f, "unit"),
+        }
+    }
+}
+
+impl GemmKernel {
+    /// Every candidate, for measuring them side by side (`kernel_bench --section gemm`).
+    pub fn candidates() -> Vec<Self> {
+        let mut all = vec![Self::Auto, Self::Unit];
+        for tiles in [TileKind::Cmma, TileKind::Mma] {
+            all.extend([
+                Self::Simple { tiles, multi_rows: false },
+                Self::Simple { tiles, multi_rows: true },
+                Self::DoubleCyclic { tiles },
+                Self::OrderedDouble { tiles, rows: 4 },
+                Self::OrderedDouble { tiles, rows: 8 },
+                Self::SimpleTma { tiles, multi_rows: false },
+                Self::SimpleTma { tiles, multi_rows: true },
+                Self::SpecializedTma { tiles },
+                Self::DoubleTma { tiles },
+            ]);
+        }
+        all
+    }
+
+    /// CubeCL's strategy for this kernel.
+    fn strategy(self) -> Strategy {
+        let simple = |tiles: TileKind, multi_rows| SimpleArgs { tile_matmul: tiles.cubek(), multi_rows };
+        let double = |tiles: TileKind| DoubleBufferingArgs { tile_matmul: tiles.cubek(), specialized: false };
+        match self {
+            Self::Auto => Strategy::Auto,
+            Self::Unit => Strategy::SimpleUnit(BlueprintStrategy::default()),
+            Self::Simple { tiles, multi_rows } => {
+                let args = BlueprintStrategy::Inferred(simple(tiles, multi_rows));
+                match tiles {
+                    TileKind::Cmma => Strategy::SimpleCyclicCmma(args),
+                    TileKind::Mma => Strategy::SimpleCyclicMma(args),
+                }
+            }
+            Self::DoubleCyclic { tiles } => {
+                let args = BlueprintStrategy::Inferred(double(tiles));
+                match tiles {
+                    TileKind::Cmma => Strategy::DoubleCyclicCmma(args),
+                    TileKind::Mma => Strategy::DoubleCyclicMma(args),
+                }
+            }
+            Self::OrderedDouble { tiles, rows } => {
+                let args = BlueprintStrategy::Inferred(OrderedSelectionArgs {
+                    partition_k: Some(2),
+                    row_count: Some(rows),
+                    rows_per_plane: Some(2),
+                    tile_matmul: tiles.cubek(),
+                });
+                match tiles {
+                    TileKind::Cmma => Strategy::OrderedDoubleCmma(args),
+                    TileKind::Mma => Strategy::OrderedDoubleMma(args),
+                }
+            }
+            Self::SimpleTma { tiles, multi_rows } => {
+                let args = BlueprintStrategy::Inferred(simple(tiles, multi_rows));
+                match tiles {
+                    TileKind::Cmma => Strategy::SimpleTmaCmma(args),
+                    TileKind::Mma => Strategy::SimpleTmaMma(args),
+                }
+            }
+            Self::SpecializedTma { tiles } => {
+                let args = BlueprintStrategy::Inferred(().into());
+                match tiles {
+                    TileKind::Cmma => Strategy::SpecializedTmaCmma(args),
+                    TileKind::Mma => Strategy::SpecializedTmaMma(args),
+                }
+            }
+            Self::DoubleTma { tiles } => {
+                let args = BlueprintStrategy::Inferred(double(tiles));
+                match tiles {
+                    TileKind::Cmma => Strategy::DoubleTmaCmma(args),
+                    TileKind::Mma => Strategy::DoubleTmaMma(args),
+                }
+            }
+        }
+    }
+}
+
+/// Why a product could not be launched.
+#[derive(Debug, thiserror::Error)]
+#[error("{kernel} cannot multiply [{m}, {k}] by [{k}, {n}] in {dtype:?}: {reason}")]
+pub struct GemmError {
+    pub kernel: GemmKernel,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dtype: DType,
+    pub reason: String,
+}
+
+/// Reference: `x [m, k] @ w[n, k]^T -> [m, n]` with Burn's matmul.
+pub fn reference<B: burn::tensor::backend::Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    x.matmul(w.transpose())
+}
+
+/// `x [m, k] @ w[n, k]^T -> [m, n]` with `kernel` (same dtype in and out, f32 accumulation).
+pub fn product<R, F, I, BT>(
+    x: Tensor<Cb<R, F, I, BT>, 2>,
+    w: Tensor<Cb<R, F, I, BT>, 2>,
+    kernel: GemmKernel,
+) -> Result<Tensor<Cb<R, F, I, BT>, 2>, GemmError>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let x = crate::cube::float(x);
+    let w = crate::cube::float(w);
+    kernel::product(x, w, kernel).map(crate::cube::tensor)
+}
+
+pub(crate) mod kernel {
+    use super::*;
+
+    /// The prefill product `x [m, k] @ w[n, k]^T`: on matrix units with the kernel tuning
+    /// chose for the shape ([`tune`]) where the device multiplies `x`'s dtype on them, else
+    /// with [`GemmKernel::Unit`] (f32, devices without matrix units such as lavapipe, and
+    /// devices where no tuned candidate launches).
+    /// `Err` when CubeCL refuses the kernel (the caller then takes Burn's matmul, [`reference`]).
+    pub(crate) fn prefill<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<CubeTensor<R>, GemmError> {
+        let dtype = x.dtype;
+        tuned_matmul(x, transposed(w), dtype)
+    }
+
+    /// `w^T`: the same buffer with its last two dimensions swapped (a column-major view).
+    pub(crate) fn transposed<R: CubeRuntime>(mut w: CubeTensor<R>) -> CubeTensor<R> {
+        let rank = w.meta.shape().len();
+        w.meta.swap(rank - 2, rank - 1);
+        w
+    }
+
+    /// `lhs [.., m, k] @ rhs [.., k, n] -> [.., m, n]` in `out_dtype` (any strides in; the
+    /// batch dimensions equal), the kernel chosen as for [`prefill`].
+    pub(crate) fn tuned_matmul<R: CubeRuntime>(
+        lhs: CubeTensor<R>,
+        rhs: CubeTensor<R>,
+        out_dtype: DType,
+    ) -> Result<CubeTensor<R>, GemmError> {
+        let kernel = match has_matrix_units(&lhs.client, lhs.dtype) {
+            true => tune::choose(&lhs, &rhs, out_dtype).unwrap_or(GemmKernel::Unit),
+            false => GemmKernel::Unit,
+        };
+        matmul(lhs, rhs, out_dtype, kernel)
+    }
+
+    /// [`super::product`] on primitives (`x`, `w` contiguous, same dtype).
+    pub(crate) fn product<R: CubeRuntime>(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        kernel: GemmKernel,
+    ) -> Result<CubeTensor<R>, GemmError> {
+        let dtype = x.dtype;
+        matmul(x, transposed(w), dtype, kernel)
+    }
+
+    /// `lhs [.., m, k] @ rhs [.., k, n] -> [.., m, n]` in `out_dtype` with `kernel` (f32
+    /// accumulation; inputs of one dtype, any strides).
+    pub(crate) fn matmul<R: CubeRuntime>(
+        lhs: CubeTensor<R>,
+        rhs: CubeTensor<R>,
+        out_dtype: DType,
+        kernel: GemmKernel,
+    ) -> Result<CubeTensor<R>, GemmError> {
+        let shape = lhs.meta.shape().to_vec();
+        let rank = shape.len();
+        let [m, k] = [shape[rank - 2], shape[rank - 1]];
+        let n = rhs.meta.shape()[rank - 1];
+        let mut out_shape = shape.clone();
+        out_shape[rank - 1] = n;
+        let dtype = lhs.dtype;
+        let out = empty(&lhs, out_shape, out_dtype);
+        let storage: StorageType = dtype.into();
+        let mut dtypes =
+            MatmulElems::from_globals(&MatmulGlobalElems { lhs: storage, rhs: storage, out: out_dtype.into() });
+        cubek::matmul::launch::launch_ref(
+            &kernel.strategy(),
+            &lhs.client,
+            InputBinding::new(lhs.clone().binding(), storage),
+            InputBinding::new(rhs.binding(), storage),
+            out.clone().binding(),
+            &mut dtypes,
+        )
+        .map_err(|e| GemmError { kernel, m, n, k, dtype, reason: format!("{e:?}") })?;
+        Ok(out)
+    }
+
+    /// Whether the runtime multiplies `dtype` tiles on matrix units (cooperative-matrix or
+    /// `mma` instructions with an f32 accumulator).
+    pub(crate) fn has_matrix_units<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>, dtype: DType) -> bool {
+        let elem: StorageType = match dtype {
+            DType::BF16 => ElemType::Float(FloatKind::BF16).into(),
+            DType::F16 => ElemType::Float(FloatKind::F16).into(),
+            _ => return false,
+        };
+        let f32: StorageType = ElemType::Float(FloatKind::F32).into();
+        let matmul = &client.properties().features.matmul;
+        matmul.cmma.iter().chain(&matmul.mma).any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32)
+    }
+}
