@@ -72,6 +72,24 @@ fn greedy_generation_matches_the_reference_continuation() {
     assert_eq!(out.stats.generated_tokens, want.len());
 }
 
+/// A prompt run in chunks (here of 1, 2 and 3 tokens, each attending to the cache the previous
+/// ones filled) continues exactly as the whole prompt in one pass: HF's greedy continuation.
+#[test]
+fn prompt_in_chunks_continues_as_in_one_pass() {
+    let reference = common::read_json(common::fixtures().join("tiny-gemma/gemma3/reference.json"));
+    let prompt = common::ids(&reference["greedy_prompt_ids"]);
+    let want = common::ids(&reference["greedy_ids"]);
+    assert!(prompt.len() > 3, "the fixture's prompt has {} tokens", prompt.len());
+    for chunk in [1, 2, 3] {
+        let mut g = tiny_generator();
+        let prefill_chunk = std::num::NonZeroUsize::new(chunk).unwrap();
+        let config = GenerationConfig { max_new_tokens: want.len(), prefill_chunk, ..Default::default() };
+        let out = g.continue_ids(&prompt, &config, |_| {}).unwrap();
+        assert_eq!(out.tokens, want, "prompt of {} tokens in chunks of {chunk}", prompt.len());
+        assert_eq!(out.stats.prompt_tokens, prompt.len());
+    }
+}
+
 #[test]
 fn stop_tokens_and_streamed_text() {
     let reference = common::read_json(common::fixtures().join("tiny-gemma/gemma3/reference.json"));

@@ -202,13 +202,17 @@ where
     kernel::product(x, w, kernel).map(crate::cube::tensor)
 }
 
+/// Fewest multiply-adds a product needs for the tuned matrix-unit kernels: below it (a few
+/// microseconds of CubeCL's per-unit kernel) tuning would cost more than it could save.
+pub const MIN_TUNED_MACS: usize = 1 << 26;
+
 pub(crate) mod kernel {
     use super::*;
 
     /// The prefill product `x [m, k] @ w[n, k]^T`: on matrix units with the kernel tuning
     /// chose for the shape ([`tune`]) where the device multiplies `x`'s dtype on them, else
-    /// with [`GemmKernel::Unit`] (f32, devices without matrix units such as lavapipe, and
-    /// devices where no tuned candidate launches).
+    /// with [`GemmKernel::Unit`] (f32, devices without matrix units such as lavapipe, products
+    /// under [`MIN_TUNED_MACS`], and devices where no tuned candidate launches and agrees).
     /// `Err` when CubeCL refuses the kernel (the caller then takes Burn's matmul, [`reference`]).
     pub(crate) fn prefill<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<CubeTensor<R>, GemmError> {
         let dtype = x.dtype;
@@ -229,7 +233,10 @@ pub(crate) mod kernel {
         rhs: CubeTensor<R>,
         out_dtype: DType,
     ) -> Result<CubeTensor<R>, GemmError> {
-        let kernel = match has_matrix_units(&lhs.client, lhs.dtype) {
+        let shape = lhs.meta.shape();
+        let rank = shape.len();
+        let macs = shape.iter().product::<usize>() * rhs.meta.shape()[rank - 1];
+        let kernel = match has_matrix_units(&lhs.client, lhs.dtype) && macs >= MIN_TUNED_MACS {
             true => tune::choose(&lhs, &rhs, out_dtype).unwrap_or(GemmKernel::Unit),
             false => GemmKernel::Unit,
         };

@@ -70,6 +70,7 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             (9, 160, 75),
             (17, 64, 33),
             (70, 352, 129),
+            (300, 768, 1024),
         ]
         .into_iter()
         .enumerate()
