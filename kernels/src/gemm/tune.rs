@@ -58,12 +58,12 @@ pub fn summary() -> TuningSummary {
     TuningSummary { path: cache_path(), ..guard.summary.clone() }
 }
 
-/// `$BURN_GEMMA_CACHE_DIR/gemm-tune.txt`, else `$XDG_CACHE_HOME/burn-gemma/gemm-tune.txt`, else
-/// `$HOME/.cache/burn-gemma/gemm-tune.txt`; `None` where none of these is set (choices are
-/// then kept for the process only).
+/// `$BURN_GEMMA_CACHE/gemm-tune.txt` (the folder models are cached in), else
+/// `$XDG_CACHE_HOME/burn-gemma/gemm-tune.txt`, else `$HOME/.cache/burn-gemma/gemm-tune.txt`;
+/// `None` where none of these is set (choices are then kept for the process only).
 pub fn cache_path() -> Option<PathBuf> {
     let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let folder = var("BURN_GEMMA_CACHE_DIR")
+    let folder = var("BURN_GEMMA_CACHE")
         .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("burn-gemma")))
         .or_else(|| var("HOME").map(|d| d.join(".cache").join("burn-gemma")))?;
     Some(folder.join("gemm-tune.txt"))
