@@ -353,42 +353,25 @@ impl BackendTask for Bench {
 }
 
 /// `--section gemm` on a CubeCL backend (the kernels are CubeCL's, so no CPU backend has them).
-fn gemm_section(
-    kind: BackendKind,
-    dtype: DType,
-    reps: usize,
-    rows: &[usize],
-    models: &[String],
-    all: bool,
-) -> Result<(), Error> {
-    println!("dtype {dtype:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
+fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), Error> {
+    println!(
+        "dtype {:?}, per call: medians of {} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n",
+        settings.dtype, settings.reps
+    );
     match kind {
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
-            gemm::run::<burn_gemma::backends::Cuda>(
-                &burn::backend::cuda::CudaDevice::new(0),
-                dtype,
-                reps,
-                rows,
-                models,
-                all,
-                burn_gemma_kernels::gemm::product,
-            );
-            gemm::attention::<burn_gemma::backends::Cuda>(&burn::backend::cuda::CudaDevice::new(0), dtype, reps);
+            let device = burn::backend::cuda::CudaDevice::new(0);
+            gemm::section::<burn_gemma::backends::Cuda>(&device, settings, burn_gemma_kernels::gemm::product);
             Ok(())
         }
         #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => {
-            gemm::run::<burn_gemma::backends::Wgpu>(
+            gemm::section::<burn_gemma::backends::Wgpu>(
                 &Default::default(),
-                dtype,
-                reps,
-                rows,
-                models,
-                all,
+                settings,
                 burn_gemma_kernels::gemm::product,
             );
-            gemm::attention::<burn_gemma::backends::Wgpu>(&Default::default(), dtype, reps);
             Ok(())
         }
         _ => Err(Error::Request("--section gemm runs on --backend cuda or wgpu (CubeCL's kernels)".into())),
@@ -406,7 +389,9 @@ fn main() -> Result<(), Error> {
             .split(',')
             .map(|r| r.trim().parse::<usize>().map_err(|e| Error::Request(format!("--rows {r:?}: {e}"))))
             .collect::<Result<Vec<_>, _>>()?;
-        return gemm_section(kind, dtype, args.reps.max(1), &rows, &models, args.gemm_kernels == GemmKernels::All);
+        let settings =
+            gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all: args.gemm_kernels == GemmKernels::All };
+        return gemm_section(kind, &settings);
     }
     dispatch(kind, Bench { dtype, reps: args.reps.max(1), section: args.section, models }, &mut |note| {
         eprintln!("{note}")

@@ -26,20 +26,39 @@ pub const SHAPES: &[(&str, &str, usize, usize)] = &[
     ("4b", "down", 2560, 10240),
 ];
 
-/// Prints one table row per (shape, rows, kernel).
-pub fn run<B: GemmaBackend>(
+/// What the section measures.
+pub struct Settings {
+    pub dtype: DType,
+    pub reps: usize,
+    /// Activation rows of each product.
+    pub rows: Vec<usize>,
+    /// Models whose products are timed (`SHAPES`' first column).
+    pub models: Vec<String>,
+    /// Also every CubeCL kernel candidate on its own.
+    pub all: bool,
+}
+
+/// The products table, then the attention table.
+pub fn section<B: GemmaBackend>(
     d: &B::Device,
-    dt: DType,
-    reps: usize,
-    rows: &[usize],
-    models: &[String],
-    all: bool,
+    settings: &Settings,
     product: impl Fn(Tensor<B, 2>, Tensor<B, 2>, GemmKernel) -> Result<Tensor<B, 2>, GemmError>,
 ) {
+    run::<B>(d, settings, product);
+    attention::<B>(d, settings.dtype, settings.reps);
+}
+
+/// Prints one table row per (shape, rows, kernel).
+fn run<B: GemmaBackend>(
+    d: &B::Device,
+    settings: &Settings,
+    product: impl Fn(Tensor<B, 2>, Tensor<B, 2>, GemmKernel) -> Result<Tensor<B, 2>, GemmError>,
+) {
+    let Settings { dtype: dt, reps, ref rows, ref models, all } = *settings;
     println!("| model | product | m x n x k | kernel | ms | TFLOP/s | max abs diff to Burn's matmul |");
     println!("|---|---|---|---|---:|---:|---:|");
     for &(model, what, n, k) in SHAPES.iter().filter(|s| models.iter().any(|m| m == s.0)) {
-        for &m in rows {
+        for &m in rows.iter() {
             let x = random::<B>(vec![m * k], dt, d).reshape([m, k]).mul_scalar(0.1);
             let w = random::<B>(vec![n * k], dt, d).reshape([n, k]).mul_scalar(0.1);
             let flop = 2.0 * (m * n * k) as f64;
@@ -90,7 +109,7 @@ pub fn run<B: GemmaBackend>(
 /// Prefill attention (`GemmaBackend::grouped_attention`, dense keys and values) on Gemma's
 /// shapes, causal, global and sliding-window, TFLOP/s counted over the visible (query, key)
 /// pairs only (4 flops per pair and head dimension: scores and output).
-pub fn attention<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
+fn attention<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
     use burn_gemma_kernels::{AttentionMask, AttentionOptions, KvView};
     println!("\n| attention | q heads / kv heads x dim | tokens | window | ms | TFLOP/s (visible pairs) |");
     println!("|---|---|---:|---:|---:|---:|");
