@@ -63,7 +63,7 @@ fn run<B: GemmaBackend>(
             let w = random::<B>(vec![n * k], dt, d).reshape([n, k]).mul_scalar(0.1);
             let flop = 2.0 * (m * n * k) as f64;
             let shape = format!("{m} x {n} x {k}");
-            let expected = burn_gemma_kernels::gemm::reference(x.clone(), w.clone()).cast(DType::F32);
+            let expected = burn_gemma_kernels::linear::reference(x.clone(), w.clone()).cast(DType::F32);
             // What prefill runs: `project` (tuned kernel; quantized weights dequantized first).
             let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), d);
             let host: Vec<f32> = w.clone().cast(DType::F32).into_data().to_vec().unwrap_or_default();

@@ -65,6 +65,14 @@ impl TileKind {
             Self::Mma => TileMatmulKind::Mma,
         }
     }
+
+    /// The strategy variant of a routine for these tiles (CubeCL has one variant per kind).
+    fn pick<A>(self, args: A, cmma: fn(A) -> Strategy, mma: fn(A) -> Strategy) -> Strategy {
+        match self {
+            Self::Cmma => cmma(args),
+            Self::Mma => mma(args),
+        }
+    }
 }
 
 impl std::fmt::Display for GemmKernel {
@@ -117,52 +125,38 @@ impl GemmKernel {
         match self {
             Self::Auto => Strategy::Auto,
             Self::Unit => Strategy::SimpleUnit(BlueprintStrategy::default()),
-            Self::Simple { tiles, multi_rows } => {
-                let args = BlueprintStrategy::Inferred(simple(tiles, multi_rows));
-                match tiles {
-                    TileKind::Cmma => Strategy::SimpleCyclicCmma(args),
-                    TileKind::Mma => Strategy::SimpleCyclicMma(args),
-                }
-            }
-            Self::DoubleCyclic { tiles } => {
-                let args = BlueprintStrategy::Inferred(double(tiles));
-                match tiles {
-                    TileKind::Cmma => Strategy::DoubleCyclicCmma(args),
-                    TileKind::Mma => Strategy::DoubleCyclicMma(args),
-                }
-            }
-            Self::OrderedDouble { tiles, rows } => {
-                let args = BlueprintStrategy::Inferred(OrderedSelectionArgs {
+            Self::Simple { tiles, multi_rows } => tiles.pick(
+                BlueprintStrategy::Inferred(simple(tiles, multi_rows)),
+                Strategy::SimpleCyclicCmma,
+                Strategy::SimpleCyclicMma,
+            ),
+            Self::DoubleCyclic { tiles } => tiles.pick(
+                BlueprintStrategy::Inferred(double(tiles)),
+                Strategy::DoubleCyclicCmma,
+                Strategy::DoubleCyclicMma,
+            ),
+            Self::OrderedDouble { tiles, rows } => tiles.pick(
+                BlueprintStrategy::Inferred(OrderedSelectionArgs {
                     partition_k: Some(2),
                     row_count: Some(rows),
                     rows_per_plane: Some(2),
                     tile_matmul: tiles.cubek(),
-                });
-                match tiles {
-                    TileKind::Cmma => Strategy::OrderedDoubleCmma(args),
-                    TileKind::Mma => Strategy::OrderedDoubleMma(args),
-                }
-            }
-            Self::SimpleTma { tiles, multi_rows } => {
-                let args = BlueprintStrategy::Inferred(simple(tiles, multi_rows));
-                match tiles {
-                    TileKind::Cmma => Strategy::SimpleTmaCmma(args),
-                    TileKind::Mma => Strategy::SimpleTmaMma(args),
-                }
-            }
-            Self::SpecializedTma { tiles } => {
-                let args = BlueprintStrategy::Inferred(().into());
-                match tiles {
-                    TileKind::Cmma => Strategy::SpecializedTmaCmma(args),
-                    TileKind::Mma => Strategy::SpecializedTmaMma(args),
-                }
-            }
+                }),
+                Strategy::OrderedDoubleCmma,
+                Strategy::OrderedDoubleMma,
+            ),
+            Self::SimpleTma { tiles, multi_rows } => tiles.pick(
+                BlueprintStrategy::Inferred(simple(tiles, multi_rows)),
+                Strategy::SimpleTmaCmma,
+                Strategy::SimpleTmaMma,
+            ),
+            Self::SpecializedTma { tiles } => tiles.pick(
+                BlueprintStrategy::Inferred(().into()),
+                Strategy::SpecializedTmaCmma,
+                Strategy::SpecializedTmaMma,
+            ),
             Self::DoubleTma { tiles } => {
-                let args = BlueprintStrategy::Inferred(double(tiles));
-                match tiles {
-                    TileKind::Cmma => Strategy::DoubleTmaCmma(args),
-                    TileKind::Mma => Strategy::DoubleTmaMma(args),
-                }
+                tiles.pick(BlueprintStrategy::Inferred(double(tiles)), Strategy::DoubleTmaCmma, Strategy::DoubleTmaMma)
             }
         }
     }
@@ -178,11 +172,6 @@ pub struct GemmError {
     pub k: usize,
     pub dtype: DType,
     pub reason: String,
-}
-
-/// Reference: `x [m, k] @ w[n, k]^T -> [m, n]` with Burn's matmul.
-pub fn reference<B: burn::tensor::backend::Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
-    x.matmul(w.transpose())
 }
 
 /// `x [m, k] @ w[n, k]^T -> [m, n]` with `kernel` (same dtype in and out, f32 accumulation).
@@ -213,7 +202,7 @@ pub(crate) mod kernel {
     /// chose for the shape ([`tune`]) where the device multiplies `x`'s dtype on them, else
     /// with [`GemmKernel::Unit`] (f32, devices without matrix units such as lavapipe, products
     /// under [`MIN_TUNED_MACS`], and devices where no tuned candidate launches and agrees).
-    /// `Err` when CubeCL refuses the kernel (the caller then takes Burn's matmul, [`reference`]).
+    /// `Err` when CubeCL refuses the kernel (the caller then takes Burn's matmul, [`crate::linear::reference`]).
     pub(crate) fn prefill<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<CubeTensor<R>, GemmError> {
         let dtype = x.dtype;
         tuned_matmul(x, transposed(w), dtype)
