@@ -14,7 +14,7 @@
 
 use burn::tensor::{DType, Tensor};
 use burn_gemma::{
-    backends::{dispatch, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
+    backends::{dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, KvCache, WeightFormat,
 };
@@ -37,6 +37,9 @@ struct Args {
     /// decode (token by token) or prefill (one pass per prompt).
     #[arg(long, default_value = "decode")]
     mode: String,
+    /// CPU threads of the CPU backends (candle, ndarray); default: the machine's physical cores.
+    #[arg(long)]
+    threads: Option<std::num::NonZeroUsize>,
     /// Only the first N fixture cases (all by default).
     #[arg(long)]
     cases: Option<usize>,
@@ -273,5 +276,6 @@ impl BackendTask for Accuracy {
 fn main() -> Result<(), Error> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
+    set_cpu_threads(args.threads)?;
     dispatch(kind, Accuracy(args), &mut |note| eprintln!("{note}"))?
 }

@@ -15,7 +15,7 @@
 
 use burn::tensor::{Int, Tensor};
 use burn_gemma::{
-    backends::{dispatch, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
+    backends::{dispatch, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
 };
@@ -37,7 +37,7 @@ struct Args {
     #[arg(long)]
     dtype: Option<String>,
     /// auto, native, q8, q4, bf16, f16 or f32: how weight matrices are kept on the device
-    /// (`auto`: native on GPUs, dense on CPU backends).
+    /// (`auto`: native, except dense on NdArray).
     #[arg(long, default_value = "auto")]
     weights: String,
     /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
@@ -56,6 +56,9 @@ struct Args {
     depth: usize,
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// CPU threads of the CPU backends (candle, ndarray); default: the machine's physical cores.
+    #[arg(long)]
+    threads: Option<std::num::NonZeroUsize>,
     /// Seed of synthetic weights and of the token ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -167,6 +170,8 @@ impl BackendTask for Bench {
         );
         let capacity = a.depth + a.prompt_len.max(a.gen) + 1;
         let mut cache = model.new_cache(1, capacity)?;
+        // Host memory after the load and the cache (CPU backends: the weights and the cache).
+        let rss_loaded = resident_bytes().unwrap_or(0);
         let mut state = a.seed;
         let context = ids(a.depth, config.vocab_size, &mut state);
         let prompt = ids(a.prompt_len, config.vocab_size, &mut state);
@@ -298,8 +303,20 @@ impl BackendTask for Bench {
             Some(_) => println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64),
             None => println!("{:<28} not reported by this backend", "peak device memory"),
         }
+        let rss_end = resident_bytes().unwrap_or(0);
         println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}}}",
+            "{:<28} {:.0} MB after load, {:.0} MB at the end ({} CPU threads)",
+            "resident host memory",
+            rss_loaded as f64 / 1e6,
+            rss_end as f64 / 1e6,
+            rayon::current_num_threads()
+        );
+        let host_json = format!(
+            ",\"threads\":{},\"rss_loaded_bytes\":{rss_loaded},\"rss_end_bytes\":{rss_end}",
+            rayon::current_num_threads()
+        );
+        println!(
+            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}{host_json}}}",
             a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2), tuning.time.as_secs_f64()
         );
         Ok(())
@@ -350,5 +367,6 @@ mod host_profile {
 fn main() -> Result<(), Error> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
+    set_cpu_threads(args.threads)?;
     dispatch(kind, Bench(args.clone()), &mut |note| eprintln!("{note}"))?
 }

@@ -10,7 +10,10 @@
 
 use burn::tensor::DType;
 use burn_gemma::{
-    backends::{dispatch, list_devices, parse_kv_cache, resolve_weights, BackendKind, BackendTask},
+    backends::{
+        dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind,
+        BackendTask,
+    },
     Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use clap::Parser;
@@ -62,8 +65,9 @@ struct Args {
     #[arg(long)]
     dtype: Option<String>,
     /// auto | native | q8 | q4 | bf16 | f16 | f32: how weight matrices are kept on the device
-    /// (`native`: a GGUF's own block format where a kernel reads it, dense for safetensors;
-    /// `auto`: native on GPUs, dense on CPU backends, which dequantize on every product).
+    /// (`native`: a GGUF's own block types, multiplied as they are on Candle and converted to
+    /// q8/q4 for the GPU kernels; dense for safetensors; `auto`: native, except dense on
+    /// NdArray, which dequantizes on every product).
     #[arg(long, default_value = "auto")]
     weights: String,
     /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
@@ -78,6 +82,9 @@ struct Args {
     /// bounds the device memory their activations take.
     #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: std::num::NonZeroUsize,
+    /// CPU threads of the CPU backends (candle, ndarray); default: the machine's physical cores.
+    #[arg(long)]
+    threads: Option<std::num::NonZeroUsize>,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -101,6 +108,8 @@ struct Run {
     prompt: Option<String>,
     generation: GenerationConfig,
     interrupt: Arc<AtomicBool>,
+    /// CPU threads (see `--threads`).
+    threads: usize,
 }
 
 impl BackendTask for Run {
@@ -109,7 +118,10 @@ impl BackendTask for Run {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
         let (weights, dtype) = resolve_weights(&self.args.weights, self.args.dtype.as_deref(), name)?;
         let kv_cache = parse_kv_cache(&self.args.kv_cache, dtype)?;
-        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
+        let threads = if name.contains("CPU") { format!(", threads: {}", self.threads) } else { String::new() };
+        eprintln!(
+            "backend: {name}, device: {device:?}{threads}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
+        );
         let checkpoint = Checkpoint::open(&self.model_path)?;
         if dtype == DType::F16 {
             eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
@@ -121,6 +133,13 @@ impl BackendTask for Run {
         })?;
         model.kv_cache = kv_cache;
         bar.finish_and_clear();
+        if let Some(rss) = resident_bytes().filter(|_| name.contains("CPU")) {
+            eprintln!(
+                "loaded: {:.0} MB of weights, {:.0} MB resident",
+                model.weight_bytes() as f64 / 1e6,
+                rss as f64 / 1e6
+            );
+        }
         if !report.unused_tensors.is_empty() {
             eprintln!(
                 "note: {} tensors not used by the text model (e.g. {})",
@@ -261,7 +280,8 @@ fn real_main(args: Args) -> Result<(), Error> {
         cuda_graph: args.cuda_graph,
         prefill_chunk: args.prefill_chunk,
     };
-    let run = Run { args, model_path, prompt, generation, interrupt };
+    let threads = set_cpu_threads(args.threads)?;
+    let run = Run { args, model_path, prompt, generation, interrupt, threads };
     dispatch(kind, run, &mut |note| eprintln!("{note}"))?
 }
 

@@ -39,6 +39,30 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
     }
 }
 
+/// Sets how many threads the CPU backends use: rayon's global pool (NdArray, candle's quantized
+/// products) and candle's dense matrix products (`RAYON_NUM_THREADS`, which candle reads). `None`
+/// takes the machine's physical cores (hyper-threads share a core's vector units and its
+/// memory bandwidth, which a decode step saturates). Call it once, at the start of the program,
+/// before any CPU work starts the pool with its default size. Returns the count.
+pub fn set_cpu_threads(threads: Option<std::num::NonZeroUsize>) -> Result<usize, Error> {
+    let n = threads.map_or_else(|| num_cpus::get_physical().max(1), std::num::NonZeroUsize::get);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .map_err(|e| Error::Backend(format!("cannot set the CPU thread count to {n}: {e}")))?;
+    // Read by candle at each dense product; set while the program is still single-threaded.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    Ok(n)
+}
+
+/// This process's resident memory (`VmRSS`) in bytes, where the system reports it (Linux).
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.trim_start_matches("VmRSS:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Resolves `--weights` (`auto`, `native`, `q8`, `q4`, or a dense dtype `bf16`/`f16`/`f32`) and
 /// `--dtype` into the weight format and the compute dtype. A dense weight dtype is also the
 /// compute dtype, so a different `--dtype` beside it is refused; otherwise the compute dtype is
@@ -51,11 +75,11 @@ pub fn resolve_weights(
     use burn_gemma_kernels::QuantFormat;
     use burn_gemma_model::WeightFormat;
     let asked = dtype.map(parse_dtype).transpose()?;
-    let cpu = backend_name.starts_with("candle") || backend_name.starts_with("ndarray");
     let format = match weights.to_ascii_lowercase().as_str() {
-        // CPU backends dequantize a quantized matrix on every product (the reference path), so
-        // dense weights are much faster there; GPU kernels read the codes directly.
-        "auto" if cpu => WeightFormat::Dense,
+        // NdArray dequantizes a quantized matrix on every product (the reference path), so dense
+        // weights are much faster there; Candle multiplies GGUF blocks with candle's quantized
+        // kernels and the GPU kernels read the codes directly.
+        "auto" if backend_name.starts_with("ndarray") => WeightFormat::Dense,
         "auto" | "native" => WeightFormat::Native,
         "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
         "q4" => WeightFormat::Quantized(QuantFormat::Q4),
@@ -321,7 +345,8 @@ mod tests {
 
     #[test]
     fn weights_and_kv_flags_resolve() {
-        assert_eq!(resolve_weights("auto", None, "candle (CPU)").unwrap(), (WeightFormat::Dense, DType::F32));
+        assert_eq!(resolve_weights("auto", None, "candle (CPU)").unwrap(), (WeightFormat::Native, DType::F32));
+        assert_eq!(resolve_weights("auto", None, "ndarray (CPU)").unwrap(), (WeightFormat::Dense, DType::F32));
         assert_eq!(resolve_weights("auto", None, "cuda:0").unwrap(), (WeightFormat::Native, DType::BF16));
         assert_eq!(
             resolve_weights("Q4", Some("f16"), "cuda:0").unwrap(),

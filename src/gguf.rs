@@ -4,7 +4,7 @@
 //! used, so a damaged or hostile file yields a [`GgufError`] instead of a huge allocation or a
 //! panic. Tensor data is dequantized through candle-core's GGML block decoders.
 
-use burn_gemma_kernels::{quant::QuantError, HostQuantized, QuantFormat};
+use burn_gemma_kernels::{quant::QuantError, GgmlBlocks, HostQuantized, QuantFormat};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use memmap2::Mmap;
 use std::{collections::HashMap, fs::File, path::Path};
@@ -276,111 +276,41 @@ impl GgufFile {
 }
 
 impl GgufFile {
-    /// A `[rows, cols]` tensor block-quantized: to `format`, or with `None` in the file's own
-    /// block format where it maps onto ours (Q8_0 to Q8; Q4_0, Q4_1 and Q4_K to Q4) and to Q8
-    /// for the other block types; `Ok(None)` for float tensors asked for natively.
-    pub fn block_quantized(
-        &self,
-        name: &str,
-        info: &TensorInfo,
-        format: Option<QuantFormat>,
-    ) -> Result<Option<HostQuantized>, GgufError> {
+    /// A `[rows, cols]` tensor in the file's own block type, as stored (`Ok(None)` for float
+    /// tensors).
+    pub fn blocks(&self, name: &str, info: &TensorInfo) -> Result<Option<GgmlBlocks>, GgufError> {
+        if matches!(info.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+            return Ok(None);
+        }
+        let (rows, cols) = matrix_shape(name, info)?;
+        let raw = self.mmap[info.start..info.end].to_vec();
+        GgmlBlocks::new(info.dtype, rows, cols, raw)
+            .map(Some)
+            .map_err(|source| GgufError::Quantize { name: name.to_string(), source })
+    }
+
+    /// A `[rows, cols]` tensor block-quantized to `format`: converted block by block where the
+    /// file's type maps onto it (see [`GgmlBlocks::to_format`]), else dequantized and quantized.
+    pub fn quantized(&self, name: &str, info: &TensorInfo, format: QuantFormat) -> Result<HostQuantized, GgufError> {
         let fail = |source| GgufError::Quantize { name: name.to_string(), source };
-        let (rows, cols) = match info.shape[..] {
-            [rows, cols] => (rows, cols),
-            _ => return Err(fail(QuantError::Length { rows: 0, cols: 0, len: info.shape.iter().product() })),
-        };
-        let raw = &self.mmap[info.start..info.end];
-        let direct = match (info.dtype, format) {
-            (GgmlDType::Q8_0, None | Some(QuantFormat::Q8)) => Some(from_q8_0(raw, rows, cols)),
-            (GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K, None | Some(QuantFormat::Q4)) => {
-                Some(from_q4(info.dtype, raw, rows, cols))
-            }
-            (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16, None) => return Ok(None),
-            _ => None,
-        };
-        let q = match direct {
-            Some(q) => q,
+        match self.blocks(name, info)? {
+            Some(blocks) => blocks.to_format(format).map_err(fail),
             None => {
-                let values = self.dequantize(name, info)?;
-                HostQuantized::quantize(&values, rows, cols, format.unwrap_or(QuantFormat::Q8))
-            }
-        };
-        q.map(Some).map_err(fail)
-    }
-}
-
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// Q8_0 (blocks of 34 bytes: f16 scale, 32 int8) as Q8, exactly.
-fn from_q8_0(raw: &[u8], rows: usize, cols: usize) -> Result<HostQuantized, QuantError> {
-    let blocks = raw.chunks_exact(34);
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::with_capacity(blocks.len());
-    for block in blocks {
-        scales.push(f16_at(block, 0));
-        codes.extend(block[2..].iter().map(|&q| (q as i8 as i16 + 128) as u8));
-    }
-    HostQuantized::from_parts(QuantFormat::Q8, rows, cols, codes, scales, Vec::new())
-}
-
-/// Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) and Q4_K (super-blocks of 256 with 6-bit
-/// per-32 scales and mins: `d * sc * q - dmin * m`) as Q4. Q4_0 and Q4_1 convert exactly; Q4_K's
-/// products `d * sc` and `dmin * m` are rounded to f16.
-fn from_q4(dtype: GgmlDType, raw: &[u8], rows: usize, cols: usize) -> Result<HostQuantized, QuantError> {
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::new();
-    let mut offsets = Vec::new();
-    // Q4_0/Q4_1: byte j holds element j (low nibble) and element j + 16 (high nibble).
-    let nibbles = |qs: &[u8], codes: &mut Vec<u8>| {
-        codes.extend(qs.iter().map(|q| q & 15));
-        codes.extend(qs.iter().map(|q| q >> 4));
-    };
-    match dtype {
-        GgmlDType::Q4_0 => {
-            for block in raw.chunks_exact(18) {
-                let d = f16_at(block, 0);
-                scales.push(d);
-                offsets.push(-8.0 * d);
-                nibbles(&block[2..], &mut codes);
-            }
-        }
-        GgmlDType::Q4_1 => {
-            for block in raw.chunks_exact(20) {
-                scales.push(f16_at(block, 0));
-                offsets.push(f16_at(block, 2));
-                nibbles(&block[4..], &mut codes);
-            }
-        }
-        _ => {
-            for block in raw.chunks_exact(144) {
-                let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-                let packed = &block[4..16];
-                let qs = &block[16..];
-                for j in 0..8 {
-                    let (sc, m) = q4k_scale_min(j, packed);
-                    scales.push(d * sc as f32);
-                    offsets.push(-dmin * m as f32);
-                }
-                // 64 elements per 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high.
-                for chunk in qs.chunks_exact(32) {
-                    codes.extend(chunk.iter().map(|q| q & 15));
-                    codes.extend(chunk.iter().map(|q| q >> 4));
-                }
+                let (rows, cols) = matrix_shape(name, info)?;
+                HostQuantized::quantize(&self.dequantize(name, info)?, rows, cols, format).map_err(fail)
             }
         }
     }
-    HostQuantized::from_parts(QuantFormat::Q4, rows, cols, codes, scales, offsets)
 }
 
-/// The 6-bit scale and min of Q4_K sub-block `j` from the 12 packed bytes.
-fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        ((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+/// `(rows, cols)` of a two-dimensional tensor.
+fn matrix_shape(name: &str, info: &TensorInfo) -> Result<(usize, usize), GgufError> {
+    match info.shape[..] {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(GgufError::Quantize {
+            name: name.to_string(),
+            source: QuantError::Length { rows: 0, cols: 0, len: info.shape.iter().product() },
+        }),
     }
 }
 
@@ -475,64 +405,4 @@ fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
         tensors.insert(name, TensorInfo { shape, dtype, start: start as usize, end: end as usize });
     }
     Ok((metadata, tensors))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Random blocks of `dtype` with small f16 scales at the block's scale positions.
-    fn random_blocks(dtype: GgmlDType, blocks: usize, seed: u64) -> Vec<u8> {
-        let (size, f16_at): (usize, &[usize]) = match dtype {
-            GgmlDType::Q8_0 => (34, &[0]),
-            GgmlDType::Q4_0 => (18, &[0]),
-            GgmlDType::Q4_1 => (20, &[0, 2]),
-            _ => (144, &[0, 2]),
-        };
-        let mut s = seed | 1;
-        let mut out: Vec<u8> = (0..size * blocks)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s as u8
-            })
-            .collect();
-        for (b, block) in out.chunks_exact_mut(size).enumerate() {
-            for (k, &at) in f16_at.iter().enumerate() {
-                let v = half::f16::from_f32(
-                    0.001 * (1.0 + (b % 7) as f32) * if k == 1 && dtype == GgmlDType::Q4_1 { -3.0 } else { 1.0 },
-                );
-                block[at..at + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn block_conversions_match_candle_dequantization() {
-        let (rows, cols) = (3, 512);
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q4K] {
-            let per_block = if dtype == GgmlDType::Q4K { 256 } else { 32 };
-            let raw = random_blocks(dtype, rows * cols / per_block, 11);
-            let expected = qtensor_from_ggml(dtype, &raw, vec![rows, cols], &candle_core::Device::Cpu)
-                .and_then(|q| q.dequantize(&candle_core::Device::Cpu))
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("candle dequantizes");
-            let ours = match dtype {
-                GgmlDType::Q8_0 => from_q8_0(&raw, rows, cols),
-                _ => from_q4(dtype, &raw, rows, cols),
-            }
-            .expect("converts");
-            let lossless = dtype != GgmlDType::Q4K;
-            for (i, (a, b)) in ours.dequantize().iter().zip(&expected).enumerate() {
-                // Q4_K: d * sc and dmin * m rounded to f16 (relative 2^-11 of each term).
-                let block = i / 32;
-                let tol =
-                    if lossless { 1e-7 } else { 1e-3 * (ours.scales[block].abs() * 15.0 + ours.offsets[block].abs()) };
-                assert!((a - b).abs() <= tol, "{dtype:?} element {i}: {a} vs {b}");
-            }
-        }
-    }
 }

@@ -2,12 +2,12 @@
 //! sharded) or a GGUF file, as a [`WeightSource`] for the model and a [`Tokenizer`].
 
 use crate::{
-    gguf::{GgufFile, Value},
+    gguf::{GgufFile, TensorInfo, Value},
     safetensors::{Dtype, SafetensorsFile},
     Error, Tokenizer,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
-use burn_gemma_kernels::{GemmaBackend, HostQuantized, QuantFormat};
+use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
 use burn_gemma_model::{
     config::{default_layer_types, NormScale},
     weights::{quantize, row_chunks, WeightKind},
@@ -312,44 +312,29 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
 }
 
 impl<F: FnMut(usize, usize)> Source<'_, F> {
-    /// A matrix block-quantized on the host (see [`WeightSource::load_host_quantized`]).
-    fn host_quantized(
-        &mut self,
+    /// The GGUF tensor info of the HF tensor `name`, its shape checked against `shape`.
+    fn gguf_tensor<'f>(
+        file: &'f GgufFile,
+        arch: Architecture,
         name: &str,
         shape: [usize; 2],
-        format: Option<QuantFormat>,
-    ) -> Result<Option<HostQuantized>, ModelError> {
-        let q = match &self.checkpoint.format {
-            Format::Hf { .. } => {
-                let Some(format) = format else { return Ok(None) };
-                let data = self.host_data(name, &shape, WeightKind::Matrix)?;
-                let values = data
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
-                return quantize(name, &values, shape, format).map(Some);
-            }
-            Format::Gguf(file) => {
-                let arch = self.checkpoint.config.model_type;
-                let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-                let info =
-                    file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
-                if info.shape != shape {
-                    return Err(ModelError::ShapeMismatch {
-                        name: name.to_string(),
-                        expected: shape.to_vec(),
-                        actual: info.shape.clone(),
-                    });
-                }
-                let q = file.block_quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
-                if q.is_some() {
-                    self.used.insert(stored);
-                    (self.progress)(self.used.len(), self.total);
-                }
-                q
-            }
-        };
-        Ok(q)
+    ) -> Result<(String, &'f TensorInfo), ModelError> {
+        let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+        if info.shape != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
+        }
+        Ok((stored, info))
+    }
+
+    /// Marks the stored tensor `stored` read and reports progress.
+    fn mark_used(&mut self, stored: String) {
+        self.used.insert(stored);
+        (self.progress)(self.used.len(), self.total);
     }
 }
 
@@ -358,10 +343,35 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
         &mut self,
         name: &str,
         shape: [usize; 2],
-        format: Option<QuantFormat>,
+        format: QuantFormat,
         _device: &B::Device,
-    ) -> Result<Option<HostQuantized>, ModelError> {
-        self.host_quantized(name, shape, format)
+    ) -> Result<HostQuantized, ModelError> {
+        match &self.checkpoint.format {
+            Format::Hf { .. } => {
+                let data = self.host_data(name, &shape, WeightKind::Matrix)?;
+                let values = data
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                quantize(name, &values, shape, format)
+            }
+            Format::Gguf(file) => {
+                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+                let q = file.quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
+                self.mark_used(stored);
+                Ok(q)
+            }
+        }
+    }
+
+    fn load_blocks(&mut self, name: &str, shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
+        let Format::Gguf(file) = &self.checkpoint.format else { return Ok(None) };
+        let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+        let blocks = file.blocks(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
+        if blocks.is_some() {
+            self.mark_used(stored);
+        }
+        Ok(blocks)
     }
 
     fn load<const D: usize>(

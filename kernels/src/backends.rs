@@ -2,8 +2,8 @@
 
 use crate::{
     cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
-    GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantizedMatrix,
-    ReservedMemory, RopeTables, SamplingParams, StepPosition,
+    GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError,
+    QuantizedMatrix, ReservedMemory, RopeTables, SamplingParams, StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -21,14 +21,18 @@ where
 {
     /// Dense weights packed; quantized codes packed into `u32` words, scales in f16 where the
     /// device has it.
-    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Matrix<Self> {
-        match matrix {
+    /// GGUF blocks are converted to the closest of Q8 and Q4 first.
+    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Result<Matrix<Self>, QuantError> {
+        Ok(match matrix {
             HostMatrix::Dense(w) => Matrix::Dense(Param::from_tensor(cube::tensor(cube::float(w)))),
             HostMatrix::Quantized(host) => {
                 let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
                 Matrix::Quantized(QuantizedMatrix::upload(&host, CodeLayout::Words, scale_dtype, device))
             }
-        }
+            HostMatrix::Ggml(blocks) => {
+                return Self::upload_matrix(HostMatrix::Quantized(blocks.to_quantized()?), device)
+            }
+        })
     }
 
     /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernels, the
@@ -40,7 +44,7 @@ where
         let gemv_ready = |w: &Matrix<Self>| match w {
             Matrix::Dense(w) => x.dtype() == w.val().dtype(),
             Matrix::Quantized(_) => true,
-            Matrix::Stacked(_) => false,
+            Matrix::Stacked(_) | Matrix::Ggml(_) => false,
         };
         let product = match weight {
             Matrix::Dense(w) if gemv_rows && gemv_ready(weight) => {
@@ -67,6 +71,8 @@ where
                         Block::Quantized(w) => {
                             crate::quant::kernel::gemv_into(x.clone(), &packed(w), Epilogue::Identity, &out, offset)
                         }
+                        // Not GEMV-ready: the arm's guard keeps these out.
+                        Block::Ggml(_) => {}
                     }
                     offset += part.matrix().dims()[0];
                 }
@@ -84,6 +90,11 @@ where
                 crate::graph::unsupported(|| "a prefill product".into());
                 let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
                 prefill_product(x, dense)
+            }
+            // Only built by the Candle backend's upload; multiplied on the host if handed here.
+            Matrix::Ggml(w) => {
+                crate::graph::unsupported(|| "a GGUF block matrix multiplied on the host".into());
+                w.product(x, Epilogue::Identity)
             }
             Matrix::Stacked(parts) => {
                 crate::graph::unsupported(|| "a stacked projection joined by Burn".into());
@@ -108,7 +119,7 @@ where
             .iter()
             .map(|block| match block {
                 Matrix::Quantized(q) => Some(packed(q)),
-                Matrix::Dense(_) | Matrix::Stacked(_) => None,
+                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) => None,
             })
             .collect();
         if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
@@ -122,9 +133,9 @@ where
             .map(|block| match block {
                 Matrix::Dense(w) => cube::float(w.val()),
                 Matrix::Quantized(q) => crate::quant::kernel::dequantize(&packed(q), dtype),
-                Matrix::Stacked(_) => {
-                    crate::graph::unsupported(|| "a stacked embedding table joined by Burn".into());
-                    cube::float(block.dense_reference(dtype))
+                Matrix::Stacked(_) | Matrix::Ggml(_) => {
+                    crate::graph::unsupported(|| "a stacked or host-held embedding table made dense".into());
+                    cube::float(block.dense_reference(dtype, &ids.device()))
                 }
             })
             .collect();
@@ -419,6 +430,8 @@ where
 }
 
 // burn-candle is deprecated upstream in Burn 0.21 but still a supported CPU backend here.
+/// The references, with every block-quantized matrix held in a GGUF block type and multiplied by
+/// candle's quantized CPU kernels ([`crate::quant::ggml`]).
 #[cfg(feature = "candle")]
 #[allow(deprecated)]
 impl<F, I> GemmaBackend for burn::backend::Candle<F, I>
@@ -426,8 +439,18 @@ where
     F: burn::backend::candle::FloatCandleElement,
     I: burn::backend::candle::IntCandleElement,
 {
+    /// GGUF blocks as they are; this crate's Q8 and Q4 as the GGUF types that hold them exactly
+    /// (Q8_0 and Q4_1); dense matrices as they are.
+    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Result<Matrix<Self>, QuantError> {
+        Ok(match matrix {
+            HostMatrix::Dense(w) => Matrix::Dense(Param::from_tensor(w.to_device(device))),
+            HostMatrix::Quantized(q) => Matrix::Ggml(crate::GgmlMatrix::new(&crate::GgmlBlocks::from_quantized(&q))?),
+            HostMatrix::Ggml(blocks) => Matrix::Ggml(crate::GgmlMatrix::new(&blocks.for_candle()?)?),
+        })
+    }
 }
 
+/// Host memory has no per-buffer limit: the embedding table is one matrix.
 #[cfg(feature = "candle")]
 #[allow(deprecated)]
 impl<F, I> ReservedMemory for burn::backend::Candle<F, I>
@@ -435,4 +458,7 @@ where
     F: burn::backend::candle::FloatCandleElement,
     I: burn::backend::candle::IntCandleElement,
 {
+    fn max_buffer_bytes(_device: &Self::Device) -> usize {
+        usize::MAX
+    }
 }

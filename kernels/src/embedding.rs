@@ -4,7 +4,8 @@ use crate::{quant, Matrix};
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 /// Reference over a table of [`Matrix`] row blocks, in `dtype`: a quantized table gathers and
-/// dequantizes only the rows asked for ([`quant::embed_reference`]); a dense one (or one mixing
+/// dequantizes only the rows asked for ([`quant::embed_reference`], or for GGUF blocks
+/// [`quant::ggml::embed_reference`]); a dense one (or one mixing
 /// dense and quantized blocks, which the loader never builds: the quantized blocks are then
 /// dequantized whole) gathers with [`reference`].
 pub fn table_reference<B: Backend>(
@@ -17,17 +18,27 @@ pub fn table_reference<B: Backend>(
         .iter()
         .map(|block| match block {
             Matrix::Quantized(q) => Some(q),
-            Matrix::Dense(_) | Matrix::Stacked(_) => None,
+            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) => None,
         })
         .collect();
     if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
         return quant::embed_reference(&blocks, ids, scale, dtype);
     }
+    let ggml: Option<Vec<_>> = table
+        .iter()
+        .map(|block| match block {
+            Matrix::Ggml(q) => Some(q),
+            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Quantized(_) => None,
+        })
+        .collect();
+    if let Some(blocks) = ggml.filter(|b| !b.is_empty()) {
+        return quant::ggml::embed_reference(&blocks, ids, scale, dtype);
+    }
     let blocks: Vec<Tensor<B, 2>> = table
         .iter()
         .map(|block| match block {
             Matrix::Dense(w) => w.val(),
-            other => other.dense_reference(dtype),
+            other => other.dense_reference(dtype, &ids.device()),
         })
         .collect();
     reference(&blocks, ids, scale).cast(dtype)

@@ -2,7 +2,9 @@
 //!
 //! [`GemmaBackend`] has one method per hot operation of a Gemma forward pass. Every method has a
 //! default implementation written with plain Burn tensor operations (the *reference*, which lives
-//! next to each operation in its own module). CPU backends (NdArray, Candle) use the references;
+//! next to each operation in its own module). CPU backends (NdArray, Candle) use the references,
+//! Candle with its block-quantized matrices kept in GGUF's own block types and multiplied by
+//! candle's quantized kernels ([`quant::ggml`]);
 //! the CubeCL backends (`CubeBackend<R, F, I, BT>`: CUDA, ROCm/HIP, wgpu) get the same trait from
 //! one implementation generic over the runtime, so kernels are written once for every GPU API.
 //!
@@ -47,7 +49,7 @@ pub use gelu::GateUpLayout;
 pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
 pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
-pub use quant::{HostQuantized, QuantFormat, QuantizedMatrix};
+pub use quant::{GgmlBlocks, GgmlMatrix, HostQuantized, QuantError, QuantFormat, QuantizedMatrix};
 pub use rms_norm::AddNorm;
 pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
@@ -81,8 +83,10 @@ pub trait GemmaBackend: ReservedMemory {
     /// Puts a checkpoint matrix in the layout this backend's kernels read, once at load: dense
     /// weights packed (CubeCL pads the rows of `[rows, cols]` allocations to an aligned pitch,
     /// which a kernel would otherwise copy away on every call), quantized ones with their codes
-    /// in the backend's layout (the reference keeps one `U8` code per weight and f32 scales).
-    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Matrix<Self> {
+    /// in the backend's layout (the reference keeps one `U8` code per weight and f32 scales),
+    /// GGUF blocks as they are where the backend multiplies them (Candle) and converted to the
+    /// closest of this crate's formats elsewhere; fails on blocks that do not convert.
+    fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Result<Matrix<Self>, QuantError> {
         matrix::upload_reference(matrix, device)
     }
 

@@ -1,7 +1,11 @@
 //! Weight matrices as the kernels read them: dense or block-quantized, one type for both, and
 //! what a product does with its result (its epilogue).
 
-use crate::{gelu, linear, quant, HostQuantized, QuantizedMatrix};
+use crate::{
+    gelu, linear,
+    quant::{self, GgmlBlocks, GgmlMatrix, QuantError},
+    HostQuantized, QuantizedMatrix,
+};
 use burn::{
     module::{Module, Param},
     tensor::{backend::Backend, DType, Tensor},
@@ -15,6 +19,9 @@ pub enum Matrix<B: Backend> {
     Dense(Param<Tensor<B, 2>>),
     /// Block-quantized codes in the backend's layout.
     Quantized(QuantizedMatrix<B>),
+    /// Blocks in a GGUF block type, in host memory, multiplied by candle's quantized CPU kernels
+    /// (the Candle backend's form of every block-quantized matrix; see [`quant::ggml`]).
+    Ggml(GgmlMatrix<B>),
     /// Consecutive row blocks stored differently (a GGUF's `q` and `k` in Q4_K and `v` in
     /// Q6_K, say): one product, whose output is the blocks' outputs side by side.
     Stacked(Vec<Block<B>>),
@@ -26,6 +33,7 @@ pub enum Matrix<B: Backend> {
 pub enum Block<B: Backend> {
     Dense(Param<Tensor<B, 2>>),
     Quantized(QuantizedMatrix<B>),
+    Ggml(GgmlMatrix<B>),
 }
 
 impl<B: Backend> Block<B> {
@@ -34,6 +42,7 @@ impl<B: Backend> Block<B> {
         match self {
             Self::Dense(w) => Matrix::Dense(w.clone()),
             Self::Quantized(w) => Matrix::Quantized(w.clone()),
+            Self::Ggml(w) => Matrix::Ggml(w.clone()),
         }
     }
 }
@@ -44,6 +53,7 @@ impl<B: Backend> Matrix<B> {
         match self {
             Self::Dense(w) => w.val().dims(),
             Self::Quantized(w) => w.shape,
+            Self::Ggml(w) => w.shape,
             Self::Stacked(parts) => {
                 let dims: Vec<[usize; 2]> = parts.iter().map(|p| p.matrix().dims()).collect();
                 [dims.iter().map(|d| d[0]).sum(), dims.first().map_or(0, |d| d[1])]
@@ -51,11 +61,12 @@ impl<B: Backend> Matrix<B> {
         }
     }
 
-    /// Bytes on the device.
+    /// Bytes on the device (for [`Matrix::Ggml`], in host memory).
     pub fn device_bytes(&self) -> usize {
         match self {
             Self::Dense(w) => w.val().shape().num_elements() * w.val().dtype().size(),
             Self::Quantized(w) => w.device_bytes(),
+            Self::Ggml(w) => w.host_bytes(),
             Self::Stacked(parts) => parts.iter().map(|p| p.matrix().device_bytes()).sum(),
         }
     }
@@ -71,6 +82,7 @@ impl<B: Backend> Matrix<B> {
             match part {
                 Self::Dense(w) => blocks.push(Block::Dense(w)),
                 Self::Quantized(w) => blocks.push(Block::Quantized(w)),
+                Self::Ggml(w) => blocks.push(Block::Ggml(w)),
                 Self::Stacked(inner) => blocks.extend(inner),
             }
         }
@@ -78,12 +90,15 @@ impl<B: Backend> Matrix<B> {
     }
 
     /// The whole matrix dense in `dtype` (quantized blocks dequantized with the reference,
-    /// blocks joined): `[out, in]`.
-    pub fn dense_reference(&self, dtype: DType) -> Tensor<B, 2> {
+    /// blocks joined): `[out, in]`, on `device` where it is held on the host.
+    pub fn dense_reference(&self, dtype: DType, device: &B::Device) -> Tensor<B, 2> {
         match self {
             Self::Dense(w) => w.val().cast(dtype),
             Self::Quantized(w) => quant::dequantize_reference(w, dtype),
-            Self::Stacked(parts) => Tensor::cat(parts.iter().map(|p| p.matrix().dense_reference(dtype)).collect(), 0),
+            Self::Ggml(w) => w.dense(dtype, device),
+            Self::Stacked(parts) => {
+                Tensor::cat(parts.iter().map(|p| p.matrix().dense_reference(dtype, device)).collect(), 0)
+            }
         }
     }
 }
@@ -96,6 +111,8 @@ pub enum HostMatrix<B: Backend> {
     Dense(Tensor<B, 2>),
     /// Block-quantized on the host.
     Quantized(HostQuantized),
+    /// Blocks of a GGUF block type as the file stores them.
+    Ggml(GgmlBlocks),
 }
 
 /// What a product does with its result before storing it.
@@ -110,11 +127,13 @@ pub enum Epilogue {
 }
 
 /// Reference: `x [n, in] @ w^T -> [n, out]` in `x`'s dtype (a quantized matrix dequantized
-/// first; the reference code layout), then `epilogue`.
+/// first; the reference code layout; GGUF blocks by candle's quantized product), then
+/// `epilogue`.
 pub fn reference<B: Backend>(x: Tensor<B, 2>, w: &Matrix<B>, epilogue: Epilogue) -> Tensor<B, 2> {
     let y = match w {
         Matrix::Dense(w) => linear::reference(x, w.val()),
         Matrix::Quantized(w) => quant::project_reference(x, w),
+        Matrix::Ggml(w) => return w.product(x, epilogue),
         Matrix::Stacked(parts) => {
             Tensor::cat(parts.iter().map(|p| reference(x.clone(), &p.matrix(), Epilogue::Identity)).collect(), 1)
         }
@@ -126,12 +145,14 @@ pub fn reference<B: Backend>(x: Tensor<B, 2>, w: &Matrix<B>, epilogue: Epilogue)
 }
 
 /// Reference upload: dense matrices as they are, quantized ones with one `U8` code per weight
-/// and f32 scales.
-pub fn upload_reference<B: Backend>(matrix: HostMatrix<B>, device: &B::Device) -> Matrix<B> {
-    match matrix {
+/// and f32 scales, GGUF blocks converted to the closest of this crate's formats first
+/// ([`GgmlBlocks::to_quantized`]).
+pub fn upload_reference<B: Backend>(matrix: HostMatrix<B>, device: &B::Device) -> Result<Matrix<B>, QuantError> {
+    Ok(match matrix {
         HostMatrix::Dense(w) => Matrix::Dense(Param::from_tensor(w)),
         HostMatrix::Quantized(host) => {
             Matrix::Quantized(QuantizedMatrix::upload(&host, quant::CodeLayout::Bytes, DType::F32, device))
         }
-    }
+        HostMatrix::Ggml(blocks) => return upload_reference(HostMatrix::Quantized(blocks.to_quantized()?), device),
+    })
 }

@@ -36,6 +36,9 @@ pub enum ModelError {
     /// A weight cannot be quantized to the requested format.
     #[error("cannot quantize `{name}`: {source}")]
     Quantize { name: String, source: burn_gemma_kernels::quant::QuantError },
+    /// A weight cannot be put in the backend's layout (GGUF blocks that do not convert).
+    #[error("cannot upload `{name}`: {source}")]
+    Upload { name: String, source: burn_gemma_kernels::quant::QuantError },
     /// Decode could not be recorded or replayed as a CUDA graph.
     #[error(transparent)]
     Graph(#[from] burn_gemma_kernels::graph::GraphError),

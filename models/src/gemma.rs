@@ -9,7 +9,7 @@ use crate::{
     moe::MoeBlock,
     norm::{ResidualStream, RmsNorm},
     per_layer::{PerLayerEmbeddings, PerLayerInput},
-    projection::{load_matrix, Projection, WeightSettings},
+    projection::{load_matrix, upload, BlockRequest, Projection, WeightSettings},
     rope::RotaryEmbeddings,
     weights::{host_values, row_chunks, WeightFormat, WeightKind, WeightSource},
     Architecture, GemmaConfig, KvCache, ModelError,
@@ -20,8 +20,8 @@ use burn::{
 };
 use burn_gemma_kernels::{
     gelu::{self, PAIR_BLOCK},
-    Draws, Epilogue, GateUpLayout, GemmaBackend, HostMatrix, HostQuantized, KvFormat, Matrix, QuantFormat, RopeTables,
-    SamplingParams, StepPosition,
+    Draws, Epilogue, GateUpLayout, GemmaBackend, GgmlBlocks, HostMatrix, HostQuantized, KvFormat, Matrix, QuantFormat,
+    RopeTables, SamplingParams, StepPosition,
 };
 
 /// The gate and up projections of an MLP (they read the same input).
@@ -41,27 +41,45 @@ pub enum GateUp<B: GemmaBackend> {
 impl<B: GemmaBackend> GateUp<B> {
     /// Interleaves `gate` and `up` (`[intermediate, hidden]` each) where both are stored alike
     /// and `intermediate` splits into pair blocks, else keeps them side by side.
-    fn new(gate: HostMatrix<B>, up: HostMatrix<B>, intermediate: usize, device: &B::Device) -> Self {
+    /// `name` names the pair in errors.
+    fn new(
+        gate: HostMatrix<B>,
+        up: HostMatrix<B>,
+        intermediate: usize,
+        name: &str,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let fits = gelu::pairs_fit(intermediate);
+        let interleaved = |joined| upload(joined, name, device).map(Self::Interleaved);
         match (gate, up) {
             (HostMatrix::Quantized(gate), HostMatrix::Quantized(up)) if fits => {
                 match HostQuantized::interleave_pairs(gate, up, PAIR_BLOCK) {
-                    Ok(joined) => Self::Interleaved(B::upload_matrix(HostMatrix::Quantized(joined), device)),
+                    Ok(joined) => interleaved(HostMatrix::Quantized(joined)),
                     Err((gate, up)) => {
-                        Self::side_by_side(HostMatrix::Quantized(gate), HostMatrix::Quantized(up), device)
+                        Self::side_by_side(HostMatrix::Quantized(gate), HostMatrix::Quantized(up), name, device)
                     }
                 }
             }
-            (HostMatrix::Dense(gate), HostMatrix::Dense(up)) if fits && gate.dtype() == up.dtype() => {
-                let joined = gelu::interleave_pairs(gate, up);
-                Self::Interleaved(B::upload_matrix(HostMatrix::Dense(joined), device))
+            (HostMatrix::Ggml(gate), HostMatrix::Ggml(up)) if fits => {
+                match GgmlBlocks::interleave_pairs(gate, up, PAIR_BLOCK) {
+                    Ok(joined) => interleaved(HostMatrix::Ggml(joined)),
+                    Err((gate, up)) => Self::side_by_side(HostMatrix::Ggml(gate), HostMatrix::Ggml(up), name, device),
+                }
             }
-            (gate, up) => Self::side_by_side(gate, up, device),
+            (HostMatrix::Dense(gate), HostMatrix::Dense(up)) if fits && gate.dtype() == up.dtype() => {
+                interleaved(HostMatrix::Dense(gelu::interleave_pairs(gate, up)))
+            }
+            (gate, up) => Self::side_by_side(gate, up, name, device),
         }
     }
 
-    fn side_by_side(gate: HostMatrix<B>, up: HostMatrix<B>, device: &B::Device) -> Self {
-        Self::SideBySide(Projection::joined(vec![gate, up], device))
+    fn side_by_side(
+        gate: HostMatrix<B>,
+        up: HostMatrix<B>,
+        name: &str,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Projection::joined(vec![gate, up], name, device).map(Self::SideBySide)
     }
 
     /// `[batch, seq, hidden]` -> `gelu_tanh(gate(x)) * up(x)`, `[batch, seq, intermediate]`.
@@ -108,19 +126,23 @@ impl<B: GemmaBackend> Mlp<B> {
         let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], settings, device)?;
         let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], settings, device)?;
         let down = load_matrix(source, &format!("{prefix}.down_proj.weight"), [hidden, inter], settings, device)?;
-        Ok(Self::from_matrices(gate, up, down, inter, device))
+        Self::from_matrices(gate, up, down, inter, prefix, device)
     }
 
     /// The MLP of matrices already read: `gate` and `up` `[intermediate, hidden]`, `down`
-    /// `[hidden, intermediate]`.
+    /// `[hidden, intermediate]`; `prefix` names them in errors.
     pub(crate) fn from_matrices(
         gate: HostMatrix<B>,
         up: HostMatrix<B>,
         down: HostMatrix<B>,
         intermediate: usize,
+        prefix: &str,
         device: &B::Device,
-    ) -> Self {
-        Self { gate_up: GateUp::new(gate, up, intermediate, device), down_proj: Projection::joined(vec![down], device) }
+    ) -> Result<Self, ModelError> {
+        Ok(Self {
+            gate_up: GateUp::new(gate, up, intermediate, &format!("{prefix}.gate_proj | up_proj"), device)?,
+            down_proj: Projection::joined(vec![down], &format!("{prefix}.down_proj"), device)?,
+        })
     }
 
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
@@ -291,29 +313,39 @@ impl<B: GemmaBackend> Embedding<B> {
         settings: WeightSettings,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        let host = match settings.table_blocks(shape[1]) {
+        let requantize = |blocks: GgmlBlocks| {
+            blocks.to_format(QuantFormat::Q8).map_err(|source| ModelError::Quantize { name: name.to_string(), source })
+        };
+        let host: Option<HostMatrix<B>> = match settings.table_blocks(shape[1]) {
             None => None,
-            Some(request) => match source.load_host_quantized(name, shape, request.format(), device)? {
-                // Q4 is not enough for a table: requantize a Q4 checkpoint's to Q8.
-                Some(q) if q.format == QuantFormat::Q4 => {
-                    Some(crate::weights::quantize(name, &q.dequantize(), shape, QuantFormat::Q8)?)
+            Some(BlockRequest::Format(format)) => {
+                Some(HostMatrix::Quantized(source.load_host_quantized(name, shape, format, device)?))
+            }
+            Some(BlockRequest::Native) => match source.load_blocks(name, shape)? {
+                None => None,
+                // 4 bits are not enough for a table that feeds both ends of the model: Q8.
+                Some(blocks) if blocks.closest_format() == QuantFormat::Q4 => {
+                    Some(HostMatrix::Quantized(requantize(blocks)?))
                 }
-                other => other,
+                Some(blocks) => Some(HostMatrix::Ggml(blocks)),
             },
         };
-        let upload = |m| B::upload_matrix(m, device);
         let max_bytes = B::max_buffer_bytes(device);
+        let rows_per_chunk = |row_bytes: usize| (max_bytes / row_bytes.max(1)).max(1);
         let blocks = match host {
-            Some(host) => {
-                let rows_per_chunk = (max_bytes / host.cols).max(1);
-                row_chunks(host.rows, rows_per_chunk)
-                    .map(|r| upload(HostMatrix::Quantized(host.rows_slice(r))))
-                    .collect()
+            Some(HostMatrix::Quantized(host)) => row_chunks(host.rows, rows_per_chunk(host.cols))
+                .map(|r| upload(HostMatrix::Quantized(host.rows_slice(r)), name, device))
+                .collect::<Result<_, _>>()?,
+            Some(HostMatrix::Ggml(host)) => {
+                let [rows, _] = host.shape();
+                row_chunks(rows, rows_per_chunk(host.bytes().len() / rows.max(1)))
+                    .map(|r| upload(HostMatrix::Ggml(host.rows_slice(r)), name, device))
+                    .collect::<Result<_, _>>()?
             }
-            None => {
-                let rows_per_chunk = (max_bytes / (shape[1] * settings.dtype.size()).max(1)).max(1);
+            Some(HostMatrix::Dense(_)) | None => {
+                let rows_per_chunk = rows_per_chunk(shape[1] * settings.dtype.size());
                 let blocks = source.load_row_chunks(name, shape, rows_per_chunk, settings.dtype, device)?;
-                blocks.into_iter().map(|b| upload(HostMatrix::Dense(b))).collect()
+                blocks.into_iter().map(|b| upload(HostMatrix::Dense(b), name, device)).collect::<Result<_, _>>()?
             }
         };
         Ok(Self { blocks })
@@ -640,7 +672,7 @@ mod tests {
                 }
             };
             let ((gate, gate_loaded), (up, up_loaded)) = (load(1, gate_q), load(2, up_q));
-            let layer = GateUp::new(gate_loaded, up_loaded, inter, &device);
+            let layer = GateUp::new(gate_loaded, up_loaded, inter, "test", &device).expect("uploads");
             assert_eq!(
                 matches!(layer, GateUp::Interleaved(_)),
                 interleaved,

@@ -143,11 +143,12 @@ impl<B: GemmaBackend> MoeBlock<B> {
         let experts = gate_up
             .into_iter()
             .zip(down)
-            .map(|(gate_up, down)| {
+            .enumerate()
+            .map(|(e, (gate_up, down))| {
                 let (gate, up) = split_rows(gate_up, inter);
-                Mlp::from_matrices(gate, up, down, inter, device)
+                Mlp::from_matrices(gate, up, down, inter, &format!("{prefix}.experts.{e}"), device)
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         let norm = |source: &mut _, name: &str| {
             RmsNorm::load(source, &format!("{prefix}.{name}"), hidden, c.rms_norm_eps, NormScale::Weight, device)
         };
@@ -237,6 +238,10 @@ fn split_rows<B: GemmaBackend>(matrix: HostMatrix<B>, at: usize) -> (HostMatrix<
         HostMatrix::Quantized(q) => {
             let rows = q.rows;
             (HostMatrix::Quantized(q.rows_slice(0..at)), HostMatrix::Quantized(q.rows_slice(at..rows)))
+        }
+        HostMatrix::Ggml(q) => {
+            let [rows, _] = q.shape();
+            (HostMatrix::Ggml(q.rows_slice(0..at)), HostMatrix::Ggml(q.rows_slice(at..rows)))
         }
     }
 }

@@ -9,7 +9,9 @@ use burn::{
     module::Module,
     tensor::{DType, Tensor},
 };
-use burn_gemma_kernels::{quant::BLOCK, Epilogue, GemmaBackend, HostMatrix, HostQuantized, Matrix, QuantFormat};
+use burn_gemma_kernels::{
+    quant::BLOCK, Epilogue, GemmaBackend, GgmlBlocks, HostMatrix, HostQuantized, Matrix, QuantFormat,
+};
 
 /// How the model's weights are loaded: the activation/dense dtype and the matrix format.
 #[derive(Debug, Clone, Copy)]
@@ -45,20 +47,10 @@ impl WeightSettings {
 /// A block format asked of a [`WeightSource`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockRequest {
-    /// The checkpoint's own block format, where it has one.
+    /// The checkpoint's own block type, where it has one ([`WeightSource::load_blocks`]).
     Native,
-    /// This format.
+    /// This format ([`WeightSource::load_host_quantized`]).
     Format(QuantFormat),
-}
-
-impl BlockRequest {
-    /// The argument of [`WeightSource::load_host_quantized`].
-    pub(crate) fn format(self) -> Option<QuantFormat> {
-        match self {
-            Self::Native => None,
-            Self::Format(q) => Some(q),
-        }
-    }
 }
 
 /// Reads one `[out, in]` matrix in the format `settings` asks for.
@@ -69,19 +61,39 @@ pub(crate) fn load_matrix<B: GemmaBackend>(
     settings: WeightSettings,
     device: &B::Device,
 ) -> Result<HostMatrix<B>, ModelError> {
-    if let Some(request) = settings.blocks(shape[1]) {
-        if let Some(host) = source.load_host_quantized(name, shape, request.format(), device)? {
-            return Ok(HostMatrix::Quantized(host));
+    match settings.blocks(shape[1]) {
+        Some(BlockRequest::Format(format)) => {
+            return Ok(HostMatrix::Quantized(source.load_host_quantized(name, shape, format, device)?));
         }
+        Some(BlockRequest::Native) => {
+            if let Some(blocks) = source.load_blocks(name, shape)? {
+                return Ok(HostMatrix::Ggml(blocks));
+            }
+        }
+        None => {}
     }
     Ok(HostMatrix::Dense(source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?))
 }
 
+/// [`GemmaBackend::upload_matrix`], naming `name` on failure.
+pub(crate) fn upload<B: GemmaBackend>(
+    matrix: HostMatrix<B>,
+    name: &str,
+    device: &B::Device,
+) -> Result<Matrix<B>, ModelError> {
+    B::upload_matrix(matrix, device).map_err(|source| ModelError::Upload { name: name.to_string(), source })
+}
+
 /// Uploads row blocks read in order, joining neighbours stored alike (same block format and
-/// width, or both dense) into one matrix.
-pub(crate) fn upload_joined<B: GemmaBackend>(blocks: Vec<HostMatrix<B>>, device: &B::Device) -> Vec<Matrix<B>> {
+/// width, or both dense) into one matrix; `name` names them in errors.
+pub(crate) fn upload_joined<B: GemmaBackend>(
+    blocks: Vec<HostMatrix<B>>,
+    name: &str,
+    device: &B::Device,
+) -> Result<Vec<Matrix<B>>, ModelError> {
     enum Group<B: GemmaBackend> {
         Host(HostQuantized),
+        Ggml(GgmlBlocks),
         Dense(Vec<Tensor<B, 2>>),
     }
     let mut groups: Vec<Group<B>> = Vec::new();
@@ -92,16 +104,23 @@ pub(crate) fn upload_joined<B: GemmaBackend>(blocks: Vec<HostMatrix<B>>, device:
                     groups.push(Group::Host(next));
                 }
             }
+            (Some(Group::Ggml(last)), HostMatrix::Ggml(next)) => {
+                if let Err(next) = last.append_rows(next) {
+                    groups.push(Group::Ggml(next));
+                }
+            }
             (Some(Group::Dense(rows)), HostMatrix::Dense(next)) => rows.push(next),
             (_, HostMatrix::Quantized(next)) => groups.push(Group::Host(next)),
+            (_, HostMatrix::Ggml(next)) => groups.push(Group::Ggml(next)),
             (_, HostMatrix::Dense(next)) => groups.push(Group::Dense(vec![next])),
         }
     }
     groups
         .into_iter()
         .map(|group| match group {
-            Group::Host(host) => B::upload_matrix(HostMatrix::Quantized(host), device),
-            Group::Dense(rows) => B::upload_matrix(HostMatrix::Dense(Tensor::cat(rows, 0)), device),
+            Group::Host(host) => upload(HostMatrix::Quantized(host), name, device),
+            Group::Ggml(blocks) => upload(HostMatrix::Ggml(blocks), name, device),
+            Group::Dense(rows) => upload(HostMatrix::Dense(Tensor::cat(rows, 0)), name, device),
         })
         .collect()
 }
@@ -129,12 +148,13 @@ impl<B: GemmaBackend> Projection<B> {
             .iter()
             .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::joined(blocks, device))
+        let joined: Vec<&str> = names.iter().map(|&(name, _)| name).collect();
+        Self::joined(blocks, &joined.join(" | "), device)
     }
 
-    /// The projection of matrices already read, in order.
-    pub(crate) fn joined(blocks: Vec<HostMatrix<B>>, device: &B::Device) -> Self {
-        Self { weight: Matrix::stacked(upload_joined(blocks, device)) }
+    /// The projection of matrices already read, in order (`name` names them in errors).
+    pub(crate) fn joined(blocks: Vec<HostMatrix<B>>, name: &str, device: &B::Device) -> Result<Self, ModelError> {
+        Ok(Self { weight: Matrix::stacked(upload_joined(blocks, name, device)?) })
     }
 
     /// `[batch, seq, in]` -> `[batch, seq, out]`.

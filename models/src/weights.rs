@@ -6,13 +6,15 @@
 
 use crate::{config::NormScale, ModelError};
 use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
-use burn_gemma_kernels::{HostQuantized, QuantFormat};
+use burn_gemma_kernels::{GgmlBlocks, HostQuantized, QuantFormat};
 
 /// How weight matrices are kept on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightFormat {
-    /// The checkpoint's own format where a kernel reads it: GGUF Q8_0 as Q8; Q4_0, Q4_1 and Q4_K
-    /// as Q4; other GGUF block types requantized to Q8; float tensors dense in the model dtype.
+    /// The checkpoint's own format: GGUF block types as the file stores them, which the Candle
+    /// backend multiplies as they are and the GPU backends convert at load (Q8_0 and Q5_0 to Q8;
+    /// Q4_0, Q4_1 and Q4_K to Q4; other block types requantized to Q8); float tensors dense in
+    /// the model dtype.
     #[default]
     Native,
     /// Every matrix quantized to this format (the embedding table at least Q8); matrices
@@ -72,19 +74,23 @@ pub trait WeightSource<B: Backend> {
         device: &B::Device,
     ) -> Result<Vec<Tensor<B, 2>>, ModelError>;
 
-    /// The `[rows, cols]` matrix `name` block-quantized on the host: to `format`, or with `None`
-    /// in the checkpoint's own block format, where it has one (`Ok(None)` for float tensors).
-    /// The default reads the dense matrix back from the device and quantizes it.
+    /// The `[rows, cols]` matrix `name` block-quantized to `format` on the host. The default
+    /// reads the dense matrix back from the device and quantizes it.
     fn load_host_quantized(
         &mut self,
         name: &str,
         shape: [usize; 2],
-        format: Option<QuantFormat>,
+        format: QuantFormat,
         device: &B::Device,
-    ) -> Result<Option<HostQuantized>, ModelError> {
-        let Some(format) = format else { return Ok(None) };
+    ) -> Result<HostQuantized, ModelError> {
         let dense: Tensor<B, 2> = self.load(name, shape, WeightKind::Matrix, DType::F32, device)?;
-        quantize(name, &host_values(dense, name)?, shape, format).map(Some)
+        quantize(name, &host_values(dense, name)?, shape, format)
+    }
+
+    /// The `[rows, cols]` matrix `name` in the checkpoint's own GGUF block type, as stored;
+    /// `Ok(None)` where it is stored as floats (the default: sources without block types).
+    fn load_blocks(&mut self, _name: &str, _shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
+        Ok(None)
     }
 }
 

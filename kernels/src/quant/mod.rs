@@ -21,12 +21,14 @@
 pub mod device;
 pub mod embedding;
 pub mod gemv;
+pub mod ggml;
 
 #[cfg(test)]
 pub(crate) mod check;
 
 pub use device::{dequantize_reference, project_reference, CodeLayout, QuantizedMatrix};
 pub use embedding::embed_reference;
+pub use ggml::{GgmlBlocks, GgmlMatrix};
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
@@ -97,6 +99,18 @@ pub enum QuantError {
     /// Scales or offsets are not one per block.
     #[error("{what}: {len} values for {blocks} blocks")]
     Blocks { what: &'static str, len: usize, blocks: usize },
+    /// A GGUF tensor type that is not block-quantized, given as blocks.
+    #[error("{dtype} is not a block-quantized type")]
+    NotBlocks { dtype: String },
+    /// Rows that do not split into whole blocks of a GGUF block type.
+    #[error("{dtype} rows of {cols} columns do not split into blocks of {block}")]
+    BlockColumns { dtype: String, cols: usize, block: usize },
+    /// A byte count that does not match the shape.
+    #[error("{len} bytes for a [{rows}, {cols}] {dtype} matrix ({expected} expected)")]
+    Bytes { dtype: String, rows: usize, cols: usize, len: usize, expected: usize },
+    /// candle-core refused the blocks.
+    #[error("candle: {0}")]
+    Candle(String),
 }
 
 /// A quantized matrix on the host: one code per weight (row-major, unsigned: Q8 stores

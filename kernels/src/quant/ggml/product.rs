@@ -1,0 +1,206 @@
+//! The CPU product of activations with a GGUF block matrix, built on candle's block dot products.
+//!
+//! candle's own quantized matmul walks the activation rows in the outer loop, so a prompt of
+//! `m` rows reads the whole weight matrix `m` times from memory. Here the activations are
+//! quantized once (to the block type the weight's dot product reads: Q8_0, Q8_1 or Q8_K), and
+//! the output columns are split into groups of [`COLUMNS`] weight rows that the threads take in
+//! turn: a group's rows (a few KiB) stay in cache while every activation row is multiplied with
+//! them, so the weights are read from memory once per product whatever `m` is. Each dot product
+//! is candle's (`GgmlType::vec_dot`: AVX2 or NEON where candle has it for the type), so the
+//! result equals candle's matmul exactly (tested).
+
+use candle_core::quantized::{
+    k_quants::{
+        BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K,
+        BlockQ8_0, BlockQ8_1, GgmlType,
+    },
+    GgmlDType, QTensor,
+};
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// Weight rows per task: 16 rows of a 2,048-wide Q8_0 matrix are 34 KiB.
+const COLUMNS: usize = 16;
+
+/// Why a product could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ProductError {
+    #[error("{0:?} is not a block type this product handles")]
+    Type(GgmlDType),
+    #[error("the blocks are not in host memory")]
+    NotHost,
+    #[error("activations of {len} values are not rows of {cols}")]
+    Shape { len: usize, cols: usize },
+    #[error("candle: {0}")]
+    Candle(String),
+}
+
+/// `x [m, cols] @ w^T -> [m, rows]` (row-major `f32`) for a `[rows, cols]` block matrix `w`.
+pub fn product(x: &[f32], w: &QTensor) -> Result<Vec<f32>, ProductError> {
+    let (rows, cols) = w.shape().dims2().map_err(|e| ProductError::Candle(e.to_string()))?;
+    if cols == 0 || !x.len().is_multiple_of(cols) {
+        return Err(ProductError::Shape { len: x.len(), cols });
+    }
+    let data = w.data().map_err(|e| ProductError::Candle(e.to_string()))?;
+    let Cow::Borrowed(bytes) = data else { return Err(ProductError::NotHost) };
+    let shape = Shape { m: x.len() / cols, k: cols, n: rows };
+    match w.dtype() {
+        GgmlDType::Q4_0 => typed::<BlockQ4_0>(x, bytes, shape),
+        GgmlDType::Q4_1 => typed::<BlockQ4_1>(x, bytes, shape),
+        GgmlDType::Q5_0 => typed::<BlockQ5_0>(x, bytes, shape),
+        GgmlDType::Q5_1 => typed::<BlockQ5_1>(x, bytes, shape),
+        GgmlDType::Q8_0 => typed::<BlockQ8_0>(x, bytes, shape),
+        GgmlDType::Q8_1 => typed::<BlockQ8_1>(x, bytes, shape),
+        GgmlDType::Q2K => typed::<BlockQ2K>(x, bytes, shape),
+        GgmlDType::Q3K => typed::<BlockQ3K>(x, bytes, shape),
+        GgmlDType::Q4K => typed::<BlockQ4K>(x, bytes, shape),
+        GgmlDType::Q5K => typed::<BlockQ5K>(x, bytes, shape),
+        GgmlDType::Q6K => typed::<BlockQ6K>(x, bytes, shape),
+        GgmlDType::Q8K => typed::<BlockQ8K>(x, bytes, shape),
+        other @ (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => Err(ProductError::Type(other)),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+/// The product over the blocks of `T` that `bytes` holds.
+fn typed<T: GgmlType>(x: &[f32], bytes: &[u8], Shape { m, k, n }: Shape) -> Result<Vec<f32>, ProductError> {
+    let size = std::mem::size_of::<T>();
+    let per_row = k / T::BLCK_SIZE;
+    if !k.is_multiple_of(T::BLCK_SIZE) || bytes.len() != n * per_row * size {
+        return Err(ProductError::Type(T::DTYPE));
+    }
+    if bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0 {
+        return Err(ProductError::NotHost);
+    }
+    // SAFETY: `bytes` is the storage of a candle `QTensor` of dtype `T::DTYPE` in host memory,
+    // which candle keeps as a `Vec<T>` (`QuantizedType for Vec<T>`), viewed as bytes: its start is
+    // aligned for `T` (checked above) and its length is a whole number of `T` (checked above).
+    // Every block type is `#[repr(C)]` plain data (f16 and byte arrays), valid for any bits.
+    let w: &[T] = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
+    let mut xq = vec![T::VecDotType::zeros(); m * per_row];
+    for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(per_row)) {
+        T::VecDotType::from_float(src, dst);
+    }
+    // Column-major output: column j's m values are one contiguous run, written by one task.
+    let mut out = vec![0.0f32; n * m];
+    out.par_chunks_mut(COLUMNS * m).zip(w.par_chunks(COLUMNS * per_row)).for_each(|(out, w)| {
+        for (column, weights) in out.chunks_exact_mut(m).zip(w.chunks_exact(per_row)) {
+            for (value, activations) in column.iter_mut().zip(xq.chunks_exact(per_row)) {
+                *value = T::vec_dot(k, weights, activations);
+            }
+        }
+    });
+    if m == 1 {
+        return Ok(out);
+    }
+    let mut rows_major = vec![0.0f32; m * n];
+    for (j, column) in out.chunks_exact(m).enumerate() {
+        for (i, &v) in column.iter().enumerate() {
+            rows_major[i * n + j] = v;
+        }
+    }
+    Ok(rows_major)
+}
+
+/// `gelu_tanh(gate) * up` of a row-major product `y` of `width` columns whose gate and up
+/// columns are interleaved in blocks of [`crate::gelu::PAIR_BLOCK`]
+/// ([`crate::gelu::pairs_reference`]'s layout): `[rows, width / 2]`, in f32, rows in parallel.
+pub fn gelu_pairs(y: &[f32], width: usize) -> Vec<f32> {
+    const PAIR: usize = crate::gelu::PAIR_BLOCK;
+    let half = width / 2;
+    let mut out = vec![0.0f32; y.len() / 2];
+    out.par_chunks_mut(half.max(1)).zip(y.par_chunks(width.max(1))).for_each(|(out, y)| {
+        for (out, pair) in out.chunks_exact_mut(PAIR).zip(y.chunks_exact(2 * PAIR)) {
+            let (gate, up) = pair.split_at(PAIR);
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = gelu_tanh(g) * u;
+            }
+        }
+    });
+    out
+}
+
+/// The tanh approximation of GELU: `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`.
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{random_blocks, seed};
+    use super::*;
+
+    #[test]
+    fn products_equal_candles_matmul() {
+        let seed = seed();
+        // Row counts that leave a partial task; even block counts per row (candle's debug
+        // assertions ask for them in Q4_1 / Q5_0 / Q5_1).
+        for (dtype, rows, cols) in [
+            (GgmlDType::Q8_0, 37, 128),
+            (GgmlDType::Q5_0, 19, 192),
+            (GgmlDType::Q4_0, 33, 64),
+            (GgmlDType::Q4_1, 7, 64),
+            (GgmlDType::Q4K, 21, 512),
+            (GgmlDType::Q6K, 13, 256),
+        ] {
+            let w = random_blocks(dtype, rows, cols, seed).qtensor().expect("candle tensor");
+            for m in [1, 3, 17] {
+                let mut s = seed ^ m as u64;
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|_| {
+                        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+                    })
+                    .collect();
+                let got = product(&x, &w).expect("product");
+                let expected = candle_core::Tensor::from_vec(x, (m, cols), &candle_core::Device::Cpu)
+                    .and_then(|x| x.apply_op1_no_bwd(&w))
+                    .and_then(|y| y.flatten_all())
+                    .and_then(|y| y.to_vec1::<f32>())
+                    .expect("candle's matmul");
+                assert!(got.iter().all(|v| v.is_finite()), "{dtype:?} m {m}");
+                assert_eq!(got, expected, "{dtype:?} m {m}");
+            }
+        }
+    }
+
+    #[cfg(feature = "ndarray")]
+    #[test]
+    fn gelu_pairs_match_the_reference() {
+        use crate::test_util::TestBackend as B;
+        use burn::tensor::{Tensor, TensorData};
+        let seed = seed();
+        let (rows, width) = (5, 24);
+        let mut s = seed;
+        let y: Vec<f32> = (0..rows * width)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+            })
+            .collect();
+        let got = gelu_pairs(&y, width);
+        let device = Default::default();
+        let expected =
+            crate::gelu::pairs_reference(Tensor::<B, 2>::from_data(TensorData::new(y, [rows, width]), &device))
+                .into_data()
+                .to_vec::<f32>()
+                .expect("f32");
+        assert_eq!(got.len(), expected.len());
+        for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+            assert!(a.is_finite() && (a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{i}: {a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn mismatched_activations_are_refused() {
+        let w = random_blocks(GgmlDType::Q8_0, 2, 64, 3).qtensor().expect("candle tensor");
+        assert!(matches!(product(&[0.0; 65], &w), Err(ProductError::Shape { len: 65, cols: 64 })));
+    }
+}
