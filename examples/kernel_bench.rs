@@ -87,6 +87,12 @@ const BATCH: usize = 10;
 
 /// Median seconds per call of `f` over `reps` samples of [`BATCH`] calls issued back to back
 /// and then synchronized, after warm-up.
+/// Uploads a matrix this tool generated (dense or quantized with this crate's formats, which
+/// every backend uploads).
+fn upload<B: GemmaBackend>(matrix: HostMatrix<B>, d: &B::Device) -> Matrix<B> {
+    B::upload_matrix(matrix, d).expect("generated dense and Q8/Q4 matrices upload on every backend")
+}
+
 fn time<B: GemmaBackend, T>(device: &B::Device, reps: usize, mut f: impl FnMut() -> T) -> f64 {
     for _ in 0..3 {
         let _ = f();
@@ -150,7 +156,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         let x = rand(vec![n * inp], dt).reshape([n, inp]);
         // Packed as the model loads it (a pitched 640-wide weight would be copied per call).
         let dense = rand(vec![out * inp], dt).reshape([out, inp]);
-        let w = B::upload_matrix(HostMatrix::Dense(dense.clone()), d);
+        let w = upload(HostMatrix::Dense(dense.clone()), d);
         let k = time::<B, _>(d, reps, || B::project(x.clone(), &w, Epilogue::Identity));
         let r = time::<B, _>(d, reps, || linear::reference(x.clone(), dense.clone()));
         row("project (GEMV)", &format!("{n} x {inp} -> {out}"), k, r, (out * inp + n * inp + n * out) as f64 * e);
@@ -191,8 +197,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         .collect();
     let ids: Vec<i64> = (0..4096i64).map(|i| (i * 104_729) % 262_144).collect();
     let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, 4096]), d);
-    let blocks: Vec<Matrix<B>> =
-        dense_blocks.iter().map(|b| B::upload_matrix(HostMatrix::Dense(b.clone()), d)).collect();
+    let blocks: Vec<Matrix<B>> = dense_blocks.iter().map(|b| upload(HostMatrix::Dense(b.clone()), d)).collect();
     let k = time::<B, _>(d, reps, || B::embed(&blocks, ids.clone(), 50.6, dt));
     let r = time::<B, _>(d, reps, || embedding::reference(&dense_blocks, ids.clone(), 50.6));
     row("embed", "4096 ids x 2560", k, r, 4096.0 * hidden as f64 * 2.0 * e);
@@ -222,9 +227,9 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
             let values: Vec<f32> =
                 rand(vec![out * inp], DType::F32).mul_scalar(0.02).into_data().to_vec::<f32>().unwrap_or_default();
             let Ok(host) = HostQuantized::quantize(&values, out, inp, format) else { continue };
-            let wq = B::upload_matrix(HostMatrix::Quantized(host), d);
+            let wq = upload(HostMatrix::Quantized(host), d);
             let dense = Tensor::<B, 2>::from_data(TensorData::new(values, [out, inp]), d).cast(dt);
-            let dense = B::upload_matrix(HostMatrix::Dense(dense), d);
+            let dense = upload(HostMatrix::Dense(dense), d);
             let k = time::<B, _>(d, reps, || B::project(x.clone(), &wq, Epilogue::Identity));
             let r = time::<B, _>(d, reps, || B::project(x.clone(), &dense, Epilogue::Identity));
             let bytes = wq.device_bytes() + (n * inp + n * out) * dt.size();
@@ -330,7 +335,7 @@ impl BackendTask for Bench {
         println!("\n| small operation ({LAUNCHES} issued back to back) | host us per call | wall us per call (until synchronized) |");
         println!("|---|---:|---:|");
         let tiny = rand(vec![640], dt).reshape([1, 640]);
-        let weight = B::upload_matrix(HostMatrix::Dense(rand(vec![64 * 640], dt).reshape([64, 640])), d);
+        let weight = upload(HostMatrix::Dense(rand(vec![64 * 640], dt).reshape([64, 640])), d);
         let norm_w = rand(vec![640], DType::F32);
         let cache = rand(vec![256 * 256], dt).reshape([1, 1, 256, 256]);
         let new_k = rand(vec![256], dt).reshape([1, 1, 1, 256]);

@@ -5,26 +5,36 @@ mod common;
 
 use burn::tensor::DType;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Checkpoint, Gemma, GemmaBackend};
+use burn_gemma::{Checkpoint, Gemma, GemmaBackend, WeightFormat};
 
-const LOGIT_TOLERANCE: f32 = 2e-2;
-const MARGIN: f64 = 0.05;
+/// How closely a load of the model must follow HF's logits.
+#[derive(Debug, Clone, Copy)]
+struct Tolerance {
+    /// Largest error of a top-5 logit.
+    logits: f32,
+    /// Greedy decoding is checked up to the first step whose top-2 logits are closer than this.
+    margin: f64,
+}
+
+/// Dense f32 weights (dequantized from the file): the f32 computation of HF's.
+const DENSE: Tolerance = Tolerance { logits: 2e-2, margin: 0.05 };
 
 struct Loaded<B: GemmaBackend> {
     model: Gemma<B>,
     reference: serde_json::Value,
 }
 
-fn load<B: GemmaBackend>(device: &B::Device) -> Option<Loaded<B>> {
+fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Option<Loaded<B>> {
     let path = common::real_model()?;
     let checkpoint = Checkpoint::open(&path).expect("open GGUF");
-    let (model, _) = checkpoint.load_model::<B>(DType::F32, device, |_, _| {}).expect("load model");
+    let (model, _) = checkpoint.load_model_as::<B>(DType::F32, format, device, |_, _| {}).expect("load model");
     let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
     Some(Loaded { model, reference })
 }
 
 /// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
-fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str]) {
+fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str], tolerance: Tolerance) {
+    let Tolerance { logits: logit_tolerance, margin } = tolerance;
     for case in loaded.reference["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         if !only.is_empty() && !only.contains(&name) {
@@ -54,7 +64,7 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         // Greedy through the KV cache, token by token, up to the first low-margin step.
         let margins: Vec<f64> =
             top_logits[prompt.len() - 1..].iter().map(|r| r[0].as_f64().unwrap() - r[1].as_f64().unwrap()).collect();
-        let checked = margins.iter().position(|&m| m < MARGIN).unwrap_or(greedy.len());
+        let checked = margins.iter().position(|&m| m < margin).unwrap_or(greedy.len());
         let mut cache = loaded.model.new_cache(1, prompt.len() + greedy.len()).unwrap();
         let mut next = prompt.clone();
         let mut produced = Vec::new();
@@ -65,13 +75,13 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
             next = vec![token];
         }
         println!(
-            "{name}: {} positions, max top-5 logit error {max_err:.2e}; greedy {}/{} tokens checked (margin >= {MARGIN}) match: {}",
+            "{name}: {} positions, max top-5 logit error {max_err:.2e}; greedy {}/{} tokens checked (margin >= {margin}) match: {}",
             sequence.len(),
             checked,
             greedy.len(),
             produced == greedy[..checked]
         );
-        assert!(max_err <= LOGIT_TOLERANCE, "{name}: logit error {max_err} > {LOGIT_TOLERANCE}");
+        assert!(max_err <= logit_tolerance, "{name}: logit error {max_err} > {logit_tolerance}");
         assert_eq!(produced, greedy[..checked], "{name}: greedy ids");
         if name == "long_recall" {
             assert_eq!(checked, greedy.len(), "long_recall must be checked in full");
@@ -98,21 +108,30 @@ fn tokenizer_reproduces_reference_ids_and_round_trips() {
 #[test]
 fn real_model_matches_reference_on_candle_cpu() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device) else { return };
-    check_cases(&loaded, &device, &[]);
+    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Dense) else { return };
+    check_cases(&loaded, &device, &[], DENSE);
+}
+
+/// The file's own blocks multiplied as they are (the README's first command): the activations
+/// are quantized to 8 bits per block in every product, so logits move by up to a few tenths.
+#[test]
+fn real_model_native_blocks_on_candle_cpu() {
+    let device = Default::default();
+    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native) else { return };
+    check_cases(&loaded, &device, &[], Tolerance { logits: 1.0, margin: 1.0 });
 }
 
 #[test]
 fn real_model_short_case_on_ndarray() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::NdArray>(&device) else { return };
-    check_cases(&loaded, &device, &["capital"]);
+    let Some(loaded) = load::<burn_gemma::backends::NdArray>(&device, WeightFormat::Dense) else { return };
+    check_cases(&loaded, &device, &["capital"], DENSE);
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn real_model_short_cases_on_wgpu() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::Wgpu>(&device) else { return };
-    check_cases(&loaded, &device, &["capital", "code", "story", "unicode", "chat"]);
+    let Some(loaded) = load::<burn_gemma::backends::Wgpu>(&device, WeightFormat::Dense) else { return };
+    check_cases(&loaded, &device, &["capital", "code", "story", "unicode", "chat"], DENSE);
 }

@@ -143,7 +143,7 @@ fn matrix<B: GemmaBackend>(out: usize, inp: usize, weights: Weights, dt: DType, 
         .step_by(rows_per_block)
         .map(|first| {
             let rows = rows_per_block.min(out - first);
-            B::upload_matrix(host_matrix::<B>(rows, inp, weights, dt, first as u64, d), d)
+            crate::upload(host_matrix::<B>(rows, inp, weights, dt, first as u64, d), d)
         })
         .collect();
     Matrix::stacked(parts)

@@ -65,14 +65,14 @@ fn run<B: GemmaBackend>(
             let shape = format!("{m} x {n} x {k}");
             let expected = burn_gemma_kernels::linear::reference(x.clone(), w.clone()).cast(DType::F32);
             // What prefill runs: `project` (tuned kernel; quantized weights dequantized first).
-            let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), d);
+            let matrix = crate::upload(HostMatrix::Dense(w.clone()), d);
             let host: Vec<f32> = w.clone().cast(DType::F32).into_data().to_vec().unwrap_or_default();
             let mut weights = vec![("project dense", matrix)];
             for format in [QuantFormat::Q8, QuantFormat::Q4] {
                 if let Ok(q) = HostQuantized::quantize(&host, n, k, format) {
                     weights.push((
                         if format == QuantFormat::Q8 { "project q8" } else { "project q4" },
-                        B::upload_matrix(HostMatrix::Quantized(q), d),
+                        crate::upload(HostMatrix::Quantized(q), d),
                     ));
                 }
             }

@@ -196,7 +196,7 @@ mod gpu {
                 .map(|i| ((seed as i64).wrapping_mul(2_654_435_761).wrapping_add(i * 7919)).rem_euclid(vocab as i64)),
         );
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [3, 7]), device);
-        let upload = |t: Tensor<B, 2>| B::upload_matrix(HostMatrix::Dense(t), device);
+        let upload = |t: Tensor<B, 2>| B::upload_matrix(HostMatrix::Dense(t), device).expect("dense upload");
         let blocks: Vec<_> =
             [0..300, 300..700, 700..1001].into_iter().map(|r| upload(table.clone().slice([r, 0..hidden]))).collect();
         let scale = (hidden as f64).sqrt();

@@ -265,7 +265,8 @@ mod gpu {
             let up = Tensor::<B, 2>::random([m, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
             let expected =
                 expected_pairs::<B>(&host(x.clone()), &host(gate.clone()), &host(up.clone()), [n, inp, m], device);
-            let joined = B::upload_matrix(HostMatrix::Dense(super::interleave_pairs(gate, up)), device);
+            let joined =
+                B::upload_matrix(HostMatrix::Dense(super::interleave_pairs(gate, up)), device).expect("dense upload");
             let got = B::project(x.clone(), &joined, Epilogue::GeluPairs);
             assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
             assert_close(got, expected, tol, &format!("dense gelu pairs {n}x{inp} -> {m}"));
@@ -276,7 +277,7 @@ mod gpu {
                 let expected =
                     expected_pairs::<B>(&host(x.clone()), &gate.dequantize(), &up.dequantize(), [n, inp, m], device);
                 let joined = HostQuantized::interleave_pairs(gate, up, super::PAIR_BLOCK).expect("same shapes");
-                let joined = B::upload_matrix(HostMatrix::Quantized(joined), device);
+                let joined = B::upload_matrix(HostMatrix::Quantized(joined), device).expect("quantized upload");
                 let got = B::project(x.clone(), &joined, Epilogue::GeluPairs);
                 assert_eq!((got.dims(), got.dtype()), ([n, m], dtype));
                 assert_close(got, expected, tol, &format!("{format} gelu pairs {n}x{inp} -> {m}"));

@@ -260,7 +260,7 @@ mod gpu {
         ] {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let w = Tensor::<B, 2>::random([out, inp], Distribution::Normal(0.0, 0.05), device).cast(dtype);
-            let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), device);
+            let matrix = B::upload_matrix(HostMatrix::Dense(w.clone()), device).expect("dense upload");
             let got = B::project(x.clone(), &matrix, Epilogue::Identity);
             assert_eq!(got.dtype(), dtype);
             let expected = host_product(x, host(w), device);

@@ -55,7 +55,7 @@ fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws: &[f32], wh
 pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, layout: Option<(CodeLayout, DType)>) {
     let upload = |h: &HostQuantized| match layout {
         Some((codes, scales)) => Matrix::Quantized(QuantizedMatrix::<B>::upload(h, codes, scales, device)),
-        None => B::upload_matrix(HostMatrix::Quantized(h.clone()), device),
+        None => B::upload_matrix(HostMatrix::Quantized(h.clone()), device).expect("quantized upload"),
     };
     for format in [QuantFormat::Q8, QuantFormat::Q4] {
         for (i, (n, inp, out)) in [
@@ -96,7 +96,11 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
         let mut ws = a.dequantize();
         ws.extend(b.dequantize());
         ws.extend(host(dense.clone()));
-        let w = Matrix::stacked(vec![upload(&a), upload(&b), B::upload_matrix(HostMatrix::Dense(dense), device)]);
+        let w = Matrix::stacked(vec![
+            upload(&a),
+            upload(&b),
+            B::upload_matrix(HostMatrix::Dense(dense), device).expect("dense upload"),
+        ]);
         let out: usize = rows.iter().sum();
         assert_eq!(w.dims(), [out, inp]);
         for n in [1, 3, crate::linear::GEMV_MAX_ROWS + 4] {
