@@ -133,6 +133,9 @@ impl BackendTask for Run {
         })?;
         model.kv_cache = kv_cache;
         bar.finish_and_clear();
+        let tokenizer = checkpoint.tokenizer()?;
+        // Unmaps the file: what stays resident is the model.
+        drop(checkpoint);
         if let Some(rss) = resident_bytes().filter(|_| name.contains("CPU")) {
             eprintln!(
                 "loaded: {:.0} MB of weights, {:.0} MB resident",
@@ -147,7 +150,6 @@ impl BackendTask for Run {
                 report.unused_tensors[0]
             );
         }
-        let tokenizer = checkpoint.tokenizer()?;
         let mut generator = Generator::new(model, tokenizer)?;
         let flag = generator.interrupt_flag();
         let interrupt = self.interrupt.clone();

@@ -14,10 +14,12 @@ struct Tolerance {
     logits: f32,
     /// Greedy decoding is checked up to the first step whose top-2 logits are closer than this.
     margin: f64,
+    /// Least share of teacher-forced positions whose top-1 token is HF's.
+    top1: f64,
 }
 
 /// Dense f32 weights (dequantized from the file): the f32 computation of HF's.
-const DENSE: Tolerance = Tolerance { logits: 2e-2, margin: 0.05 };
+const DENSE: Tolerance = Tolerance { logits: 2e-2, margin: 0.05, top1: 0.99 };
 
 struct Loaded<B: GemmaBackend> {
     model: Gemma<B>,
@@ -34,7 +36,7 @@ fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Option<Loa
 
 /// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
 fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str], tolerance: Tolerance) {
-    let Tolerance { logits: logit_tolerance, margin } = tolerance;
+    let Tolerance { logits: logit_tolerance, margin, top1 } = tolerance;
     for case in loaded.reference["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         if !only.is_empty() && !only.contains(&name) {
@@ -54,12 +56,18 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         let top_logits = case["top_logits"].as_array().unwrap();
         assert_eq!(top_ids.len(), sequence.len());
         let mut max_err = 0.0f32;
+        let mut agree = 0;
         for (pos, (ids, refs)) in top_ids.iter().zip(top_logits).enumerate() {
-            for (id, want) in common::ids(ids).iter().zip(refs.as_array().unwrap()) {
+            let ids = common::ids(ids);
+            for (id, want) in ids.iter().zip(refs.as_array().unwrap()) {
                 let got = logits[pos * vocab + *id as usize];
                 max_err = max_err.max((got - want.as_f64().unwrap() as f32).abs());
             }
+            let row = &logits[pos * vocab..(pos + 1) * vocab];
+            let best = (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap();
+            agree += usize::from(best == ids[0] as usize);
         }
+        let agreement = agree as f64 / sequence.len() as f64;
 
         // Greedy through the KV cache, token by token, up to the first low-margin step.
         let margins: Vec<f64> =
@@ -75,13 +83,15 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
             next = vec![token];
         }
         println!(
-            "{name}: {} positions, max top-5 logit error {max_err:.2e}; greedy {}/{} tokens checked (margin >= {margin}) match: {}",
+            "{name}: {} positions, max top-5 logit error {max_err:.2e}, top-1 agreement {:.1}%; greedy {}/{} tokens checked (margin >= {margin}) match: {}",
             sequence.len(),
+            100.0 * agreement,
             checked,
             greedy.len(),
             produced == greedy[..checked]
         );
         assert!(max_err <= logit_tolerance, "{name}: logit error {max_err} > {logit_tolerance}");
+        assert!(agreement >= top1, "{name}: top-1 agreement {agreement} < {top1}");
         assert_eq!(produced, greedy[..checked], "{name}: greedy ids");
         if name == "long_recall" {
             assert_eq!(checked, greedy.len(), "long_recall must be checked in full");
@@ -112,13 +122,61 @@ fn real_model_matches_reference_on_candle_cpu() {
     check_cases(&loaded, &device, &[], DENSE);
 }
 
-/// The file's own blocks multiplied as they are (the README's first command): the activations
-/// are quantized to 8 bits per block in every product, so logits move by up to a few tenths.
+/// Teacher-forced logits one token at a time (the decode path) for the named cases, against HF's
+/// top-5: the largest error and the share of positions whose top-1 is HF's.
+fn check_decode_path<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str], tolerance: Tolerance) {
+    for case in loaded.reference["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        if !only.contains(&name) {
+            continue;
+        }
+        let prompt = common::ids(&case["prompt_ids"]);
+        let greedy = common::ids(&case["greedy_ids"]);
+        let sequence: Vec<u32> = prompt.iter().chain(&greedy[..greedy.len() - 1]).copied().collect();
+        let mut cache = loaded.model.new_cache(1, sequence.len()).unwrap();
+        let (mut max_err, mut agree) = (0.0f32, 0);
+        for (pos, (&id, (ids, refs))) in sequence
+            .iter()
+            .zip(case["top_ids"].as_array().unwrap().iter().zip(case["top_logits"].as_array().unwrap()))
+            .enumerate()
+        {
+            let logits = loaded.model.forward_last(token_tensor::<B>(&[id], device), &mut cache).unwrap();
+            let row = logits.into_data().to_vec::<f32>().unwrap();
+            assert!(row.iter().all(|v| v.is_finite()), "{name}: non-finite logits at {pos}");
+            let ids = common::ids(ids);
+            for (id, want) in ids.iter().zip(refs.as_array().unwrap()) {
+                max_err = max_err.max((row[*id as usize] - want.as_f64().unwrap() as f32).abs());
+            }
+            let best = (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap();
+            agree += usize::from(best == ids[0] as usize);
+        }
+        let agreement = agree as f64 / sequence.len() as f64;
+        println!(
+            "{name}, one token at a time: max top-5 logit error {max_err:.2e}, top-1 agreement {:.1}%",
+            100.0 * agreement
+        );
+        assert!(max_err <= tolerance.logits, "{name}: decode-path logit error {max_err} > {}", tolerance.logits);
+        assert!(agreement >= tolerance.top1, "{name}: decode-path top-1 agreement {agreement} < {}", tolerance.top1);
+    }
+}
+
+/// The file's own blocks multiplied as they are (the README's first command). Prompts multiply
+/// in f32 over the dequantized blocks: HF's logits as closely as dense weights. Decode quantizes
+/// the activations to 8 bits per block in every product (as llama.cpp does on the CPU), which
+/// moves top-5 logits by up to a few units (measured up to 2.3 one token at a time, logits of
+/// magnitude ~20-40; HF's top-1 kept at 91-100% of the positions; the accuracy example gives the
+/// KL divergence).
 #[test]
 fn real_model_native_blocks_on_candle_cpu() {
     let device = Default::default();
     let Some(loaded) = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native) else { return };
-    check_cases(&loaded, &device, &[], Tolerance { logits: 1.0, margin: 1.0 });
+    check_cases(&loaded, &device, &[], DENSE);
+    check_decode_path(
+        &loaded,
+        &device,
+        &["capital", "code", "story", "unicode", "chat"],
+        Tolerance { logits: 4.0, margin: 1.0, top1: 0.9 },
+    );
 }
 
 #[test]

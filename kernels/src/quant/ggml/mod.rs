@@ -6,11 +6,13 @@
 //! Q8_0 and Q5_0 to Q8, Q4_0 and Q4_1 to Q4 exactly, Q4_K to Q4 up to rounding its two-level
 //! scales to f16, every other type dequantized and requantized to Q8.
 //!
-//! The product of a [`GgmlMatrix`] ([`product`]) runs candle's block dot products: the
-//! activations are quantized per block of the weight's type (to Q8_0, Q8_1 or Q8_K, as llama.cpp
-//! does on the CPU), then integer dot products run with AVX2 or NEON where candle has them for the
-//! type (Q4_0, Q8_0, Q2_K to Q6_K) and scalar code otherwise. Its difference to the dequantized
-//! dense product is that activation rounding, under 1% of a product's magnitude (tested below).
+//! The product of a [`GgmlMatrix`] ([`product`]): for decode-sized inputs, candle's block dot
+//! products: the activations are quantized per block of the weight's type (to Q8_0, Q8_1 or
+//! Q8_K, as llama.cpp does on the CPU), then integer dot products run with AVX2 or NEON where
+//! candle has them for the type (Q4_0, Q8_0, Q2_K to Q6_K) and scalar code otherwise; their
+//! difference to the dequantized dense product is that activation rounding, under 1% of a
+//! product's magnitude (tested below). Prompts multiply in f32 over the weights dequantized in
+//! chunks ([`product::DENSE_ROWS`]).
 //! candle picks its AVX2 code at compile time: the repository's `.cargo/config.toml` builds for
 //! x86-64-v3.
 

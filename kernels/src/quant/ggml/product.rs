@@ -8,6 +8,9 @@
 //! them, so the weights are read from memory once per product whatever `m` is. Each dot product
 //! is candle's (`GgmlType::vec_dot`: AVX2 or NEON where candle has it for the type), so the
 //! result equals candle's matmul exactly (tested).
+//!
+//! Products of [`DENSE_ROWS`] activation rows or more (prompts) run in f32 instead, over the
+//! weights dequantized chunk by chunk ([`dense_product`]), with candle's f32 GEMM.
 
 use candle_core::quantized::{
     k_quants::{
@@ -21,6 +24,15 @@ use std::borrow::Cow;
 
 /// Weight rows per task: 16 rows of a 2,048-wide Q8_0 matrix are 34 KiB.
 const COLUMNS: usize = 16;
+
+/// From this many activation rows on, products run in f32 over the weights dequantized
+/// ([`dense_product`]): a prompt's products are bound by arithmetic, where candle's f32 GEMM
+/// (register-blocked, AVX-512 where the CPU has it) outruns one integer dot product per pair
+/// of rows; decode's few rows are bound by the bytes read, where the blocks win.
+pub const DENSE_ROWS: usize = 16;
+
+/// Weight rows dequantized at a time by [`dense_product`]: 4,096 rows of 2,048 f32 are 32 MiB.
+const DENSE_CHUNK: usize = 4096;
 
 /// Why a product could not run.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +95,9 @@ fn typed<T: GgmlType>(x: &[f32], bytes: &[u8], Shape { m, k, n }: Shape) -> Resu
     // aligned for `T` (checked above) and its length is a whole number of `T` (checked above).
     // Every block type is `#[repr(C)]` plain data (f16 and byte arrays), valid for any bits.
     let w: &[T] = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
+    if m >= DENSE_ROWS {
+        return dense_product(x, w, Shape { m, k, n });
+    }
     let mut xq = vec![T::VecDotType::zeros(); m * per_row];
     for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(per_row)) {
         T::VecDotType::from_float(src, dst);
@@ -106,6 +121,30 @@ fn typed<T: GgmlType>(x: &[f32], bytes: &[u8], Shape { m, k, n }: Shape) -> Resu
         }
     }
     Ok(rows_major)
+}
+
+/// The product in f32: chunks of [`DENSE_CHUNK`] weight rows dequantized (rows in parallel),
+/// each multiplied by candle's f32 matmul; the activations are not quantized, so the result is
+/// the reference product up to summation order.
+fn dense_product<T: GgmlType>(x: &[f32], w: &[T], Shape { m, k, n }: Shape) -> Result<Vec<f32>, ProductError> {
+    let candle = |e: candle_core::Error| ProductError::Candle(e.to_string());
+    let cpu = candle_core::Device::Cpu;
+    let per_row = k / T::BLCK_SIZE;
+    let x = candle_core::Tensor::from_slice(x, (m, k), &cpu).map_err(candle)?;
+    let mut out = vec![0.0f32; m * n];
+    for (c, blocks) in w.chunks(DENSE_CHUNK * per_row).enumerate() {
+        let rows = blocks.len() / per_row;
+        let mut dense = vec![0.0f32; rows * k];
+        dense.par_chunks_mut(k).zip(blocks.par_chunks(per_row)).for_each(|(d, b)| T::to_float(b, d));
+        let weights = candle_core::Tensor::from_vec(dense, (rows, k), &cpu).map_err(candle)?;
+        let y = x.matmul(&weights.t().map_err(candle)?).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>());
+        let y = y.map_err(candle)?;
+        let first = c * DENSE_CHUNK;
+        for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
+            dst[first..first + rows].copy_from_slice(src);
+        }
+    }
+    Ok(out)
 }
 
 /// `gelu_tanh(gate) * up` of a row-major product `y` of `width` columns whose gate and up
@@ -137,6 +176,17 @@ mod tests {
     use super::super::tests::{random_blocks, seed};
     use super::*;
 
+    fn activations(m: usize, cols: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed ^ m as u64;
+        (0..m * cols)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+            })
+            .collect()
+    }
+
+    /// Decode-sized products (under [`DENSE_ROWS`] rows) are candle's matmul, bit for bit.
     #[test]
     fn products_equal_candles_matmul() {
         let seed = seed();
@@ -151,14 +201,8 @@ mod tests {
             (GgmlDType::Q6K, 13, 256),
         ] {
             let w = random_blocks(dtype, rows, cols, seed).qtensor().expect("candle tensor");
-            for m in [1, 3, 17] {
-                let mut s = seed ^ m as u64;
-                let x: Vec<f32> = (0..m * cols)
-                    .map(|_| {
-                        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-                    })
-                    .collect();
+            for m in [1, 3, DENSE_ROWS - 1] {
+                let x = activations(m, cols, seed);
                 let got = product(&x, &w).expect("product");
                 let expected = candle_core::Tensor::from_vec(x, (m, cols), &candle_core::Device::Cpu)
                     .and_then(|x| x.apply_op1_no_bwd(&w))
@@ -167,6 +211,34 @@ mod tests {
                     .expect("candle's matmul");
                 assert!(got.iter().all(|v| v.is_finite()), "{dtype:?} m {m}");
                 assert_eq!(got, expected, "{dtype:?} m {m}");
+            }
+        }
+    }
+
+    /// Prompt-sized products are the f32 product with the dequantized weights.
+    #[test]
+    fn prompt_products_are_the_dequantized_f32_product() {
+        let seed = seed();
+        for (dtype, rows, cols) in [(GgmlDType::Q8_0, 37, 128), (GgmlDType::Q4K, 21, 512), (GgmlDType::Q6K, 13, 256)] {
+            let blocks = random_blocks(dtype, rows, cols, seed);
+            let w = blocks.qtensor().expect("candle tensor");
+            let dense = blocks.dequantize().expect("dequantizes");
+            for m in [DENSE_ROWS, 41] {
+                let x = activations(m, cols, seed);
+                let got = product(&x, &w).expect("product");
+                for i in 0..m {
+                    for j in 0..rows {
+                        let expected: f64 =
+                            (0..cols).map(|c| x[i * cols + c] as f64 * dense[j * cols + c] as f64).sum();
+                        let scale: f64 = (0..cols).map(|c| (x[i * cols + c] * dense[j * cols + c]).abs() as f64).sum();
+                        let v = got[i * rows + j];
+                        assert!(v.is_finite(), "{dtype:?} m {m} ({i}, {j})");
+                        assert!(
+                            (v as f64 - expected).abs() <= 1e-5 * scale + 1e-7,
+                            "{dtype:?} m {m} ({i}, {j}): {v} vs {expected}"
+                        );
+                    }
+                }
             }
         }
     }
