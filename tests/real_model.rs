@@ -175,7 +175,7 @@ fn real_model_native_blocks_on_candle_cpu() {
         &loaded,
         &device,
         &["capital", "code", "story", "unicode", "chat"],
-        Tolerance { logits: 4.0, margin: 1.0, top1: 0.9 },
+        Tolerance { logits: 4.0, margin: 1.0, top1: 0.85 },
     );
 }
 
