@@ -5,34 +5,15 @@ mod common;
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 use burn_gemma::{
-    backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason, Tokenizer,
+    backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
-
-/// A 512-token SentencePiece-style vocabulary matching the tiny fixtures' ids.
-fn tiny_tokenizer() -> Tokenizer {
-    let mut tokens = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
-    let mut types = vec![3, 3, 3, 3];
-    tokens.push("<start_of_turn>".into());
-    tokens.push("<end_of_turn>".into());
-    types.extend([3, 3]);
-    for b in 0..=255u8 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(6);
-    }
-    while tokens.len() < 512 {
-        tokens.push(format!("w{}", tokens.len()));
-        types.push(1);
-    }
-    let scores = (0..tokens.len()).map(|i| -(i as f32)).collect();
-    Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
-}
 
 fn tiny_generator() -> Generator<NdArray> {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let (model, _) =
         Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
-    Generator::new(model, tiny_tokenizer()).unwrap()
+    Generator::new(model, common::tiny_tokenizer()).unwrap()
 }
 
 fn sampled(seed: u64) -> GenerationConfig {
@@ -163,7 +144,7 @@ fn non_finite_logits_stop_with_the_step() {
     let model =
         Gemma::<NdArray>::load(config, &mut PoisonedWeights(RandomWeights::new(1)), DType::F32, &Default::default())
             .unwrap();
-    let mut g = Generator::new(model, tiny_tokenizer()).unwrap();
+    let mut g = Generator::new(model, common::tiny_tokenizer()).unwrap();
     let err = g.generate("hello", &GenerationConfig::default(), |_| {}).unwrap_err();
     assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");
 }
@@ -200,7 +181,7 @@ fn cuda_graph_generation_equals_eager() {
     let device = burn::backend::cuda::CudaDevice::new(0);
     let generator = || {
         let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<Cuda>(DType::F32, &device, |_, _| {}).unwrap();
-        Generator::new(model, tiny_tokenizer()).unwrap()
+        Generator::new(model, common::tiny_tokenizer()).unwrap()
     };
     let (mut on, mut off) = (generator(), generator());
     for (turn, base) in [GenerationConfig { max_new_tokens: 40, ..Default::default() }, sampled(11), sampled(12)]

@@ -40,3 +40,22 @@ pub fn read_json(path: PathBuf) -> serde_json::Value {
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
+
+/// A 512-token SentencePiece-style vocabulary matching the tiny fixtures' ids.
+pub fn tiny_tokenizer() -> burn_gemma::Tokenizer {
+    let mut tokens = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
+    let mut types = vec![3, 3, 3, 3];
+    tokens.push("<start_of_turn>".into());
+    tokens.push("<end_of_turn>".into());
+    types.extend([3, 3]);
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    while tokens.len() < 512 {
+        tokens.push(format!("w{}", tokens.len()));
+        types.push(1);
+    }
+    let scores = (0..tokens.len()).map(|i| -(i as f32)).collect();
+    burn_gemma::Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
+}

@@ -1,0 +1,110 @@
+//! Soak: 1,000 generations in one process with random sampling parameters, a fifth of them
+//! invalid: every invalid one is rejected with a sampling error before any work, no valid one
+//! fails, and the device memory reserved at the end is within a few percent of what it was after
+//! the first generation (backends that report it).
+
+mod common;
+
+use burn::tensor::DType;
+use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig};
+
+const GENERATIONS: usize = 1_000;
+
+/// SplitMix64 from `seed`, as floats in [0, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Random sampling parameters; `invalid` breaks one of them.
+fn sampling(rng: &mut Rng, invalid: bool) -> SamplingConfig {
+    let mut s = SamplingConfig {
+        temperature: if rng.unit() < 0.3 { 0.0 } else { 2.0 * rng.unit() },
+        top_k: (rng.unit() < 0.5).then(|| 1 + (rng.next() % 64) as usize),
+        top_p: (rng.unit() < 0.5).then(|| 0.05 + 0.95 * rng.unit()),
+        min_p: (rng.unit() < 0.3).then(|| 0.5 * rng.unit()),
+        repeat_penalty: if rng.unit() < 0.5 { 1.0 } else { 1.0 + rng.unit() },
+        repeat_last_n: (rng.next() % 128) as usize,
+        seed: rng.next(),
+    };
+    if invalid {
+        match rng.next() % 8 {
+            0 => s.temperature = -1.0,
+            1 => s.temperature = f32::NAN,
+            2 => s.top_k = Some(0),
+            3 => s.top_p = Some(0.0),
+            4 => s.top_p = Some(1.5),
+            5 => s.min_p = Some(-0.25),
+            6 => s.repeat_penalty = 0.0,
+            _ => s.repeat_penalty = f32::INFINITY,
+        }
+    }
+    s
+}
+
+fn soak<B: GemmaBackend>(device: B::Device) {
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &device, |_, _| {}).unwrap();
+    let mut generator = Generator::new(model, common::tiny_tokenizer()).unwrap();
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
+    println!("soak seed {seed}");
+    let mut rng = Rng(seed);
+    let (mut ok, mut rejected) = (0, 0);
+    let mut first_reserved = None;
+    let start = std::time::Instant::now();
+    for i in 0..GENERATIONS {
+        let invalid = rng.next() % 5 == 0;
+        let config = GenerationConfig {
+            max_new_tokens: 1 + (rng.next() % 6) as usize,
+            sampling: sampling(&mut rng, invalid),
+            ..GenerationConfig::default()
+        };
+        let prompt = ["hello", "<start_of_turn>user\nab", "w300 w301", "é😀"][(rng.next() % 4) as usize];
+        match (generator.generate(prompt, &config, |_| {}), invalid) {
+            (Ok(out), false) => {
+                assert!(!out.tokens.is_empty(), "generation {i} produced nothing");
+                ok += 1;
+            }
+            (Err(Error::Sampling(_)), true) => rejected += 1,
+            (Ok(_), true) => panic!("generation {i}: invalid sampling {:?} accepted", config.sampling),
+            (Err(e), _) => panic!("generation {i} ({:?}): {e}", config.sampling),
+        }
+        if ok == 1 && first_reserved.is_none() {
+            // After the first generation that ran: its buffers are the steady state's.
+            first_reserved = Some(B::memory_reserved(&device));
+        }
+    }
+    let last = B::memory_reserved(&device);
+    println!(
+        "soak: {GENERATIONS} generations in {:.1} s: {ok} valid ran, {rejected} invalid rejected; reserved memory after the first {first_reserved:?} bytes, at the end {last:?}",
+        start.elapsed().as_secs_f64()
+    );
+    assert_eq!(ok + rejected, GENERATIONS);
+    if let (Some(Some(first)), Some(last)) = (first_reserved, last) {
+        assert!(
+            last as f64 <= first as f64 * 1.05 + (1 << 20) as f64,
+            "reserved memory grew from {first} to {last} bytes"
+        );
+    }
+}
+
+#[test]
+fn thousand_generations_on_ndarray() {
+    soak::<burn_gemma::backends::NdArray>(Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn thousand_generations_on_wgpu() {
+    soak::<burn_gemma::backends::Wgpu>(Default::default());
+}
