@@ -503,7 +503,7 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
         attn_logit_softcapping: float("attn_logit_softcapping"),
         final_logit_softcapping: float("final_logit_softcapping"),
         sliding_window: if arch == Architecture::Gemma { None } else { uint("attention.sliding_window")? },
-        layer_types: default_layer_types(num_hidden_layers, pattern),
+        layer_types: default_layer_types(num_hidden_layers, pattern)?,
         rope_full_attention,
         rope_sliding_attention,
         bos_token_id: token("tokenizer.ggml.bos_token_id", 2),

@@ -70,10 +70,16 @@ fn piece_bytes(piece: &str) -> Vec<u8> {
 }
 
 impl Tokenizer {
-    /// Loads a Hugging Face `tokenizer.json`.
+    /// Loads a Hugging Face `tokenizer.json`. The text is checked as JSON first (syntax, and
+    /// nesting at most 128 deep), since the tokenizers crate panics on some malformed files
+    /// (found by `tests/fuzz.rs`); a panic left inside it is turned into an error as well.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
-        let inner =
-            tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let fail = |why: String| Error::Tokenizer(format!("{}: {why}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+        serde_json::from_str::<serde_json::Value>(&text).map_err(|e| fail(format!("not valid JSON: {e}")))?;
+        let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| fail("the tokenizers crate failed on this file (it panicked)".into()))?
+            .map_err(|e| fail(e.to_string()))?;
         let size = inner.get_vocab_size(true);
         let mut token_bytes = vec![Vec::new(); size];
         let mut pieces = HashMap::with_capacity(size);

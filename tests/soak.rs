@@ -86,8 +86,10 @@ fn soak<B: GemmaBackend>(device: B::Device) {
     }
     let last = B::memory_reserved(&device);
     println!(
-        "soak: {GENERATIONS} generations in {:.1} s: {ok} valid ran, {rejected} invalid rejected; reserved memory after the first {first_reserved:?} bytes, at the end {last:?}",
-        start.elapsed().as_secs_f64()
+        "soak: {GENERATIONS} generations in {:.1} s: {ok} valid ran, {rejected} invalid rejected; device memory reserved after the first {}, at the end {}",
+        start.elapsed().as_secs_f64(),
+        first_reserved.flatten().map_or("not reported".to_string(), |b| format!("{b} bytes")),
+        last.map_or("not reported".to_string(), |b| format!("{b} bytes")),
     );
     assert_eq!(ok + rejected, GENERATIONS);
     if let (Some(Some(first)), Some(last)) = (first_reserved, last) {

@@ -330,6 +330,9 @@ impl GemmaConfig {
                     _ => Err(invalid("layer_types", format!("has unknown entry {v}"))),
                 })
                 .collect::<Result<Vec<_>, _>>()?,
+            Some(other) if arch != Architecture::Gemma && !other.is_null() => {
+                return Err(invalid("layer_types", format!("must be an array of layer type names, found {other}")));
+            }
             _ => {
                 let pattern = match arch {
                     Architecture::Gemma => None,
@@ -341,7 +344,7 @@ impl GemmaConfig {
                             .unwrap_or(6),
                     ),
                 };
-                default_layer_types(num_hidden_layers, pattern)
+                default_layer_types(num_hidden_layers, pattern)?
             }
         };
 
@@ -550,7 +553,7 @@ impl GemmaConfig {
                 return Err(invalid(field, format!("is implausibly large ({value})")));
             }
         }
-        if self.hidden_size > MAX_DIM || self.intermediate_size > MAX_DIM || self.num_hidden_layers > 4096 {
+        if self.hidden_size > MAX_DIM || self.intermediate_size > MAX_DIM || self.num_hidden_layers > MAX_LAYERS {
             return Err(invalid("hidden_size", "or intermediate_size / num_hidden_layers is implausibly large"));
         }
         for (field, dim) in [("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)] {
@@ -792,14 +795,22 @@ fn gemma4_preset(name: &str) -> Option<String> {
 
 /// Layer types from a local:global pattern: with pattern `p`, layer `i` is global when
 /// `(i + 1) % p == 0`; no pattern means every layer is global.
-pub fn default_layer_types(layers: usize, pattern: Option<usize>) -> Vec<LayerType> {
-    (0..layers)
+///
+/// Fails for more than [`MAX_LAYERS`] layers, before anything is allocated for them.
+pub fn default_layer_types(layers: usize, pattern: Option<usize>) -> Result<Vec<LayerType>, ModelError> {
+    if layers > MAX_LAYERS {
+        return Err(invalid("num_hidden_layers", format!("is implausibly large ({layers}; at most {MAX_LAYERS})")));
+    }
+    Ok((0..layers)
         .map(|i| match pattern {
             Some(p) if p > 0 && (i + 1) % p != 0 => LayerType::SlidingAttention,
             _ => LayerType::FullAttention,
         })
-        .collect()
+        .collect())
 }
+
+/// The most decoder layers a config may have.
+pub const MAX_LAYERS: usize = 4096;
 
 #[cfg(test)]
 mod tests {
