@@ -1,7 +1,8 @@
 //! Soak: 1,000 generations in one process with random sampling parameters, a fifth of them
 //! invalid: every invalid one is rejected with a sampling error before any work, no valid one
 //! fails, and the device memory reserved at the end is within a few percent of what it was after
-//! the first generation (backends that report it).
+//! the first generation (backends that report it). Device faults: a KV cache past the device's
+//! memory, and a request past the model's context.
 
 mod common;
 
@@ -109,4 +110,40 @@ fn thousand_generations_on_ndarray() {
 #[test]
 fn thousand_generations_on_wgpu() {
     soak::<burn_gemma::backends::Wgpu>(Default::default());
+}
+
+/// A KV cache the device cannot hold is refused before any of it is allocated, naming the
+/// bytes asked and available, and the same process then generates with a smaller one; a prompt
+/// and new tokens past the model's context are refused before any work.
+fn device_faults<B: GemmaBackend>(device: B::Device) {
+    use burn_gemma::ModelError;
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &device, |_, _| {}).unwrap();
+    let reserved = B::memory_reserved(&device);
+    // 2^40 positions: 128 TiB of keys for the tiny model's one full-attention layer.
+    match model.new_cache(1, 1 << 40) {
+        Err(ModelError::DeviceMemory { what, asked, available, limit }) => {
+            println!("huge cache refused: {what}: {asked} bytes asked, {available} available ({limit})");
+            assert!(asked > available, "{asked} <= {available}");
+        }
+        other => panic!("a 2^40-position cache gave {:?}", other.map(|c| c.capacity())),
+    }
+    assert_eq!(B::memory_reserved(&device), reserved, "the refused cache allocated");
+    let mut generator = Generator::new(model, common::tiny_tokenizer()).unwrap();
+    let out = generator.generate("hello", &GenerationConfig { max_new_tokens: 4, ..Default::default() }, |_| {});
+    assert!(out.is_ok_and(|o| !o.tokens.is_empty()), "generation after the refused cache");
+    let too_long = GenerationConfig { max_new_tokens: generator.max_context(), ..Default::default() };
+    let err = generator.generate("hello", &too_long, |_| {}).unwrap_err();
+    assert!(matches!(&err, Error::Request(m) if m.contains("exceeds the model's context")), "{err}");
+}
+
+#[test]
+fn device_faults_on_ndarray() {
+    device_faults::<burn_gemma::backends::NdArray>(Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn device_faults_on_wgpu() {
+    device_faults::<burn_gemma::backends::Wgpu>(Default::default());
 }

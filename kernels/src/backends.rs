@@ -363,6 +363,22 @@ where
         R::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
     }
 
+    /// The largest buffer is CubeCL's page limit (wgpu: the adapter's buffer limit); CUDA's
+    /// available memory is the device's (four pages, as CubeCL sizes them from the total) less
+    /// what this process holds. wgpu does not report device memory.
+    fn memory_limits(device: &Self::Device) -> crate::MemoryLimits {
+        let page = R::client(device).properties().memory.max_page_size;
+        #[cfg(feature = "cuda")]
+        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+            let held = Self::memory_reserved(device).unwrap_or(0);
+            return crate::MemoryLimits {
+                largest_buffer: Some(page),
+                available: Some(page.saturating_mul(4).saturating_sub(held)),
+            };
+        }
+        crate::MemoryLimits { largest_buffer: Some(page), available: None }
+    }
+
     fn max_buffer_bytes(device: &Self::Device) -> usize {
         #[cfg(feature = "cuda")]
         if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {

@@ -58,11 +58,26 @@ pub use step::StepPosition;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use std::ops::Range;
 
+/// What a device can still allocate, where the backend can tell.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// The largest single buffer the device allocates.
+    pub largest_buffer: Option<u64>,
+    /// Bytes still free for new buffers.
+    pub available: Option<u64>,
+}
+
 /// Device memory: what the backend's allocator holds, and the largest buffer worth asking for.
 pub trait ReservedMemory: Backend {
     /// Bytes currently reserved on `device` (`None` for host backends).
     fn memory_reserved(_device: &Self::Device) -> Option<u64> {
         None
+    }
+
+    /// What `device` can still allocate. The default (host backends): the system's available
+    /// memory where it reports it (Linux `MemAvailable`), no per-buffer limit.
+    fn memory_limits(_device: &Self::Device) -> MemoryLimits {
+        MemoryLimits { largest_buffer: None, available: host_available_bytes() }
     }
 
     /// The largest buffer a large table (the embedding) is kept in before it is split into row
@@ -72,6 +87,14 @@ pub trait ReservedMemory: Backend {
     fn max_buffer_bytes(_device: &Self::Device) -> usize {
         1 << 27
     }
+}
+
+/// The system's available memory (`MemAvailable` of `/proc/meminfo`), where it is reported.
+pub fn host_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.trim_start_matches("MemAvailable:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// The operations a Gemma forward pass accelerates.

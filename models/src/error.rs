@@ -27,6 +27,9 @@ pub enum ModelError {
     /// The backend cannot hold tensors of the requested dtype.
     #[error("the {backend} backend does not support dtype {dtype:?}; choose another --dtype (f32 works everywhere)")]
     BackendDtype { backend: String, dtype: burn::tensor::DType },
+    /// An allocation the device cannot hold, refused before it is attempted.
+    #[error("{what}: {asked} bytes asked, {available} available ({limit})")]
+    DeviceMemory { what: String, asked: u64, available: u64, limit: &'static str },
     /// The sequence does not fit in the KV cache.
     #[error("context overflow: {needed} positions needed but the KV cache holds {capacity}")]
     ContextOverflow { needed: usize, capacity: usize },

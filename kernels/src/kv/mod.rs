@@ -26,6 +26,20 @@ pub enum KvFormat {
     Int8,
 }
 
+impl KvFormat {
+    /// Bytes of the keys (or of the values) of a `[batch, kv_heads, slots, head_dim]` store;
+    /// `None` when the count overflows.
+    pub fn store_bytes(self, [batch, heads, slots, head_dim]: [usize; 4]) -> Option<u64> {
+        let rows = (batch as u64).checked_mul(heads as u64)?.checked_mul(slots as u64)?;
+        let values = rows.checked_mul(head_dim as u64)?;
+        match self {
+            Self::Dense(dtype) => values.checked_mul(dtype.size() as u64),
+            // One byte per code and an f32 scale per row.
+            Self::Int8 => values.checked_add(rows.checked_mul(4)?),
+        }
+    }
+}
+
 impl std::fmt::Display for KvFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

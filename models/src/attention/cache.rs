@@ -205,6 +205,7 @@ impl<B: GemmaBackend> KvCache<B> {
             }
             _ => {}
         }
+        Self::check_memory(config, batch, capacity, format, device)?;
         let producers: Vec<usize> = (0..config.num_hidden_layers).filter_map(|i| config.kv_producer(i)).collect();
         let mut layers = Vec::new();
         let mut layer_of = Vec::with_capacity(config.num_hidden_layers);
@@ -226,6 +227,48 @@ impl<B: GemmaBackend> KvCache<B> {
             layer_of.push(entry);
         }
         Ok(Self { layers, layer_of, len: 0, capacity, batch })
+    }
+
+    /// Refuses a cache the device cannot hold, before any of it is allocated: one layer's keys
+    /// past the largest buffer, or the whole cache past the memory available.
+    fn check_memory(
+        config: &GemmaConfig,
+        batch: usize,
+        capacity: usize,
+        format: KvFormat,
+        device: &B::Device,
+    ) -> Result<(), ModelError> {
+        let limits = B::memory_limits(device);
+        let mut total = 0u64;
+        for (i, &layer_type) in config.layer_types.iter().enumerate() {
+            if config.kv_producer(i).is_some() {
+                continue;
+            }
+            let slots = Span::new(config.window(layer_type), capacity).slots(capacity);
+            let dims = [batch, config.kv_heads_of(layer_type), slots, config.head_dim_of(layer_type)];
+            let what = || format!("KV cache of {capacity} positions x {batch} sequences ({format})");
+            let store = format
+                .store_bytes(dims)
+                .ok_or_else(|| ModelError::InvalidInput(format!("{}: its size overflows", what())))?;
+            if let Some(largest) = limits.largest_buffer.filter(|&l| store > l) {
+                return Err(ModelError::DeviceMemory {
+                    what: format!("{}: layer {i}'s keys", what()),
+                    asked: store,
+                    available: largest,
+                    limit: "the largest buffer the device allocates",
+                });
+            }
+            total = total.saturating_add(store.saturating_mul(2));
+            if let Some(available) = limits.available.filter(|&a| total > a) {
+                return Err(ModelError::DeviceMemory {
+                    what: what(),
+                    asked: total,
+                    available,
+                    limit: "the device memory still free",
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Positions processed so far.
