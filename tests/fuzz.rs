@@ -365,18 +365,15 @@ fn tiny_gguf(config: &Json, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) 
     meta.extend(9u32.to_le_bytes());
     meta.extend(5u32.to_le_bytes());
     meta.extend((vocab as u64).to_le_bytes());
-    (0..vocab).for_each(|i| {
-        meta.extend(
-            ((if i < 6 {
-                3
-            } else if i < 262 {
-                6
-            } else {
-                1
-            }) as i32)
-                .to_le_bytes(),
-        )
-    });
+    // Control, byte, then normal pieces.
+    let token_type = |i: usize| -> i32 {
+        match i {
+            0..6 => 3,
+            6..262 => 6,
+            _ => 1,
+        }
+    };
+    (0..vocab).for_each(|i| meta.extend(token_type(i).to_le_bytes()));
     // architecture, 11 integers, 2 floats, the tokenizer model and its three arrays.
     let kvs = 1 + 11 + 2 + 1 + 3u64;
 

@@ -64,7 +64,7 @@ fn soak<B: GemmaBackend>(device: B::Device) {
     let mut first_reserved = None;
     let start = std::time::Instant::now();
     for i in 0..GENERATIONS {
-        let invalid = rng.next() % 5 == 0;
+        let invalid = rng.next().is_multiple_of(5);
         let config = GenerationConfig {
             max_new_tokens: 1 + (rng.next() % 6) as usize,
             sampling: sampling(&mut rng, invalid),
