@@ -109,8 +109,23 @@ fn chat_keeps_history_and_checks_context() {
     assert!(g.generate("hi", &zero, |_| {}).unwrap_err().to_string().contains("max new tokens"));
 }
 
-/// Random weights with NaN in one norm.
-struct PoisonedWeights(RandomWeights);
+/// Where [`PoisonedWeights`] puts a NaN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Poison {
+    Nowhere,
+    /// The final norm: every step's logits.
+    FinalNorm,
+    /// One row of Gemma 4's per-layer token embedding: read only when its token is fed (the
+    /// table is not the output projection), so the logits turn non-finite mid-decode, at the
+    /// step after the model first produces that token.
+    PerLayerRow(usize),
+}
+
+/// Random weights with a NaN where `poison` says.
+struct PoisonedWeights {
+    weights: RandomWeights,
+    poison: Poison,
+}
 
 impl<B: Backend> WeightSource<B> for PoisonedWeights {
     fn load<const D: usize>(
@@ -121,8 +136,8 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, ModelError> {
-        let t = WeightSource::<B>::load(&mut self.0, name, shape, kind, dtype, device)?;
-        Ok(if name == "model.norm.weight" { t.add_scalar(f32::NAN) } else { t })
+        let t = WeightSource::<B>::load(&mut self.weights, name, shape, kind, dtype, device)?;
+        Ok(if self.poison == Poison::FinalNorm && name == "model.norm.weight" { t.add_scalar(f32::NAN) } else { t })
     }
 
     fn load_row_chunks(
@@ -133,7 +148,19 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Vec<Tensor<B, 2>>, ModelError> {
-        WeightSource::<B>::load_row_chunks(&mut self.0, name, shape, rows, dtype, device)
+        let mut chunks = WeightSource::<B>::load_row_chunks(&mut self.weights, name, shape, rows, dtype, device)?;
+        if let (Poison::PerLayerRow(row), "model.embed_tokens_per_layer.weight") = (self.poison, name) {
+            let mut first = 0;
+            for chunk in &mut chunks {
+                let n = chunk.dims()[0];
+                if (first..first + n).contains(&row) {
+                    let nan = Tensor::<B, 2>::full([1, shape[1]], f32::NAN, (device, dtype));
+                    *chunk = chunk.clone().slice_assign([row - first..row - first + 1, 0..shape[1]], nan);
+                }
+                first += n;
+            }
+        }
+        Ok(chunks)
     }
 }
 
@@ -141,12 +168,40 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
 fn non_finite_logits_stop_with_the_step() {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let config = Checkpoint::open(&dir).unwrap().config().clone();
-    let model =
-        Gemma::<NdArray>::load(config, &mut PoisonedWeights(RandomWeights::new(1)), DType::F32, &Default::default())
-            .unwrap();
+    let model = Gemma::<NdArray>::load(
+        config,
+        &mut PoisonedWeights { weights: RandomWeights::new(1), poison: Poison::FinalNorm },
+        DType::F32,
+        &Default::default(),
+    )
+    .unwrap();
     let mut g = Generator::new(model, common::tiny_tokenizer()).unwrap();
     let err = g.generate("hello", &GenerationConfig::default(), |_| {}).unwrap_err();
     assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");
+}
+
+#[test]
+fn nan_mid_decode_ends_generation_at_its_step() {
+    let dir = common::fixtures().join("tiny-gemma/gemma4-e");
+    let config = Checkpoint::open(&dir).unwrap().config().clone();
+    let generator = |poison| {
+        let mut source = PoisonedWeights { weights: RandomWeights::new(5), poison };
+        let model = Gemma::<NdArray>::load(config.clone(), &mut source, DType::F32, &Default::default()).unwrap();
+        Generator::new(model, common::tiny_tokenizer()).unwrap()
+    };
+    let greedy = GenerationConfig { max_new_tokens: 12, stop_tokens: vec![], ..Default::default() };
+    let clean = generator(Poison::Nowhere).generate("hello", &greedy, |_| {}).unwrap().tokens;
+    let prompt = common::tiny_tokenizer().encode("hello", burn_gemma::Bos::Prepend).unwrap();
+    // The first token produced at step 2 or later that was neither in the prompt nor produced
+    // before: feeding it is the first read of its row.
+    let step = (2..clean.len())
+        .find(|&k| !prompt.contains(&clean[k]) && !clean[..k].contains(&clean[k]))
+        .expect("a fresh token among the greedy steps");
+    let mut poisoned = generator(Poison::PerLayerRow(clean[step] as usize));
+    let mut streamed = 0;
+    let err = poisoned.generate("hello", &greedy, |_| streamed += 1).unwrap_err();
+    println!("NaN row of token {} (step {step}): {err}; {streamed} pieces streamed before", clean[step]);
+    assert!(matches!(err, Error::NonFiniteLogits { step: s } if s == step + 1), "{err}");
 }
 
 /// `--cuda-graph on` is an error where graphs cannot work (here: not CUDA), not a silent
