@@ -147,3 +147,15 @@ fn device_faults_on_ndarray() {
 fn device_faults_on_wgpu() {
     device_faults::<burn_gemma::backends::Wgpu>(Default::default());
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+fn thousand_generations_on_cuda() {
+    soak::<burn_gemma::backends::Cuda>(Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn device_faults_on_cuda() {
+    device_faults::<burn_gemma::backends::Cuda>(Default::default());
+}
