@@ -5,7 +5,7 @@ mod common;
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 use burn_gemma::{
-    backends::NdArray, Checkpoint, Error, Gemma, GenerationConfig, Generator, SamplingConfig, StopReason,
+    backends::NdArray, Checkpoint, Error, Gemma, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
 };
 use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
 
@@ -180,13 +180,13 @@ fn non_finite_logits_stop_with_the_step() {
     assert!(matches!(err, Error::NonFiniteLogits { step: 0 }), "{err}");
 }
 
-#[test]
-fn nan_mid_decode_ends_generation_at_its_step() {
+/// A NaN injected into the model mid-decode ends generation with an error at that step.
+fn nan_mid_decode<B: GemmaBackend>(device: B::Device) {
     let dir = common::fixtures().join("tiny-gemma/gemma4-e");
     let config = Checkpoint::open(&dir).unwrap().config().clone();
     let generator = |poison| {
         let mut source = PoisonedWeights { weights: RandomWeights::new(5), poison };
-        let model = Gemma::<NdArray>::load(config.clone(), &mut source, DType::F32, &Default::default()).unwrap();
+        let model = Gemma::<B>::load(config.clone(), &mut source, DType::F32, &device).unwrap();
         Generator::new(model, common::tiny_tokenizer()).unwrap()
     };
     let greedy = GenerationConfig { max_new_tokens: 12, stop_tokens: vec![], ..Default::default() };
@@ -202,6 +202,23 @@ fn nan_mid_decode_ends_generation_at_its_step() {
     let err = poisoned.generate("hello", &greedy, |_| streamed += 1).unwrap_err();
     println!("NaN row of token {} (step {step}): {err}; {streamed} pieces streamed before", clean[step]);
     assert!(matches!(err, Error::NonFiniteLogits { step: s } if s == step + 1), "{err}");
+}
+
+#[test]
+fn nan_mid_decode_ends_generation_at_its_step() {
+    nan_mid_decode::<NdArray>(Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn nan_mid_decode_ends_generation_at_its_step_on_wgpu() {
+    nan_mid_decode::<burn_gemma::backends::Wgpu>(Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn nan_mid_decode_ends_generation_at_its_step_on_cuda() {
+    nan_mid_decode::<burn_gemma::backends::Cuda>(Default::default());
 }
 
 /// `--cuda-graph on` is an error where graphs cannot work (here: not CUDA), not a silent
