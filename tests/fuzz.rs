@@ -16,6 +16,7 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray, generation::token_tensor, Checkpoint, GemmaConfig, GenerationConfig, Generator, Tokenizer,
 };
+use common::Rng;
 use serde_json::Value as Json;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
@@ -78,17 +79,13 @@ fn reset_peak() {
     PEAK.store(0, Ordering::Relaxed);
 }
 
-/// SplitMix64.
-struct Rng(u64);
+/// Draws beyond [`common::Rng`]'s.
+trait Draw {
+    fn below(&mut self, n: usize) -> usize;
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T;
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+impl Draw for Rng {
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
     }
@@ -436,23 +433,6 @@ fn gguf_name(hf: &str) -> String {
     format!("blk.{layer}.{g}.weight")
 }
 
-/// The f32 tensors of a safetensors file.
-fn f32_tensors(bytes: &[u8]) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, Json> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    header
-        .into_iter()
-        .filter(|(k, _)| k != "__metadata__")
-        .map(|(name, entry)| {
-            let shape = entry["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-            let offsets = entry["data_offsets"].as_array().unwrap();
-            let (s, e) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
-            (name, (shape, data[s..e].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()))
-        })
-        .collect()
-}
-
 /// A small `tokenizer.json` (BPE with byte fallback and Gemma's control tokens).
 fn tokenizer_json() -> String {
     let mut vocab = serde_json::Map::new();
@@ -488,7 +468,8 @@ impl Seeds {
         let fixture = common::fixtures().join("tiny-gemma/gemma3");
         let config = std::fs::read_to_string(fixture.join("config.json")).unwrap();
         let safetensors = std::fs::read(fixture.join("model.safetensors")).unwrap();
-        let (gguf, gguf_header) = tiny_gguf(&serde_json::from_str(&config).unwrap(), &f32_tensors(&safetensors));
+        let (gguf, gguf_header) =
+            tiny_gguf(&serde_json::from_str(&config).unwrap(), &common::f32_tensors(&safetensors));
         // Scratch files in memory where the system has a tmpfs.
         let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
         let dir = base.join(format!("burn-gemma-fuzz-{}", std::process::id()));

@@ -100,22 +100,7 @@ impl GgufWriter {
 
 /// The f32 tensors of a safetensors file.
 fn safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, Json> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    header
-        .into_iter()
-        .filter(|(k, _)| k != "__metadata__")
-        .map(|(name, entry)| {
-            assert_eq!(entry["dtype"], "F32", "{name}");
-            let shape = entry["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-            let offsets = entry["data_offsets"].as_array().unwrap();
-            let (s, e) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
-            let values = data[s..e].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-            (name, (shape, values))
-        })
-        .collect()
+    common::f32_tensors(&std::fs::read(path).unwrap())
 }
 
 /// llama.cpp's name of an HF Gemma 4 tensor.

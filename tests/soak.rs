@@ -11,17 +11,14 @@ use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, S
 
 const GENERATIONS: usize = 1_000;
 
-/// SplitMix64 from `seed`, as floats in [0, 1).
-struct Rng(u64);
+use common::Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+/// Floats in [0, 1) from [`Rng`].
+trait Unit {
+    fn unit(&mut self) -> f32;
+}
+
+impl Unit for Rng {
     fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32
     }

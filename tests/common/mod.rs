@@ -59,3 +59,34 @@ pub fn tiny_tokenizer() -> burn_gemma::Tokenizer {
     let scores = (0..tokens.len()).map(|i| -(i as f32)).collect();
     burn_gemma::Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
 }
+
+/// SplitMix64: the tests' seeded random numbers.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// The f32 tensors of a safetensors file's bytes: name -> (shape, values).
+pub fn f32_tensors(bytes: &[u8]) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(name, entry)| {
+            assert_eq!(entry["dtype"], "F32", "{name}");
+            let shape = entry["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            let offsets = entry["data_offsets"].as_array().unwrap();
+            let (s, e) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
+            (name, (shape, data[s..e].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()))
+        })
+        .collect()
+}
