@@ -289,13 +289,7 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                 TensorData::from_bytes_vec(file.bytes(info).to_vec(), shape.to_vec(), stored_dtype)
             }
             Format::Gguf(file) => {
-                let arch = self.checkpoint.config.model_type;
-                let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-                let info =
-                    file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
-                if info.shape != shape {
-                    return Err(mismatch(&info.shape));
-                }
+                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
                 let mut values = file.dequantize(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
                 if kind == WeightKind::Norm(NormScale::OnePlusWeight) {
                     // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
@@ -317,7 +311,7 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
         file: &'f GgufFile,
         arch: Architecture,
         name: &str,
-        shape: [usize; 2],
+        shape: &[usize],
     ) -> Result<(String, &'f TensorInfo), ModelError> {
         let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
@@ -356,7 +350,7 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
                 quantize(name, &values, shape, format)
             }
             Format::Gguf(file) => {
-                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
                 let q = file.quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 self.mark_used(stored);
                 Ok(q)
@@ -366,7 +360,7 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
 
     fn load_blocks(&mut self, name: &str, shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
         let Format::Gguf(file) = &self.checkpoint.format else { return Ok(None) };
-        let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+        let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
         let blocks = file.blocks(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
         if blocks.is_some() {
             self.mark_used(stored);

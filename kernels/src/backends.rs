@@ -369,7 +369,7 @@ where
     fn memory_limits(device: &Self::Device) -> crate::MemoryLimits {
         let page = R::client(device).properties().memory.max_page_size;
         #[cfg(feature = "cuda")]
-        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+        if is_cuda::<R>() {
             let held = Self::memory_reserved(device).unwrap_or(0);
             return crate::MemoryLimits {
                 largest_buffer: Some(page),
@@ -381,12 +381,18 @@ where
 
     fn max_buffer_bytes(device: &Self::Device) -> usize {
         #[cfg(feature = "cuda")]
-        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+        if is_cuda::<R>() {
             return R::client(device).properties().memory.max_page_size as usize;
         }
         let _ = device;
         1 << 27
     }
+}
+
+/// Whether `R` is CubeCL's CUDA runtime.
+#[cfg(feature = "cuda")]
+fn is_cuda<R: CubeRuntime>() -> bool {
+    std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
 }
 
 /// The device tensors of a quantized matrix as kernel arguments.

@@ -48,13 +48,7 @@ pub fn embed_reference<B: Backend>(
         return Tensor::zeros([batch, seq, 0], (&device, dtype));
     };
     let cols = out.dims()[1];
-    // The scale is rounded to the activation dtype first, as in the dense path.
-    let scale = match dtype {
-        DType::BF16 => half::bf16::from_f64(scale).to_f64(),
-        DType::F16 => half::f16::from_f64(scale).to_f64(),
-        _ => scale,
-    };
-    out.cast(dtype).reshape([batch, seq, cols]).mul_scalar(scale)
+    out.cast(dtype).reshape([batch, seq, cols]).mul_scalar(crate::embedding::scale_in(scale, dtype))
 }
 
 /// Writes the rows of the tokens whose id falls in `[start, start + rows)`; the launch with

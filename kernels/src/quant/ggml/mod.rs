@@ -399,16 +399,10 @@ pub fn embed_reference<B: Backend>(
         }
         start += block.shape[0] as i64;
     }
-    // The scale is rounded to the activation dtype first, as in the other paths.
-    let scale = match dtype {
-        DType::BF16 => half::bf16::from_f64(scale).to_f64(),
-        DType::F16 => half::f16::from_f64(scale).to_f64(),
-        _ => scale,
-    };
     Tensor::<B, 2>::from_data(TensorData::new(out, [batch * seq, cols]), (&device, DType::F32))
         .cast(dtype)
         .reshape([batch, seq, cols])
-        .mul_scalar(scale)
+        .mul_scalar(crate::embedding::scale_in(scale, dtype))
 }
 
 #[cfg(test)]
