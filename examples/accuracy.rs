@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --features cuda --example accuracy -- --backend cuda \
-//!     --fixture ../shared/fixtures/gemma3-270m-reference.json
+//!     --fixture tests/fixtures/gemma3-270m-reference.json
 //! ```
 //!
 //! Every fixture prompt plus its reference greedy continuation is fed token by token (`--mode

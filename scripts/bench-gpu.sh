@@ -93,12 +93,12 @@ bundle() {
       python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
     strip -o .gpu-bench/$t "$tests" && gzip -9 .gpu-bench/$t
   done
-  cp -r ../shared/fixtures/tiny-gemma .gpu-bench/
+  cp -r tests/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
   cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/prefill_table.py scripts/decode_profile.py scripts/host_profile.py \
     scripts/gen_gguf4.py .gpu-bench/
-  cp ../shared/fixtures/gemma3-270m-reference.json .gpu-bench/
+  cp tests/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
   du -sh .gpu-bench
   # A device call carries at most 64 MiB with the rest of the working tree.

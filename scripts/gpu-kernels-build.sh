@@ -5,7 +5,7 @@
 # Then, through the device tool: `bash .gpu-run/run.sh` with `.gpu-run` carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-fixtures=${BURN_GEMMA_FIXTURES:-../shared/fixtures}
+fixtures=${BURN_GEMMA_FIXTURES:-tests/fixtures}
 rm -rf .gpu-bin .gpu-run && mkdir -p .gpu-bin .gpu-run/fixtures
 mkdir -p .git/info
 grep -qxF "/.gpu-bin/" .git/info/exclude 2>/dev/null || echo "/.gpu-bin/" >> .git/info/exclude

@@ -3,7 +3,10 @@
 //! GPU aliases are the unfused `CubeBackend` types, so the CubeCL kernels of
 //! `burn-gemma-kernels` receive primitive tensors directly.
 
-use crate::{Error, GemmaBackend};
+use crate::{
+    error::{BackendError, OptionError},
+    Error, GemmaBackend,
+};
 
 /// Pure-Rust CPU backend (feature `ndarray`, on by default).
 #[cfg(feature = "ndarray")]
@@ -13,20 +16,24 @@ pub type NdArray = burn::backend::NdArray<f32>;
 #[allow(deprecated)]
 pub type Candle = burn::backend::Candle<f32, i64>;
 /// wgpu backend: Vulkan, Metal, DX12 or WebGPU, whichever the platform offers (feature `wgpu`).
+///
+/// Named as the unfused `CubeBackend`, not `burn::backend::Wgpu`: a program that turns on Burn's
+/// default features (which include `fusion`) gets `burn::backend::Wgpu = Fusion<..>`, whose
+/// tensors the CubeCL kernels cannot take. This alias stays the same whatever Burn's features.
 #[cfg(feature = "wgpu")]
-pub type Wgpu = burn::backend::Wgpu;
+pub type Wgpu = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
 /// wgpu through Vulkan with SPIR-V kernels (feature `vulkan`).
 #[cfg(feature = "vulkan")]
-pub type Vulkan = burn::backend::Vulkan;
+pub type Vulkan = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u8>;
 /// wgpu through Metal with MSL kernels (feature `metal`).
 #[cfg(feature = "metal")]
-pub type Metal = burn::backend::Metal;
-/// NVIDIA GPUs through CUDA (feature `cuda`).
+pub type Metal = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u8>;
+/// NVIDIA GPUs through CUDA (feature `cuda`); unfused whatever Burn's features, as [`Wgpu`].
 #[cfg(feature = "cuda")]
-pub type Cuda = burn::backend::Cuda;
-/// AMD GPUs through ROCm/HIP (feature `rocm`).
+pub type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+/// AMD GPUs through ROCm/HIP (feature `rocm`); unfused whatever Burn's features, as [`Wgpu`].
 #[cfg(feature = "rocm")]
-pub type Rocm = burn::backend::Rocm;
+pub type Rocm = burn_cubecl::CubeBackend<cubecl::hip::HipRuntime, f32, i32, u8>;
 
 /// Parses a compute dtype name: `f32`/`float32`, `f16`/`float16` or `bf16`/`bfloat16`.
 pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
@@ -35,23 +42,26 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
         "f32" | "float32" => Ok(DType::F32),
         "f16" | "float16" => Ok(DType::F16),
         "bf16" | "bfloat16" => Ok(DType::BF16),
-        other => Err(Error::Request(format!("unknown dtype {other:?}; expected f32, f16 or bf16"))),
+        other => Err(OptionError::Unknown { option: "dtype", value: other.into(), expected: "f32, f16 or bf16" }.into()),
     }
 }
 
-/// Sets how many threads the CPU backends use: rayon's global pool (NdArray, candle's quantized
-/// products) and candle's dense matrix products (`RAYON_NUM_THREADS`, which candle reads). `None`
-/// takes the machine's physical cores (hyper-threads share a core's vector units and its
-/// memory bandwidth, which a decode step saturates). Call it once, at the start of the program,
-/// before any CPU work starts the pool with its default size. Returns the count.
+/// Sets how many threads the CPU backends use: rayon's global pool, which runs NdArray, candle's
+/// quantized products and candle's dense products. `None` takes the machine's physical cores
+/// (hyper-threads share a core's vector units and its memory bandwidth, which a decode step
+/// saturates). Call it once, at the start of the program, before any CPU work starts the pool
+/// with its default size. Returns the count.
+///
+/// Candle splits a dense product into as many tasks as `RAYON_NUM_THREADS` says (else the
+/// logical CPUs). This function does not set that variable (changing the environment races
+/// with the program's other threads); a program that wants candle's split to match sets it
+/// itself before it starts any thread, as the examples do.
 pub fn set_cpu_threads(threads: Option<std::num::NonZeroUsize>) -> Result<usize, Error> {
     let n = threads.map_or_else(|| num_cpus::get_physical().max(1), std::num::NonZeroUsize::get);
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global()
-        .map_err(|e| Error::Backend(format!("cannot set the CPU thread count to {n}: {e}")))?;
-    // Read by candle at each dense product; set while the program is still single-threaded.
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        .map_err(|e| BackendError::ThreadPool { threads: n, reason: e.to_string() })?;
     Ok(n)
 }
 
@@ -84,13 +94,13 @@ pub fn resolve_weights(
         "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
         "q4" => WeightFormat::Quantized(QuantFormat::Q4),
         other => {
-            let dense = parse_dtype(other).map_err(|_| {
-                Error::Request(format!("unknown --weights {other:?}; expected auto, native, q8, q4, bf16, f16 or f32"))
+            let dense = parse_dtype(other).map_err(|_| OptionError::Unknown {
+                option: "--weights",
+                value: other.into(),
+                expected: "auto, native, q8, q4, bf16, f16 or f32",
             })?;
             if let Some(asked) = asked.filter(|&a| a != dense) {
-                return Err(Error::Request(format!(
-                    "--weights {other} computes in {dense:?}, but --dtype asks for {asked:?}; drop one"
-                )));
+                return Err(OptionError::WeightsDtypeConflict { weights: other.into(), weights_dtype: dense, asked }.into());
             }
             return Ok((WeightFormat::Dense, dense));
         }
@@ -105,7 +115,8 @@ pub fn parse_kv_cache(s: &str, compute: burn::tensor::DType) -> Result<burn_gemm
         "auto" => Ok(KvFormat::Dense(compute)),
         "int8" | "i8" | "q8" => Ok(KvFormat::Int8),
         other => parse_dtype(other).map(KvFormat::Dense).map_err(|_| {
-            Error::Request(format!("unknown --kv-cache {other:?}; expected auto, bf16, f16, f32 or int8"))
+            OptionError::Unknown { option: "--kv-cache", value: other.into(), expected: "auto, bf16, f16, f32 or int8" }
+                .into()
         }),
     }
 }
@@ -149,9 +160,12 @@ impl std::str::FromStr for BackendKind {
             "candle" => Self::Candle,
             "ndarray" => Self::NdArray,
             other => {
-                return Err(Error::Backend(format!(
-                    "unknown backend {other:?}; expected one of auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray"
-                )))
+                return Err(OptionError::Unknown {
+                    option: "backend",
+                    value: other.into(),
+                    expected: "one of auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray",
+                }
+                .into())
             }
         })
     }
@@ -164,14 +178,39 @@ pub trait BackendTask {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Self::Output;
 }
 
-/// Runs `f` with the default panic hook silenced, turning a panic into `None`. Used to probe
-/// whether a GPU runtime finds a device: the runtimes panic when none is present.
+/// Runs `f`, turning a panic into `None`: the GPU runtimes panic where a device cannot be used.
+/// The process's panic hook is left as it is (replacing it would race with the program's other
+/// threads), so such a panic is still reported by it; [`cuda_present`] and [`wgpu_adapter`]
+/// look for a device first without touching the runtimes, so that this happens only when a
+/// device is there but fails.
 fn probe<T>(f: impl FnOnce() -> T) -> Option<T> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok();
-    std::panic::set_hook(hook);
-    result
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok()
+}
+
+/// Whether the CUDA driver library loads and reports a device (without touching CubeCL, whose
+/// runtime panics where there is none).
+#[cfg(feature = "cuda")]
+pub fn cuda_present() -> bool {
+    burn_gemma_kernels::graph::cuda_device_count() > 0
+}
+
+/// Whether wgpu finds an adapter of the kind `device` asks for (without touching CubeCL, whose
+/// runtime panics where there is none).
+#[cfg(feature = "wgpu")]
+pub fn wgpu_adapter(device: &burn::backend::wgpu::WgpuDevice) -> bool {
+    use burn::backend::wgpu::WgpuDevice;
+    use wgpu::DeviceType;
+    let instance = wgpu::Instance::default();
+    let adapters = cubecl::future::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+    let kinds: Vec<DeviceType> = adapters.iter().map(|a| a.get_info().device_type).collect();
+    let has = |kind: DeviceType| kinds.contains(&kind);
+    match device {
+        WgpuDevice::DiscreteGpu(_) => has(DeviceType::DiscreteGpu),
+        WgpuDevice::IntegratedGpu(_) => has(DeviceType::IntegratedGpu),
+        WgpuDevice::VirtualGpu(_) => has(DeviceType::VirtualGpu),
+        WgpuDevice::Cpu => has(DeviceType::Cpu),
+        _ => !kinds.is_empty(),
+    }
 }
 
 /// Whether backend `B` can run a small computation on `device`.
@@ -205,13 +244,13 @@ pub fn check_dtype<B: GemmaBackend>(device: &B::Device, dtype: burn::tensor::DTy
     }
 }
 
-fn not_compiled(name: &str, feature: &str) -> Error {
-    Error::Backend(format!("the {name} backend is not compiled in; rebuild with `--features {feature}`"))
+fn not_compiled(name: &'static str, feature: &'static str) -> Error {
+    BackendError::NotCompiled { name, feature }.into()
 }
 
 #[cfg(any(feature = "cuda", feature = "rocm", feature = "wgpu"))]
-fn no_device(name: &str) -> Error {
-    Error::Backend(format!("the {name} backend is compiled in but found no usable device"))
+fn no_device(name: &'static str) -> Error {
+    BackendError::NoDevice(name).into()
 }
 
 /// Devices detected per compiled backend, for `--list-devices`.
@@ -220,7 +259,7 @@ pub fn list_devices() -> Vec<String> {
     #[cfg(feature = "cuda")]
     {
         let d = burn::backend::cuda::CudaDevice::new(0);
-        out.push(format!("cuda: {}", if usable::<Cuda>(&d) { "device 0 available" } else { "no device" }));
+        out.push(format!("cuda: {}", if cuda_present() && usable::<Cuda>(&d) { "device 0 available" } else { "no device" }));
     }
     #[cfg(feature = "rocm")]
     {
@@ -235,7 +274,7 @@ pub fn list_devices() -> Vec<String> {
             ("integrated GPU", WgpuDevice::IntegratedGpu(0)),
             ("CPU adapter (software)", WgpuDevice::Cpu),
         ] {
-            out.push(format!("wgpu {label}: {}", if usable::<Wgpu>(&d) { "available" } else { "none" }));
+            out.push(format!("wgpu {label}: {}", if wgpu_adapter(&d) && usable::<Wgpu>(&d) { "available" } else { "none" }));
         }
     }
     #[cfg(feature = "candle")]
@@ -255,7 +294,7 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
             #[cfg(feature = "cuda")]
             {
                 let d = burn::backend::cuda::CudaDevice::new(0);
-                if usable::<Cuda>(&d) {
+                if cuda_present() && usable::<Cuda>(&d) {
                     return Ok(task.run::<Cuda>(d, "cuda"));
                 }
                 note("cuda: no device found, trying the next backend");
@@ -272,7 +311,7 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
             {
                 use burn::backend::wgpu::WgpuDevice;
                 for d in [WgpuDevice::DiscreteGpu(0), WgpuDevice::IntegratedGpu(0)] {
-                    if usable::<Wgpu>(&d) {
+                    if wgpu_adapter(&d) && usable::<Wgpu>(&d) {
                         return Ok(task.run::<Wgpu>(d, "wgpu"));
                     }
                 }
@@ -288,13 +327,13 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
                 return Ok(task.run::<NdArray>(Default::default(), "ndarray (CPU)"));
             }
             #[allow(unreachable_code)]
-            Err(Error::Backend("no backend is compiled in; enable a feature such as `ndarray`".into()))
+            Err(BackendError::NoneCompiled.into())
         }
         BackendKind::Cuda => {
             #[cfg(feature = "cuda")]
             {
                 let d = burn::backend::cuda::CudaDevice::new(0);
-                return if usable::<Cuda>(&d) { Ok(task.run::<Cuda>(d, "cuda")) } else { Err(no_device("cuda")) };
+                return if cuda_present() && usable::<Cuda>(&d) { Ok(task.run::<Cuda>(d, "cuda")) } else { Err(no_device("cuda")) };
             }
             #[allow(unreachable_code)]
             Err(not_compiled("cuda", "cuda"))
@@ -312,7 +351,7 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
             #[cfg(feature = "wgpu")]
             {
                 let d = burn::backend::wgpu::WgpuDevice::DefaultDevice;
-                return if usable::<Wgpu>(&d) { Ok(task.run::<Wgpu>(d, "wgpu")) } else { Err(no_device("wgpu")) };
+                return if wgpu_adapter(&d) && usable::<Wgpu>(&d) { Ok(task.run::<Wgpu>(d, "wgpu")) } else { Err(no_device("wgpu")) };
             }
             #[allow(unreachable_code)]
             Err(not_compiled("wgpu", "wgpu"))

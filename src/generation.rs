@@ -4,6 +4,7 @@ use crate::{
     chat::{self, ChatTemplate},
     sampling::{Sampler, SamplingConfig},
     tokenizer::Bos,
+    error::{BackendError, RequestError, TokenizerError},
     Error, Gemma, GemmaBackend, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
@@ -213,10 +214,7 @@ impl<B: GemmaBackend> Generator<B> {
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
         let vocab = model.config.vocab_size;
         if tokenizer.vocab_size() > vocab {
-            return Err(Error::Tokenizer(format!(
-                "tokenizer has {} tokens but the model only {vocab}",
-                tokenizer.vocab_size()
-            )));
+            return Err(TokenizerError::VocabularyTooLarge { tokenizer: tokenizer.vocab_size(), model: vocab }.into());
         }
         let template = ChatTemplate::for_architecture(model.config.model_type);
         let mut default_stops = model.config.eos_token_id.clone();
@@ -274,7 +272,7 @@ impl<B: GemmaBackend> Generator<B> {
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if prompt.is_empty() {
-            return Err(Error::Request("the prompt is empty".into()));
+            return Err(RequestError::EmptyPrompt.into());
         }
         let ids = self.tokenizer.encode(prompt, Bos::Prepend)?;
         self.reset();
@@ -290,7 +288,7 @@ impl<B: GemmaBackend> Generator<B> {
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if message.trim().is_empty() {
-            return Err(Error::Request("the message is empty".into()));
+            return Err(RequestError::EmptyMessage.into());
         }
         let mut text = String::new();
         if !self.context.is_empty() {
@@ -315,28 +313,32 @@ impl<B: GemmaBackend> Generator<B> {
         mut on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if config.max_new_tokens == 0 {
-            return Err(Error::Request("max new tokens must be at least 1".into()));
+            return Err(RequestError::NoNewTokens.into());
         }
         if ids.is_empty() {
-            return Err(Error::Request("no input tokens".into()));
+            return Err(RequestError::NoInput.into());
         }
         let vocab = self.model.config.vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::Request(format!("token id {bad} is outside the vocabulary of {vocab}")));
+            return Err(RequestError::TokenOutOfVocabulary { id: *bad, vocab }.into());
         }
         let mut sampler = Sampler::new(config.sampling.clone())?;
         let mut graph = self.graph_plan(config.cuda_graph, &sampler)?;
         let needed = self.context.len() + ids.len() + config.max_new_tokens;
         let limit = self.max_context();
         if self.context.len() + ids.len() + 1 > limit || (self.context.is_empty() && needed > limit) {
-            return Err(Error::Request(format!(
-                "{} context tokens + {} prompt tokens + {} new tokens = {needed} exceeds the model's context of {limit} tokens",
-                self.context.len(),
-                ids.len(),
-                config.max_new_tokens
-            )));
+            return Err(RequestError::ContextOverflow {
+                context: self.context.len(),
+                prompt: ids.len(),
+                new: config.max_new_tokens,
+                needed,
+                limit,
+            }
+            .into());
         }
-        self.ensure_cache(needed.min(limit))?;
+        let capacity = needed.min(limit);
+        let cache = self.take_cache(capacity)?;
+        self.cache = Some(cache);
         let stops: Vec<u32> = self.default_stops.iter().chain(&config.stop_tokens).copied().collect();
         let device = self.model.device();
 
@@ -375,20 +377,16 @@ impl<B: GemmaBackend> Generator<B> {
                     t
                 }
                 None => {
-                    let cache = self.cache.as_mut().ok_or_else(|| Error::Request("KV cache missing".into()))?;
-                    // Every chunk but the last only fills the cache; its logits are dropped.
-                    let mut chunks = input.chunks(config.prefill_chunk.get()).peekable();
-                    let mut logits = None;
-                    while let Some(chunk) = chunks.next() {
-                        let last = self.model.forward_last(token_tensor(chunk, &device), cache)?;
-                        if chunks.peek().is_none() {
-                            logits = Some(last);
-                        }
-                    }
-                    let logits = logits.ok_or_else(|| Error::Request("no input tokens to run".into()))?;
+                    let mut cache = self.take_cache(capacity)?;
+                    let logits = prefill(&self.model, &mut cache, &input, config.prefill_chunk, &device);
+                    self.cache = Some(cache);
+                    let logits = logits?;
                     self.context.extend_from_slice(&input);
-                    let ids = sampler.sample_with_draws(logits, &self.context, &draws).into_data().convert::<i64>();
-                    ids.as_slice::<i64>().ok().and_then(|ids| ids.first().copied()).unwrap_or(vocab as i64)
+                    let ids = sampler.sample_with_draws(logits, &self.context, &draws)?;
+                    let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
+                    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
+                    let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
+                    *ids.first().ok_or_else(|| read("no id came back".into()))?
                 }
             };
             if token < 0 || token as usize >= vocab {
@@ -439,9 +437,7 @@ impl<B: GemmaBackend> Generator<B> {
     fn graph_plan(&mut self, mode: CudaGraph, sampler: &Sampler) -> Result<bool, Error> {
         match mode {
             CudaGraph::Off => Ok(false),
-            CudaGraph::On if sampler.penalizes() => Err(Error::Request(
-                "--cuda-graph on cannot apply a repetition penalty (it runs eagerly): use --repeat-penalty 1 or --cuda-graph auto".into(),
-            )),
+            CudaGraph::On if sampler.penalizes() => Err(RequestError::CudaGraphWithPenalty.into()),
             CudaGraph::Auto if sampler.penalizes() || self.graph_off.is_some() => Ok(false),
             CudaGraph::On => {
                 // Said before any work, not after the first token.
@@ -489,24 +485,46 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// Makes sure the cache can hold `capacity` positions, keeping the current context.
-    fn ensure_cache(&mut self, capacity: usize) -> Result<(), Error> {
-        if self.cache.as_ref().is_some_and(|c| c.capacity() >= capacity) {
-            return Ok(());
-        }
-        // Grow in steps so that a chat does not reallocate every turn.
-        let limit = self.max_context();
-        let capacity =
-            capacity.max(self.cache.as_ref().map_or(0, |c| c.capacity() * 2)).next_multiple_of(256).min(limit);
-        let mut cache = self.model.new_cache(1, capacity)?;
-        // The recorded steps write the old cache's buffers.
-        self.graphs = None;
-        if !self.context.is_empty() {
-            // Re-run the conversation into the larger cache.
-            self.model.forward_last(token_tensor(&self.context, &self.model.device()), &mut cache)?;
-        }
-        self.cache = Some(cache);
-        Ok(())
+    /// The cache, taken out of the generator (put it back after use), reallocated first where it
+    /// holds fewer than `capacity` positions.
+    fn take_cache(&mut self, capacity: usize) -> Result<KvCache<B>, Error> {
+        let old_capacity = self.cache.as_ref().map_or(0, |c| c.capacity());
+        let cache = match self.cache.take().filter(|c| c.capacity() >= capacity) {
+            Some(cache) => cache,
+            None => {
+                // Grow in steps so that a chat does not reallocate every turn; the old cache is
+                // freed before the new one is allocated.
+                let limit = self.max_context();
+                let capacity = capacity.max(old_capacity * 2).next_multiple_of(256).min(limit);
+                let mut cache = self.model.new_cache(1, capacity)?;
+                // The recorded steps write the old cache's buffers.
+                self.graphs = None;
+                if !self.context.is_empty() {
+                    // Re-run the conversation into the larger cache.
+                    self.model.forward_last(token_tensor(&self.context, &self.model.device()), &mut cache)?;
+                }
+                cache
+            }
+        };
+        Ok(cache)
     }
+}
+
+/// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's
+/// logits (every chunk but the last only fills the cache).
+fn prefill<B: GemmaBackend>(
+    model: &Gemma<B>,
+    cache: &mut KvCache<B>,
+    input: &[u32],
+    chunk: NonZeroUsize,
+    device: &B::Device,
+) -> Result<Tensor<B, 2>, Error> {
+    let chunk = chunk.get();
+    let last = input.len().saturating_sub(1) / chunk * chunk;
+    for filling in input[..last].chunks(chunk) {
+        model.forward_last(token_tensor(filling, device), cache)?;
+    }
+    Ok(model.forward_last(token_tensor(&input[last..], device), cache)?)
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ use std::{collections::HashMap, fs::File, path::Path};
 /// What is wrong with a GGUF file.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
+    #[error("no tensor `{0}` in the file")]
+    NoTensor(String),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("bad magic {0:?}: not a GGUF file")]
@@ -116,22 +118,40 @@ impl Value {
     }
 }
 
-/// One tensor's entry.
+/// One tensor's entry, as validated when the file was opened (read-only: the file's methods
+/// take tensors by name, so no entry can point them outside the file).
 #[derive(Debug, Clone)]
 pub struct TensorInfo {
     /// Dimensions in PyTorch order (outermost first), i.e. GGML's `ne` reversed.
-    pub shape: Vec<usize>,
-    pub dtype: GgmlDType,
+    shape: Vec<usize>,
+    dtype: GgmlDType,
     /// Absolute byte range in the file.
-    pub start: usize,
-    pub end: usize,
+    start: usize,
+    end: usize,
+}
+
+impl TensorInfo {
+    /// Dimensions in PyTorch order (outermost first), i.e. GGML's `ne` reversed.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The stored type.
+    pub fn dtype(&self) -> GgmlDType {
+        self.dtype
+    }
+
+    /// Bytes of the stored data.
+    pub fn byte_len(&self) -> usize {
+        self.end - self.start
+    }
 }
 
 /// An open, validated GGUF file.
 pub struct GgufFile {
     mmap: Mmap,
-    pub metadata: HashMap<String, Value>,
-    pub tensors: HashMap<String, TensorInfo>,
+    metadata: HashMap<String, Value>,
+    tensors: HashMap<String, TensorInfo>,
 }
 
 struct Cursor<'a> {
@@ -260,10 +280,33 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
-    /// Dequantizes a tensor to f32, row-major in [`TensorInfo::shape`] order.
-    pub fn dequantize(&self, name: &str, info: &TensorInfo) -> Result<Vec<f32>, GgufError> {
+    /// Every metadata key and value.
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.metadata
+    }
+
+    /// Every tensor's entry, by name.
+    pub fn tensors(&self) -> &HashMap<String, TensorInfo> {
+        &self.tensors
+    }
+
+    /// The entry of tensor `name`.
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensors.get(name).ok_or_else(|| GgufError::NoTensor(name.to_string()))
+    }
+
+    /// The stored bytes of tensor `name`.
+    pub fn bytes(&self, name: &str) -> Result<&[u8], GgufError> {
+        let info = self.tensor(name)?;
+        // The range was checked against the file when it was opened.
+        self.mmap.get(info.start..info.end).ok_or_else(|| GgufError::NoTensor(name.to_string()))
+    }
+
+    /// Dequantizes tensor `name` to f32, row-major in [`TensorInfo::shape`] order.
+    pub fn dequantize(&self, name: &str) -> Result<Vec<f32>, GgufError> {
         let fail = |e: candle_core::Error| GgufError::Dequantize { name: name.to_string(), reason: e.to_string() };
-        let raw = &self.mmap[info.start..info.end];
+        let info = self.tensor(name)?;
+        let raw = self.bytes(name)?;
         // GGML dims are innermost-first; candle wants outermost-first like our shape.
         let q = qtensor_from_ggml(info.dtype, raw, info.shape.clone(), &candle_core::Device::Cpu).map_err(fail)?;
         q.dequantize(&candle_core::Device::Cpu)
@@ -278,12 +321,13 @@ impl GgufFile {
 impl GgufFile {
     /// A `[rows, cols]` tensor in the file's own block type, as stored (`Ok(None)` for float
     /// tensors).
-    pub fn blocks(&self, name: &str, info: &TensorInfo) -> Result<Option<GgmlBlocks>, GgufError> {
+    pub fn blocks(&self, name: &str) -> Result<Option<GgmlBlocks>, GgufError> {
+        let info = self.tensor(name)?;
         if matches!(info.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
             return Ok(None);
         }
         let (rows, cols) = matrix_shape(name, info)?;
-        let raw = self.mmap[info.start..info.end].to_vec();
+        let raw = self.bytes(name)?.to_vec();
         GgmlBlocks::new(info.dtype, rows, cols, raw)
             .map(Some)
             .map_err(|source| GgufError::Quantize { name: name.to_string(), source })
@@ -291,13 +335,13 @@ impl GgufFile {
 
     /// A `[rows, cols]` tensor block-quantized to `format`: converted block by block where the
     /// file's type maps onto it (see [`GgmlBlocks::to_format`]), else dequantized and quantized.
-    pub fn quantized(&self, name: &str, info: &TensorInfo, format: QuantFormat) -> Result<HostQuantized, GgufError> {
+    pub fn quantized(&self, name: &str, format: QuantFormat) -> Result<HostQuantized, GgufError> {
         let fail = |source| GgufError::Quantize { name: name.to_string(), source };
-        match self.blocks(name, info)? {
+        match self.blocks(name)? {
             Some(blocks) => blocks.to_format(format).map_err(fail),
             None => {
-                let (rows, cols) = matrix_shape(name, info)?;
-                HostQuantized::quantize(&self.dequantize(name, info)?, rows, cols, format).map_err(fail)
+                let (rows, cols) = matrix_shape(name, self.tensor(name)?)?;
+                HostQuantized::quantize(&self.dequantize(name)?, rows, cols, format).map_err(fail)
             }
         }
     }

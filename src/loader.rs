@@ -2,8 +2,9 @@
 //! sharded) or a GGUF file, as a [`WeightSource`] for the model and a [`Tokenizer`].
 
 use crate::{
-    gguf::{GgufFile, TensorInfo, Value},
+    gguf::{GgufFile, Value},
     safetensors::{Dtype, SafetensorsFile},
+    error::TokenizerError,
     Error, Tokenizer,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
@@ -168,7 +169,7 @@ impl Checkpoint {
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
-            Format::Gguf(f) => f.tensors.keys().filter(|n| !used.contains(*n)).cloned().collect(),
+            Format::Gguf(f) => f.tensors().keys().filter(|n| !used.contains(*n)).cloned().collect(),
         };
         // Gemma 4's `rope_freqs` is read into the config (the share of rotating pairs).
         unused.retain(|n| n != "rope_freqs.weight");
@@ -182,7 +183,7 @@ impl Checkpoint {
             Format::Hf { .. } => {
                 let path = self.path.join("tokenizer.json");
                 if !path.exists() {
-                    return Err(Error::Tokenizer(format!("{} not found beside the weights", path.display())));
+                    return Err(TokenizerError::NotFound(path).into());
                 }
                 Tokenizer::from_file(&path)
             }
@@ -273,11 +274,11 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                     .find_map(|n| index.get(&n).map(|&s| (n, s)))
                     .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
                 let file = &shards[shard];
-                let info = &file.tensors()[&stored];
-                if info.shape != shape {
-                    return Err(mismatch(&info.shape));
+                let info = file.tensors().get(&stored).ok_or_else(|| ModelError::MissingTensor(stored.clone()))?;
+                if info.shape() != shape {
+                    return Err(mismatch(info.shape()));
                 }
-                let stored_dtype = match info.dtype {
+                let stored_dtype = match info.dtype() {
                     Dtype::F32 => DType::F32,
                     Dtype::F16 => DType::F16,
                     Dtype::BF16 => DType::BF16,
@@ -285,12 +286,13 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                         return Err(ModelError::UnsupportedTensorDtype { name: stored, dtype: format!("{other:?}") })
                     }
                 };
+                let bytes = file.bytes(&stored).ok_or_else(|| ModelError::MissingTensor(stored.clone()))?.to_vec();
                 self.used.insert(stored);
-                TensorData::from_bytes_vec(file.bytes(info).to_vec(), shape.to_vec(), stored_dtype)
+                TensorData::from_bytes_vec(bytes, shape.to_vec(), stored_dtype)
             }
             Format::Gguf(file) => {
-                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
-                let mut values = file.dequantize(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
+                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+                let mut values = file.dequantize(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
                 if kind == WeightKind::Norm(NormScale::OnePlusWeight) {
                     // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
                     // scale by `w` and are stored as they are).
@@ -306,23 +308,19 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
 }
 
 impl<F: FnMut(usize, usize)> Source<'_, F> {
-    /// The GGUF tensor info of the HF tensor `name`, its shape checked against `shape`.
-    fn gguf_tensor<'f>(
-        file: &'f GgufFile,
-        arch: Architecture,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<(String, &'f TensorInfo), ModelError> {
+    /// The GGUF name of the HF tensor `name`, its shape checked against `shape`.
+    fn gguf_tensor(file: &GgufFile, arch: Architecture, name: &str, shape: &[usize]) -> Result<String, ModelError> {
         let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-        let info = file.tensors.get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
-        if info.shape != shape {
+        let info =
+            file.tensors().get(&stored).ok_or_else(|| ModelError::MissingTensor(format!("{stored} ({name})")))?;
+        if info.shape() != shape {
             return Err(ModelError::ShapeMismatch {
                 name: name.to_string(),
                 expected: shape.to_vec(),
-                actual: info.shape.clone(),
+                actual: info.shape().to_vec(),
             });
         }
-        Ok((stored, info))
+        Ok(stored)
     }
 
     /// Marks the stored tensor `stored` read and reports progress.
@@ -350,8 +348,8 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
                 quantize(name, &values, shape, format)
             }
             Format::Gguf(file) => {
-                let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
-                let q = file.quantized(&stored, info, format).map_err(|e| ModelError::Source(Box::new(e)))?;
+                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
+                let q = file.quantized(&stored, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 self.mark_used(stored);
                 Ok(q)
             }
@@ -360,8 +358,8 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
 
     fn load_blocks(&mut self, name: &str, shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
         let Format::Gguf(file) = &self.checkpoint.format else { return Ok(None) };
-        let (stored, info) = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
-        let blocks = file.blocks(&stored, info).map_err(|e| ModelError::Source(Box::new(e)))?;
+        let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
+        let blocks = file.blocks(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
         if blocks.is_some() {
             self.mark_used(stored);
         }
@@ -453,7 +451,7 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
     };
     let vocab_size = match meta(file, "tokenizer.ggml.tokens").and_then(Value::as_array) {
         Some(tokens) => tokens.len(),
-        None => file.tensors.get("token_embd.weight").map_or(0, |t| t.shape[0]),
+        None => file.tensors().get("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
     // GGUF does not store query_pre_attn_scalar; llama.cpp uses hidden_size / heads for the 27B
     // models (Gemma 2: 46 layers, Gemma 3: 62 layers) and head_dim otherwise.
@@ -480,7 +478,7 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
         Architecture::Gemma3 => RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
         _ => rope_full_attention,
     };
-    let token = |k: &str, default: u32| meta(file, k).and_then(Value::as_u64).map_or(default, |v| v as u32);
+    let token = |k: &'static str, default: u32| token_id(file, k, default);
     let num_key_value_heads = uint("attention.head_count_kv")?.unwrap_or(num_attention_heads);
     let config = GemmaConfig {
         model_type: arch,
@@ -500,8 +498,8 @@ fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelError> {
         layer_types: default_layer_types(num_hidden_layers, pattern)?,
         rope_full_attention,
         rope_sliding_attention,
-        bos_token_id: token("tokenizer.ggml.bos_token_id", 2),
-        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)],
+        bos_token_id: token("tokenizer.ggml.bos_token_id", 2)?,
+        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)?],
         global_head_dim: head_dim,
         num_global_key_value_heads: num_key_value_heads,
         attention_k_eq_v: false,
@@ -552,29 +550,29 @@ fn gemma4_config_from_gguf(
     let kv_heads = per_layer("attention.head_count_kv")?.unwrap_or_else(|| vec![num_attention_heads]);
     let kv_of = |kind: LayerType| {
         let at = layer_types.iter().position(|t| *t == kind);
-        at.and_then(|i| kv_heads.get(i).or(kv_heads.first()).copied()).unwrap_or(kv_heads[0])
+        at.and_then(|i| kv_heads.get(i)).or(kv_heads.first()).copied().unwrap_or(num_attention_heads)
     };
     let widths = per_layer("feed_forward_length")?.ok_or_else(|| missing("feed_forward_length"))?;
-    let intermediate_size = widths[0];
+    let intermediate_size = *widths.first().ok_or_else(|| missing("feed_forward_length"))?;
     let shared = meta(file, &key("attention.shared_kv_layers")).and_then(Value::as_u64).unwrap_or(0) as usize;
     let use_double_wide_mlp = widths.last().is_some_and(|&w| w == 2 * intermediate_size) && widths.len() > 1;
     let per_layer_width =
         meta(file, &key("embedding_length_per_layer_input")).and_then(Value::as_u64).unwrap_or(0) as usize;
     let vocab_size = match meta(file, "tokenizer.ggml.tokens").and_then(Value::as_array) {
         Some(tokens) => tokens.len(),
-        None => file.tensors.get("token_embd.weight").map_or(0, |t| t.shape[0]),
+        None => file.tensors().get("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
-    let vocab_size_per_layer_input = file.tensors.get("per_layer_token_embd.weight").map_or(0, |t| t.shape[0]);
+    let vocab_size_per_layer_input = file.tensors().get("per_layer_token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0);
     // Full layers with keys of their own but no `attn_v`: their values are the keys.
     let first_shared = num_hidden_layers.saturating_sub(shared);
     let attention_k_eq_v = layer_types.iter().take(first_shared).enumerate().any(|(i, t)| {
         *t == LayerType::FullAttention
-            && file.tensors.contains_key(&format!("blk.{i}.attn_k.weight"))
-            && !file.tensors.contains_key(&format!("blk.{i}.attn_v.weight"))
+            && file.tensors().contains_key(&format!("blk.{i}.attn_k.weight"))
+            && !file.tensors().contains_key(&format!("blk.{i}.attn_v.weight"))
     });
-    let partial_rotary_factor = match file.tensors.get("rope_freqs.weight") {
-        Some(info) => {
-            let factors = file.dequantize("rope_freqs.weight", info).map_err(|e| ModelError::Source(Box::new(e)))?;
+    let partial_rotary_factor = match file.tensors().get("rope_freqs.weight") {
+        Some(_) => {
+            let factors = file.dequantize("rope_freqs.weight").map_err(|e| ModelError::Source(Box::new(e)))?;
             let rotated = factors.iter().filter(|f| **f < 1e10).count();
             2.0 * rotated as f64 / global_head_dim.max(1) as f64
         }
@@ -590,7 +588,7 @@ fn gemma4_config_from_gguf(
         }),
         _ => None,
     };
-    let token = |k: &str, default: u32| meta(file, k).and_then(Value::as_u64).map_or(default, |v| v as u32);
+    let token = |k: &'static str, default: u32| token_id(file, k, default);
     let config = GemmaConfig {
         model_type: Architecture::Gemma4,
         vocab_size,
@@ -619,8 +617,8 @@ fn gemma4_config_from_gguf(
             factor: 1.0,
             partial_rotary_factor: 1.0,
         },
-        bos_token_id: token("tokenizer.ggml.bos_token_id", 2),
-        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)],
+        bos_token_id: token("tokenizer.ggml.bos_token_id", 2)?,
+        eos_token_id: vec![token("tokenizer.ggml.eos_token_id", 1)?],
         attention_k_eq_v,
         num_kv_shared_layers: shared,
         use_double_wide_mlp,
@@ -632,18 +630,36 @@ fn gemma4_config_from_gguf(
     Ok(config)
 }
 
+/// A token id of the GGUF metadata (`default` where the key is absent); ids past `u32` are
+/// refused rather than truncated (the config's validation checks them against the vocabulary).
+fn token_id(file: &GgufFile, key: &'static str, default: u32) -> Result<u32, ModelError> {
+    match meta(file, key).map(|v| (v, v.as_u64())) {
+        None => Ok(default),
+        Some((_, Some(id))) => u32::try_from(id)
+            .map_err(|_| ModelError::InvalidConfig { field: key, reason: format!("is {id}, past any token id") }),
+        Some((v, None)) => {
+            Err(ModelError::InvalidConfig { field: key, reason: format!("must be an unsigned integer, found {v:?}") })
+        }
+    }
+}
+
 fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
-    let missing = |k: &str| Error::Tokenizer(format!("GGUF has no usable `{k}`"));
+    let missing = TokenizerError::MissingMetadata;
     let model = meta(file, "tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model == "gemma4" {
-        return Err(Error::Tokenizer(
-            "this GGUF carries Gemma 4's BPE tokenizer (`gemma4`), which this crate does not build from GGUF \
-             metadata yet: load the model's HF directory (its tokenizer.json) to generate text"
-                .into(),
-        ));
+        return Err(TokenizerError::UnsupportedModel {
+            model: model.into(),
+            hint: "Gemma 4's BPE tokenizer is not built from GGUF metadata yet: load the model's HF directory \
+                   (its tokenizer.json) to generate text",
+        }
+        .into());
     }
     if model != "llama" {
-        return Err(Error::Tokenizer(format!("GGUF tokenizer model {model:?} is not SentencePiece (`llama`)")));
+        return Err(TokenizerError::UnsupportedModel {
+            model: model.into(),
+            hint: "only SentencePiece vocabularies (`llama`) are built from GGUF metadata",
+        }
+        .into());
     }
     let tokens = meta(file, "tokenizer.ggml.tokens")
         .and_then(Value::as_array)
@@ -664,6 +680,13 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
                 .collect::<Option<Vec<_>>>()
         })
         .ok_or_else(|| missing("tokenizer.ggml.token_type"))?;
-    let bos = meta(file, "tokenizer.ggml.bos_token_id").and_then(Value::as_u64).unwrap_or(2) as u32;
+    let vocab = tokens.len();
+    let bos = match meta(file, "tokenizer.ggml.bos_token_id").and_then(Value::as_u64) {
+        None => 2,
+        Some(id) => u32::try_from(id)
+            .ok()
+            .filter(|&id| (id as usize) < vocab)
+            .ok_or(TokenizerError::TokenId { key: "tokenizer.ggml.bos_token_id", value: id, vocab })?,
+    };
     Tokenizer::from_vocab(tokens, scores, types, bos)
 }

@@ -90,14 +90,27 @@ impl Dtype {
     }
 }
 
-/// One tensor's entry in the header.
+/// One tensor's entry in the header, as validated when the file was opened (read-only: the
+/// file's methods take tensors by name, so no entry can point them outside the file).
 #[derive(Debug, Clone)]
 pub struct TensorInfo {
-    pub dtype: Dtype,
-    pub shape: Vec<usize>,
+    dtype: Dtype,
+    shape: Vec<usize>,
     /// Byte range within the data section.
-    pub start: usize,
-    pub end: usize,
+    start: usize,
+    end: usize,
+}
+
+impl TensorInfo {
+    /// The stored dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Dimensions, outermost first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
 }
 
 /// An open, validated safetensors file.
@@ -168,9 +181,11 @@ impl SafetensorsFile {
         &self.tensors
     }
 
-    /// The raw little-endian bytes of a tensor.
-    pub fn bytes(&self, info: &TensorInfo) -> &[u8] {
-        &self.mmap[self.data_start + info.start..self.data_start + info.end]
+    /// The raw little-endian bytes of tensor `name` (`None` where the file has no such tensor).
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        let info = self.tensors.get(name)?;
+        // The range was checked against the data section when the file was opened.
+        self.mmap.get(self.data_start + info.start..self.data_start + info.end)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty, seeded.
 
-use crate::{Error, GemmaBackend};
+use crate::{error::SamplingError, Error, GemmaBackend, ModelError};
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use burn_gemma_kernels::sampling::{self as kernel, SamplingParams};
 use burn_gemma_kernels::Draws;
@@ -44,24 +44,24 @@ impl SamplingConfig {
     pub fn validate(&self) -> Result<(), Error> {
         let t = self.temperature;
         if !t.is_finite() || t < 0.0 {
-            return Err(Error::Sampling(format!("temperature must be a finite number >= 0, got {t}")));
+            return Err(SamplingError::Temperature(t).into());
         }
         if self.top_k == Some(0) {
-            return Err(Error::Sampling("top-k must be at least 1".into()));
+            return Err(SamplingError::TopK.into());
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
-                return Err(Error::Sampling(format!("top-p must be in (0, 1], got {p}")));
+                return Err(SamplingError::TopP(p).into());
             }
         }
         if let Some(p) = self.min_p {
             if !(0.0..=1.0).contains(&p) {
-                return Err(Error::Sampling(format!("min-p must be in [0, 1], got {p}")));
+                return Err(SamplingError::MinP(p).into());
             }
         }
         let r = self.repeat_penalty;
         if !r.is_finite() || r <= 0.0 {
-            return Err(Error::Sampling(format!("repeat penalty must be a finite number > 0, got {r}")));
+            return Err(SamplingError::RepeatPenalty(r).into());
         }
         Ok(())
     }
@@ -168,7 +168,11 @@ impl Sampler {
     /// Chooses the next token of each row of the device `logits` (`[batch, vocab]`): the
     /// repetition penalty and the sampler run on the device and only the `[batch]` ids come back.
     /// An id equal to `vocab` means a logit was not finite.
-    pub fn sample_on_device<B: GemmaBackend>(&mut self, logits: Tensor<B, 2>, history: &[u32]) -> Tensor<B, 1, Int> {
+    pub fn sample_on_device<B: GemmaBackend>(
+        &mut self,
+        logits: Tensor<B, 2>,
+        history: &[u32],
+    ) -> Result<Tensor<B, 1, Int>, Error> {
         let [batch, _] = logits.dims();
         let uniform = self.draws(batch);
         self.sample_with_draws(logits, history, &uniform)
@@ -180,9 +184,9 @@ impl Sampler {
         logits: Tensor<B, 2>,
         history: &[u32],
         draws: &[f32],
-    ) -> Tensor<B, 1, Int> {
+    ) -> Result<Tensor<B, 1, Int>, Error> {
         let logits = self.penalize_on_device(logits, history);
-        B::sample(logits, &self.params(), Draws::Host(draws))
+        B::sample(logits, &self.params(), Draws::Host(draws)).map_err(|e| ModelError::from(e).into())
     }
 
     /// The repetition penalty applied to device logits with tensor ops (a gather and a scatter

@@ -4,7 +4,7 @@
 //! Special tokens (GGUF control and user-defined types, e.g. `<start_of_turn>`, runs of newlines)
 //! are matched in the text as single tokens, as Hugging Face tokenizers do.
 
-use crate::Error;
+use crate::{error::TokenizerError, Error};
 use std::{
     cmp::Ordering,
     collections::{BinaryHeap, HashMap},
@@ -74,7 +74,7 @@ impl Tokenizer {
     /// nesting at most 128 deep), since the tokenizers crate panics on some malformed files
     /// (found by `tests/fuzz.rs`); a panic left inside it is turned into an error as well.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
-        let fail = |why: String| Error::Tokenizer(format!("{}: {why}", path.display()));
+        let fail = |reason: String| TokenizerError::File { path: path.into(), reason };
         let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
         serde_json::from_str::<serde_json::Value>(&text).map_err(|e| fail(format!("not valid JSON: {e}")))?;
         let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
@@ -96,12 +96,8 @@ impl Tokenizer {
     /// Builds the tokenizer from GGUF vocabulary arrays.
     pub fn from_vocab(tokens: Vec<String>, scores: Vec<f32>, types: Vec<i32>, bos: u32) -> Result<Self, Error> {
         if tokens.is_empty() || tokens.len() != scores.len() || tokens.len() != types.len() {
-            return Err(Error::Tokenizer(format!(
-                "GGUF vocabulary arrays disagree: {} tokens, {} scores, {} types",
-                tokens.len(),
-                scores.len(),
-                types.len()
-            )));
+            return Err(TokenizerError::VocabularyArrays { tokens: tokens.len(), scores: scores.len(), types: types.len() }
+                .into());
         }
         let mut pieces = HashMap::with_capacity(tokens.len());
         let mut specials: HashMap<char, Vec<(String, u32)>> = HashMap::new();
@@ -157,7 +153,7 @@ impl Tokenizer {
         }
         match &self.engine {
             Engine::Hf(t) => {
-                let enc = t.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+                let enc = t.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
                 ids.extend_from_slice(enc.get_ids());
             }
             Engine::Spm(spm) => spm.encode(text, &self.pieces, &mut ids)?,
@@ -280,7 +276,7 @@ impl Spm {
                 None => {
                     for b in piece.as_bytes() {
                         let id = self.byte_tokens[*b as usize]
-                            .ok_or_else(|| Error::Tokenizer(format!("no byte-fallback token for byte 0x{b:02X}")))?;
+                            .ok_or(TokenizerError::NoByteFallback(*b))?;
                         out.push(id);
                     }
                 }

@@ -98,7 +98,7 @@ fn not_a_model_and_missing_backend() {
 
 #[test]
 fn real_model_generation_and_context_limit() {
-    let Some(model) = common::real_model() else { return };
+    let model = common::real_model();
     let model = model.display().to_string();
     let (code, stdout, stderr) =
         run(&["--model", &model, "--prompt", "The capital of France is", "--max-new-tokens", "8"]);

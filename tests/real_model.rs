@@ -26,12 +26,12 @@ struct Loaded<B: GemmaBackend> {
     reference: serde_json::Value,
 }
 
-fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Option<Loaded<B>> {
-    let path = common::real_model()?;
+fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Loaded<B> {
+    let path = common::real_model();
     let checkpoint = Checkpoint::open(&path).expect("open GGUF");
     let (model, _) = checkpoint.load_model_as::<B>(DType::F32, format, device, |_, _| {}).expect("load model");
     let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
-    Some(Loaded { model, reference })
+    Loaded { model, reference }
 }
 
 /// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
@@ -101,7 +101,7 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
 
 #[test]
 fn tokenizer_reproduces_reference_ids_and_round_trips() {
-    let Some(path) = common::real_model() else { return };
+    let path = common::real_model();
     let tokenizer = Checkpoint::open(&path).unwrap().tokenizer().unwrap();
     let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
     for case in reference["cases"].as_array().unwrap() {
@@ -118,7 +118,7 @@ fn tokenizer_reproduces_reference_ids_and_round_trips() {
 #[test]
 fn real_model_matches_reference_on_candle_cpu() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Dense) else { return };
+    let loaded = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Dense);
     check_cases(&loaded, &device, &[], DENSE);
 }
 
@@ -169,7 +169,7 @@ fn check_decode_path<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, on
 #[test]
 fn real_model_native_blocks_on_candle_cpu() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native) else { return };
+    let loaded = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native);
     check_cases(&loaded, &device, &[], DENSE);
     check_decode_path(
         &loaded,
@@ -182,7 +182,7 @@ fn real_model_native_blocks_on_candle_cpu() {
 #[test]
 fn real_model_short_case_on_ndarray() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::NdArray>(&device, WeightFormat::Dense) else { return };
+    let loaded = load::<burn_gemma::backends::NdArray>(&device, WeightFormat::Dense);
     check_cases(&loaded, &device, &["capital"], DENSE);
 }
 
@@ -190,6 +190,6 @@ fn real_model_short_case_on_ndarray() {
 #[test]
 fn real_model_short_cases_on_wgpu() {
     let device = Default::default();
-    let Some(loaded) = load::<burn_gemma::backends::Wgpu>(&device, WeightFormat::Dense) else { return };
+    let loaded = load::<burn_gemma::backends::Wgpu>(&device, WeightFormat::Dense);
     check_cases(&loaded, &device, &["capital", "code", "story", "unicode", "chat"], DENSE);
 }

@@ -318,7 +318,11 @@ where
     }
 
     /// The logits are read in their own dtype; greedy reads no draws.
-    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, draws: Draws<'_, Self>) -> Tensor<Self, 1, Int> {
+    fn sample(
+        logits: Tensor<Self, 2>,
+        params: &SamplingParams,
+        draws: Draws<'_, Self>,
+    ) -> Result<Tensor<Self, 1, Int>, crate::ReadBackError> {
         let [batch, _] = logits.dims();
         let logits = cube::float(logits);
         let uniform = match draws {
@@ -332,7 +336,7 @@ where
                 cube::float(Tensor::<Self, 1>::from_data(TensorData::new(draws, [batch]), (&device, DType::F32)))
             }
         };
-        cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype()))
+        Ok(cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype())))
     }
 }
 

@@ -49,6 +49,25 @@ pub use gelu::GateUpLayout;
 pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
 pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
+/// A value that could not be read back from the device.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("reading {what} back from the device failed: {reason}")]
+pub struct ReadBackError {
+    /// What was being read.
+    pub what: &'static str,
+    /// The runtime's words.
+    pub reason: String,
+}
+
+/// The values of a float tensor on the host as f32, or why they could not be read.
+pub fn read_back<B: burn::tensor::backend::Backend, const D: usize>(
+    t: Tensor<B, D>,
+    what: &'static str,
+) -> Result<Vec<f32>, ReadBackError> {
+    let fail = |reason: String| ReadBackError { what, reason };
+    t.try_into_data().map_err(|e| fail(format!("{e:?}")))?.convert::<f32>().into_vec::<f32>().map_err(|e| fail(format!("{e:?}")))
+}
+
 pub use quant::{GgmlBlocks, GgmlMatrix, HostQuantized, QuantError, QuantFormat, QuantizedMatrix};
 pub use rms_norm::AddNorm;
 pub use rope::{Frequencies, RopeTables};
@@ -246,18 +265,24 @@ pub trait GemmaBackend: ReservedMemory {
     /// using `draws` (one uniform number in [0, 1) per row) as the randomness. Returns the
     /// `[batch]` token ids; only they leave the device. The default reads the logits back and
     /// runs [`sampling::reference`].
-    fn sample(logits: Tensor<Self, 2>, params: &SamplingParams, draws: Draws<'_, Self>) -> Tensor<Self, 1, Int> {
+    ///
+    /// Fails only where something had to be read back from the device and could not be.
+    fn sample(
+        logits: Tensor<Self, 2>,
+        params: &SamplingParams,
+        draws: Draws<'_, Self>,
+    ) -> Result<Tensor<Self, 1, Int>, ReadBackError> {
         let [batch, vocab] = logits.dims();
         let device = logits.device();
-        let uniform = draws.resolve(batch);
-        let values = logits.cast(DType::F32).into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let uniform = draws.resolve(batch)?;
+        let values = read_back(logits.cast(DType::F32), "the logits")?;
         let ids: Vec<i64> = (0..batch)
             .map(|r| {
                 let row = values.get(r * vocab..(r + 1) * vocab).unwrap_or(&[]);
                 sampling::reference(row, params, uniform[r]) as i64
             })
             .collect();
-        Tensor::from_data(burn::tensor::TensorData::new(ids, [batch]), &device)
+        Ok(Tensor::from_data(burn::tensor::TensorData::new(ids, [batch]), &device))
     }
 }
 

@@ -40,21 +40,16 @@ pub enum Draws<'a, B: burn::tensor::backend::Backend> {
 impl<B: burn::tensor::backend::Backend> Draws<'_, B> {
     /// The draws on the host: read back from the device for [`Draws::Device`] (which a
     /// recorded step cannot replay: recording is marked as failed).
-    pub fn resolve(&self, rows: usize) -> Vec<f32> {
+    pub fn resolve(&self, rows: usize) -> Result<Vec<f32>, crate::ReadBackError> {
         let mut draws = match self {
             Self::Host(draws) => draws.to_vec(),
             Self::Device(t) => {
                 crate::graph::unsupported(|| "an operation read the sampling draws back to the host".into());
-                t.clone()
-                    .cast(burn::tensor::DType::F32)
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .unwrap_or_default()
+                crate::read_back(t.clone().cast(burn::tensor::DType::F32), "the sampling draws")?
             }
         };
         draws.resize(rows, 0.0);
-        draws
+        Ok(draws)
     }
 }
 

@@ -816,7 +816,7 @@ pub const MAX_LAYERS: usize = 4096;
 mod tests {
     use super::*;
 
-    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/tiny-gemma");
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
 
     fn load(name: &str) -> GemmaConfig {
         let text = std::fs::read_to_string(format!("{FIXTURES}/{name}/config.json")).expect("fixture config");
@@ -884,7 +884,7 @@ mod tests {
 mod gemma4_tests {
     use super::*;
 
-    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/tiny-gemma");
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
 
     fn fixture(name: &str) -> Value {
         let text = std::fs::read_to_string(format!("{FIXTURES}/{name}/config.json")).expect("fixture config");

@@ -90,6 +90,8 @@ pub struct DecodeGraphs<B: GemmaBackend> {
     sampling: SamplingParams,
     batch: usize,
     capacity: usize,
+    /// The [`KvCache::id`] of the cache the steps were recorded with (they write its buffers).
+    cache: Option<u64>,
     current: Option<Recorded<B>>,
     setup: GraphSetup,
 }
@@ -98,12 +100,15 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
     /// Nothing recorded yet; steps sample with `sampling` for a cache of `batch` sequences and
     /// `capacity` positions.
     pub fn new(sampling: SamplingParams, batch: usize, capacity: usize) -> Self {
-        Self { sampling, batch, capacity, current: None, setup: GraphSetup::default() }
+        Self { sampling, batch, capacity, cache: None, current: None, setup: GraphSetup::default() }
     }
 
     /// Whether these graphs serve `sampling` on a cache of this batch and capacity.
     pub fn serves(&self, sampling: &SamplingParams, cache: &KvCache<B>) -> bool {
-        self.sampling == *sampling && self.batch == cache.batch() && self.capacity == cache.capacity()
+        self.sampling == *sampling
+            && self.batch == cache.batch()
+            && self.capacity == cache.capacity()
+            && self.cache.is_none_or(|id| id == cache.id())
     }
 
     /// What recording cost so far.
@@ -147,12 +152,20 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
                 cache.capacity()
             )));
         }
+        if let Some(recorded) = self.cache.filter(|&id| id != cache.id()) {
+            return Err(ModelError::InvalidInput(format!(
+                "these decode graphs were recorded with KV cache #{recorded} and write its buffers; \
+                 cache #{} is another (make new DecodeGraphs for it)",
+                cache.id()
+            )));
+        }
         cache.check_room(1)?;
         let position = cache.len();
         if self.current.as_ref().is_none_or(|r| position > r.bound) {
             // Free the previous bucket's buffers before allocating the next.
             self.current = None;
             self.current = Some(self.record(model, cache, bucket_bound(position, self.capacity))?);
+            self.cache = Some(cache.id());
         }
         let Some(step) = self.current.as_mut() else {
             return Err(ModelError::Graph(GraphError::Unsupported("no recorded step".into())));

@@ -42,10 +42,19 @@ pub enum ModelError {
     /// A weight cannot be put in the backend's layout (GGUF blocks that do not convert).
     #[error("cannot upload `{name}`: {source}")]
     Upload { name: String, source: burn_gemma_kernels::quant::QuantError },
+    /// A result could not be read back from the device.
+    #[error("reading {what} back from the device failed: {reason}")]
+    ReadBack { what: &'static str, reason: String },
     /// Decode could not be recorded or replayed as a CUDA graph.
     #[error(transparent)]
     Graph(#[from] burn_gemma_kernels::graph::GraphError),
     /// The weight source failed (I/O, format).
     #[error(transparent)]
     Source(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<burn_gemma_kernels::ReadBackError> for ModelError {
+    fn from(e: burn_gemma_kernels::ReadBackError) -> Self {
+        Self::ReadBack { what: e.what, reason: e.reason }
+    }
 }

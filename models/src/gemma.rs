@@ -249,7 +249,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         cache: &mut LayerCache<B>,
         position: &StepPosition<B>,
         per_layer_input: Option<(Tensor<B, 4>, usize)>,
-    ) -> ResidualStream<'a, B> {
+    ) -> Result<ResidualStream<'a, B>, ModelError> {
         let (stream, h) = stream.norm(&self.input_layernorm);
         let h = self.self_attn.forward(h, rope, cache, position);
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
@@ -258,7 +258,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         let (stream, h) = match &self.moe {
             Some(moe) => {
                 let (stream, residual) = stream.residual();
-                (stream, moe.forward(residual, h))
+                (stream, moe.forward(residual, h)?)
             }
             None => (stream, h),
         };
@@ -269,7 +269,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
             let h = block.forward(residual, inputs, layer);
             stream = settled.add(h, Some(&block.post_per_layer_input_norm));
         }
-        stream.scaled(self.layer_scalar)
+        Ok(stream.scaled(self.layer_scalar))
     }
 }
 
@@ -517,7 +517,7 @@ impl<B: GemmaBackend> Gemma<B> {
         self.check_cache(cache)?;
         cache.check_room(seq)?;
         let position = cache.len();
-        let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position));
+        let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position))?;
         cache.advance(seq);
         Ok(hidden)
     }
@@ -529,7 +529,7 @@ impl<B: GemmaBackend> Gemma<B> {
         ids: Tensor<B, 2, Int>,
         cache: &mut KvCache<B>,
         position: &StepPosition<B>,
-    ) -> Tensor<B, 3> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
         let embedded =
             self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
@@ -538,10 +538,10 @@ impl<B: GemmaBackend> Gemma<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             let input = per_layer.as_ref().map(|inputs| (inputs.clone(), i));
             let rope = rope.get(layer.self_attn.settings.layer_type);
-            stream = layer.forward(stream, rope, cache.layer_mut(i), position, input);
+            stream = layer.forward(stream, rope, cache.layer_mut(i), position, input)?;
         }
         let (_, hidden) = stream.norm(&self.norm);
-        hidden
+        Ok(hidden)
     }
 
     /// Fails unless `cache` was made for this model's layers.
@@ -583,13 +583,13 @@ impl<B: GemmaBackend> Gemma<B> {
         }
         self.check_cache(cache)?;
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
-        let hidden = self.layers_forward(inputs.ids.clone(), cache, &position);
+        let hidden = self.layers_forward(inputs.ids.clone(), cache, &position)?;
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
         let logits = match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
         };
-        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()));
+        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()))?;
         Ok((ids, logits))
     }
 

@@ -75,7 +75,7 @@ impl<B: GemmaBackend> Router<B> {
     }
 
     /// Routes `x` (`[tokens, hidden]`, the residual stream before the MLP) in `dtype`.
-    pub fn route(&self, x: Tensor<B, 2>, dtype: DType) -> Routes {
+    pub fn route(&self, x: Tensor<B, 2>, dtype: DType) -> Result<Routes, ModelError> {
         let [_, hidden] = x.dims();
         let h = self.norm.forward(x.cast(dtype));
         let h = (h.cast(DType::F32) * self.scale.val().unsqueeze::<2>()).mul_scalar((hidden as f64).powf(-0.5));
@@ -83,9 +83,15 @@ impl<B: GemmaBackend> Router<B> {
         let [_, tokens, experts] = scores.dims();
         let probabilities = softmax(scores.reshape([tokens, experts]).cast(DType::F32), 1);
         burn_gemma_kernels::graph::unsupported(|| "a mixture-of-experts layer (its routes are read back)".into());
-        let values = probabilities.into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let data = probabilities
+            .try_into_data()
+            .map_err(|e| ModelError::ReadBack { what: "expert routes", reason: format!("{e:?}") })?;
+        let values = data
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| ModelError::ReadBack { what: "expert routes", reason: format!("{e:?}") })?;
         let tokens = values.chunks(experts.max(1)).map(|row| self.pick(row)).collect();
-        Routes { tokens }
+        Ok(Routes { tokens })
     }
 
     /// The `top_k` largest of one token's probabilities (ties to the lower expert, as
@@ -164,11 +170,12 @@ impl<B: GemmaBackend> MoeBlock<B> {
     /// HF's expert branch of `Gemma4TextDecoderLayer.forward`: `post_1(mlp_out) +
     /// post_2(experts(pre_2(residual)))`, with `residual` `[batch, seq, hidden]` (f32, the stream
     /// before the MLP) and `mlp_out` the dense MLP's output in the activation dtype.
-    pub fn forward(&self, residual: Tensor<B, 3>, mlp_out: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// Fails where the routes cannot be read back from the device.
+    pub fn forward(&self, residual: Tensor<B, 3>, mlp_out: Tensor<B, 3>) -> Result<Tensor<B, 3>, ModelError> {
         let dtype = mlp_out.dtype();
         let [batch, seq, hidden] = residual.dims();
         let flat = residual.reshape([batch * seq, hidden]);
-        let routes = self.router.route(flat.clone(), dtype);
+        let routes = self.router.route(flat.clone(), dtype)?;
         let x = self.pre_feedforward_layernorm_2.forward(flat.clone()).cast(dtype);
         let device = x.device();
         let mut out = Tensor::<B, 2>::zeros([batch * seq, hidden], (&device, DType::F32));
@@ -190,7 +197,7 @@ impl<B: GemmaBackend> MoeBlock<B> {
             out = out.select_assign(0, rows, y, IndexingUpdateOp::Add);
         }
         let experts_out = self.post_feedforward_layernorm_2.forward(out.cast(dtype).reshape([batch, seq, hidden]));
-        self.post_feedforward_layernorm_1.forward(mlp_out) + experts_out
+        Ok(self.post_feedforward_layernorm_1.forward(mlp_out) + experts_out)
     }
 
     /// Bytes on the device.

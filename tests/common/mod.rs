@@ -3,33 +3,31 @@
 
 use std::path::PathBuf;
 
-/// `$BURN_GEMMA_FIXTURES`, else `../shared/fixtures` beside the repository (the override lets
-/// test binaries built here run on a GPU machine with the fixtures copied elsewhere).
+/// `$BURN_GEMMA_FIXTURES`, else the repository's `tests/fixtures` (the override lets test
+/// binaries built here run on a GPU machine with the fixtures copied elsewhere).
 pub fn fixtures() -> PathBuf {
     match std::env::var_os("BURN_GEMMA_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
     }
 }
 
-/// The real Gemma 3 270M GGUF: `$BURN_GEMMA_MODEL`, or the default model's cache location.
-/// In CI (`CI` set) a missing model fails the test; locally the test is skipped with a reason.
-pub fn real_model() -> Option<PathBuf> {
-    let path = match std::env::var_os("BURN_GEMMA_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => burn_gemma::fetch::cache_dir().expect("cache dir").join(burn_gemma::fetch::DEFAULT_MODEL_FILE),
-    };
-    if path.exists() {
-        return Some(path);
+/// The real Gemma 3 270M GGUF: `$BURN_GEMMA_MODEL`, else the default model, fetched through the
+/// library (`fetch::default_model`, as the README's first command does) when it is not cached.
+/// The fetch runs once per test binary; a failure fails the test that asked.
+pub fn real_model() -> PathBuf {
+    static MODEL: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    let model = MODEL.get_or_init(|| match std::env::var_os("BURN_GEMMA_MODEL") {
+        Some(p) => Ok(PathBuf::from(p)),
+        None => burn_gemma::fetch::default_model(|step, total| {
+            eprintln!("fetching the default model: step {step} of {total}");
+        })
+        .map_err(|e| e.to_string()),
+    });
+    match model {
+        Ok(path) => path.clone(),
+        Err(e) => panic!("the real model could not be fetched ({e}); set BURN_GEMMA_MODEL to a copy of it"),
     }
-    if std::env::var_os("CI").is_some() {
-        panic!("real model not found at {} (CI must fetch it: see .ci/run)", path.display());
-    }
-    eprintln!(
-        "SKIPPED: real model not found at {}; run `cargo run --release --example generate` once to fetch it, or set BURN_GEMMA_MODEL",
-        path.display()
-    );
-    None
 }
 
 pub fn read_json(path: PathBuf) -> serde_json::Value {

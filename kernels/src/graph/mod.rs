@@ -177,6 +177,20 @@ impl Recording {
     }
 }
 
+/// CUDA devices the driver reports, 0 where the driver library is not installed or does not
+/// initialize. Touches only the driver (not CubeCL's runtime, which panics without a device).
+#[cfg(feature = "cuda")]
+pub fn cuda_device_count() -> usize {
+    // SAFETY: `is_culib_present` only tries to load the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::result::device::get_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+}
+
 /// Whether steps on `device` of backend `B` can be recorded at all (the CUDA backend, built
 /// with the `cuda` feature): [`GraphError::NotCuda`] otherwise. A step can still fail to record.
 pub fn available<B: Backend>(device: &B::Device) -> Result<(), GraphError> {

@@ -175,9 +175,18 @@ pub struct KvCache<B: GemmaBackend> {
     len: usize,
     capacity: usize,
     batch: usize,
+    /// Unique per allocation (kept by [`KvCache::reset`]): a recorded decode step writes this
+    /// cache's buffers and refuses any other ([`crate::DecodeGraphs`]).
+    id: u64,
 }
 
 impl<B: GemmaBackend> KvCache<B> {
+    /// This cache's identity: distinct for every cache allocated in the process, the same
+    /// after [`KvCache::reset`].
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Allocates a cache for `batch` sequences of up to `capacity` positions, stored as `format`.
     pub fn new(
         config: &GemmaConfig,
@@ -226,7 +235,9 @@ impl<B: GemmaBackend> KvCache<B> {
             };
             layer_of.push(entry);
         }
-        Ok(Self { layers, layer_of, len: 0, capacity, batch })
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self { layers, layer_of, len: 0, capacity, batch, id })
     }
 
     /// Refuses a cache the device cannot hold, before any of it is allocated: one layer's keys
