@@ -16,10 +16,13 @@ use burn::tensor::{DType, Tensor};
 use burn_gemma::{
     backends::{dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
     generation::token_tensor,
-    Checkpoint, Error, Gemma, GemmaBackend, KvCache, WeightFormat,
+    Checkpoint, Error, Gemma, GemmaBackend, KvCache, LoadOptions, WeightFormat,
 };
 use clap::Parser;
 use std::path::PathBuf;
+
+/// The program's errors: the library's, or a message about its command line.
+type CliError = Box<dyn std::error::Error>;
 
 #[derive(Parser, Clone)]
 struct Args {
@@ -52,8 +55,8 @@ struct Case {
     hf_top1: Vec<u32>,
 }
 
-fn read_cases(path: &PathBuf) -> Result<Vec<Case>, Error> {
-    let bad = |why: &str| Error::Request(format!("{}: {why}", path.display()));
+fn read_cases(path: &PathBuf) -> Result<Vec<Case>, CliError> {
+    let bad = |why: &str| CliError::from(format!("{}: {why}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.clone(), source })?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&e.to_string()))?;
     let ids = |v: &serde_json::Value| -> Option<Vec<u32>> {
@@ -118,14 +121,14 @@ struct Stepper<'a, B: GemmaBackend> {
 }
 
 impl<'a, B: GemmaBackend> Stepper<'a, B> {
-    fn new(model: &'a Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Self, Error> {
+    fn new(model: &'a Gemma<B>, ids: &[u32], decode: bool, device: &B::Device) -> Result<Self, CliError> {
         let mut cache = model.new_cache(1, ids.len())?;
         let rows =
             if decode { None } else { Some(rows(model, model.forward(token_tensor::<B>(ids, device), &mut cache)?)?) };
         Ok(Self { model, cache, rows })
     }
 
-    fn logits(&mut self, pos: usize, id: u32, device: &B::Device) -> Result<Vec<f32>, Error> {
+    fn logits(&mut self, pos: usize, id: u32, device: &B::Device) -> Result<Vec<f32>, CliError> {
         match &mut self.rows {
             Some(rows) => Ok(std::mem::take(&mut rows[pos])),
             None => {
@@ -135,9 +138,9 @@ impl<'a, B: GemmaBackend> Stepper<'a, B> {
     }
 }
 
-fn rows<B: GemmaBackend>(model: &Gemma<B>, t: Tensor<B, 3>) -> Result<Vec<Vec<f32>>, Error> {
-    let data = t.cast(DType::F32).into_data().to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-    Ok(data.chunks_exact(model.config.vocab_size).map(<[f32]>::to_vec).collect())
+fn rows<B: GemmaBackend>(model: &Gemma<B>, t: Tensor<B, 3>) -> Result<Vec<Vec<f32>>, CliError> {
+    let data = t.cast(DType::F32).into_data().to_vec::<f32>().map_err(|e| CliError::from(format!("{e:?}")))?;
+    Ok(data.chunks_exact(model.config().vocab_size).map(<[f32]>::to_vec).collect())
 }
 
 /// Adds one position's comparison of `logits` against `reference` (log-probabilities and top-1).
@@ -155,14 +158,14 @@ fn compare(s: &mut Stats, reference: &[f64], reference_top: u32, logits: &[f32],
 struct Accuracy(Args);
 
 impl BackendTask for Accuracy {
-    type Output = Result<(), Error>;
+    type Output = Result<(), CliError>;
 
-    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let a = self.0;
         let decode = match a.mode.as_str() {
             "decode" => true,
             "prefill" => false,
-            other => return Err(Error::Request(format!("unknown --mode {other:?}; expected decode or prefill"))),
+            other => return Err(CliError::from(format!("unknown --mode {other:?}; expected decode or prefill"))),
         };
         let mut cases = read_cases(&a.fixture)?;
         if let Some(n) = a.cases {
@@ -173,27 +176,27 @@ impl BackendTask for Accuracy {
             None => burn_gemma::fetch::default_model(|_, _| {})?,
         };
         let checkpoint = Checkpoint::open(&path)?;
-        let reference = checkpoint.load_model_as::<B>(DType::F32, WeightFormat::Dense, &device, |_, _| {})?.0;
+        let options = LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32).weights(WeightFormat::Dense);
+        let reference = checkpoint.load(options)?.model;
         let specs: Vec<(&str, &str)> = a
             .variants
             .split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(|spec| {
-                spec.split_once(':').ok_or_else(|| Error::Request(format!("variant {spec:?} is not weights:kv")))
+                spec.split_once(':').ok_or_else(|| CliError::from(format!("variant {spec:?} is not weights:kv")))
             })
             .collect::<Result<_, _>>()?;
         let mut variants = Vec::new();
         for &(weights, kv) in &specs {
             let spec = format!("{weights}:{kv}");
             let (format, dtype) = resolve_weights(weights, None, name)?;
-            let mut model = checkpoint.load_model_as::<B>(dtype, format, &device, |_, _| {})?.0;
-            model.kv_cache = parse_kv_cache(kv, dtype)?;
-            let label = format!(
-                "{weights} ({format}, {:.0} MB) | {} | {dtype:?}",
-                model.weight_bytes() as f64 / 1e6,
-                model.kv_cache
-            );
+            let kv_cache = parse_kv_cache(kv, dtype)?;
+            let options =
+                LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(format).kv_cache(kv_cache);
+            let model = checkpoint.load(options)?.model;
+            let label =
+                format!("{weights} ({format}, {:.0} MB) | {kv_cache} | {dtype:?}", model.weight_bytes() as f64 / 1e6);
             variants.push(Variant { spec, label, model });
         }
         eprintln!("{} | backend {name} | mode {} | {} cases", path.display(), a.mode, cases.len());
@@ -222,7 +225,7 @@ impl BackendTask for Accuracy {
                 let logits = steppers.iter_mut().map(|s| s.logits(pos, id, &device)).collect::<Result<Vec<_>, _>>()?;
                 for ((v, s), l) in variants.iter().zip(&mut stats).zip(&logits) {
                     if l.iter().any(|x| !x.is_finite()) {
-                        return Err(Error::Backend(format!(
+                        return Err(CliError::from(format!(
                             "{}: non-finite logits in case {} at position {pos}",
                             v.label, case.name
                         )));
@@ -273,7 +276,7 @@ impl BackendTask for Accuracy {
     }
 }
 
-fn main() -> Result<(), Error> {
+fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
     set_cpu_threads(args.threads)?;

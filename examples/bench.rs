@@ -17,12 +17,15 @@ use burn::tensor::{Int, Tensor};
 use burn_gemma::{
     backends::{dispatch, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
     generation::token_tensor,
-    Checkpoint, Error, Gemma, GemmaBackend, GemmaConfig, KvCache,
+    Checkpoint, Gemma, GemmaBackend, GemmaConfig, KvCache, LoadOptions, ModelOptions,
 };
 use burn_gemma_kernels::{graph::GraphError, Draws, SamplingParams};
 use burn_gemma_model::{CudaGraph, DecodeGraphs, KvFormat, ModelError, RandomWeights};
 use clap::Parser;
 use std::time::{Duration, Instant};
+
+/// The program's errors: the library's, or a message about its command line.
+type CliError = Box<dyn std::error::Error>;
 
 #[derive(Parser, Clone)]
 struct Args {
@@ -107,13 +110,13 @@ fn feed<B: GemmaBackend>(
     tokens: &[u32],
     chunk: std::num::NonZeroUsize,
     device: &B::Device,
-) -> Result<u32, Error> {
+) -> Result<u32, CliError> {
     let mut logits = None;
     for chunk in tokens.chunks(chunk.get()) {
         logits = Some(model.forward_last(token_tensor::<B>(chunk, device), cache)?);
     }
-    let logits = logits.ok_or_else(|| Error::Backend("no tokens to feed".into()))?;
-    Ok(first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))))
+    let logits = logits.ok_or_else(|| CliError::from("no tokens to feed"))?;
+    Ok(first_id::<B>(B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?))
 }
 
 /// Reads a sampled id back to the host (this waits for the device).
@@ -134,33 +137,33 @@ fn stat(mut v: Vec<f64>) -> Stat {
 }
 
 impl BackendTask for Bench {
-    type Output = Result<(), Error>;
+    type Output = Result<(), CliError>;
 
-    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let mut a = self.0;
         let (weights, dtype) = resolve_weights(&a.weights, a.dtype.as_deref(), name)?;
         let kv_cache = parse_kv_cache(&a.kv_cache, dtype)?;
         if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
-            return Err(Error::Backend("--prompt-len, --gen and --reps must be at least 1".into()));
+            return Err(CliError::from("--prompt-len, --gen and --reps must be at least 1"));
         }
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }
         let load = Instant::now();
-        let mut model = match a.model.strip_prefix("synthetic:") {
-            Some(preset) => Gemma::<B>::load_as(
-                GemmaConfig::preset(preset)?,
-                &mut RandomWeights::new(a.seed),
-                dtype,
-                weights,
-                &device,
-            )?,
-            None => Checkpoint::open(&a.model)?.load_model_as::<B>(dtype, weights, &device, |_, _| {})?.0,
+        let model = match a.model.strip_prefix("synthetic:") {
+            Some(preset) => {
+                let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
+                Gemma::<B>::load(GemmaConfig::preset(preset)?, &mut RandomWeights::new(a.seed), &options, &device)?
+            }
+            None => {
+                let options =
+                    LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
+                Checkpoint::open(&a.model)?.load(options)?.model
+            }
         };
-        model.kv_cache = kv_cache;
         let _ = B::sync(&device);
-        let config = model.config.clone();
+        let config = model.config().clone();
         eprintln!(
             "model {} ({:.2} B parameters, {:.2} GB of weights on the device), backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}, loaded in {:.1} s",
             a.model,
@@ -229,7 +232,7 @@ impl BackendTask for Bench {
                     }
                 }
                 let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
-                let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]));
+                let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
                 enqueue += step.elapsed();
                 token = first_id::<B>(next);
             }
@@ -327,17 +330,17 @@ impl BackendTask for Bench {
 /// `scripts/host_profile.py`.
 #[cfg(feature = "host-profile")]
 mod host_profile {
-    use burn_gemma::Error;
+    use super::CliError;
     use std::{fmt::Write as _, path::Path};
 
     pub struct Profiler(pprof::ProfilerGuard<'static>);
 
-    pub fn start() -> Result<Profiler, Error> {
-        pprof::ProfilerGuard::new(1999).map(Profiler).map_err(|e| Error::Backend(format!("host profiler: {e}")))
+    pub fn start() -> Result<Profiler, CliError> {
+        pprof::ProfilerGuard::new(1999).map(Profiler).map_err(|e| CliError::from(format!("host profiler: {e}")))
     }
 
-    pub fn finish(profiler: Profiler, path: &Path) -> Result<(), Error> {
-        let report = profiler.0.report().build().map_err(|e| Error::Backend(format!("host profiler: {e}")))?;
+    pub fn finish(profiler: Profiler, path: &Path) -> Result<(), CliError> {
+        let report = profiler.0.report().build().map_err(|e| CliError::from(format!("host profiler: {e}")))?;
         let mut text = String::new();
         for (frames, count) in &report.data {
             // Frames run from the sampled instruction outwards, inlined functions innermost first.
@@ -345,26 +348,26 @@ mod host_profile {
                 frames.frames.iter().rev().flat_map(|f| f.iter().rev().map(|s| s.name().replace(';', ":"))).collect();
             let _ = writeln!(text, "{};{} {count}", frames.thread_name_or_id(), names.join(";"));
         }
-        std::fs::write(path, text).map_err(|e| Error::Backend(format!("writing {}: {e}", path.display())))
+        std::fs::write(path, text).map_err(|e| CliError::from(format!("writing {}: {e}", path.display())))
     }
 }
 
 #[cfg(not(feature = "host-profile"))]
 mod host_profile {
-    use burn_gemma::Error;
+    use super::CliError;
 
     pub enum Profiler {}
 
-    pub fn start() -> Result<Profiler, Error> {
-        Err(Error::Backend("--host-profile needs the bench built with `--features host-profile`".into()))
+    pub fn start() -> Result<Profiler, CliError> {
+        Err(CliError::from("--host-profile needs the bench built with `--features host-profile`"))
     }
 
-    pub fn finish(profiler: Profiler, _: &std::path::Path) -> Result<(), Error> {
+    pub fn finish(profiler: Profiler, _: &std::path::Path) -> Result<(), CliError> {
         match profiler {}
     }
 }
 
-fn main() -> Result<(), Error> {
+fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
     set_cpu_threads(args.threads)?;

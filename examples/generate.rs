@@ -14,7 +14,7 @@ use burn_gemma::{
         dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind,
         BackendTask,
     },
-    Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
+    Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig, StopReason,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -27,6 +27,9 @@ use std::{
         Arc,
     },
 };
+
+/// The program's errors: the library's, or a message about its command line.
+type CliError = Box<dyn std::error::Error>;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Generate text with a Gemma model on any Burn backend")]
@@ -113,9 +116,9 @@ struct Run {
 }
 
 impl BackendTask for Run {
-    type Output = Result<(), Error>;
+    type Output = Result<(), CliError>;
 
-    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let (weights, dtype) = resolve_weights(&self.args.weights, self.args.dtype.as_deref(), name)?;
         let kv_cache = parse_kv_cache(&self.args.kv_cache, dtype)?;
         let threads = if name.contains("CPU") { format!(", threads: {}", self.threads) } else { String::new() };
@@ -127,11 +130,15 @@ impl BackendTask for Run {
             eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
         }
         let bar = progress_bar("loading");
-        let (mut model, report) = checkpoint.load_model_as::<B>(dtype, weights, &device, |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        })?;
-        model.kv_cache = kv_cache;
+        let progress = bar.clone();
+        let options =
+            LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache).progress(
+                move |p| {
+                    progress.set_length(p.total as u64);
+                    progress.set_position(p.loaded as u64);
+                },
+            );
+        let Loaded { model, report } = checkpoint.load(options)?;
         bar.finish_and_clear();
         let tokenizer = checkpoint.tokenizer()?;
         // Unmaps the file: what stays resident is the model.
@@ -207,7 +214,7 @@ impl BackendTask for Run {
     }
 }
 
-fn real_main(args: Args) -> Result<(), Error> {
+fn real_main(args: Args) -> Result<(), CliError> {
     if args.list_devices {
         for line in list_devices() {
             println!("{line}");
@@ -229,7 +236,7 @@ fn real_main(args: Args) -> Result<(), Error> {
     };
     sampling.validate()?;
     if args.max_new_tokens == 0 {
-        return Err(Error::Request("--max-new-tokens must be at least 1".into()));
+        return Err(CliError::from("--max-new-tokens must be at least 1"));
     }
     let prompt = match &args.prompt {
         Some(p) => Some(p.clone()),
@@ -241,15 +248,15 @@ fn real_main(args: Args) -> Result<(), Error> {
             Some(text)
         }
         None if args.chat => None,
-        None => return Err(Error::Request("no prompt: pass --prompt TEXT, pipe text on stdin, or use --chat".into())),
+        None => return Err(CliError::from("no prompt: pass --prompt TEXT, pipe text on stdin, or use --chat")),
     };
     if prompt.as_deref().is_some_and(|p| p.trim().is_empty()) {
-        return Err(Error::Request("the prompt is empty".into()));
+        return Err(CliError::from("the prompt is empty"));
     }
     let model_path = match &args.model {
         Some(path) => {
             if !path.exists() {
-                return Err(Error::Request(format!("model path {} does not exist", path.display())));
+                return Err(CliError::from(format!("model path {} does not exist", path.display())));
             }
             path.clone()
         }

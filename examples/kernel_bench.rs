@@ -14,7 +14,7 @@
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_gemma::{
     backends::{dispatch, parse_dtype, BackendKind, BackendTask},
-    Error, GemmaBackend,
+    GemmaBackend,
 };
 use burn_gemma_kernels::{
     attention, embedding, gelu, linear, rms_norm, rope, softcap, AddNorm, AttentionMask, AttentionOptions, Epilogue,
@@ -22,6 +22,9 @@ use burn_gemma_kernels::{
 };
 use clap::Parser;
 use std::time::Instant;
+
+/// The program's errors: the library's, or a message about its command line.
+type CliError = Box<dyn std::error::Error>;
 
 #[path = "kernel_bench/decode.rs"]
 mod decode;
@@ -270,7 +273,9 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         ),
     ] {
         let k = time::<B, _>(d, reps, || {
-            B::sample(row_logits.clone(), &params, burn_gemma_kernels::Draws::Host(&[0.5])).into_data()
+            B::sample(row_logits.clone(), &params, burn_gemma_kernels::Draws::Host(&[0.5]))
+                .expect("sampled")
+                .into_data()
         });
         let host = time::<B, _>(d, reps, || {
             let v = row_logits.clone().into_data().to_vec::<f32>().unwrap_or_default();
@@ -313,9 +318,9 @@ fn launch_cost<B: GemmaBackend, T>(device: &B::Device, what: &str, mut f: impl F
 }
 
 impl BackendTask for Bench {
-    type Output = Result<(), Error>;
+    type Output = Result<(), CliError>;
 
-    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), Error> {
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let (dt, reps, d) = (self.dtype, self.reps, &device);
         let rand = |shape: Vec<usize>, dtype: DType| random::<B>(shape, dtype, d);
         println!("backend {name}, dtype {dt:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
@@ -358,7 +363,7 @@ impl BackendTask for Bench {
 }
 
 /// `--section gemm` on a CubeCL backend (the kernels are CubeCL's, so no CPU backend has them).
-fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), Error> {
+fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliError> {
     println!(
         "dtype {:?}, per call: medians of {} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n",
         settings.dtype, settings.reps
@@ -379,11 +384,11 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), Erro
             );
             Ok(())
         }
-        _ => Err(Error::Request("--section gemm runs on --backend cuda or wgpu (CubeCL's kernels)".into())),
+        _ => Err(CliError::from("--section gemm runs on --backend cuda or wgpu (CubeCL's kernels)")),
     }
 }
 
-fn main() -> Result<(), Error> {
+fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
@@ -392,7 +397,7 @@ fn main() -> Result<(), Error> {
         let rows = args
             .rows
             .split(',')
-            .map(|r| r.trim().parse::<usize>().map_err(|e| Error::Request(format!("--rows {r:?}: {e}"))))
+            .map(|r| r.trim().parse::<usize>().map_err(|e| CliError::from(format!("--rows {r:?}: {e}"))))
             .collect::<Result<Vec<_>, _>>()?;
         let settings =
             gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all: args.gemm_kernels == GemmKernels::All };

@@ -42,7 +42,9 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
         "f32" | "float32" => Ok(DType::F32),
         "f16" | "float16" => Ok(DType::F16),
         "bf16" | "bfloat16" => Ok(DType::BF16),
-        other => Err(OptionError::Unknown { option: "dtype", value: other.into(), expected: "f32, f16 or bf16" }.into()),
+        other => {
+            Err(OptionError::Unknown { option: "dtype", value: other.into(), expected: "f32, f16 or bf16" }.into())
+        }
     }
 }
 
@@ -100,7 +102,9 @@ pub fn resolve_weights(
                 expected: "auto, native, q8, q4, bf16, f16 or f32",
             })?;
             if let Some(asked) = asked.filter(|&a| a != dense) {
-                return Err(OptionError::WeightsDtypeConflict { weights: other.into(), weights_dtype: dense, asked }.into());
+                return Err(
+                    OptionError::WeightsDtypeConflict { weights: other.into(), weights_dtype: dense, asked }.into()
+                );
             }
             return Ok((WeightFormat::Dense, dense));
         }
@@ -259,7 +263,10 @@ pub fn list_devices() -> Vec<String> {
     #[cfg(feature = "cuda")]
     {
         let d = burn::backend::cuda::CudaDevice::new(0);
-        out.push(format!("cuda: {}", if cuda_present() && usable::<Cuda>(&d) { "device 0 available" } else { "no device" }));
+        out.push(format!(
+            "cuda: {}",
+            if cuda_present() && usable::<Cuda>(&d) { "device 0 available" } else { "no device" }
+        ));
     }
     #[cfg(feature = "rocm")]
     {
@@ -274,7 +281,10 @@ pub fn list_devices() -> Vec<String> {
             ("integrated GPU", WgpuDevice::IntegratedGpu(0)),
             ("CPU adapter (software)", WgpuDevice::Cpu),
         ] {
-            out.push(format!("wgpu {label}: {}", if wgpu_adapter(&d) && usable::<Wgpu>(&d) { "available" } else { "none" }));
+            out.push(format!(
+                "wgpu {label}: {}",
+                if wgpu_adapter(&d) && usable::<Wgpu>(&d) { "available" } else { "none" }
+            ));
         }
     }
     #[cfg(feature = "candle")]
@@ -333,7 +343,11 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
             #[cfg(feature = "cuda")]
             {
                 let d = burn::backend::cuda::CudaDevice::new(0);
-                return if cuda_present() && usable::<Cuda>(&d) { Ok(task.run::<Cuda>(d, "cuda")) } else { Err(no_device("cuda")) };
+                return if cuda_present() && usable::<Cuda>(&d) {
+                    Ok(task.run::<Cuda>(d, "cuda"))
+                } else {
+                    Err(no_device("cuda"))
+                };
             }
             #[allow(unreachable_code)]
             Err(not_compiled("cuda", "cuda"))
@@ -351,7 +365,11 @@ pub fn dispatch<T: BackendTask>(kind: BackendKind, task: T, note: &mut dyn FnMut
             #[cfg(feature = "wgpu")]
             {
                 let d = burn::backend::wgpu::WgpuDevice::DefaultDevice;
-                return if wgpu_adapter(&d) && usable::<Wgpu>(&d) { Ok(task.run::<Wgpu>(d, "wgpu")) } else { Err(no_device("wgpu")) };
+                return if wgpu_adapter(&d) && usable::<Wgpu>(&d) {
+                    Ok(task.run::<Wgpu>(d, "wgpu"))
+                } else {
+                    Err(no_device("wgpu"))
+                };
             }
             #[allow(unreachable_code)]
             Err(not_compiled("wgpu", "wgpu"))

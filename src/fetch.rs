@@ -29,9 +29,7 @@ pub fn cache_dir() -> Result<PathBuf, Error> {
     if let Some(dir) = std::env::var_os("BURN_GEMMA_CACHE") {
         return Ok(PathBuf::from(dir));
     }
-    dirs::cache_dir()
-        .map(|d| d.join("burn-gemma"))
-        .ok_or(Error::Fetch(FetchError::NoCacheDir))
+    dirs::cache_dir().map(|d| d.join("burn-gemma")).ok_or(Error::Fetch(FetchError::NoCacheDir))
 }
 
 fn sha256_file(path: &Path) -> Result<String, Error> {

@@ -2,9 +2,9 @@
 
 use crate::{
     chat::{self, ChatTemplate},
+    error::{BackendError, RequestError, TokenizerError},
     sampling::{Sampler, SamplingConfig},
     tokenizer::Bos,
-    error::{BackendError, RequestError, TokenizerError},
     Error, Gemma, GemmaBackend, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
@@ -67,8 +67,10 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     ContextFull,
-    /// The interrupt flag was raised (Ctrl-C).
+    /// The interrupt flag was raised (Ctrl-C), or a token stream was finished early.
     Interrupted,
+    /// A step failed (the error was returned).
+    Failed,
 }
 
 /// Timings of one generation.
@@ -143,6 +145,84 @@ impl std::fmt::Display for Stats {
     }
 }
 
+/// Why a generator decodes eagerly under [`CudaGraph::Auto`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EagerReason {
+    /// The backend is not CUDA: there are no graphs to replay.
+    NotCuda,
+    /// Recording or replaying the step failed; the runtime's words.
+    GraphFailed(String),
+}
+
+/// One generated token and the text it completes (empty while a character is still split
+/// across tokens; stop tokens are not yielded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+}
+
+/// Generation as an iterator of [`Token`]s ([`Generator::generate_stream`]): each `next()` runs
+/// one step; an error ends the stream. Dropping it stops generation at that point.
+pub struct TokenStream<'g, B: GemmaBackend> {
+    generator: &'g mut Generator<B>,
+    run: Option<Run>,
+}
+
+impl<B: GemmaBackend> Iterator for TokenStream<'_, B> {
+    type Item = Result<Token, Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let run = self.run.as_mut()?;
+        self.generator.step(run)
+    }
+}
+
+impl<B: GemmaBackend> TokenStream<'_, B> {
+    /// Stops here and returns what was generated (the text includes the rest of a character
+    /// left split by the last token).
+    pub fn finish(mut self) -> GenerationOutput {
+        let (output, _) = self.run.take().map_or_else(|| (GenerationOutput::empty(), String::new()), Run::finish);
+        output
+    }
+}
+
+/// The state of one generation between steps.
+struct Run {
+    sampler: Sampler,
+    /// Whether decode steps replay CUDA graphs (cleared when one fails under `Auto`).
+    graph: bool,
+    cuda_graph: CudaGraph,
+    prefill_chunk: NonZeroUsize,
+    max_new_tokens: usize,
+    /// The cache capacity the request needs.
+    capacity: usize,
+    stops: Vec<u32>,
+    start: Instant,
+    decode_start: Instant,
+    tuning_before: Duration,
+    stats: Stats,
+    utf8: Utf8Stream,
+    text: String,
+    tokens: Vec<u32>,
+    /// What the next step runs through the model.
+    input: Vec<u32>,
+    stop: Option<StopReason>,
+}
+
+impl Run {
+    /// The output, and the rest of a character left split by the last token (also in the
+    /// output's text).
+    fn finish(mut self) -> (GenerationOutput, String) {
+        let rest = self.utf8.finish();
+        self.text.push_str(&rest);
+        self.stats.generated_tokens = self.tokens.len();
+        self.stats.decode = self.decode_start.elapsed();
+        let stop = self.stop.unwrap_or(StopReason::Interrupted);
+        (GenerationOutput { tokens: self.tokens, text: self.text, stop, stats: self.stats }, rest)
+    }
+}
+
 /// The result of one generation.
 #[derive(Debug, Clone)]
 pub struct GenerationOutput {
@@ -152,6 +232,12 @@ pub struct GenerationOutput {
     pub text: String,
     pub stop: StopReason,
     pub stats: Stats,
+}
+
+impl GenerationOutput {
+    fn empty() -> Self {
+        Self { tokens: Vec::new(), text: String::new(), stop: StopReason::Interrupted, stats: Stats::default() }
+    }
 }
 
 /// One sequence of token ids as the model's `[1, len]` input.
@@ -203,8 +289,8 @@ pub struct Generator<B: GemmaBackend> {
     interrupt: Arc<AtomicBool>,
     /// Recorded decode steps for the current cache.
     graphs: Option<DecodeGraphs<B>>,
-    /// Why decoding stays eager in `Auto` mode (said once).
-    graph_off: Option<String>,
+    /// Why decoding stays eager in `Auto` mode.
+    graph_off: Option<EagerReason>,
     /// The model's chat layout.
     template: ChatTemplate,
 }
@@ -212,12 +298,12 @@ pub struct Generator<B: GemmaBackend> {
 impl<B: GemmaBackend> Generator<B> {
     /// Wraps a model and tokenizer. Fails if they disagree on the vocabulary.
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
-        let vocab = model.config.vocab_size;
+        let vocab = model.config().vocab_size;
         if tokenizer.vocab_size() > vocab {
             return Err(TokenizerError::VocabularyTooLarge { tokenizer: tokenizer.vocab_size(), model: vocab }.into());
         }
-        let template = ChatTemplate::for_architecture(model.config.model_type);
-        let mut default_stops = model.config.eos_token_id.clone();
+        let template = ChatTemplate::for_architecture(model.config().model_type);
+        let mut default_stops = model.config().eos_token_id.clone();
         default_stops.extend(tokenizer.token_id(template.end_of_turn()));
         default_stops.extend(tokenizer.token_id("<eos>"));
         default_stops.sort_unstable();
@@ -252,7 +338,7 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// Largest context the model supports.
     pub fn max_context(&self) -> usize {
-        self.model.config.max_position_embeddings
+        self.model.config().max_position_embeddings
     }
 
     /// Forgets the conversation; the cache memory is reused.
@@ -271,12 +357,17 @@ impl<B: GemmaBackend> Generator<B> {
         config: &GenerationConfig,
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
+        let ids = self.prompt_ids(prompt)?;
+        self.reset();
+        self.continue_ids(&ids, config, on_text)
+    }
+
+    /// A prompt's ids with `<bos>` first.
+    fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>, Error> {
         if prompt.is_empty() {
             return Err(RequestError::EmptyPrompt.into());
         }
-        let ids = self.tokenizer.encode(prompt, Bos::Prepend)?;
-        self.reset();
-        self.continue_ids(&ids, config, on_text)
+        self.tokenizer.encode(prompt, Bos::Prepend)
     }
 
     /// One chat turn: appends the user's message in the model's chat template to the conversation and
@@ -287,6 +378,12 @@ impl<B: GemmaBackend> Generator<B> {
         config: &GenerationConfig,
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
+        let ids = self.turn_ids(message)?;
+        self.continue_ids(&ids, config, on_text)
+    }
+
+    /// The ids of a user turn after the conversation so far, in the model's chat template.
+    fn turn_ids(&self, message: &str) -> Result<Vec<u32>, Error> {
         if message.trim().is_empty() {
             return Err(RequestError::EmptyMessage.into());
         }
@@ -301,8 +398,7 @@ impl<B: GemmaBackend> Generator<B> {
             text.push_str(chat::TURN_SEPARATOR);
         }
         text.push_str(&self.template.user_turn(message));
-        let ids = self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })?;
-        self.continue_ids(&ids, config, on_text)
+        self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })
     }
 
     /// Appends `ids` to the current context and generates from there.
@@ -312,18 +408,54 @@ impl<B: GemmaBackend> Generator<B> {
         config: &GenerationConfig,
         mut on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
+        let mut run = self.start(ids, config)?;
+        while let Some(token) = self.step(&mut run) {
+            let token = token?;
+            if !token.text.is_empty() {
+                on_text(&token.text);
+            }
+        }
+        let (output, rest) = run.finish();
+        if !rest.is_empty() {
+            on_text(&rest);
+        }
+        Ok(output)
+    }
+
+    /// Like [`Generator::generate`], as an iterator of tokens: each `next()` runs one step.
+    /// Dropping the stream stops generation there; the conversation keeps what was run.
+    pub fn generate_stream(&mut self, prompt: &str, config: &GenerationConfig) -> Result<TokenStream<'_, B>, Error> {
+        let ids = self.prompt_ids(prompt)?;
+        self.reset();
+        self.stream_ids(&ids, config)
+    }
+
+    /// Like [`Generator::chat`], as an iterator of tokens (see [`Generator::generate_stream`]).
+    pub fn chat_stream(&mut self, message: &str, config: &GenerationConfig) -> Result<TokenStream<'_, B>, Error> {
+        let ids = self.turn_ids(message)?;
+        self.stream_ids(&ids, config)
+    }
+
+    /// Like [`Generator::continue_ids`], as an iterator of tokens.
+    pub fn stream_ids(&mut self, ids: &[u32], config: &GenerationConfig) -> Result<TokenStream<'_, B>, Error> {
+        let run = self.start(ids, config)?;
+        Ok(TokenStream { generator: self, run: Some(run) })
+    }
+
+    /// Checks a request and sets up its run: the cache sized for it, nothing run yet.
+    fn start(&mut self, ids: &[u32], config: &GenerationConfig) -> Result<Run, Error> {
         if config.max_new_tokens == 0 {
             return Err(RequestError::NoNewTokens.into());
         }
         if ids.is_empty() {
             return Err(RequestError::NoInput.into());
         }
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.model.config().vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(RequestError::TokenOutOfVocabulary { id: *bad, vocab }.into());
         }
-        let mut sampler = Sampler::new(config.sampling.clone())?;
-        let mut graph = self.graph_plan(config.cuda_graph, &sampler)?;
+        let sampler = Sampler::new(config.sampling.clone())?;
+        let graph = self.graph_plan(config.cuda_graph, &sampler)?;
         let needed = self.context.len() + ids.len() + config.max_new_tokens;
         let limit = self.max_context();
         if self.context.len() + ids.len() + 1 > limit || (self.context.is_empty() && needed > limit) {
@@ -339,96 +471,113 @@ impl<B: GemmaBackend> Generator<B> {
         let capacity = needed.min(limit);
         let cache = self.take_cache(capacity)?;
         self.cache = Some(cache);
-        let stops: Vec<u32> = self.default_stops.iter().chain(&config.stop_tokens).copied().collect();
-        let device = self.model.device();
-
         let start = Instant::now();
-        let tuning_before = burn_gemma_kernels::gemm::tune::summary().time;
-        let mut stats = Stats { prompt_tokens: ids.len(), ..Default::default() };
-        let mut stream = Utf8Stream::default();
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        let mut input = ids.to_vec();
-        let mut stop = StopReason::MaxTokens;
-        let mut decode_start = start;
-        loop {
-            if self.interrupt.swap(false, Ordering::SeqCst) {
-                stop = StopReason::Interrupted;
-                break;
-            }
-            let step = tokens.len();
-            let draws = sampler.draws(1);
-            let mut token = None;
-            if graph && input.len() == 1 {
-                match self.graph_step(&input, &draws, &sampler, &mut stats) {
-                    Ok(t) => token = Some(t),
-                    Err(e) if config.cuda_graph == CudaGraph::On => return Err(e.into()),
-                    Err(e) => {
-                        // Auto: eager from here on, saying why once (a failed recording ran
-                        // nothing: the cache is as it was).
-                        graph = false;
-                        self.note_graph_off(&e);
-                    }
-                }
-            }
-            let token = match token {
-                Some(t) => {
-                    self.context.extend_from_slice(&input);
-                    t
-                }
-                None => {
-                    let mut cache = self.take_cache(capacity)?;
-                    let logits = prefill(&self.model, &mut cache, &input, config.prefill_chunk, &device);
-                    self.cache = Some(cache);
-                    let logits = logits?;
-                    self.context.extend_from_slice(&input);
-                    let ids = sampler.sample_with_draws(logits, &self.context, &draws)?;
-                    let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
-                    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-                    let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
-                    *ids.first().ok_or_else(|| read("no id came back".into()))?
-                }
-            };
-            if token < 0 || token as usize >= vocab {
-                return Err(Error::NonFiniteLogits { step });
-            }
-            let token = token as u32;
-            if step == 0 {
-                stats.prefill = start.elapsed();
-                stats.time_to_first_token = start.elapsed();
-                stats.gemm_tuning = burn_gemma_kernels::gemm::tune::summary().time.saturating_sub(tuning_before);
-                decode_start = Instant::now();
-            }
-            tokens.push(token);
-            if stops.contains(&token) {
-                self.context.push(token);
-                stop = StopReason::StopToken(token);
-                break;
-            }
-            let piece = stream.push(self.tokenizer.token_bytes(token));
-            if !piece.is_empty() {
-                on_text(&piece);
-                text.push_str(&piece);
-            }
-            if tokens.len() >= config.max_new_tokens {
-                self.context.push(token);
-                break;
-            }
-            if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
-                self.context.push(token);
-                stop = StopReason::ContextFull;
-                break;
-            }
-            input = vec![token];
+        Ok(Run {
+            sampler,
+            graph,
+            cuda_graph: config.cuda_graph,
+            prefill_chunk: config.prefill_chunk,
+            max_new_tokens: config.max_new_tokens,
+            capacity,
+            stops: self.default_stops.iter().chain(&config.stop_tokens).copied().collect(),
+            start,
+            decode_start: start,
+            tuning_before: burn_gemma_kernels::gemm::tune::summary().time,
+            stats: Stats { prompt_tokens: ids.len(), ..Default::default() },
+            utf8: Utf8Stream::default(),
+            text: String::new(),
+            tokens: Vec::new(),
+            input: ids.to_vec(),
+            stop: None,
+        })
+    }
+
+    /// One step of `run`: the next token and its text, `None` once the run has stopped. An
+    /// error stops the run.
+    fn step(&mut self, run: &mut Run) -> Option<Result<Token, Error>> {
+        if run.stop.is_some() {
+            return None;
         }
-        let rest = stream.finish();
-        if !rest.is_empty() {
-            on_text(&rest);
-            text.push_str(&rest);
+        if self.interrupt.swap(false, Ordering::SeqCst) {
+            run.stop = Some(StopReason::Interrupted);
+            return None;
         }
-        stats.generated_tokens = tokens.len();
-        stats.decode = decode_start.elapsed();
-        Ok(GenerationOutput { tokens, text, stop, stats })
+        let result = self.next_token(run);
+        if result.is_err() {
+            // Nothing more comes of a failed step.
+            run.stop = Some(StopReason::Failed);
+        }
+        match result {
+            Ok(None) => None,
+            Ok(Some(token)) => Some(Ok(token)),
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    fn next_token(&mut self, run: &mut Run) -> Result<Option<Token>, Error> {
+        let step = run.tokens.len();
+        let vocab = self.model.config().vocab_size;
+        let draws = run.sampler.draws(1);
+        let mut token = None;
+        if run.graph && run.input.len() == 1 {
+            match self.graph_step(&run.input, &draws, &run.sampler, &mut run.stats) {
+                Ok(t) => token = Some(t),
+                Err(e) if run.cuda_graph == CudaGraph::On => return Err(e.into()),
+                Err(e) => {
+                    // Auto: eager from here on (a failed recording ran nothing: the cache is as
+                    // it was).
+                    run.graph = false;
+                    self.note_graph_off(&e);
+                }
+            }
+        }
+        let token = match token {
+            Some(t) => {
+                self.context.extend_from_slice(&run.input);
+                t
+            }
+            None => {
+                let device = self.model.device();
+                let mut cache = self.take_cache(run.capacity)?;
+                let logits = prefill(&self.model, &mut cache, &run.input, run.prefill_chunk, &device);
+                self.cache = Some(cache);
+                let logits = logits?;
+                self.context.extend_from_slice(&run.input);
+                let ids = run.sampler.sample_with_draws(logits, &self.context, &draws)?;
+                let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
+                let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
+                let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
+                *ids.first().ok_or_else(|| read("no id came back".into()))?
+            }
+        };
+        if token < 0 || token as usize >= vocab {
+            return Err(Error::NonFiniteLogits { step });
+        }
+        let token = token as u32;
+        if step == 0 {
+            run.stats.prefill = run.start.elapsed();
+            run.stats.time_to_first_token = run.start.elapsed();
+            run.stats.gemm_tuning = burn_gemma_kernels::gemm::tune::summary().time.saturating_sub(run.tuning_before);
+            run.decode_start = Instant::now();
+        }
+        run.tokens.push(token);
+        if run.stops.contains(&token) {
+            self.context.push(token);
+            run.stop = Some(StopReason::StopToken(token));
+            return Ok(None);
+        }
+        let text = run.utf8.push(self.tokenizer.token_bytes(token));
+        run.text.push_str(&text);
+        if run.tokens.len() >= run.max_new_tokens {
+            self.context.push(token);
+            run.stop = Some(StopReason::MaxTokens);
+        } else if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
+            self.context.push(token);
+            run.stop = Some(StopReason::ContextFull);
+        } else {
+            run.input = vec![token];
+        }
+        Ok(Some(Token { id: token, text }))
     }
 
     /// Whether decode steps replay a CUDA graph in `mode` with this sampler: `On` where it
@@ -474,17 +623,21 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(ids.first().map_or(-1, |&t| i64::from(t)))
     }
 
-    /// Remembers why decoding stays eager, and says it once on stderr unless the backend simply
-    /// is not CUDA.
+    /// Remembers why decoding stays eager (see [`Generator::eager_reason`]).
     fn note_graph_off(&mut self, e: &ModelError) {
         self.graphs = None;
-        if !matches!(e, ModelError::Graph(GraphError::NotCuda(_))) {
-            eprintln!("burn-gemma: decoding eagerly, the CUDA graph failed: {e}");
-        }
-        self.graph_off = Some(e.to_string());
+        self.graph_off = Some(match e {
+            ModelError::Graph(GraphError::NotCuda(_)) => EagerReason::NotCuda,
+            other => EagerReason::GraphFailed(other.to_string()),
+        });
     }
 
-    /// Makes sure the cache can hold `capacity` positions, keeping the current context.
+    /// Why decode steps run eagerly under [`CudaGraph::Auto`] (`None` while graphs are used or
+    /// not yet tried).
+    pub fn eager_reason(&self) -> Option<&EagerReason> {
+        self.graph_off.as_ref()
+    }
+
     /// The cache, taken out of the generator (put it back after use), reallocated first where it
     /// holds fewer than `capacity` positions.
     fn take_cache(&mut self, capacity: usize) -> Result<KvCache<B>, Error> {

@@ -25,15 +25,21 @@ mod error;
 pub mod fetch;
 pub mod generation;
 pub mod gguf;
+mod load_options;
 pub mod loader;
 pub mod safetensors;
 pub mod sampling;
 pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
-pub use burn_gemma_model::{CudaGraph, Gemma, GemmaConfig, KvCache, KvFormat, ModelError, WeightFormat};
-pub use error::Error;
-pub use generation::{GenerationConfig, GenerationOutput, Generator, StopReason, DEFAULT_PREFILL_CHUNK};
-pub use loader::{Checkpoint, LoadReport};
+pub use burn_gemma_model::{
+    CudaGraph, Gemma, GemmaConfig, KvCache, KvFormat, ModelError, ModelOptions, WeightFormat, WeightSource,
+};
+pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
+pub use generation::{
+    EagerReason, GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
+};
+pub use load_options::{LoadOptions, LoadProgress};
+pub use loader::{Checkpoint, LoadReport, Loaded};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};

@@ -2,17 +2,17 @@
 //! sharded) or a GGUF file, as a [`WeightSource`] for the model and a [`Tokenizer`].
 
 use crate::{
+    error::TokenizerError,
     gguf::{GgufFile, Value},
     safetensors::{Dtype, SafetensorsFile},
-    error::TokenizerError,
-    Error, Tokenizer,
+    Error, LoadOptions, LoadProgress, Tokenizer,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
 use burn_gemma_model::{
     config::{default_layer_types, NormScale},
     weights::{quantize, row_chunks, WeightKind},
-    Architecture, Gemma, GemmaConfig, LayerType, ModelError, MoeConfig, RopeConfig, WeightFormat, WeightSource,
+    Architecture, Gemma, GemmaConfig, LayerType, ModelError, MoeConfig, RopeConfig, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -29,6 +29,20 @@ pub struct Checkpoint {
 enum Format {
     Hf { shards: Vec<SafetensorsFile>, index: HashMap<String, usize> },
     Gguf(Box<GgufFile>),
+}
+
+/// A loaded model and what loading left aside.
+#[derive(Debug)]
+pub struct Loaded<B: GemmaBackend> {
+    pub model: Gemma<B>,
+    pub report: LoadReport,
+}
+
+impl<B: GemmaBackend> Loaded<B> {
+    /// The model and the report, apart.
+    pub fn into_parts(self) -> (Gemma<B>, LoadReport) {
+        (self.model, self.report)
+    }
 }
 
 /// What loading left aside.
@@ -142,30 +156,19 @@ impl Checkpoint {
         2 + per_layer_tables + layers
     }
 
-    /// Loads the model onto `device` with dense weights in `dtype`, calling
-    /// `progress(done, total)` per tensor.
-    pub fn load_model<B: GemmaBackend>(
-        &self,
-        dtype: DType,
-        device: &B::Device,
-        progress: impl FnMut(usize, usize) + Send,
-    ) -> Result<(Gemma<B>, LoadReport), Error> {
-        self.load_model_as(dtype, WeightFormat::Dense, device, progress)
-    }
-
-    /// Loads the model with its matrices in `format` (activations and dense weights in
-    /// `dtype`), calling `progress(done, total)` per tensor.
-    pub fn load_model_as<B: GemmaBackend>(
-        &self,
-        dtype: DType,
-        format: WeightFormat,
-        device: &B::Device,
-        mut progress: impl FnMut(usize, usize) + Send,
-    ) -> Result<(Gemma<B>, LoadReport), Error> {
-        crate::backends::check_dtype::<B>(device, dtype)?;
+    /// Loads the model as `options` say (device, dtype, weight and KV-cache formats, progress;
+    /// see [`LoadOptions`] for the defaults).
+    pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Loaded<B>, Error> {
+        let (options, device, mut progress) = options.into_parts();
+        crate::backends::check_dtype::<B>(&device, options.dtype)?;
         let total = self.tensors_to_load();
-        let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut progress, total };
-        let model = Gemma::load_as(self.config.clone(), &mut source, dtype, format, device)?;
+        let mut report = |loaded: usize, total: usize| {
+            if let Some(progress) = progress.as_mut() {
+                progress(LoadProgress { loaded, total });
+            }
+        };
+        let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut report, total };
+        let model = Gemma::load(self.config.clone(), &mut source, &options, &device)?;
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
@@ -174,7 +177,7 @@ impl Checkpoint {
         // Gemma 4's `rope_freqs` is read into the config (the share of rotating pairs).
         unused.retain(|n| n != "rope_freqs.weight");
         unused.sort();
-        Ok((model, LoadReport { unused_tensors: unused }))
+        Ok(Loaded { model, report: LoadReport { unused_tensors: unused } })
     }
 
     /// The tokenizer: `tokenizer.json` beside HF weights, or the GGUF's embedded vocabulary.
@@ -562,7 +565,8 @@ fn gemma4_config_from_gguf(
         Some(tokens) => tokens.len(),
         None => file.tensors().get("token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0),
     };
-    let vocab_size_per_layer_input = file.tensors().get("per_layer_token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0);
+    let vocab_size_per_layer_input =
+        file.tensors().get("per_layer_token_embd.weight").and_then(|t| t.shape().first().copied()).unwrap_or(0);
     // Full layers with keys of their own but no `attn_v`: their values are the keys.
     let first_shared = num_hidden_layers.saturating_sub(shared);
     let attention_k_eq_v = layer_types.iter().take(first_shared).enumerate().any(|(i, t)| {
@@ -683,10 +687,11 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
     let vocab = tokens.len();
     let bos = match meta(file, "tokenizer.ggml.bos_token_id").and_then(Value::as_u64) {
         None => 2,
-        Some(id) => u32::try_from(id)
-            .ok()
-            .filter(|&id| (id as usize) < vocab)
-            .ok_or(TokenizerError::TokenId { key: "tokenizer.ggml.bos_token_id", value: id, vocab })?,
+        Some(id) => u32::try_from(id).ok().filter(|&id| (id as usize) < vocab).ok_or(TokenizerError::TokenId {
+            key: "tokenizer.ggml.bos_token_id",
+            value: id,
+            vocab,
+        })?,
     };
     Tokenizer::from_vocab(tokens, scores, types, bos)
 }

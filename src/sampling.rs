@@ -349,7 +349,7 @@ mod tests {
         for _ in 0..10 {
             let t = Tensor::<NdArray, 2>::from_data(TensorData::new(logits.clone(), [1, 300]), &Default::default());
             let on_device: Vec<i64> =
-                device.sample_on_device(t, &history).into_data().convert::<i64>().to_vec().unwrap();
+                device.sample_on_device(t, &history).unwrap().into_data().convert::<i64>().to_vec().unwrap();
             assert_eq!(on_device, vec![host.sample(&mut logits.clone(), &history) as i64]);
         }
     }

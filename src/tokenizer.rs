@@ -96,8 +96,12 @@ impl Tokenizer {
     /// Builds the tokenizer from GGUF vocabulary arrays.
     pub fn from_vocab(tokens: Vec<String>, scores: Vec<f32>, types: Vec<i32>, bos: u32) -> Result<Self, Error> {
         if tokens.is_empty() || tokens.len() != scores.len() || tokens.len() != types.len() {
-            return Err(TokenizerError::VocabularyArrays { tokens: tokens.len(), scores: scores.len(), types: types.len() }
-                .into());
+            return Err(TokenizerError::VocabularyArrays {
+                tokens: tokens.len(),
+                scores: scores.len(),
+                types: types.len(),
+            }
+            .into());
         }
         let mut pieces = HashMap::with_capacity(tokens.len());
         let mut specials: HashMap<char, Vec<(String, u32)>> = HashMap::new();
@@ -275,8 +279,7 @@ impl Spm {
                 Some(&id) => out.push(id),
                 None => {
                     for b in piece.as_bytes() {
-                        let id = self.byte_tokens[*b as usize]
-                            .ok_or(TokenizerError::NoByteFallback(*b))?;
+                        let id = self.byte_tokens[*b as usize].ok_or(TokenizerError::NoByteFallback(*b))?;
                         out.push(id);
                     }
                 }

@@ -43,7 +43,15 @@ fn open_err(path: &std::path::Path) -> String {
 
 fn load_err(path: &std::path::Path) -> String {
     let checkpoint = Checkpoint::open(path).unwrap_or_else(|e| panic!("open: {e}"));
-    match checkpoint.load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}) {
+    match checkpoint
+        .load(
+            burn_gemma::LoadOptions::<NdArray>::new()
+                .device(Default::default())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+    {
         Ok(_) => panic!("{} loaded but should have failed", path.display()),
         Err(e) => e.to_string(),
     }
@@ -133,8 +141,16 @@ fn checkpoint_content_errors() {
     let mut data = bytes[8 + n..].to_vec();
     data.extend_from_slice(&[0u8; 16]);
     let dir = hf_dir("extra2", &safetensors_bytes(&serde_json::Value::Object(header).to_string(), &data));
-    let (_, report) =
-        Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+    let (_, report) = Checkpoint::open(&dir)
+        .unwrap()
+        .load(
+            burn_gemma::LoadOptions::<NdArray>::new()
+                .device(Default::default())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .unwrap();
     assert_eq!(report.unused_tensors, vec!["vision_tower.extra.weight".to_string()]);
 }
 
@@ -374,8 +390,16 @@ fn sharded_checkpoint_loads_like_the_single_file() {
         .unwrap();
 
     let logits = |path: &std::path::Path| {
-        let (model, report) =
-            Checkpoint::open(path).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+        let (model, report) = Checkpoint::open(path)
+            .unwrap()
+            .load(
+                burn_gemma::LoadOptions::<NdArray>::new()
+                    .device(Default::default())
+                    .dtype(DType::F32)
+                    .weights(burn_gemma::WeightFormat::Dense),
+            )
+            .map(burn_gemma::Loaded::into_parts)
+            .unwrap();
         assert!(report.unused_tensors.is_empty());
         let mut cache = model.new_cache(1, 4).unwrap();
         let ids = burn::tensor::Tensor::<NdArray, 2, burn::tensor::Int>::from_data(

@@ -10,7 +10,7 @@ mod common;
 use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Checkpoint, Gemma, GemmaConfig, KvFormat, WeightFormat};
+use burn_gemma::{Checkpoint, Gemma, GemmaConfig, KvFormat, LoadOptions, ModelOptions, WeightFormat};
 use burn_gemma_kernels::graph::GraphError;
 use burn_gemma_kernels::{Draws, GemmaBackend, QuantFormat, SamplingParams};
 use burn_gemma_model::{DecodeGraphs, ModelError, RandomWeights};
@@ -57,7 +57,7 @@ fn compare(
     let randomness = draws(steps + 1, 99);
     let prefill = |cache: &mut _| {
         let logits = model.forward_last(token_tensor::<B>(prompt, &d), cache).unwrap();
-        first(B::sample(logits, &sampling, Draws::Host(&randomness[..1])))
+        first(B::sample(logits, &sampling, Draws::Host(&randomness[..1])).unwrap())
     };
     let start = prefill(&mut eager);
     assert_eq!(start, prefill(&mut graphed), "{what}: prefill");
@@ -68,7 +68,7 @@ fn compare(
     for step in 0..steps {
         let u = &randomness[step + 1..step + 2];
         let logits = model.forward_last(token_tensor::<B>(&[e], &d), &mut eager).unwrap();
-        e = first(B::sample(logits.clone(), &sampling, Draws::Host(u)));
+        e = first(B::sample(logits.clone(), &sampling, Draws::Host(u)).unwrap());
         g = graphs.step(model, &mut graphed, &[g], u).unwrap_or_else(|err| panic!("{what}: step {step}: {err}"))[0];
         let expected = logits.into_data().to_vec::<f32>().unwrap();
         let got = graphs.last_logits().unwrap().cast(DType::F32).into_data().to_vec::<f32>().unwrap();
@@ -87,6 +87,14 @@ fn compare(
         g = graphs.step(model, &mut graphed, &[g], u).unwrap()[0];
         assert_eq!(g, want, "{what}: token {step} after a cache reset");
     }
+    // The recorded steps write `graphed`'s buffers: another cache of the same shape is refused,
+    // and `graphed` itself is left as it was.
+    let before = graphed.len();
+    match graphs.step(model, &mut eager, &[g], &randomness[..1]) {
+        Err(ModelError::InvalidInput(message)) => assert!(message.contains("recorded with KV cache"), "{message}"),
+        other => panic!("{what}: a graph stepped another cache: {:?}", other.map(|_| ())),
+    }
+    assert_eq!(graphed.len(), before);
     let setup = graphs.setup();
     println!(
         "{what}: {steps} steps equal, logits max diff {worst:.2e}; {} recording(s), {} launches per step, {:.0} ms",
@@ -104,15 +112,16 @@ fn tiny_models_graph_equals_eager() {
     let sampled = SamplingParams { temperature: 0.9, top_k: Some(40), top_p: Some(0.95), min_p: None };
     for name in ["gemma1", "gemma2", "gemma3", "gemma3-bf16"] {
         let dir = common::fixtures().join("tiny-gemma").join(name);
-        let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &d, |_, _| {}).unwrap();
+        let checkpoint = Checkpoint::open(&dir).unwrap();
+        let options = || LoadOptions::<B>::new().device(d.clone()).dtype(DType::F32).weights(WeightFormat::Dense);
+        let model = checkpoint.load(options()).unwrap().model;
         let prompt: Vec<u32> = (1..12).collect();
         // The tiny Gemma 3 has an 8-position window: 60 steps wrap its rings many times.
         compare(&model, &prompt, 60, greedy, 1e-4, &format!("{name} greedy"));
         compare(&model, &prompt, 40, sampled, 1e-4, &format!("{name} sampled"));
         // int8 KV with a 16-wide head: the decode kernel needs whole code words per lane, so
         // the step cannot be recorded; it says so and leaves the cache as it was.
-        let mut int8 = model;
-        int8.kv_cache = KvFormat::Int8;
+        let int8 = checkpoint.load(options().kv_cache(KvFormat::Int8)).unwrap().model;
         let mut cache = int8.new_cache(1, 64).unwrap();
         int8.forward_last(token_tensor::<B>(&prompt, &d), &mut cache).unwrap();
         let mut graphs = DecodeGraphs::<B>::new(greedy, 1, 64);
@@ -138,11 +147,14 @@ fn random_1b_graph_equals_eager() {
         ("q4", WeightFormat::Quantized(QuantFormat::Q4)),
     ];
     for (name, format) in formats {
-        let mut model =
-            Gemma::<B>::load_as(config.clone(), &mut RandomWeights::new(3), DType::BF16, format, &d).unwrap();
+        let load = |kv_cache| {
+            let options = ModelOptions { dtype: DType::BF16, weights: format, kv_cache };
+            Gemma::<B>::load(config.clone(), &mut RandomWeights::new(3), &options, &d).unwrap()
+        };
         // 500 + 30 crosses the 512-position bucket and wraps the 512-position sliding window.
+        let model = load(None);
         compare(&model, &prompt, 30, SamplingParams::GREEDY, BF16_STEP, &format!("1B {name} bf16 KV"));
-        model.kv_cache = KvFormat::Int8;
+        let model = load(Some(KvFormat::Int8));
         compare(&model, &prompt, 30, SamplingParams::GREEDY, BF16_STEP, &format!("1B {name} int8 KV"));
     }
 }
@@ -157,7 +169,8 @@ fn gemma4_graph_equals_eager_or_says_why() {
     let prompt: Vec<u32> = (1..12).collect();
     let open = |name: &str| {
         let dir = common::fixtures().join("tiny-gemma").join(name);
-        Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &d, |_, _| {}).unwrap().0
+        let options = LoadOptions::<B>::new().device(d.clone()).dtype(DType::F32).weights(WeightFormat::Dense);
+        Checkpoint::open(&dir).unwrap().load(options).unwrap().model
     };
     for name in ["gemma4-dense", "gemma4-e"] {
         compare(&open(name), &prompt, 60, SamplingParams::GREEDY, 1e-4, &format!("{name} greedy"));

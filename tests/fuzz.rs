@@ -480,8 +480,15 @@ impl Seeds {
         // The unmutated GGUF must load, or every GGUF case would test nothing.
         std::fs::write(dir.join("model.gguf"), &gguf).unwrap();
         let checkpoint = Checkpoint::open(dir.join("model.gguf")).expect("the seed GGUF opens");
-        let (model, _) =
-            checkpoint.load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).expect("the seed GGUF loads");
+        let (model, _) = checkpoint
+            .load(
+                burn_gemma::LoadOptions::<NdArray>::new()
+                    .device(Default::default())
+                    .dtype(DType::F32)
+                    .weights(burn_gemma::WeightFormat::Dense),
+            )
+            .map(burn_gemma::Loaded::into_parts)
+            .expect("the seed GGUF loads");
         let generator = Generator::new(model, checkpoint.tokenizer().expect("the seed GGUF's tokenizer")).unwrap();
         Self { dir, gguf, gguf_header, safetensors, config, tokenizer: tokenizer_json(), generator }
     }
@@ -490,7 +497,14 @@ impl Seeds {
 /// Opens `path`, loads the model, and runs two tokens through it.
 fn load_and_run(path: &Path) -> Result<Outcome, burn_gemma::Error> {
     let checkpoint = Checkpoint::open(path)?;
-    let (model, _) = checkpoint.load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {})?;
+    let (model, _) = checkpoint
+        .load(
+            burn_gemma::LoadOptions::<NdArray>::new()
+                .device(Default::default())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)?;
     let device = Default::default();
     let mut cache = model.new_cache(1, 4)?;
     let logits = model.forward_last(token_tensor::<NdArray>(&[2, 7], &device), &mut cache)?;

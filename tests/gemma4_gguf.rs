@@ -226,8 +226,16 @@ fn write_gguf(name: &str) -> PathBuf {
 /// Logits of `input` through the checkpoint at `path`, and its config.
 fn logits(path: &Path, input: &[u32]) -> (Vec<f32>, burn_gemma::GemmaConfig) {
     let checkpoint = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let device = Default::default();
-    let (model, report) = checkpoint.load_model::<NdArray>(DType::F32, &device, |_, _| {}).expect("load");
+    let device: burn::backend::ndarray::NdArrayDevice = Default::default();
+    let (model, report) = checkpoint
+        .load(
+            burn_gemma::LoadOptions::<NdArray>::new()
+                .device(device.clone())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .expect("load");
     assert!(report.unused_tensors.is_empty(), "{}: unused {:?}", path.display(), report.unused_tensors);
     let mut cache = model.new_cache(1, input.len()).unwrap();
     let logits = model.forward(token_tensor::<NdArray>(input, &device), &mut cache).unwrap();

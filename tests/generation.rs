@@ -5,14 +5,23 @@ mod common;
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 use burn_gemma::{
-    backends::NdArray, Checkpoint, Error, Gemma, GemmaBackend, GenerationConfig, Generator, SamplingConfig, StopReason,
+    backends::NdArray, Checkpoint, Error, Gemma, GemmaBackend, GenerationConfig, Generator, ModelOptions, RequestError,
+    SamplingConfig, StopReason,
 };
 use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
 
 fn tiny_generator() -> Generator<NdArray> {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
-    let (model, _) =
-        Checkpoint::open(&dir).unwrap().load_model::<NdArray>(DType::F32, &Default::default(), |_, _| {}).unwrap();
+    let (model, _) = Checkpoint::open(&dir)
+        .unwrap()
+        .load(
+            burn_gemma::LoadOptions::<NdArray>::new()
+                .device(Default::default())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .unwrap();
     Generator::new(model, common::tiny_tokenizer()).unwrap()
 }
 
@@ -104,9 +113,9 @@ fn chat_keeps_history_and_checks_context() {
     let too_long = GenerationConfig { max_new_tokens: 300, ..Default::default() };
     let err = g.generate("hello", &too_long, |_| {}).unwrap_err().to_string();
     assert!(err.contains("300") && err.contains("256"), "{err}");
-    assert!(matches!(g.generate("", &config, |_| {}), Err(Error::Request(_))));
+    assert!(matches!(g.generate("", &config, |_| {}), Err(Error::Request(RequestError::EmptyPrompt))));
     let zero = GenerationConfig { max_new_tokens: 0, ..Default::default() };
-    assert!(g.generate("hi", &zero, |_| {}).unwrap_err().to_string().contains("max new tokens"));
+    assert!(matches!(g.generate("hi", &zero, |_| {}), Err(Error::Request(RequestError::NoNewTokens))));
 }
 
 /// Where [`PoisonedWeights`] puts a NaN.
@@ -164,6 +173,42 @@ impl<B: Backend> WeightSource<B> for PoisonedWeights {
     }
 }
 
+/// The token iterator yields what `generate` returns, token by token; dropping it part way
+/// leaves the generator usable (the next request starts from a reset context as usual).
+#[test]
+fn token_stream_yields_what_generate_returns() {
+    let mut g = tiny_generator();
+    let config = GenerationConfig { max_new_tokens: 12, stop_tokens: vec![], ..Default::default() };
+    let whole = g.generate("hello", &config, |_| {}).unwrap();
+    let mut stream = g.generate_stream("hello", &config).unwrap();
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    for token in &mut stream {
+        let token = token.unwrap();
+        ids.push(token.id);
+        text.push_str(&token.text);
+    }
+    let out = stream.finish();
+    assert_eq!(out.tokens, whole.tokens);
+    assert_eq!(out.text, whole.text);
+    assert_eq!(out.stop, whole.stop);
+    // Stop tokens end the stream without being yielded.
+    let yielded = match whole.stop {
+        StopReason::StopToken(_) => &whole.tokens[..whole.tokens.len() - 1],
+        _ => &whole.tokens[..],
+    };
+    assert_eq!(ids, yielded);
+    assert!(whole.text.starts_with(&text), "{text:?} vs {:?}", whole.text);
+
+    let mut partial = g.generate_stream("hello", &config).unwrap();
+    let first: Vec<u32> = partial.by_ref().take(3).map(|t| t.unwrap().id).collect();
+    drop(partial);
+    assert_eq!(first, whole.tokens[..3]);
+    assert_eq!(g.generate("hello", &config, |_| {}).unwrap().tokens, whole.tokens);
+    // A chat turn streamed after a dropped stream continues the conversation it left.
+    let turn: Vec<u32> = g.chat_stream("hi", &config).unwrap().map(|t| t.unwrap().id).collect();
+    assert!(!turn.is_empty());
+}
+
 #[test]
 fn non_finite_logits_stop_with_the_step() {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
@@ -171,7 +216,7 @@ fn non_finite_logits_stop_with_the_step() {
     let model = Gemma::<NdArray>::load(
         config,
         &mut PoisonedWeights { weights: RandomWeights::new(1), poison: Poison::FinalNorm },
-        DType::F32,
+        &ModelOptions::dense(DType::F32),
         &Default::default(),
     )
     .unwrap();
@@ -186,7 +231,7 @@ fn nan_mid_decode<B: GemmaBackend>(device: B::Device) {
     let config = Checkpoint::open(&dir).unwrap().config().clone();
     let generator = |poison| {
         let mut source = PoisonedWeights { weights: RandomWeights::new(5), poison };
-        let model = Gemma::<B>::load(config.clone(), &mut source, DType::F32, &device).unwrap();
+        let model = Gemma::<B>::load(config.clone(), &mut source, &ModelOptions::dense(DType::F32), &device).unwrap();
         Generator::new(model, common::tiny_tokenizer()).unwrap()
     };
     let greedy = GenerationConfig { max_new_tokens: 12, stop_tokens: vec![], ..Default::default() };
@@ -252,7 +297,16 @@ fn cuda_graph_generation_equals_eager() {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let device = burn::backend::cuda::CudaDevice::new(0);
     let generator = || {
-        let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<Cuda>(DType::F32, &device, |_, _| {}).unwrap();
+        let (model, _) = Checkpoint::open(&dir)
+            .unwrap()
+            .load(
+                burn_gemma::LoadOptions::<Cuda>::new()
+                    .device(device.clone())
+                    .dtype(DType::F32)
+                    .weights(burn_gemma::WeightFormat::Dense),
+            )
+            .map(burn_gemma::Loaded::into_parts)
+            .unwrap();
         Generator::new(model, common::tiny_tokenizer()).unwrap()
     };
     let (mut on, mut off) = (generator(), generator());

@@ -29,7 +29,10 @@ struct Loaded<B: GemmaBackend> {
 fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Loaded<B> {
     let path = common::real_model();
     let checkpoint = Checkpoint::open(&path).expect("open GGUF");
-    let (model, _) = checkpoint.load_model_as::<B>(DType::F32, format, device, |_, _| {}).expect("load model");
+    let (model, _) = checkpoint
+        .load(burn_gemma::LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32).weights(format))
+        .map(burn_gemma::Loaded::into_parts)
+        .expect("load model");
     let reference = common::read_json(common::fixtures().join("gemma3-270m-reference.json"));
     Loaded { model, reference }
 }
@@ -49,7 +52,7 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         // Teacher forced: one pass over prompt + greedy[:-1].
         let mut cache = loaded.model.new_cache(1, sequence.len()).unwrap();
         let logits = loaded.model.forward(token_tensor::<B>(&sequence, device), &mut cache).unwrap();
-        let vocab = loaded.model.config.vocab_size;
+        let vocab = loaded.model.config().vocab_size;
         let logits = logits.into_data().to_vec::<f32>().unwrap();
         assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
         let top_ids = case["top_ids"].as_array().unwrap();

@@ -52,7 +52,16 @@ fn sampling(rng: &mut Rng, invalid: bool) -> SamplingConfig {
 
 fn soak<B: GemmaBackend>(device: B::Device) {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
-    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &device, |_, _| {}).unwrap();
+    let (model, _) = Checkpoint::open(&dir)
+        .unwrap()
+        .load(
+            burn_gemma::LoadOptions::<B>::new()
+                .device(device.clone())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .unwrap();
     let mut generator = Generator::new(model, common::tiny_tokenizer()).unwrap();
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(3, |d| d.as_nanos() as u64);
     println!("soak seed {seed}");
@@ -115,7 +124,16 @@ fn thousand_generations_on_wgpu() {
 fn device_faults<B: GemmaBackend>(device: B::Device) {
     use burn_gemma::ModelError;
     let dir = common::fixtures().join("tiny-gemma/gemma3");
-    let (model, _) = Checkpoint::open(&dir).unwrap().load_model::<B>(DType::F32, &device, |_, _| {}).unwrap();
+    let (model, _) = Checkpoint::open(&dir)
+        .unwrap()
+        .load(
+            burn_gemma::LoadOptions::<B>::new()
+                .device(device.clone())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .unwrap();
     let reserved = B::memory_reserved(&device);
     // 2^40 positions: 128 TiB of keys for the tiny model's one full-attention layer.
     match model.new_cache(1, 1 << 40) {
@@ -131,7 +149,7 @@ fn device_faults<B: GemmaBackend>(device: B::Device) {
     assert!(out.is_ok_and(|o| !o.tokens.is_empty()), "generation after the refused cache");
     let too_long = GenerationConfig { max_new_tokens: generator.max_context(), ..Default::default() };
     let err = generator.generate("hello", &too_long, |_| {}).unwrap_err();
-    assert!(matches!(&err, Error::Request(m) if m.contains("exceeds the model's context")), "{err}");
+    assert!(matches!(&err, Error::Request(burn_gemma::RequestError::ContextOverflow { .. })), "{err}");
 }
 
 #[test]

@@ -4,7 +4,7 @@ mod common;
 
 use burn::tensor::DType;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Checkpoint, GemmaBackend};
+use burn_gemma::{backends::NdArray, Checkpoint, GemmaBackend, KvFormat, LoadOptions, QuantFormat, WeightFormat};
 
 struct Case {
     name: &'static str,
@@ -37,7 +37,15 @@ fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Dev
     let dir = common::fixtures().join("tiny-gemma").join(case.name);
     let reference = common::read_json(dir.join("reference.json"));
     let checkpoint = Checkpoint::open(&dir).expect("open checkpoint");
-    let (model, report) = checkpoint.load_model::<B>(DType::F32, device, |_, _| {}).expect("load");
+    let (model, report) = checkpoint
+        .load(
+            burn_gemma::LoadOptions::<B>::new()
+                .device(device.clone())
+                .dtype(DType::F32)
+                .weights(burn_gemma::WeightFormat::Dense),
+        )
+        .map(burn_gemma::Loaded::into_parts)
+        .expect("load");
     assert!(report.unused_tensors.is_empty(), "unused: {:?}", report.unused_tensors);
 
     let input = common::ids(&reference["input_ids"]);
@@ -127,7 +135,13 @@ fn gemma4_decode_path_matches_reference_on_cuda() {
         let reference = common::read_json(dir.join("reference.json"));
         let (model, _) = Checkpoint::open(&dir)
             .unwrap()
-            .load_model::<burn_gemma::backends::Cuda>(DType::F32, &device, |_, _| {})
+            .load(
+                burn_gemma::LoadOptions::<burn_gemma::backends::Cuda>::new()
+                    .device(device.clone())
+                    .dtype(DType::F32)
+                    .weights(burn_gemma::WeightFormat::Dense),
+            )
+            .map(burn_gemma::Loaded::into_parts)
             .unwrap();
         let input = common::ids(&reference["input_ids"]);
         let mut cache = model.new_cache(1, input.len()).unwrap();
@@ -259,137 +273,240 @@ fn random_gemma3_1b_matches_cpu_on_cuda() {
     }
 }
 
-const MAX_REL_Q8: f32 = 0.1;
-const MAX_FLIPS_Q8: f32 = 0.1;
-const MAX_REL_INT8_KV: f32 = 0.1;
-const MAX_FLIPS_INT8_KV: f32 = 0.1;
-const MAX_REL_Q4: f32 = 1.0;
-const MAX_FLIPS_Q4: f32 = 0.75;
+/// The fixtures the quantized kernels are checked on: every architecture, and a second set of
+/// the Gemma 3 and 4 shapes with other random weights (`tiny-gemma-seed8`, made by
+/// `scripts/make_fixtures.py new`).
+const QUANT_FIXTURES: [&str; 10] = [
+    "tiny-gemma/gemma1",
+    "tiny-gemma/gemma2",
+    "tiny-gemma/gemma3",
+    "tiny-gemma/gemma4-e",
+    "tiny-gemma/gemma4-dense",
+    "tiny-gemma/gemma4-moe",
+    "tiny-gemma-seed8/gemma3",
+    "tiny-gemma-seed8/gemma4-e",
+    "tiny-gemma-seed8/gemma4-dense",
+    "tiny-gemma-seed8/gemma4-moe",
+];
 
-/// Teacher-forced logits of the fixture input, one token at a time (the decode kernels and the
-/// KV cache at every step), with matrices in `weights` and the cache in `kv`.
-fn decode_logits<B: GemmaBackend>(
-    name: &str,
-    weights: burn_gemma::WeightFormat,
-    kv: burn_gemma::KvFormat,
+/// The quantized kernels against their quantization-aware reference: the largest logit
+/// difference over the logit scale, at every position.
+const MAX_REL_TO_REFERENCE: f32 = 1e-3;
+
+/// A weight and KV format under test, and its reference: the same model in f32 with every
+/// matrix the quantized load quantizes replaced by its dequantized values
+/// ([`WeightFormat::Dequantized`]) and the int8 cache rounded as the int8 store rounds it (the
+/// plain-Burn int8 store on NdArray, [`burn_gemma_kernels::kv::int8::store_reference`]).
+#[derive(Debug, Clone, Copy)]
+struct QuantVariant {
+    weights: WeightFormat,
+    kv: KvFormat,
+}
+
+impl QuantVariant {
+    const ALL: [QuantVariant; 4] = [
+        QuantVariant { weights: WeightFormat::Quantized(QuantFormat::Q8), kv: KvFormat::Dense(DType::F32) },
+        QuantVariant { weights: WeightFormat::Dense, kv: KvFormat::Int8 },
+        QuantVariant { weights: WeightFormat::Quantized(QuantFormat::Q8), kv: KvFormat::Int8 },
+        QuantVariant { weights: WeightFormat::Quantized(QuantFormat::Q4), kv: KvFormat::Int8 },
+    ];
+
+    fn reference_weights(self) -> WeightFormat {
+        match self.weights {
+            WeightFormat::Quantized(q) => WeightFormat::Dequantized(q),
+            other => other,
+        }
+    }
+}
+
+/// How a model is run over a fixture's 40 input ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// One forward pass over all of them (prefill products and attention).
+    Prompt,
+    /// One token per step through the KV cache (the decode kernels).
+    Decode,
+}
+
+/// The logits of every position of `fixture`'s input, loaded with `weights` and `kv`.
+fn fixture_logits<B: GemmaBackend>(
+    fixture: &str,
+    weights: WeightFormat,
+    kv: KvFormat,
+    pass: Pass,
     device: &B::Device,
 ) -> Vec<Vec<f32>> {
-    let dir = common::fixtures().join("tiny-gemma").join(name);
+    let dir = common::fixtures().join(fixture);
     let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
-    let (mut model, _) =
-        Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
-    model.kv_cache = kv;
+    let options = LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32).weights(weights).kv_cache(kv);
+    let model = Checkpoint::open(&dir).expect("open").load(options).expect("load").model;
+    let vocab = model.config().vocab_size;
     let mut cache = model.new_cache(1, input.len()).unwrap();
-    input
-        .iter()
-        .map(|&id| {
-            model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap().into_data().to_vec::<f32>().unwrap()
+    let rows = |t: burn::tensor::Tensor<B, 3>| -> Vec<Vec<f32>> {
+        let values = t.into_data().to_vec::<f32>().unwrap();
+        values.chunks(vocab).map(<[f32]>::to_vec).collect()
+    };
+    match pass {
+        Pass::Prompt => rows(model.forward(token_tensor::<B>(&input, device), &mut cache).unwrap()),
+        Pass::Decode => input
+            .iter()
+            .flat_map(|&id| rows(model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap()))
+            .collect(),
+    }
+}
+
+/// Largest `|got - reference|` over the reference's logit scale, per position, worst first.
+fn relative_error(got: &[Vec<f32>], reference: &[Vec<f32>]) -> f32 {
+    assert_eq!(got.len(), reference.len());
+    got.iter()
+        .zip(reference)
+        .map(|(g, r)| {
+            assert!(g.iter().all(|v| v.is_finite()), "non-finite logits");
+            let scale = r.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+            g.iter().zip(r).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale
         })
-        .collect()
+        .fold(0.0, f32::max)
 }
 
-/// Q8 and Q4 weights and the int8 KV cache against the dense f32 run of the same backend, on
-/// every tiny architecture: the largest logit error over the logit scale, and the share of
-/// positions whose top-1 changes (these random tiny models have many near-ties). Every result
-/// is printed before any bound is checked. Q8 and int8 KV bounds are about 2x the largest
-/// measured on NdArray and wgpu (0.051 and 2/40); on random tiny weights Q4's own rounding
-/// dominates (measured up to 0.62 and 21/40 on gemma3), so its bound only catches a broken
-/// path: Q4's accuracy is measured on the real model (BENCHMARKS.md).
-fn quantized_formats_track_dense<B: GemmaBackend>(device: &B::Device) {
-    use burn_gemma::{KvFormat, QuantFormat, WeightFormat};
-    let variants = [
-        (WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Dense(DType::F32), MAX_REL_Q8, MAX_FLIPS_Q8),
-        (WeightFormat::Dense, KvFormat::Int8, MAX_REL_INT8_KV, MAX_FLIPS_INT8_KV),
-        (WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Int8, MAX_REL_Q8, MAX_FLIPS_Q8),
-        (WeightFormat::Quantized(QuantFormat::Q4), KvFormat::Int8, MAX_REL_Q4, MAX_FLIPS_Q4),
-    ];
+/// Mean KL divergence (HF's distribution to ours, nats) and the share of positions whose top-1
+/// is HF's: the plain quantization error, reported as figures.
+fn quantization_error(got: &[Vec<f32>], hf: &serde_json::Value) -> (f64, f64) {
+    let hf: Vec<Vec<f64>> = hf
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect())
+        .collect();
+    let log_softmax = |row: &[f64]| {
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row.iter().map(|v| (v - max).exp()).sum();
+        row.iter().map(|v| v - max - sum.ln()).collect::<Vec<_>>()
+    };
+    let (mut kl, mut agree) = (0.0, 0usize);
+    for (g, h) in got.iter().zip(&hf) {
+        let g: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
+        let (lg, lh) = (log_softmax(&g), log_softmax(h));
+        kl += lh.iter().zip(&lg).map(|(p, q)| p.exp() * (p - q)).sum::<f64>();
+        let argmax = |v: &[f64]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
+        agree += usize::from(argmax(&g) == argmax(h));
+    }
+    (kl / hf.len() as f64, agree as f64 / hf.len() as f64)
+}
+
+/// Why a case is measured and printed but not held to [`MAX_REL_TO_REFERENCE`]; `None` for the
+/// cases that are.
+///
+/// - int8 KV on the Gemma 4 fixtures: the values the int8 store rounds are computed on the
+///   device, where float sums run in another order than the reference's, so now and then a value
+///   within an ulp of a rounding boundary takes the neighbouring code (a step of 1/127 of its
+///   row's largest value); these tiny random models attend with scale 1 over QK-normed heads, so
+///   one such step moves later logits by up to a few percent (measured on wgpu: 6e-4 to 7e-2,
+///   while Q8/Q4 weights with an f32 cache stay within 1.3e-4 on the same fixtures). The int8
+///   store and the attention over its codes are held to their reference in the kernel tests
+///   (`burn_gemma_kernels::kv::int8`), where both round the same inputs.
+/// - Candle's decode products: candle's block dot products quantize the activations too (to
+///   Q8_0/Q8_1 per block of 32, as llama.cpp does), which this reference does not model;
+///   they are held bit for bit to candle's own matmul in `burn_gemma_kernels::quant::ggml::product`.
+///   Its prompt products (16 rows and more) dequantize the blocks and multiply in f32, and are
+///   held here, except on the expert fixtures, where an expert's share of the prompt can be
+///   fewer than 16 rows.
+fn not_held(fixture: &str, variant: QuantVariant, pass: Pass, activations: ActivationRounding) -> Option<&'static str> {
+    let gemma4 = fixture.contains("gemma4");
+    if gemma4 && variant.kv == KvFormat::Int8 {
+        return Some("int8 codes of device-computed values can round the other way (see not_held)");
+    }
+    let quantized = matches!(variant.weights, WeightFormat::Quantized(_));
+    if quantized && activations == ActivationRounding::Q8Blocks && (pass == Pass::Decode || fixture.contains("moe")) {
+        return Some("candle's block products round the activations too (see not_held)");
+    }
+    None
+}
+
+/// Whether a backend's quantized products round their activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ActivationRounding {
+    /// f32 activations times the dequantized weights (the GPU kernels, NdArray).
+    None,
+    /// Activations quantized per block of 32 for products of fewer than 16 rows (Candle).
+    Q8Blocks,
+}
+
+/// Every quantized format on backend `B`, on every fixture and both passes, against its
+/// quantization-aware reference computed on NdArray. Every result is printed before the bound
+/// is checked; the cases [`not_held`] names are printed with the reason.
+fn quantized_kernels_match_their_reference<B: GemmaBackend>(device: &B::Device, activations: ActivationRounding) {
     let mut failures = Vec::new();
-    for name in ["gemma1", "gemma2", "gemma3"] {
-        let dense = decode_logits::<B>(name, WeightFormat::Dense, KvFormat::Dense(DType::F32), device);
-        for (weights, kv, max_rel, max_flips) in variants {
-            let got = decode_logits::<B>(name, weights, kv, device);
-            let (mut worst, mut flips) = (0.0f32, 0usize);
-            for (g, d) in got.iter().zip(&dense) {
-                assert!(g.iter().all(|v| v.is_finite()), "{name} {weights}/{kv}: non-finite logits");
-                let scale = d.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let err = g.iter().zip(d).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                worst = worst.max(err / scale);
-                flips += usize::from(burn_gemma::sampling::argmax(g) != burn_gemma::sampling::argmax(d));
-            }
-            let flip_share = flips as f32 / dense.len() as f32;
-            println!("{name} weights {weights} KV {kv}: max relative logit error {worst:.3e}, top-1 changed at {flips}/{} positions", dense.len());
-            if worst > max_rel || flip_share > max_flips {
-                failures.push(format!("{name} {weights}/{kv}: error {worst:.3e} (bound {max_rel}), top-1 changed at {flips}/{} (bound {max_flips})", dense.len()));
+    let (mut held, mut reported) = (0, 0);
+    for fixture in QUANT_FIXTURES {
+        let hf = common::read_json(common::fixtures().join(fixture).join("reference.json"));
+        for variant in QuantVariant::ALL {
+            for pass in [Pass::Prompt, Pass::Decode] {
+                let reference = fixture_logits::<NdArray>(
+                    fixture,
+                    variant.reference_weights(),
+                    variant.kv,
+                    pass,
+                    &Default::default(),
+                );
+                let got = fixture_logits::<B>(fixture, variant.weights, variant.kv, pass, device);
+                let err = relative_error(&got, &reference);
+                let (kl, top1) = quantization_error(&got, &hf["logits"]);
+                let verdict = match not_held(fixture, variant, pass, activations) {
+                    None => {
+                        held += 1;
+                        if err > MAX_REL_TO_REFERENCE {
+                            failures
+                                .push(format!("{fixture} {} / {} {pass:?}: {err:.3e}", variant.weights, variant.kv));
+                        }
+                        "held"
+                    }
+                    Some(reason) => {
+                        reported += 1;
+                        reason
+                    }
+                };
+                println!(
+                    "{fixture} weights {} KV {} {pass:?}: {err:.2e} of the logit scale from the reference ({verdict}); \
+                     against HF f32: mean KL {kl:.2e}, top-1 {:.1}%",
+                    variant.weights,
+                    variant.kv,
+                    top1 * 100.0
+                );
             }
         }
     }
-    assert!(failures.is_empty(), "{failures:#?}");
+    println!("{held} cases held to {MAX_REL_TO_REFERENCE} of the logit scale, {reported} measured only");
+    assert!(failures.is_empty(), "past {MAX_REL_TO_REFERENCE} of the logit scale: {failures:#?}");
 }
 
 #[test]
-fn quantized_formats_track_dense_on_ndarray() {
-    quantized_formats_track_dense::<burn_gemma::backends::NdArray>(&Default::default());
+fn quantized_kernels_match_their_reference_on_ndarray() {
+    quantized_kernels_match_their_reference::<NdArray>(&Default::default(), ActivationRounding::None);
+}
+
+#[cfg(feature = "candle")]
+#[test]
+fn quantized_kernels_match_their_reference_on_candle() {
+    quantized_kernels_match_their_reference::<burn_gemma::backends::Candle>(
+        &Default::default(),
+        ActivationRounding::Q8Blocks,
+    );
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
-fn quantized_formats_track_dense_on_wgpu() {
-    quantized_formats_track_dense::<burn_gemma::backends::Wgpu>(&Default::default());
-}
-
-/// Greedy tokens of the fixture's greedy prompt with matrices in `weights` and the cache in `kv`.
-fn greedy_ids<B: GemmaBackend>(
-    name: &str,
-    weights: burn_gemma::WeightFormat,
-    kv: burn_gemma::KvFormat,
-    device: &B::Device,
-) -> (Vec<u32>, Vec<u32>) {
-    let dir = common::fixtures().join("tiny-gemma").join(name);
-    let reference = common::read_json(dir.join("reference.json"));
-    let (prompt, want) = (common::ids(&reference["greedy_prompt_ids"]), common::ids(&reference["greedy_ids"]));
-    let (mut model, _) =
-        Checkpoint::open(&dir).expect("open").load_model_as::<B>(DType::F32, weights, device, |_, _| {}).expect("load");
-    model.kv_cache = kv;
-    (greedy(&model, &prompt, want.len(), device), want)
-}
-
-/// Gemma 4's tiny random models attend with scale 1 over QK-normed random heads, so their
-/// attention is near-argmax and small weight or cache errors grow with the positions attended
-/// over. Measured on NdArray against the dense f32 decode: at position 0 (one key) the int8
-/// cache moves logits by 0.9% of their scale and Q8 weights by 2.7% (Gemma 3's fixture: 1.4%
-/// and 3.4%), by positions 6-8 up to 17% and 35%; over 40 positions 0.14-1.3. Greedy decoding
-/// with Q8 weights and the int8 cache keeps the reference's first token on every fixture (the
-/// first 6 of 12 on gemma4-moe), which is what this holds; the kernels themselves are held to
-/// their references, and the dense model to HF's logits.
-const GEMMA4_GREEDY_PREFIX: usize = 1;
-
-fn gemma4_quantized_keep_greedy_prefix<B: GemmaBackend>(device: &B::Device) {
-    use burn_gemma::{KvFormat, QuantFormat, WeightFormat};
-    let mut failures = Vec::new();
-    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe"] {
-        let (got, want) = greedy_ids::<B>(name, WeightFormat::Quantized(QuantFormat::Q8), KvFormat::Int8, device);
-        let kept = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        println!("{name} Q8 weights, int8 KV: first {kept}/{} greedy tokens as the reference", want.len());
-        if kept < GEMMA4_GREEDY_PREFIX {
-            failures.push(format!("{name}: {got:?} vs {want:?}"));
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
-}
-
-#[test]
-fn gemma4_quantized_keep_greedy_prefix_on_ndarray() {
-    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::NdArray>(&Default::default());
-}
-
-#[cfg(feature = "wgpu")]
-#[test]
-fn gemma4_quantized_keep_greedy_prefix_on_wgpu() {
-    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::Wgpu>(&Default::default());
+fn quantized_kernels_match_their_reference_on_wgpu() {
+    quantized_kernels_match_their_reference::<burn_gemma::backends::Wgpu>(
+        &Default::default(),
+        ActivationRounding::None,
+    );
 }
 
 #[cfg(feature = "cuda")]
 #[test]
-fn gemma4_quantized_keep_greedy_prefix_on_cuda() {
-    gemma4_quantized_keep_greedy_prefix::<burn_gemma::backends::Cuda>(&Default::default());
+fn quantized_kernels_match_their_reference_on_cuda() {
+    quantized_kernels_match_their_reference::<burn_gemma::backends::Cuda>(
+        &Default::default(),
+        ActivationRounding::None,
+    );
 }

@@ -342,6 +342,6 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
     // Sampling over the vocabulary (greedy, the id stays on the device).
     let logits = random::<B>(vec![c.vocab_size], DType::F32, d).reshape([1, c.vocab_size]);
     t.row("sample (greedy)", &format!("1 x {}", c.vocab_size), c.vocab_size as f64 * 4.0, Some((None, 1)), |_| {
-        B::sample(logits.clone(), &SamplingParams::GREEDY, Draws::Host(&[0.5]))
+        B::sample(logits.clone(), &SamplingParams::GREEDY, Draws::Host(&[0.5])).expect("sampled")
     });
 }

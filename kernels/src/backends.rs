@@ -19,6 +19,15 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    /// bf16 on CUDA (matrix units), f32 elsewhere.
+    fn preferred_dtype(_device: &Self::Device) -> DType {
+        #[cfg(feature = "cuda")]
+        if is_cuda::<R>() {
+            return DType::BF16;
+        }
+        DType::F32
+    }
+
     /// Dense weights packed; quantized codes packed into `u32` words, scales in f16 where the
     /// device has it.
     /// GGUF blocks are converted to the closest of Q8 and Q4 first.
@@ -442,6 +451,9 @@ where
     burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>,
     burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<I>>,
 {
+    fn quantized_products_fast() -> bool {
+        false
+    }
 }
 
 #[cfg(feature = "ndarray")]

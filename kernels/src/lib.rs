@@ -65,7 +65,11 @@ pub fn read_back<B: burn::tensor::backend::Backend, const D: usize>(
     what: &'static str,
 ) -> Result<Vec<f32>, ReadBackError> {
     let fail = |reason: String| ReadBackError { what, reason };
-    t.try_into_data().map_err(|e| fail(format!("{e:?}")))?.convert::<f32>().into_vec::<f32>().map_err(|e| fail(format!("{e:?}")))
+    t.try_into_data()
+        .map_err(|e| fail(format!("{e:?}")))?
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| fail(format!("{e:?}")))
 }
 
 pub use quant::{GgmlBlocks, GgmlMatrix, HostQuantized, QuantError, QuantFormat, QuantizedMatrix};
@@ -122,6 +126,19 @@ pub fn host_available_bytes() -> Option<u64> {
 /// quantized), a [`KvStore`] or [`KvView`] (dense or int8), [`AttentionOptions`]. Implemented for
 /// every backend the crate supports; see the crate docs.
 pub trait GemmaBackend: ReservedMemory {
+    /// The activation dtype a model runs in when none is asked for: f32, except where the
+    /// backend's matrix units make bf16 the fast choice (CUDA).
+    fn preferred_dtype(_device: &Self::Device) -> DType {
+        DType::F32
+    }
+
+    /// Whether block-quantized matrices multiply without a dense copy per product (the GPU
+    /// kernels and candle's block products do; the plain reference dequantizes every time, so
+    /// dense weights are the better default there).
+    fn quantized_products_fast() -> bool {
+        true
+    }
+
     /// Puts a checkpoint matrix in the layout this backend's kernels read, once at load: dense
     /// weights packed (CubeCL pads the rows of `[rows, cols]` allocations to an aligned pitch,
     /// which a kernel would otherwise copy away on every call), quantized ones with their codes

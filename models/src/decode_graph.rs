@@ -5,7 +5,7 @@
 //! host writes the position, the token ids and the sampling draws into the step's buffers,
 //! launches the graph, and reads the sampled ids back.
 
-use crate::{gemma::StepInputs, Gemma, KvCache, ModelError};
+use crate::{model::StepInputs, Gemma, KvCache, ModelError};
 use burn::tensor::DType;
 use burn_gemma_kernels::graph::{self, GraphError, Replay, StepBuffer, StepGraph};
 use burn_gemma_kernels::{GemmaBackend, SamplingParams};

@@ -9,7 +9,7 @@
 
 use crate::{
     config::NormScale,
-    gemma::Mlp,
+    mlp::Mlp,
     norm::RmsNorm,
     projection::{Projection, WeightSettings},
     weights::{host_values, quantize, WeightKind, WeightSource},
@@ -222,14 +222,14 @@ fn expert_matrices<B: GemmaBackend>(
         _ if !cols.is_multiple_of(burn_gemma_kernels::quant::BLOCK) => None,
         WeightFormat::Dense => None,
         WeightFormat::Native => Some(QuantFormat::Q8),
-        WeightFormat::Quantized(q) => Some(q),
+        WeightFormat::Quantized(q) | WeightFormat::Dequantized(q) => Some(q),
     };
     (0..experts)
         .map(|e| {
             let expert = all.clone().slice([e..e + 1, 0..rows, 0..cols]).reshape([rows, cols]);
             match format {
                 None => Ok(HostMatrix::Dense(expert.cast(settings.dtype))),
-                Some(q) => Ok(HostMatrix::Quantized(quantize(name, &host_values(expert, name)?, [rows, cols], q)?)),
+                Some(q) => Ok(settings.keep(quantize(name, &host_values(expert, name)?, [rows, cols], q)?, device)),
             }
         })
         .collect()

@@ -14,7 +14,7 @@
 
 use crate::{
     config::NormScale,
-    gemma::Embedding,
+    embedding::Embedding,
     norm::RmsNorm,
     projection::{Projection, WeightSettings},
     weights::WeightSource,
@@ -94,7 +94,7 @@ impl<B: GemmaBackend> PerLayerEmbeddings<B> {
     pub fn inputs(&self, ids: Tensor<B, 2, Int>, embedded: Tensor<B, 3>, dtype: DType) -> Tensor<B, 4> {
         let [batch, seq] = ids.dims();
         let (layers, width, rows) = (self.layers, self.width, batch * seq * self.layers);
-        let scale = crate::gemma::embed_scale(self.width, dtype);
+        let scale = crate::embedding::embed_scale(self.width, dtype);
         let own = self.embed_tokens_per_layer.embed(ids, scale, dtype).reshape([1, rows, width]);
         let projected = self.per_layer_model_projection.forward(embedded).reshape([1, rows, width]);
         let norm = &self.per_layer_projection_norm;

@@ -7,7 +7,7 @@ use crate::{
 };
 use burn::{
     module::Module,
-    tensor::{DType, Tensor},
+    tensor::{DType, Tensor, TensorData},
 };
 use burn_gemma_kernels::{
     quant::BLOCK, Epilogue, GemmaBackend, GgmlBlocks, HostMatrix, HostQuantized, Matrix, QuantFormat,
@@ -29,7 +29,7 @@ impl WeightSettings {
         }
         match self.format {
             WeightFormat::Native => Some(BlockRequest::Native),
-            WeightFormat::Quantized(q) => Some(BlockRequest::Format(q)),
+            WeightFormat::Quantized(q) | WeightFormat::Dequantized(q) => Some(BlockRequest::Format(q)),
             WeightFormat::Dense => None,
         }
     }
@@ -41,6 +41,21 @@ impl WeightSettings {
             BlockRequest::Native => BlockRequest::Native,
             BlockRequest::Format(_) => BlockRequest::Format(QuantFormat::Q8),
         })
+    }
+}
+
+impl WeightSettings {
+    /// A matrix quantized on the host as this format keeps it: quantized, or for
+    /// [`WeightFormat::Dequantized`] its dequantized values dense in the model dtype.
+    pub(crate) fn keep<B: GemmaBackend>(&self, host: HostQuantized, device: &B::Device) -> HostMatrix<B> {
+        match self.format {
+            WeightFormat::Dequantized(_) => {
+                let shape = [host.rows, host.cols];
+                let values = TensorData::new(host.dequantize(), shape);
+                HostMatrix::Dense(Tensor::<B, 2>::from_data(values, (device, DType::F32)).cast(self.dtype))
+            }
+            _ => HostMatrix::Quantized(host),
+        }
     }
 }
 
@@ -63,7 +78,7 @@ pub(crate) fn load_matrix<B: GemmaBackend>(
 ) -> Result<HostMatrix<B>, ModelError> {
     match settings.blocks(shape[1]) {
         Some(BlockRequest::Format(format)) => {
-            return Ok(HostMatrix::Quantized(source.load_host_quantized(name, shape, format, device)?));
+            return Ok(settings.keep(source.load_host_quantized(name, shape, format, device)?, device));
         }
         Some(BlockRequest::Native) => {
             if let Some(blocks) = source.load_blocks(name, shape)? {

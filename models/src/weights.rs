@@ -21,6 +21,11 @@ pub enum WeightFormat {
     /// whose rows do not split into 32-wide blocks stay dense in the model dtype, as GGUF
     /// files keep them.
     Quantized(QuantFormat),
+    /// Every matrix that [`WeightFormat::Quantized`] would quantize rounded to this format on the
+    /// host and kept dense in the model dtype: the model a quantized one computes, with plain
+    /// dense products. The reference the quantized kernels are tested against (the quantization
+    /// error is in both, the kernels' own error only in the quantized one).
+    Dequantized(QuantFormat),
     /// Every matrix dense in the model dtype.
     Dense,
 }
@@ -30,6 +35,7 @@ impl std::fmt::Display for WeightFormat {
         match self {
             Self::Native => f.write_str("native"),
             Self::Quantized(q) => write!(f, "{q}"),
+            Self::Dequantized(q) => write!(f, "{q}-dequantized"),
             Self::Dense => f.write_str("dense"),
         }
     }

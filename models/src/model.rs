@@ -1,0 +1,323 @@
+//! The whole Gemma model (HF's `Gemma3ForCausalLM` / `Gemma4ForCausalLM`): embedding, decoder
+//! layers, final norm and tied lm_head, one config-driven definition for Gemma 1, 2, 3 and 4.
+//!
+//! The residual stream is kept in f32 whatever the weight dtype ([`ResidualStream`]): Gemma
+//! activations overflow f16. Matrix products run in the weight dtype.
+
+use crate::{
+    decoder_layer::DecoderLayer,
+    embedding::{embed_scale, Embedding},
+    moe::MoeBlock,
+    norm::{ResidualStream, RmsNorm},
+    per_layer::{PerLayerEmbeddings, PerLayerInput},
+    projection::WeightSettings,
+    rope::RotaryEmbeddings,
+    weights::{WeightFormat, WeightSource},
+    Architecture, GemmaConfig, KvCache, ModelError,
+};
+use burn::{
+    module::Module,
+    tensor::{DType, Int, Tensor},
+};
+use burn_gemma_kernels::{Draws, GemmaBackend, KvFormat, SamplingParams, StepPosition};
+
+/// The per-token values of a decode step, in device buffers (see [`Gemma::decode_step`]): a
+/// replayed step reads them there after the host rewrote them.
+#[derive(Debug, Clone)]
+pub struct StepInputs<B: GemmaBackend> {
+    /// `[1]` (int): the position of the step.
+    pub position: Tensor<B, 1, Int>,
+    /// `[batch, 1]` (int): each sequence's token at that position.
+    pub ids: Tensor<B, 2, Int>,
+    /// `[batch]` (f32): the uniform draw each sequence samples with (greedy reads none).
+    pub draws: Tensor<B, 1>,
+    /// The largest position the step serves: attention grids are sized for it.
+    pub bound: usize,
+}
+
+impl<B: GemmaBackend> StepInputs<B> {
+    /// Zeroed buffers for `batch` sequences, serving positions up to `bound`.
+    pub fn zeros(batch: usize, bound: usize, device: &B::Device) -> Self {
+        Self {
+            position: Tensor::zeros([1], device),
+            ids: Tensor::zeros([batch, 1], device),
+            draws: Tensor::zeros([batch], (device, DType::F32)),
+            bound,
+        }
+    }
+}
+
+/// How a model sits on the device: the activation dtype, how the weight matrices are kept and
+/// how the KV cache stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelOptions {
+    /// Activations and dense weights: f32, f16 or bf16.
+    pub dtype: DType,
+    /// How weight matrices are kept (see [`WeightFormat`]).
+    pub weights: WeightFormat,
+    /// How [`Gemma::new_cache`] stores keys and values; `None`: dense in `dtype`.
+    pub kv_cache: Option<KvFormat>,
+}
+
+impl Default for ModelOptions {
+    /// f32 activations, the checkpoint's own weight format, a dense cache.
+    fn default() -> Self {
+        Self { dtype: DType::F32, weights: WeightFormat::Native, kv_cache: None }
+    }
+}
+
+impl ModelOptions {
+    /// Dense weights and cache in `dtype`.
+    pub fn dense(dtype: DType) -> Self {
+        Self { dtype, weights: WeightFormat::Dense, kv_cache: None }
+    }
+}
+
+/// A Gemma causal language model with tied embeddings.
+#[derive(Module, Debug)]
+pub struct Gemma<B: GemmaBackend> {
+    pub(crate) embed_tokens: Embedding<B>,
+    /// Gemma 4 E models' per-layer embeddings.
+    pub(crate) per_layer: Option<PerLayerEmbeddings<B>>,
+    pub(crate) layers: Vec<DecoderLayer<B>>,
+    pub(crate) norm: RmsNorm<B>,
+    /// The rotary embedding of each layer type (HF's `rotary_emb` and `rotary_emb_local`).
+    #[module(skip)]
+    pub(crate) rotary_emb: RotaryEmbeddings,
+    #[module(skip)]
+    pub(crate) config: GemmaConfig,
+    #[module(skip)]
+    pub(crate) dtype: DType,
+    /// How [`Gemma::new_cache`] stores keys and values.
+    #[module(skip)]
+    pub(crate) kv_cache: KvFormat,
+}
+
+impl<B: GemmaBackend> Gemma<B> {
+    /// Builds the model from a weight source as `options` say (see [`ModelOptions`]).
+    ///
+    /// The weights are allocated in the backend's persistent memory (one buffer each, see
+    /// `Backend::memory_persistent_allocations`), so the pools that serve the activations of
+    /// every step hold only short-lived buffers: CubeCL searches a pool's slices on every
+    /// allocation, and weights kept among them made that search the largest host cost of a
+    /// decode step. What loading allocated and no longer uses is released afterwards.
+    pub fn load(
+        config: GemmaConfig,
+        source: &mut (impl WeightSource<B> + Send),
+        options: &ModelOptions,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let ModelOptions { dtype, weights: format, kv_cache } = *options;
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, dtype) {
+            return Err(ModelError::BackendDtype { backend: B::name(device), dtype });
+        }
+        let kv_cache = kv_cache.unwrap_or(KvFormat::Dense(dtype));
+        if let KvFormat::Dense(kv_dtype) = kv_cache {
+            if !matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16) || !B::supports_dtype(device, kv_dtype) {
+                return Err(ModelError::BackendDtype { backend: B::name(device), dtype: kv_dtype });
+            }
+        }
+        let settings = WeightSettings { dtype, format };
+        let model = B::memory_persistent_allocations(device, source, |source| {
+            let embed_tokens = Embedding::load(source, &config, settings, device)?;
+            let per_layer = PerLayerEmbeddings::load(source, &config, settings, device)?;
+            let layers = (0..config.num_hidden_layers)
+                .map(|i| DecoderLayer::load(source, i, &config, settings, device))
+                .collect::<Result<Vec<_>, _>>()?;
+            let scale = config.model_type.norm_scale();
+            let norm = RmsNorm::load(source, "model.norm", config.hidden_size, config.rms_norm_eps, scale, device)?;
+            Ok(Self {
+                embed_tokens,
+                per_layer,
+                layers,
+                norm,
+                rotary_emb: RotaryEmbeddings::new(&config),
+                config: config.clone(),
+                dtype,
+                kv_cache,
+            })
+        });
+        B::memory_cleanup(device);
+        model
+    }
+
+    /// Random weights (see [`crate::RandomWeights`]) in the exact shapes of `config`.
+    pub fn random(
+        config: GemmaConfig,
+        seed: u64,
+        options: &ModelOptions,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::load(config, &mut crate::RandomWeights::new(seed), options, device)
+    }
+
+    /// The validated config the model was built from.
+    pub fn config(&self) -> &GemmaConfig {
+        &self.config
+    }
+
+    /// The activation dtype (and that of dense weights).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// How [`Gemma::new_cache`] stores keys and values.
+    pub fn kv_format(&self) -> KvFormat {
+        self.kv_cache
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes the weights occupy on the device.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.self_attn;
+                a.qkv_proj.device_bytes()
+                    + a.o_proj.device_bytes()
+                    + l.mlp.device_bytes()
+                    + l.moe.as_ref().map_or(0, MoeBlock::device_bytes)
+                    + l.per_layer_input.as_ref().map_or(0, PerLayerInput::device_bytes)
+            })
+            .sum();
+        self.embed_tokens.device_bytes() + self.per_layer.as_ref().map_or(0, PerLayerEmbeddings::device_bytes) + layers
+    }
+
+    /// A KV cache for `batch` sequences of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache<B>, ModelError> {
+        KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
+    }
+
+    /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
+    fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        let [batch, seq] = ids.dims();
+        if seq == 0 {
+            return Err(ModelError::InvalidInput("empty token sequence".into()));
+        }
+        if batch != cache.batch() {
+            return Err(ModelError::InvalidInput(format!(
+                "batch of {batch} sequences for a KV cache of {}",
+                cache.batch()
+            )));
+        }
+        self.check_cache(cache)?;
+        cache.check_room(seq)?;
+        let position = cache.len();
+        let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position))?;
+        cache.advance(seq);
+        Ok(hidden)
+    }
+
+    /// Embedding, every layer and the final norm over `ids` at `position` (the cache's length
+    /// is left to the caller).
+    fn layers_forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+        position: &StepPosition<B>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
+        let embedded =
+            self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
+        let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
+        let mut stream = ResidualStream::new(embedded, self.dtype);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let input = per_layer.as_ref().map(|inputs| (inputs.clone(), i));
+            let rope = rope.get(layer.self_attn.settings.layer_type);
+            stream = layer.forward(stream, rope, cache.layer_mut(i), position, input)?;
+        }
+        let (_, hidden) = stream.norm(&self.norm);
+        Ok(hidden)
+    }
+
+    /// Fails unless `cache` was made for this model's layers.
+    fn check_cache(&self, cache: &KvCache<B>) -> Result<(), ModelError> {
+        if cache.num_layers() != self.layers.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "a KV cache of {} layers for a model of {}",
+                cache.num_layers(),
+                self.layers.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// One decode step whose per-token values are read on the device (see [`StepInputs`]):
+    /// embedding of `inputs.ids`, every layer at `inputs.position` (appending to `cache`), the
+    /// final norm, the lm_head, the final softcap, and sampling with `inputs.draws`. Every
+    /// operation is one of the backend's [`GemmaBackend`] kernels, so on CUDA the step can be
+    /// recorded once and replayed as one graph for every position up to `inputs.bound`.
+    ///
+    /// Returns the sampled ids `[batch]` and the logits `[batch, vocab]` in the activation
+    /// dtype (capped where the config has a final softcap). The cache's length is not
+    /// advanced: the caller knows the position.
+    pub fn decode_step(
+        &self,
+        inputs: &StepInputs<B>,
+        cache: &mut KvCache<B>,
+        sampling: &SamplingParams,
+    ) -> Result<(Tensor<B, 1, Int>, Tensor<B, 2>), ModelError> {
+        let [batch, seq] = inputs.ids.dims();
+        if seq != 1 || batch != cache.batch() {
+            return Err(ModelError::InvalidInput(format!(
+                "a decode step takes one token per sequence of the cache's batch ({}), got [{batch}, {seq}]",
+                cache.batch()
+            )));
+        }
+        if inputs.bound >= cache.capacity() {
+            return Err(ModelError::ContextOverflow { needed: inputs.bound + 1, capacity: cache.capacity() });
+        }
+        self.check_cache(cache)?;
+        let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
+        let hidden = self.layers_forward(inputs.ids.clone(), cache, &position)?;
+        let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
+        let logits = match self.config.final_logit_softcapping {
+            Some(cap) => B::softcap(logits, cap),
+            None => logits,
+        };
+        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()))?;
+        Ok((ids, logits))
+    }
+
+    /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
+    fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, h] = hidden.dims();
+        let hidden = hidden.reshape([batch * seq, h]);
+        let logits = self.embed_tokens.project(hidden).cast(DType::F32).reshape([batch, seq, self.config.vocab_size]);
+        match self.config.final_logit_softcapping {
+            Some(cap) => B::softcap(logits, cap),
+            None => logits,
+        }
+    }
+
+    /// Runs `ids` (`[batch, seq]`) after the positions already in `cache` and returns the logits
+    /// of every position, `[batch, seq, vocab]` (f32).
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        let hidden = self.hidden_states(ids, cache)?;
+        Ok(self.lm_head(hidden))
+    }
+
+    /// Like [`Gemma::forward`] but returns only the last position's logits, `[batch, vocab]`.
+    pub fn forward_last(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
+        let hidden = self.hidden_states(ids, cache)?;
+        let [batch, seq, h] = hidden.dims();
+        let last = hidden.slice([0..batch, seq - 1..seq, 0..h]);
+        Ok(self.lm_head(last).reshape([batch, self.config.vocab_size]))
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.norm.weight.val().device()
+    }
+
+    /// The architecture this model was built for.
+    pub fn architecture(&self) -> Architecture {
+        self.config.model_type
+    }
+}
