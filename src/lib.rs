@@ -1,23 +1,28 @@
 //! # burn-gemma
 //!
-//! Google's Gemma language models (Gemma 1, 2 and 3) on the [Burn](https://burn.dev) deep-learning
-//! framework, generic over the backend: swap `Gemma<NdArray>` for `Gemma<Wgpu>` or `Gemma<Cuda>`.
+//! Google's Gemma language models (Gemma 1, 2, 3 and 4's text decoders) on the
+//! [Burn](https://burn.dev) deep-learning framework, generic over the backend: swap
+//! `Gemma<NdArray>` for `Gemma<Candle>`, `Gemma<Wgpu>` or `Gemma<Cuda>` ([`backends`]).
 //!
 //! ```no_run
-//! use burn_gemma::{backends::NdArray, Checkpoint, Generator, GenerationConfig};
+//! use burn_gemma::{backends::NdArray, Checkpoint, GenerationConfig, Generator, LoadOptions};
 //!
 //! # fn main() -> Result<(), burn_gemma::Error> {
 //! let path = burn_gemma::fetch::default_model(|_, _| {})?; // Gemma 3 270M, cached
 //! let checkpoint = Checkpoint::open(&path)?;
-//! let device = Default::default();
-//! let (model, _report) = checkpoint.load_model::<NdArray>(burn::tensor::DType::F32, &device, |_, _| {})?;
-//! let tokenizer = checkpoint.tokenizer()?;
-//! let mut generator = Generator::new(model, tokenizer)?;
+//! let loaded = checkpoint.load(LoadOptions::<NdArray>::new())?;
+//! let mut generator = Generator::new(loaded.model, checkpoint.tokenizer()?)?;
 //! let config = GenerationConfig { max_new_tokens: 16, ..Default::default() };
-//! let output = generator.generate("The capital of France is", &config, |text| print!("{text}"))?;
-//! eprintln!("\n{} tokens", output.tokens.len());
+//! // Streamed as an iterator of tokens; dropping the stream stops generation.
+//! for token in generator.generate_stream("The capital of France is", &config)? {
+//!     print!("{}", token?.text);
+//! }
 //! # Ok(()) }
 //! ```
+//!
+//! Errors are [`Error`], whose variants carry enums a caller can match ([`RequestError`],
+//! [`SamplingError`], [`TokenizerError`], [`FetchError`], [`BackendError`], [`OptionError`],
+//! [`ModelError`]).
 
 pub mod backends;
 pub mod chat;

@@ -38,8 +38,11 @@ pub struct LoadOptions<B: GemmaBackend> {
     dtype: Option<DType>,
     weights: Option<WeightFormat>,
     kv_cache: Option<KvFormat>,
-    progress: Option<Box<dyn FnMut(LoadProgress) + Send>>,
+    progress: Option<ProgressFn>,
 }
+
+/// A load's progress callback.
+pub(crate) type ProgressFn = Box<dyn FnMut(LoadProgress) + Send>;
 
 impl<B: GemmaBackend> Default for LoadOptions<B> {
     fn default() -> Self {
@@ -112,7 +115,7 @@ impl<B: GemmaBackend> LoadOptions<B> {
     }
 
     /// Splits off the device and the progress callback.
-    pub(crate) fn into_parts(self) -> (ModelOptions, B::Device, Option<Box<dyn FnMut(LoadProgress) + Send>>) {
+    pub(crate) fn into_parts(self) -> (ModelOptions, B::Device, Option<ProgressFn>) {
         let options = self.model_options();
         (options, self.device, self.progress)
     }

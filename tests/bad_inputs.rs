@@ -2,7 +2,6 @@
 
 mod common;
 
-use burn::tensor::DType;
 use burn_gemma::{backends::NdArray, Checkpoint};
 use std::path::PathBuf;
 
@@ -43,15 +42,7 @@ fn open_err(path: &std::path::Path) -> String {
 
 fn load_err(path: &std::path::Path) -> String {
     let checkpoint = Checkpoint::open(path).unwrap_or_else(|e| panic!("open: {e}"));
-    match checkpoint
-        .load(
-            burn_gemma::LoadOptions::<NdArray>::new()
-                .device(Default::default())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
-        .map(burn_gemma::Loaded::into_parts)
-    {
+    match checkpoint.load(common::dense_f32::<NdArray>(&Default::default())).map(burn_gemma::Loaded::into_parts) {
         Ok(_) => panic!("{} loaded but should have failed", path.display()),
         Err(e) => e.to_string(),
     }
@@ -143,12 +134,7 @@ fn checkpoint_content_errors() {
     let dir = hf_dir("extra2", &safetensors_bytes(&serde_json::Value::Object(header).to_string(), &data));
     let (_, report) = Checkpoint::open(&dir)
         .unwrap()
-        .load(
-            burn_gemma::LoadOptions::<NdArray>::new()
-                .device(Default::default())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
+        .load(common::dense_f32::<NdArray>(&Default::default()))
         .map(burn_gemma::Loaded::into_parts)
         .unwrap();
     assert_eq!(report.unused_tensors, vec!["vision_tower.extra.weight".to_string()]);
@@ -392,12 +378,7 @@ fn sharded_checkpoint_loads_like_the_single_file() {
     let logits = |path: &std::path::Path| {
         let (model, report) = Checkpoint::open(path)
             .unwrap()
-            .load(
-                burn_gemma::LoadOptions::<NdArray>::new()
-                    .device(Default::default())
-                    .dtype(DType::F32)
-                    .weights(burn_gemma::WeightFormat::Dense),
-            )
+            .load(common::dense_f32::<NdArray>(&Default::default()))
             .map(burn_gemma::Loaded::into_parts)
             .unwrap();
         assert!(report.unused_tensors.is_empty());

@@ -12,7 +12,6 @@
 
 mod common;
 
-use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray, generation::token_tensor, Checkpoint, GemmaConfig, GenerationConfig, Generator, Tokenizer,
 };
@@ -481,12 +480,7 @@ impl Seeds {
         std::fs::write(dir.join("model.gguf"), &gguf).unwrap();
         let checkpoint = Checkpoint::open(dir.join("model.gguf")).expect("the seed GGUF opens");
         let (model, _) = checkpoint
-            .load(
-                burn_gemma::LoadOptions::<NdArray>::new()
-                    .device(Default::default())
-                    .dtype(DType::F32)
-                    .weights(burn_gemma::WeightFormat::Dense),
-            )
+            .load(common::dense_f32::<NdArray>(&Default::default()))
             .map(burn_gemma::Loaded::into_parts)
             .expect("the seed GGUF loads");
         let generator = Generator::new(model, checkpoint.tokenizer().expect("the seed GGUF's tokenizer")).unwrap();
@@ -497,14 +491,8 @@ impl Seeds {
 /// Opens `path`, loads the model, and runs two tokens through it.
 fn load_and_run(path: &Path) -> Result<Outcome, burn_gemma::Error> {
     let checkpoint = Checkpoint::open(path)?;
-    let (model, _) = checkpoint
-        .load(
-            burn_gemma::LoadOptions::<NdArray>::new()
-                .device(Default::default())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
-        .map(burn_gemma::Loaded::into_parts)?;
+    let (model, _) =
+        checkpoint.load(common::dense_f32::<NdArray>(&Default::default())).map(burn_gemma::Loaded::into_parts)?;
     let device = Default::default();
     let mut cache = model.new_cache(1, 4)?;
     let logits = model.forward_last(token_tensor::<NdArray>(&[2, 7], &device), &mut cache)?;

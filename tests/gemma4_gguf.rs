@@ -6,7 +6,6 @@
 
 mod common;
 
-use burn::tensor::DType;
 use burn_gemma::generation::token_tensor;
 use burn_gemma::{backends::NdArray, Checkpoint};
 use serde_json::Value as Json;
@@ -227,15 +226,8 @@ fn write_gguf(name: &str) -> PathBuf {
 fn logits(path: &Path, input: &[u32]) -> (Vec<f32>, burn_gemma::GemmaConfig) {
     let checkpoint = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let device: burn::backend::ndarray::NdArrayDevice = Default::default();
-    let (model, report) = checkpoint
-        .load(
-            burn_gemma::LoadOptions::<NdArray>::new()
-                .device(device.clone())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
-        .map(burn_gemma::Loaded::into_parts)
-        .expect("load");
+    let (model, report) =
+        checkpoint.load(common::dense_f32::<NdArray>(&device)).map(burn_gemma::Loaded::into_parts).expect("load");
     assert!(report.unused_tensors.is_empty(), "{}: unused {:?}", path.display(), report.unused_tensors);
     let mut cache = model.new_cache(1, input.len()).unwrap();
     let logits = model.forward(token_tensor::<NdArray>(input, &device), &mut cache).unwrap();

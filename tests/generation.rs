@@ -14,12 +14,7 @@ fn tiny_generator() -> Generator<NdArray> {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let (model, _) = Checkpoint::open(&dir)
         .unwrap()
-        .load(
-            burn_gemma::LoadOptions::<NdArray>::new()
-                .device(Default::default())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
+        .load(common::dense_f32::<NdArray>(&Default::default()))
         .map(burn_gemma::Loaded::into_parts)
         .unwrap();
     Generator::new(model, common::tiny_tokenizer()).unwrap()
@@ -299,12 +294,7 @@ fn cuda_graph_generation_equals_eager() {
     let generator = || {
         let (model, _) = Checkpoint::open(&dir)
             .unwrap()
-            .load(
-                burn_gemma::LoadOptions::<Cuda>::new()
-                    .device(device.clone())
-                    .dtype(DType::F32)
-                    .weights(burn_gemma::WeightFormat::Dense),
-            )
+            .load(common::dense_f32::<Cuda>(&device))
             .map(burn_gemma::Loaded::into_parts)
             .unwrap();
         Generator::new(model, common::tiny_tokenizer()).unwrap()

@@ -6,7 +6,6 @@
 
 mod common;
 
-use burn::tensor::DType;
 use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig};
 
 const GENERATIONS: usize = 1_000;
@@ -54,12 +53,7 @@ fn soak<B: GemmaBackend>(device: B::Device) {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let (model, _) = Checkpoint::open(&dir)
         .unwrap()
-        .load(
-            burn_gemma::LoadOptions::<B>::new()
-                .device(device.clone())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
+        .load(common::dense_f32::<B>(&device))
         .map(burn_gemma::Loaded::into_parts)
         .unwrap();
     let mut generator = Generator::new(model, common::tiny_tokenizer()).unwrap();
@@ -126,12 +120,7 @@ fn device_faults<B: GemmaBackend>(device: B::Device) {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let (model, _) = Checkpoint::open(&dir)
         .unwrap()
-        .load(
-            burn_gemma::LoadOptions::<B>::new()
-                .device(device.clone())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
+        .load(common::dense_f32::<B>(&device))
         .map(burn_gemma::Loaded::into_parts)
         .unwrap();
     let reserved = B::memory_reserved(&device);

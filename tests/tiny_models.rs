@@ -37,15 +37,8 @@ fn run_case_within<B: GemmaBackend>(case: &Case, tolerance: f32, device: &B::Dev
     let dir = common::fixtures().join("tiny-gemma").join(case.name);
     let reference = common::read_json(dir.join("reference.json"));
     let checkpoint = Checkpoint::open(&dir).expect("open checkpoint");
-    let (model, report) = checkpoint
-        .load(
-            burn_gemma::LoadOptions::<B>::new()
-                .device(device.clone())
-                .dtype(DType::F32)
-                .weights(burn_gemma::WeightFormat::Dense),
-        )
-        .map(burn_gemma::Loaded::into_parts)
-        .expect("load");
+    let (model, report) =
+        checkpoint.load(common::dense_f32::<B>(device)).map(burn_gemma::Loaded::into_parts).expect("load");
     assert!(report.unused_tensors.is_empty(), "unused: {:?}", report.unused_tensors);
 
     let input = common::ids(&reference["input_ids"]);
@@ -135,12 +128,7 @@ fn gemma4_decode_path_matches_reference_on_cuda() {
         let reference = common::read_json(dir.join("reference.json"));
         let (model, _) = Checkpoint::open(&dir)
             .unwrap()
-            .load(
-                burn_gemma::LoadOptions::<burn_gemma::backends::Cuda>::new()
-                    .device(device.clone())
-                    .dtype(DType::F32)
-                    .weights(burn_gemma::WeightFormat::Dense),
-            )
+            .load(common::dense_f32::<burn_gemma::backends::Cuda>(&device))
             .map(burn_gemma::Loaded::into_parts)
             .unwrap();
         let input = common::ids(&reference["input_ids"]);

@@ -7,12 +7,19 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 /// A fresh seed per test run (or `BURN_GEMMA_TEST_SEED`), printed and installed on the backend.
 pub fn seed<B: Backend>(device: &B::Device, test: &str) -> u64 {
+    let seed = host_seed(test);
+    B::seed(device, seed);
+    seed
+}
+
+/// A fresh seed per test run, or `BURN_GEMMA_TEST_SEED` (CI runs the kernel tests once with a
+/// fixed one and once fresh); printed so that a failure can be replayed.
+pub fn host_seed(test: &str) -> u64 {
     let seed = std::env::var("BURN_GEMMA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         (nanos as u64) ^ (test.len() as u64).rotate_left(17)
     });
     println!("{test}: seed {seed} (replay with BURN_GEMMA_TEST_SEED={seed})");
-    B::seed(device, seed);
     seed
 }
 

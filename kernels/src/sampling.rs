@@ -556,10 +556,10 @@ mod gpu {
                 let draws: Vec<Vec<f32>> = rows.iter().map(|r| safe_uniforms(r, params, &mut state)).collect();
                 for (&first, &second) in draws[0].iter().zip(&draws[1]).take(8) {
                     let uniform = [first, second];
-                    let got = B::sample(logits.clone(), params, Draws::Host(&uniform));
+                    let got = B::sample(logits.clone(), params, Draws::Host(&uniform)).expect("sampled");
                     // The same draws read from a device buffer (a replayed decode step).
                     let on_device = Tensor::<B, 1>::from_data(uniform, (device, DType::F32));
-                    let again = B::sample(logits.clone(), params, Draws::Device(on_device));
+                    let again = B::sample(logits.clone(), params, Draws::Device(on_device)).expect("sampled");
                     assert_eq!(
                         got.clone().into_data().convert::<i64>().to_vec::<i64>().expect("ids"),
                         again.into_data().convert::<i64>().to_vec::<i64>().expect("ids"),
@@ -586,6 +586,7 @@ mod gpu {
                 [SamplingParams::GREEDY, SamplingParams { temperature: 1.0, top_k: Some(5), top_p: None, min_p: None }]
             {
                 let got: Vec<i64> = B::sample(logits.clone(), &params, Draws::Host(&[0.3, 0.3]))
+                    .expect("sampled")
                     .into_data()
                     .convert::<i64>()
                     .to_vec()

@@ -30,6 +30,14 @@ pub fn real_model() -> PathBuf {
     }
 }
 
+/// Load options for the f32 reference runs: dense weights and cache in f32 on `device`.
+pub fn dense_f32<B: burn_gemma::GemmaBackend>(device: &B::Device) -> burn_gemma::LoadOptions<B> {
+    burn_gemma::LoadOptions::new()
+        .device(device.clone())
+        .dtype(burn::tensor::DType::F32)
+        .weights(burn_gemma::WeightFormat::Dense)
+}
+
 pub fn read_json(path: PathBuf) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
         .expect("fixture JSON")

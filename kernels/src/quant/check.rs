@@ -146,7 +146,7 @@ mod reference_tests {
 
     #[test]
     fn reference_matches_host_dequantization() {
-        let seed = std::env::var("BURN_GEMMA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+        let seed = crate::gpu_test::host_seed("reference_matches_host_dequantization");
         super::quantized::<TestBackend>(&Default::default(), DType::F32, seed, None);
     }
 }

@@ -444,10 +444,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn seed() -> u64 {
-        let seed =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
-        println!("seed {seed}");
-        seed
+        crate::gpu_test::host_seed("quant::ggml")
     }
 
     #[test]
