@@ -14,7 +14,7 @@
 
 use burn::tensor::{DType, Tensor};
 use burn_gemma::{
-    backends::{dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
+    backends::{cpu_threads, dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
     generation::token_tensor,
     Checkpoint, Error, Gemma, GemmaBackend, KvCache, LoadOptions, WeightFormat,
 };
@@ -279,6 +279,10 @@ impl BackendTask for Accuracy {
 fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
-    set_cpu_threads(args.threads)?;
+    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
+    // no other thread, before the CPU thread pool starts.
+    let threads = cpu_threads(args.threads);
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    set_cpu_threads(std::num::NonZeroUsize::new(threads))?;
     dispatch(kind, Accuracy(args), &mut |note| eprintln!("{note}"))?
 }

@@ -15,7 +15,10 @@
 
 use burn::tensor::{Int, Tensor};
 use burn_gemma::{
-    backends::{dispatch, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
+    backends::{
+        cpu_threads, dispatch, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind,
+        BackendTask,
+    },
     generation::token_tensor,
     Checkpoint, Gemma, GemmaBackend, GemmaConfig, KvCache, LoadOptions, ModelOptions,
 };
@@ -370,6 +373,10 @@ mod host_profile {
 fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let kind: BackendKind = args.backend.parse()?;
-    set_cpu_threads(args.threads)?;
+    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
+    // no other thread, before the CPU thread pool starts.
+    let threads = cpu_threads(args.threads);
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    set_cpu_threads(std::num::NonZeroUsize::new(threads))?;
     dispatch(kind, Bench(args.clone()), &mut |note| eprintln!("{note}"))?
 }

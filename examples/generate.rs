@@ -11,8 +11,8 @@
 use burn::tensor::DType;
 use burn_gemma::{
     backends::{
-        dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind,
-        BackendTask,
+        cpu_threads, dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads,
+        BackendKind, BackendTask,
     },
     Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig, StopReason,
 };
@@ -221,6 +221,11 @@ fn real_main(args: Args) -> Result<(), CliError> {
         }
         return Ok(());
     }
+    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
+    // no other thread, before the CPU thread pool starts.
+    let threads = cpu_threads(args.threads);
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    set_cpu_threads(std::num::NonZeroUsize::new(threads))?;
     // Everything the user typed is checked before any download or model load.
     let kind: BackendKind = args.backend.parse()?;
     let (_, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
@@ -289,7 +294,6 @@ fn real_main(args: Args) -> Result<(), CliError> {
         cuda_graph: args.cuda_graph,
         prefill_chunk: args.prefill_chunk,
     };
-    let threads = set_cpu_threads(args.threads)?;
     let run = Run { args, model_path, prompt, generation, interrupt, threads };
     dispatch(kind, run, &mut |note| eprintln!("{note}"))?
 }

@@ -48,6 +48,11 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
     }
 }
 
+/// The CPU thread count [`set_cpu_threads`] takes for `threads`: it, else the physical cores.
+pub fn cpu_threads(threads: Option<std::num::NonZeroUsize>) -> usize {
+    threads.map_or_else(|| num_cpus::get_physical().max(1), std::num::NonZeroUsize::get)
+}
+
 /// Sets how many threads the CPU backends use: rayon's global pool, which runs NdArray, candle's
 /// quantized products and candle's dense products. `None` takes the machine's physical cores
 /// (hyper-threads share a core's vector units and its memory bandwidth, which a decode step
@@ -59,7 +64,7 @@ pub fn parse_dtype(s: &str) -> Result<burn::tensor::DType, Error> {
 /// with the program's other threads); a program that wants candle's split to match sets it
 /// itself before it starts any thread, as the examples do.
 pub fn set_cpu_threads(threads: Option<std::num::NonZeroUsize>) -> Result<usize, Error> {
-    let n = threads.map_or_else(|| num_cpus::get_physical().max(1), std::num::NonZeroUsize::get);
+    let n = cpu_threads(threads);
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global()

@@ -30,6 +30,7 @@ mod error;
 pub mod fetch;
 pub mod generation;
 pub mod gguf;
+mod gguf_config;
 mod load_options;
 pub mod loader;
 pub mod safetensors;

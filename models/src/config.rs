@@ -4,7 +4,6 @@
 //! anything is allocated.
 
 use crate::ModelError;
-use burn::config::Config;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -85,22 +84,20 @@ pub enum LayerType {
 
 /// Rotary embedding of one layer type: `rope_theta`, linear position scaling `factor` (1 for
 /// none), and the share of the head that rotates.
-#[derive(Config, Debug, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct RopeConfig {
     /// Base of the rotary frequencies.
     pub rope_theta: f64,
     /// Linear scaling: positions are divided by this factor.
-    #[config(default = 1.0)]
     pub factor: f64,
     /// Gemma 4's `proportional` RoPE: the first `partial_rotary_factor * head_dim / 2` pairs
     /// rotate with frequencies over the full head size, the remaining pairs are left as they are
     /// (1: every pair rotates, the default RoPE).
-    #[config(default = 1.0)]
     pub partial_rotary_factor: f64,
 }
 
 /// The routed expert block of a mixture-of-experts layer (Gemma 4 26B-A4B), beside the dense MLP.
-#[derive(Config, Debug, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
     /// Experts each token is routed to.
@@ -110,7 +107,12 @@ pub struct MoeConfig {
 }
 
 /// A resolved Gemma configuration. Field names follow HF `config.json`.
-#[derive(Config, Debug)]
+///
+/// [`GemmaConfig::from_hf_json`], [`GemmaConfig::preset`] and the GGUF loader validate what they
+/// make ([`GemmaConfig::validate`]), and [`crate::Gemma::load`] validates whatever it is given,
+/// so no config reaches a model unchecked. It serializes (for reports) but has no deserializer
+/// of its own: `config.json` goes through [`GemmaConfig::from_hf_json`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GemmaConfig {
     /// Model generation (HF `model_type`).
     pub model_type: Architecture,
@@ -147,23 +149,17 @@ pub struct GemmaConfig {
     /// Tokens that end generation (`eos_token_id`, which may be a list in HF configs).
     pub eos_token_id: Vec<u32>,
     /// Gemma 4: full layers have no `v_proj`; their values are the key projection.
-    #[config(default = false)]
     pub attention_k_eq_v: bool,
     /// Gemma 4: the last this many layers have no keys and values of their own; they attend over
     /// the cache of the last earlier layer of the same type.
-    #[config(default = 0)]
     pub num_kv_shared_layers: usize,
     /// Gemma 4: the MLPs of the KV-sharing layers are twice `intermediate_size` wide.
-    #[config(default = false)]
     pub use_double_wide_mlp: bool,
     /// Gemma 4 E models: width of each layer's slice of the per-layer embeddings (0: none).
-    #[config(default = 0)]
     pub hidden_size_per_layer_input: usize,
     /// Rows of the per-layer embedding table.
-    #[config(default = 0)]
     pub vocab_size_per_layer_input: usize,
     /// Gemma 4 26B-A4B: the routed expert block of every layer.
-    #[config(default = "None")]
     pub moe: Option<MoeConfig>,
 }
 
@@ -496,20 +492,58 @@ impl GemmaConfig {
     pub const PRESETS: [&'static str; 8] =
         ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "gemma4-e2b", "gemma4-e4b", "gemma4-31b"];
 
-    /// The published configuration of a Gemma 3 or 4 text model (as in its HF `config.json`),
-    /// for synthetic (random-weight) models in tests and benchmarks: one of [`Self::PRESETS`].
+    /// The published configuration of a Gemma 3 or 4 text model (the text part of its HF
+    /// `config.json`, kept as values; a test checks each against its `config.json`), for
+    /// synthetic (random-weight) models in tests and benchmarks: one of [`Self::PRESETS`].
     pub fn preset(name: &str) -> Result<Self, ModelError> {
-        if let Some(json) = gemma4_preset(name) {
-            return Self::from_hf_json(&json);
-        }
-        // (hidden, intermediate, layers, heads, kv heads, head size, query_pre_attn_scalar,
-        // sliding window, global RoPE factor, context)
-        let (hidden, inter, layers, heads, kv, head_dim, scalar, window, factor, context) = match name {
-            "gemma3-270m" => (640, 2048, 18, 4, 1, 256, 256, 512, None, 32_768),
-            "gemma3-1b" => (1152, 6912, 26, 4, 1, 256, 256, 512, None, 32_768),
-            "gemma3-4b" => (2560, 10240, 34, 8, 4, 256, 256, 1024, Some(8.0), 131_072),
-            "gemma3-12b" => (3840, 15360, 48, 16, 8, 256, 256, 1024, Some(8.0), 131_072),
-            "gemma3-27b" => (5376, 21504, 62, 32, 16, 128, 168, 1024, Some(8.0), 131_072),
+        let config = match name {
+            "gemma3-270m" => gemma3_preset(640, 2048, 18, (4, 1, 256), 256.0, 512, None, 32_768),
+            "gemma3-1b" => gemma3_preset(1152, 6912, 26, (4, 1, 256), 256.0, 512, None, 32_768),
+            "gemma3-4b" => gemma3_preset(2560, 10240, 34, (8, 4, 256), 256.0, 1024, Some(8.0), 131_072),
+            "gemma3-12b" => gemma3_preset(3840, 15360, 48, (16, 8, 256), 256.0, 1024, Some(8.0), 131_072),
+            "gemma3-27b" => gemma3_preset(5376, 21504, 62, (32, 16, 128), 168.0, 1024, Some(8.0), 131_072),
+            "gemma4-e2b" => Gemma4Preset {
+                layers: 35,
+                hidden: 1536,
+                intermediate: 6144,
+                heads: (8, 1, 1),
+                values_from_keys: false,
+                window: 512,
+                pattern: 5,
+                shared_kv_layers: 20,
+                double_wide_mlp: true,
+                per_layer_width: 256,
+                context: 131_072,
+            }
+            .config(),
+            "gemma4-e4b" => Gemma4Preset {
+                layers: 42,
+                hidden: 2560,
+                intermediate: 10240,
+                heads: (8, 2, 2),
+                values_from_keys: false,
+                window: 512,
+                pattern: 6,
+                shared_kv_layers: 18,
+                double_wide_mlp: false,
+                per_layer_width: 256,
+                context: 131_072,
+            }
+            .config(),
+            "gemma4-31b" => Gemma4Preset {
+                layers: 60,
+                hidden: 5376,
+                intermediate: 21504,
+                heads: (32, 16, 4),
+                values_from_keys: true,
+                window: 1024,
+                pattern: 6,
+                shared_kv_layers: 0,
+                double_wide_mlp: false,
+                per_layer_width: 0,
+                context: 262_144,
+            }
+            .config(),
             other => {
                 return Err(ModelError::UnsupportedConfig {
                     field: "preset",
@@ -517,20 +551,8 @@ impl GemmaConfig {
                 })
             }
         };
-        let full_rope = match factor {
-            Some(f) => format!(r#"{{"rope_theta": 1000000.0, "rope_type": "linear", "factor": {f}}}"#),
-            None => r#"{"rope_theta": 1000000.0, "rope_type": "default"}"#.to_string(),
-        };
-        let json = format!(
-            r#"{{"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": {hidden},
-            "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
-            "num_key_value_heads": {kv}, "head_dim": {head_dim}, "query_pre_attn_scalar": {scalar},
-            "sliding_window": {window}, "_sliding_window_pattern": 6, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106],
-            "rope_parameters": {{"full_attention": {full_rope},
-                "sliding_attention": {{"rope_theta": 10000.0, "rope_type": "default"}}}}}}"#
-        );
-        Self::from_hf_json(&json)
+        config.validate()?;
+        Ok(config)
     }
 
     /// Checks every value before anything is allocated.
@@ -766,31 +788,113 @@ impl GemmaConfig {
     }
 }
 
-/// The text config of a published Gemma 4 model: (layers, hidden, intermediate, heads, KV heads
-/// of sliding / full layers, full layers' values from keys, sliding window, pattern, KV-sharing
-/// layers, double-wide MLPs, per-layer input width, context).
-fn gemma4_preset(name: &str) -> Option<String> {
-    let (layers, hidden, inter, heads, kv, global_kv, k_eq_v, window, pattern, shared, wide, per_layer, context) =
-        match name {
-            "gemma4-e2b" => (35, 1536, 6144, 8, 1, 1, false, 512, 5, 20, true, 256, 131_072),
-            "gemma4-e4b" => (42, 2560, 10240, 8, 2, 2, false, 512, 6, 18, false, 256, 131_072),
-            "gemma4-31b" => (60, 5376, 21504, 32, 16, 4, true, 1024, 6, 0, false, 0, 262_144),
-            _ => return None,
-        };
-    let layer_types: Vec<String> = (0..layers)
-        .map(|i| if (i + 1) % pattern == 0 { "\"full_attention\"" } else { "\"sliding_attention\"" }.to_string())
-        .collect();
-    Some(format!(
-        r#"{{"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": {hidden},
-        "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
-        "num_key_value_heads": {kv}, "head_dim": 256, "global_head_dim": 512,
-        "num_global_key_value_heads": {global_kv}, "attention_k_eq_v": {k_eq_v},
-        "sliding_window": {window}, "layer_types": [{}], "num_kv_shared_layers": {shared},
-        "use_double_wide_mlp": {wide}, "hidden_size_per_layer_input": {per_layer},
-        "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106]}}"#,
-        layer_types.join(", ")
-    ))
+/// A published Gemma 3 text shape: `(heads, kv heads, head size)` in `heads`; the global layers'
+/// RoPE scaled linearly by `factor` where given.
+#[allow(clippy::too_many_arguments)]
+fn gemma3_preset(
+    hidden: usize,
+    intermediate: usize,
+    layers: usize,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    query_pre_attn_scalar: f64,
+    window: usize,
+    factor: Option<f64>,
+    context: usize,
+) -> GemmaConfig {
+    GemmaConfig {
+        model_type: Architecture::Gemma3,
+        vocab_size: 262_144,
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        global_head_dim: head_dim,
+        num_global_key_value_heads: kv_heads,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: context,
+        query_pre_attn_scalar,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
+        sliding_window: Some(window),
+        layer_types: pattern_layers(layers, 6),
+        rope_full_attention: RopeConfig {
+            rope_theta: 1_000_000.0,
+            factor: factor.unwrap_or(1.0),
+            partial_rotary_factor: 1.0,
+        },
+        rope_sliding_attention: RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
+        bos_token_id: 2,
+        eos_token_id: vec![1, 106],
+        attention_k_eq_v: false,
+        num_kv_shared_layers: 0,
+        use_double_wide_mlp: false,
+        hidden_size_per_layer_input: 0,
+        vocab_size_per_layer_input: 0,
+        moe: None,
+    }
+}
+
+/// A published Gemma 4 text shape (head sizes 256 sliding, 512 full).
+struct Gemma4Preset {
+    layers: usize,
+    hidden: usize,
+    intermediate: usize,
+    /// Query heads, KV heads of sliding layers, KV heads of full layers.
+    heads: (usize, usize, usize),
+    /// Full layers' values are their keys.
+    values_from_keys: bool,
+    window: usize,
+    /// Every `pattern`-th layer is a full one.
+    pattern: usize,
+    shared_kv_layers: usize,
+    double_wide_mlp: bool,
+    per_layer_width: usize,
+    context: usize,
+}
+
+impl Gemma4Preset {
+    fn config(&self) -> GemmaConfig {
+        let (heads, kv_heads, global_kv_heads) = self.heads;
+        GemmaConfig {
+            model_type: Architecture::Gemma4,
+            vocab_size: 262_144,
+            hidden_size: self.hidden,
+            intermediate_size: self.intermediate,
+            num_hidden_layers: self.layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim: 256,
+            global_head_dim: 512,
+            num_global_key_value_heads: global_kv_heads,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: self.context,
+            // Gemma 4 attends at scale 1 over QK-normed heads.
+            query_pre_attn_scalar: 1.0,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: Some(30.0),
+            sliding_window: Some(self.window),
+            layer_types: pattern_layers(self.layers, self.pattern),
+            rope_full_attention: RopeConfig { rope_theta: 1_000_000.0, factor: 1.0, partial_rotary_factor: 0.25 },
+            rope_sliding_attention: RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
+            bos_token_id: 2,
+            eos_token_id: vec![1, 106],
+            attention_k_eq_v: self.values_from_keys,
+            num_kv_shared_layers: self.shared_kv_layers,
+            use_double_wide_mlp: self.double_wide_mlp,
+            hidden_size_per_layer_input: self.per_layer_width,
+            vocab_size_per_layer_input: 262_144,
+            moe: None,
+        }
+    }
+}
+
+/// `layers` layer types, every `pattern`-th a full-attention layer.
+fn pattern_layers(layers: usize, pattern: usize) -> Vec<LayerType> {
+    (0..layers)
+        .map(|i| if (i + 1) % pattern == 0 { LayerType::FullAttention } else { LayerType::SlidingAttention })
+        .collect()
 }
 
 /// Layer types from a local:global pattern: with pattern `p`, layer `i` is global when
@@ -971,6 +1075,63 @@ mod gemma4_tests {
 mod preset_tests {
     use super::*;
 
+    /// The HF `config.json` of each preset, as published (their text configs).
+    fn preset_json(name: &str) -> String {
+        if let Some(json) = gemma4_preset_json(name) {
+            return json;
+        }
+        // (hidden, intermediate, layers, heads, kv heads, head size, query_pre_attn_scalar,
+        // sliding window, global RoPE factor, context)
+        let (hidden, inter, layers, heads, kv, head_dim, scalar, window, factor, context) = match name {
+            "gemma3-270m" => (640, 2048, 18, 4, 1, 256, 256, 512, None, 32_768),
+            "gemma3-1b" => (1152, 6912, 26, 4, 1, 256, 256, 512, None, 32_768),
+            "gemma3-4b" => (2560, 10240, 34, 8, 4, 256, 256, 1024, Some(8.0), 131_072),
+            "gemma3-12b" => (3840, 15360, 48, 16, 8, 256, 256, 1024, Some(8.0), 131_072),
+            "gemma3-27b" => (5376, 21504, 62, 32, 16, 128, 168, 1024, Some(8.0), 131_072),
+            other => panic!("no config.json for {other}"),
+        };
+        let full_rope = match factor {
+            Some(f) => format!(r#"{{"rope_theta": 1000000.0, "rope_type": "linear", "factor": {f}}}"#),
+            None => r#"{"rope_theta": 1000000.0, "rope_type": "default"}"#.to_string(),
+        };
+        format!(
+            r#"{{"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": {hidden},
+            "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv}, "head_dim": {head_dim}, "query_pre_attn_scalar": {scalar},
+            "sliding_window": {window}, "_sliding_window_pattern": 6, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106],
+            "rope_parameters": {{"full_attention": {full_rope},
+                "sliding_attention": {{"rope_theta": 10000.0, "rope_type": "default"}}}}}}"#
+        )
+    }
+
+    /// The text config of a published Gemma 4 model: (layers, hidden, intermediate, heads, KV heads
+    /// of sliding / full layers, full layers' values from keys, sliding window, pattern, KV-sharing
+    /// layers, double-wide MLPs, per-layer input width, context).
+    fn gemma4_preset_json(name: &str) -> Option<String> {
+        let (layers, hidden, inter, heads, kv, global_kv, k_eq_v, window, pattern, shared, wide, per_layer, context) =
+            match name {
+                "gemma4-e2b" => (35, 1536, 6144, 8, 1, 1, false, 512, 5, 20, true, 256, 131_072),
+                "gemma4-e4b" => (42, 2560, 10240, 8, 2, 2, false, 512, 6, 18, false, 256, 131_072),
+                "gemma4-31b" => (60, 5376, 21504, 32, 16, 4, true, 1024, 6, 0, false, 0, 262_144),
+                _ => return None,
+            };
+        let layer_types: Vec<String> = (0..layers)
+            .map(|i| if (i + 1) % pattern == 0 { "\"full_attention\"" } else { "\"sliding_attention\"" }.to_string())
+            .collect();
+        Some(format!(
+            r#"{{"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": {hidden},
+            "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv}, "head_dim": 256, "global_head_dim": 512,
+            "num_global_key_value_heads": {global_kv}, "attention_k_eq_v": {k_eq_v},
+            "sliding_window": {window}, "layer_types": [{}], "num_kv_shared_layers": {shared},
+            "use_double_wide_mlp": {wide}, "hidden_size_per_layer_input": {per_layer},
+            "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106]}}"#,
+            layer_types.join(", ")
+        ))
+    }
+
     #[test]
     fn presets_have_the_published_sizes() {
         // Parameter counts of the published models (text weights, tied embedding).
@@ -995,6 +1156,10 @@ mod preset_tests {
         }
         let c = GemmaConfig::preset("gemma3-4b").unwrap();
         assert_eq!((c.rope(LayerType::FullAttention).factor, c.sliding_window), (8.0, Some(1024)));
+        for name in GemmaConfig::PRESETS {
+            let from_json = GemmaConfig::from_hf_json(&preset_json(name)).unwrap();
+            assert_eq!(GemmaConfig::preset(name).unwrap(), from_json, "{name}: the value and its config.json differ");
+        }
         assert!(GemmaConfig::preset("gemma3-2b").unwrap_err().to_string().contains("gemma3-1b"));
     }
 }

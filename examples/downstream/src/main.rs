@@ -24,7 +24,7 @@ fn main() -> Result<(), burn_gemma::Error> {
     eprintln!("sum on the fused backend: {}", fused.sum().into_scalar());
 
     let checkpoint = burn_gemma::Checkpoint::open(&model)?;
-    let loaded = checkpoint.load::<Wgpu>(&LoadOptions::new().weights(WeightFormat::Dense))?;
+    let loaded = checkpoint.load(LoadOptions::<Wgpu>::new().weights(WeightFormat::Dense))?;
     let mut generator = Generator::new(loaded.model, checkpoint.tokenizer()?)?;
     let config = GenerationConfig { max_new_tokens: 8, ..Default::default() };
     let out = generator.generate(&prompt, &config, |text| print!("{text}"))?;
