@@ -222,7 +222,8 @@ impl<B: GemmaBackend> burn_gemma_model::WeightSource<B> for HostRandomWeights {
 fn random_1b_logits<B: GemmaBackend>(dtype: DType, device: &B::Device) -> Vec<Vec<f32>> {
     let config = burn_gemma::GemmaConfig::preset("gemma3-1b").unwrap();
     let vocab = config.vocab_size;
-    let model = burn_gemma::Gemma::<B>::load(config, &mut HostRandomWeights(0x9E37_79B9), dtype, device).unwrap();
+    let options = burn_gemma::ModelOptions::dense(dtype);
+    let model = burn_gemma::Gemma::<B>::load(config, &mut HostRandomWeights(0x9E37_79B9), &options, device).unwrap();
     let prompt: Vec<u32> = (0..530u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
     let mut cache = model.new_cache(1, 540).unwrap();
     let mut steps = Vec::new();
