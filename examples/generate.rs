@@ -14,7 +14,8 @@ use burn_gemma::{
         cpu_threads, dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads,
         BackendKind, BackendTask,
     },
-    Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig, StopReason,
+    Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig,
+    StopReason,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -183,6 +184,9 @@ impl BackendTask for Run {
                 eprintln!();
                 if output.stop == StopReason::Interrupted {
                     eprintln!("interrupted");
+                }
+                if let Some(EagerReason::GraphFailed(reason)) = generator.eager_reason() {
+                    eprintln!("note: decoding ran eagerly, the CUDA graph failed: {reason}");
                 }
                 eprintln!("{}", output.stats);
             }
