@@ -884,7 +884,8 @@ impl Gemma4Preset {
             num_kv_shared_layers: self.shared_kv_layers,
             use_double_wide_mlp: self.double_wide_mlp,
             hidden_size_per_layer_input: self.per_layer_width,
-            vocab_size_per_layer_input: 262_144,
+            // The per-layer table's rows (none without per-layer inputs).
+            vocab_size_per_layer_input: if self.per_layer_width > 0 { 262_144 } else { 0 },
             moe: None,
         }
     }
