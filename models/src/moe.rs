@@ -83,13 +83,7 @@ impl<B: GemmaBackend> Router<B> {
         let [_, tokens, experts] = scores.dims();
         let probabilities = softmax(scores.reshape([tokens, experts]).cast(DType::F32), 1);
         burn_gemma_kernels::graph::unsupported(|| "a mixture-of-experts layer (its routes are read back)".into());
-        let data = probabilities
-            .try_into_data()
-            .map_err(|e| ModelError::ReadBack { what: "expert routes", reason: format!("{e:?}") })?;
-        let values = data
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| ModelError::ReadBack { what: "expert routes", reason: format!("{e:?}") })?;
+        let values = burn_gemma_kernels::read_back(probabilities, "expert routes")?;
         let tokens = values.chunks(experts.max(1)).map(|row| self.pick(row)).collect();
         Ok(Routes { tokens })
     }
