@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
 //! cargo run --release --example generate -- --chat            # interactive multi-turn chat
+//! cargo run --release --example generate -- --model gemma4.gguf --chat --thinking --prompt "Why is the sky blue?"
 //! ```
 //!
 //! stdout receives exactly the generated text; progress, the chosen backend and the final
@@ -14,6 +15,7 @@ use burn_gemma::{
         cpu_threads, dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads,
         BackendKind, BackendTask,
     },
+    chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
     Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig,
     StopReason,
 };
@@ -44,6 +46,14 @@ struct Args {
     /// Wrap the prompt in the Gemma chat template; without --prompt, start an interactive chat.
     #[arg(long)]
     chat: bool,
+    /// Chat only: instructions for the model (Gemma 4's system turn; Gemma 1-3 read them at the
+    /// head of the first message).
+    #[arg(long)]
+    system: Option<String>,
+    /// Chat only, Gemma 4: the model thinks before it answers; its thought goes to stderr
+    /// (dimmed on a terminal), the answer to stdout.
+    #[arg(long)]
+    thinking: bool,
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// 0 is greedy.
@@ -169,10 +179,29 @@ impl BackendTask for Run {
             std::thread::sleep(std::time::Duration::from_millis(20));
         });
 
+        if self.args.chat {
+            let thinking = if self.args.thinking { Thinking::On } else { Thinking::Off };
+            generator.set_system(SystemTurn { instructions: self.args.system.clone(), thinking, tools: Vec::new() })?;
+        }
         let mut stdout = std::io::stdout();
+        let dim = std::io::stderr().is_terminal();
+        // In chat, a Gemma 4 thought channel goes to stderr and the answer to stdout.
+        let mut router = ReplyRouter::default();
+        let chat = self.args.chat;
         let mut emit = |text: &str| {
-            let _ = stdout.write_all(text.as_bytes());
-            let _ = stdout.flush();
+            if !chat {
+                let _ = stdout.write_all(text.as_bytes());
+                let _ = stdout.flush();
+                return;
+            }
+            router.push(text, |part, text| match part {
+                ReplyPart::Answer => {
+                    let _ = stdout.write_all(text.as_bytes());
+                    let _ = stdout.flush();
+                }
+                ReplyPart::Thought if dim => eprint!("\x1b[2m{text}\x1b[0m"),
+                ReplyPart::Thought => eprint!("{text}"),
+            });
         };
         match self.prompt {
             Some(prompt) => {
@@ -244,6 +273,9 @@ fn real_main(args: Args) -> Result<(), CliError> {
         seed: args.seed,
     };
     sampling.validate()?;
+    if (args.thinking || args.system.is_some()) && !args.chat {
+        return Err(CliError::from("--thinking and --system shape a chat: add --chat"));
+    }
     if args.max_new_tokens == 0 {
         return Err(CliError::from("--max-new-tokens must be at least 1"));
     }

@@ -213,13 +213,17 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
         let mask = AttentionMask { q_offset: depth - 1, k_offset: 0, window: None };
         let options = AttentionOptions { mask, scale: 0.0625, softcap: None };
         let dense = || KvView::Dense { keys: kc.clone(), values: vc.clone() };
-        let k = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), dense(), &options));
+        let k = time::<B, _>(d, reps, || {
+            B::grouped_attention(q.clone(), dense(), &options).expect("a host position reads nothing back")
+        });
         let r = time::<B, _>(d, reps, || attention::reference(q.clone(), kc.clone(), vc.clone(), &options));
         row("decode attention", &format!("8q/4kv x {depth}"), k, r, (2 * 4 * depth * 256) as f64 * e);
         // The same over an int8 cache (codes + one f32 scale per position and head); the
         // reference column is the dense kernel above.
         let int8 = B::kv_write(B::kv_zeros([1, 4, depth, 256], KvFormat::Int8, d), kc.clone(), vc.clone(), 0);
-        let k8 = time::<B, _>(d, reps, || B::grouped_attention(q.clone(), int8.view(depth), &options));
+        let k8 = time::<B, _>(d, reps, || {
+            B::grouped_attention(q.clone(), int8.view(depth), &options).expect("a host position reads nothing back")
+        });
         row("decode attention, int8 KV", &format!("8q/4kv x {depth}"), k8, k, (2 * 4 * depth * (256 + 4)) as f64);
     }
 
@@ -250,6 +254,7 @@ fn kernels<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
             AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale: 0.0625, softcap: None };
         let k = time::<B, _>(d, reps.min(10), || {
             B::grouped_attention(q.clone(), KvView::Dense { keys: kc.clone(), values: vc.clone() }, &options)
+                .expect("a host position reads nothing back")
         });
         let r = time::<B, _>(d, reps.min(10), || attention::reference(q.clone(), kc.clone(), vc.clone(), &options));
         let visible = (0..t).map(|i| window.map_or(i + 1, |w| (i + 1).min(w))).sum::<usize>() as f64;

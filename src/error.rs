@@ -66,6 +66,9 @@ pub enum TokenizerError {
     /// The tokenizer has more tokens than the model's embedding table.
     #[error("tokenizer has {tokenizer} tokens but the model only {model}")]
     VocabularyTooLarge { tokenizer: usize, model: usize },
+    /// An entry of GGUF `tokenizer.ggml.merges` that is not `"left right"`.
+    #[error("GGUF merge {index} is {merge:?}, not two pieces separated by a space")]
+    BadMerge { index: usize, merge: String },
     /// A byte that the vocabulary cannot spell.
     #[error("no byte-fallback token for byte 0x{0:02X}")]
     NoByteFallback(u8),
@@ -142,6 +145,15 @@ pub enum RequestError {
          --cuda-graph auto"
     )]
     CudaGraphWithPenalty,
+    /// Thinking or tool calls asked of a model before Gemma 4.
+    #[error("{feature} need a Gemma 4 model (its chat template); this model's has none")]
+    Gemma4Only { feature: &'static str },
+    /// [`crate::Generator::send_tool_responses`] with no responses.
+    #[error("no tool responses to send")]
+    NoToolResponses,
+    /// Tool responses with no conversation to continue.
+    #[error("no conversation to continue: start one with a chat turn")]
+    NoConversation,
 }
 
 /// A command-line style option that does not parse ([`crate::backends::resolve_weights`] and

@@ -1,7 +1,7 @@
 //! Text generation over a [`Gemma`] model: streaming, stop conditions, chat history, statistics.
 
 use crate::{
-    chat::{self, ChatTemplate},
+    chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
     error::{BackendError, RequestError, TokenizerError},
     sampling::{Sampler, SamplingConfig},
     tokenizer::Bos,
@@ -293,6 +293,10 @@ pub struct Generator<B: GemmaBackend> {
     graph_off: Option<EagerReason>,
     /// The model's chat layout.
     template: ChatTemplate,
+    /// How a conversation opens (see [`Generator::set_system`]).
+    system: SystemTurn,
+    /// Stop tokens of the model and its chat layout, before [`Generator::set_system`]'s.
+    base_stops: Vec<u32>,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -312,6 +316,8 @@ impl<B: GemmaBackend> Generator<B> {
             model,
             tokenizer,
             template,
+            system: SystemTurn::default(),
+            base_stops: default_stops.clone(),
             cache: None,
             context: Vec::new(),
             default_stops,
@@ -329,6 +335,12 @@ impl<B: GemmaBackend> Generator<B> {
     /// The model.
     pub fn model(&self) -> &Gemma<B> {
         &self.model
+    }
+
+    /// The tokens of the conversation so far: prompts and generated tokens, as the cache holds
+    /// them.
+    pub fn context(&self) -> &[u32] {
+        &self.context
     }
 
     /// The tokenizer.
@@ -370,6 +382,68 @@ impl<B: GemmaBackend> Generator<B> {
         self.tokenizer.encode(prompt, Bos::Prepend)
     }
 
+    /// Sets how chat conversations open and starts a new one: instructions, thinking and tool
+    /// declarations (Gemma 4's system turn; Gemma 1-3 take instructions only, at the head of the
+    /// first user turn, as their template does). With tools declared, generation also stops
+    /// where the model hands over to a tool (`<|tool_response>`); answer with
+    /// [`Generator::send_tool_responses`], and split replies with
+    /// [`crate::chat::ModelReply::parse`].
+    pub fn set_system(&mut self, system: SystemTurn) -> Result<(), Error> {
+        if self.template != ChatTemplate::Gemma4 {
+            let feature = match (&system.thinking, system.tools.is_empty()) {
+                (Thinking::On, _) => Some("thinking"),
+                (_, false) => Some("tool calls"),
+                _ => None,
+            };
+            if let Some(feature) = feature {
+                return Err(RequestError::Gemma4Only { feature }.into());
+            }
+        }
+        let mut stops = self.base_stops.clone();
+        if !system.tools.is_empty() {
+            stops.extend(self.tokenizer.token_id("<|tool_response>"));
+        }
+        stops.sort_unstable();
+        stops.dedup();
+        self.default_stops = stops;
+        self.system = system;
+        self.reset();
+        Ok(())
+    }
+
+    /// Continues the model's turn after it called tools (generation stopped at
+    /// `<|tool_response>`): the responses go into the context as the chat template writes them
+    /// and the model goes on from there. Gemma 4 only.
+    pub fn send_tool_responses(
+        &mut self,
+        responses: &[ToolResponse],
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
+        let ids = self.tool_response_ids(responses)?;
+        self.continue_ids(&ids, config, on_text)
+    }
+
+    fn tool_response_ids(&self, responses: &[ToolResponse]) -> Result<Vec<u32>, Error> {
+        if self.template != ChatTemplate::Gemma4 {
+            return Err(RequestError::Gemma4Only { feature: "tool calls" }.into());
+        }
+        if responses.is_empty() {
+            return Err(RequestError::NoToolResponses.into());
+        }
+        if self.context.is_empty() {
+            return Err(RequestError::NoConversation.into());
+        }
+        // The model opened the first response itself where it stopped on `<|tool_response>`.
+        let opened = self.context.last().copied() == self.tokenizer.token_id("<|tool_response>");
+        let text: String = responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| if i == 0 && opened { r.render_after_open() } else { r.render() })
+            .collect();
+        self.tokenizer.encode(&text, Bos::Omit)
+    }
+
     /// One chat turn: appends the user's message in the model's chat template to the conversation and
     /// generates the model's reply.
     pub fn chat(
@@ -397,7 +471,16 @@ impl<B: GemmaBackend> Generator<B> {
             }
             text.push_str(chat::TURN_SEPARATOR);
         }
-        text.push_str(&self.template.user_turn(message));
+        match (self.context.is_empty(), self.template, &self.system.instructions) {
+            (true, ChatTemplate::Gemma4, _) => {
+                text.push_str(&self.system.render());
+                text.push_str(&self.template.user_turn(message));
+            }
+            (true, ChatTemplate::Gemma, Some(instructions)) => {
+                text.push_str(&self.template.user_turn(&format!("{instructions}\n\n{message}")));
+            }
+            _ => text.push_str(&self.template.user_turn(message)),
+        }
         self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })
     }
 

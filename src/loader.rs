@@ -412,18 +412,10 @@ fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
 fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
     let missing = TokenizerError::MissingMetadata;
     let model = meta(file, "tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
-    if model == "gemma4" {
+    if model != "llama" && model != "gemma4" {
         return Err(TokenizerError::UnsupportedModel {
             model: model.into(),
-            hint: "Gemma 4's BPE tokenizer is not built from GGUF metadata yet: load the model's HF directory \
-                   (its tokenizer.json) to generate text",
-        }
-        .into());
-    }
-    if model != "llama" {
-        return Err(TokenizerError::UnsupportedModel {
-            model: model.into(),
-            hint: "only SentencePiece vocabularies (`llama`) are built from GGUF metadata",
+            hint: "GGUF vocabularies are built for `llama` (SentencePiece, Gemma 1-3) and `gemma4` (BPE)",
         }
         .into());
     }
@@ -431,10 +423,6 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
         .and_then(Value::as_array)
         .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
         .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
-    let scores = meta(file, "tokenizer.ggml.scores")
-        .and_then(Value::as_array)
-        .and_then(|a| a.iter().map(|v| v.as_f64().map(|f| f as f32)).collect::<Option<Vec<_>>>())
-        .ok_or_else(|| missing("tokenizer.ggml.scores"))?;
     let types = meta(file, "tokenizer.ggml.token_type")
         .and_then(Value::as_array)
         .and_then(|a| {
@@ -455,5 +443,16 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
             vocab,
         })?,
     };
+    if model == "gemma4" {
+        let merges = meta(file, "tokenizer.ggml.merges")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| missing("tokenizer.ggml.merges"))?;
+        return Tokenizer::from_bpe_vocab(tokens, types, &merges, bos);
+    }
+    let scores = meta(file, "tokenizer.ggml.scores")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|v| v.as_f64().map(|f| f as f32)).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| missing("tokenizer.ggml.scores"))?;
     Tokenizer::from_vocab(tokens, scores, types, bos)
 }

@@ -391,3 +391,28 @@ fn sharded_checkpoint_loads_like_the_single_file() {
     };
     assert_eq!(logits(&dir), logits(&src));
 }
+
+/// A decode step whose position buffer holds no valid position fails with a read-back error
+/// naming the position (the reference kernels read it back to the host), and the cache whose
+/// store that step was writing refuses later steps instead of computing on a lost store.
+#[test]
+fn decode_step_with_a_bad_device_position_is_an_error() {
+    use burn::tensor::{Int, Tensor, TensorData};
+    use burn_gemma::ModelError;
+    use burn_gemma_kernels::SamplingParams;
+    use burn_gemma_model::StepInputs;
+    let device = Default::default();
+    let dir = common::fixtures().join("tiny-gemma/gemma3");
+    let model = Checkpoint::open(&dir).unwrap().load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let mut cache = model.new_cache(1, 16).unwrap();
+    let mut inputs = StepInputs::<NdArray>::zeros(1, 8, &device);
+    inputs.position = Tensor::<NdArray, 1, Int>::from_data(TensorData::new(vec![-3i64], [1]), &device);
+    let greedy = SamplingParams::GREEDY;
+    let message = match model.decode_step(&inputs, &mut cache, &greedy) {
+        Err(e @ ModelError::ReadBack { .. }) => e.to_string(),
+        other => panic!("expected a read-back error, got {:?}", other.map(|_| ())),
+    };
+    assert_contains(message, "the step's position");
+    inputs.position = Tensor::<NdArray, 1, Int>::from_data(TensorData::new(vec![0i64], [1]), &device);
+    assert!(matches!(model.decode_step(&inputs, &mut cache, &greedy), Err(ModelError::CacheLost)));
+}

@@ -49,6 +49,8 @@ fn bad_flags_fail_cleanly() {
         (vec!["--max-new-tokens", "0"], "max-new-tokens"),
         (vec!["--backend", "tpu"], "unknown backend"),
         (vec!["--dtype", "f8"], "unknown dtype"),
+        (vec!["--thinking"], "add --chat"),
+        (vec!["--system", "Be brief."], "add --chat"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["--model", model.as_str(), "--prompt", "hi"];

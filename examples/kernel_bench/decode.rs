@@ -298,7 +298,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
             per_token,
             |_| {
                 // The kernel writes the store's buffers in place: the clone shares them.
-                B::qkv_rope_append(qkv.clone(), &layout, store.clone()).0
+                B::qkv_rope_append(qkv.clone(), &layout, store.clone()).expect("a host position reads nothing back").0
             },
         );
     }
@@ -333,7 +333,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
                 |i| {
                     let view: KvView<'_, B> =
                         KvView::Decode { store: &stores[i % copies], position: StepPosition::Host(depth - 1) };
-                    B::grouped_attention(q.clone(), view, &options)
+                    B::grouped_attention(q.clone(), view, &options).expect("a host position reads nothing back")
                 },
             );
         }

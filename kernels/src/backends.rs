@@ -3,7 +3,7 @@
 use crate::{
     cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
     GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError,
-    QuantizedMatrix, ReservedMemory, RopeTables, SamplingParams, StepPosition,
+    QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, SamplingParams, StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -200,7 +200,7 @@ where
         qkv: Tensor<Self, 2>,
         layout: &QkvLayout<Self>,
         store: KvStore<Self>,
-    ) -> (Tensor<Self, 4>, KvStore<Self>) {
+    ) -> Result<(Tensor<Self, 4>, KvStore<Self>), ReadBackError> {
         use crate::qkv::kernel::{qkv_rope_append, Layout, Store};
         let args = Layout {
             heads: layout.heads,
@@ -217,7 +217,7 @@ where
             KvStore::Dense { keys, values } => {
                 let (keys, values) = (cube::float_strided(keys), cube::float_strided(values));
                 let q = qkv_rope_append(qkv, &args, Store::Dense { keys: &keys, values: &values });
-                (cube::tensor(q), KvStore::Dense { keys: cube::tensor(keys), values: cube::tensor(values) })
+                Ok((cube::tensor(q), KvStore::Dense { keys: cube::tensor(keys), values: cube::tensor(values) }))
             }
             KvStore::Int8 { keys, values } => {
                 let (k_codes, k_scales) = (cube::int(keys.codes), cube::float(keys.scales));
@@ -229,7 +229,7 @@ where
                     Int8Kv { codes: cube::int_tensor(k_codes), scales: cube::tensor(k_scales), shape: keys.shape };
                 let values =
                     Int8Kv { codes: cube::int_tensor(v_codes), scales: cube::tensor(v_scales), shape: values.shape };
-                (cube::tensor(q), KvStore::Int8 { keys, values })
+                Ok((cube::tensor(q), KvStore::Int8 { keys, values }))
             }
         }
     }
@@ -240,7 +240,11 @@ where
 
     /// A [`KvView::Decode`] with its position on the device attends to the whole store, the
     /// decode kernel reading the position (and so the visible slots) when it runs.
-    fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
+    fn grouped_attention(
+        q: Tensor<Self, 4>,
+        kv: KvView<'_, Self>,
+        options: &AttentionOptions,
+    ) -> Result<Tensor<Self, 4>, ReadBackError> {
         use crate::attention::kernel::{attention, Kv};
         let int8 = |keys: &Int8Kv<Self>, values: &Int8Kv<Self>, len| Kv::Int8 {
             k_codes: cube::int(keys.codes.clone()),
@@ -255,8 +259,10 @@ where
         };
         let q = cube::float_strided(q);
         match kv {
-            KvView::Dense { keys, values } => cube::tensor(attention(q, dense(keys, values), options, None)),
-            KvView::Int8 { keys, values, len } => cube::tensor(attention(q, int8(keys, values, len), options, None)),
+            KvView::Dense { keys, values } => Ok(cube::tensor(attention(q, dense(keys, values), options, None)?)),
+            KvView::Int8 { keys, values, len } => {
+                Ok(cube::tensor(attention(q, int8(keys, values, len), options, None)?))
+            }
             KvView::Decode { store, position: StepPosition::Host(p) } => {
                 let (visible, mask) = crate::step::decode_visible(p, store.shape()[2], options.mask.window);
                 let options = AttentionOptions { mask, ..*options };
@@ -267,7 +273,7 @@ where
                     }
                     KvStore::Int8 { keys, values } => int8(keys, values, visible),
                 };
-                cube::tensor(attention(q, kv, &options, None))
+                Ok(cube::tensor(attention(q, kv, &options, None)?))
             }
             KvView::Decode { store, position: device @ StepPosition::Device { .. } } => {
                 let slots = store.shape()[2];
@@ -275,7 +281,7 @@ where
                     KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
                     KvStore::Int8 { keys, values } => int8(keys, values, slots),
                 };
-                cube::tensor(attention(q, kv, options, Some(position(&device))))
+                Ok(cube::tensor(attention(q, kv, options, Some(position(&device)))?))
             }
         }
     }

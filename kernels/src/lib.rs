@@ -224,11 +224,13 @@ pub trait GemmaBackend: ReservedMemory {
     ///
     /// - `qkv`: `[batch, layout.width()]`, one position per sequence;
     /// - returns the queries `[batch, heads, 1, head_dim]` in `qkv`'s dtype, and the store.
+    ///
+    /// Fails only where a position on the device must be read back and the read fails.
     fn qkv_rope_append(
         qkv: Tensor<Self, 2>,
         layout: &QkvLayout<Self>,
         store: KvStore<Self>,
-    ) -> (Tensor<Self, 4>, KvStore<Self>) {
+    ) -> Result<(Tensor<Self, 4>, KvStore<Self>), ReadBackError> {
         qkv::reference(qkv, layout, store)
     }
 
@@ -243,7 +245,13 @@ pub trait GemmaBackend: ReservedMemory {
     ///
     /// - `q`: `[batch, q_heads, q_len, head_dim]`; `kv`: `kv_heads` heads with `q_heads %
     ///   kv_heads == 0`; returns `[batch, q_heads, q_len, head_dim]` in `q`'s dtype.
-    fn grouped_attention(q: Tensor<Self, 4>, kv: KvView<'_, Self>, options: &AttentionOptions) -> Tensor<Self, 4> {
+    ///
+    /// Fails only where a position on the device must be read back and the read fails.
+    fn grouped_attention(
+        q: Tensor<Self, 4>,
+        kv: KvView<'_, Self>,
+        options: &AttentionOptions,
+    ) -> Result<Tensor<Self, 4>, ReadBackError> {
         let (keys, values, options) = match kv {
             KvView::Dense { keys, values } => (keys, values, *options),
             KvView::Int8 { keys, values, len } => {
@@ -252,12 +260,12 @@ pub trait GemmaBackend: ReservedMemory {
                 (keys, values, *options)
             }
             KvView::Decode { store, position } => {
-                let (visible, mask) = step::decode_visible(position.resolve(), store.shape()[2], options.mask.window);
+                let (visible, mask) = step::decode_visible(position.resolve()?, store.shape()[2], options.mask.window);
                 let (keys, values) = Self::kv_read(store, 0..visible, q.dtype());
                 (keys, values, AttentionOptions { mask, ..*options })
             }
         };
-        attention::reference(q, keys, values, &options)
+        Ok(attention::reference(q, keys, values, &options))
     }
 
     /// A store of `shape` = `[batch, kv_heads, slots, head_dim]` in `format` (int8: `head_dim` a

@@ -85,9 +85,9 @@ pub fn reference<B: GemmaBackend>(
     qkv: Tensor<B, 2>,
     layout: &QkvLayout<B>,
     store: KvStore<B>,
-) -> (Tensor<B, 4>, KvStore<B>) {
+) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, _] = qkv.dims();
-    let position = layout.position.resolve();
+    let position = layout.position.resolve()?;
     let slot = step::slot(position, store.shape()[2]);
     let d = layout.head_dim;
     let part =
@@ -98,7 +98,7 @@ pub fn reference<B: GemmaBackend>(
     let q = rotate(part(0, layout.heads), norm(|n| &n.query));
     let (heads, kv_heads) = (layout.heads, layout.kv_heads);
     let v = match layout.kv {
-        KvRows::Shared => return (q, store),
+        KvRows::Shared => return Ok((q, store)),
         KvRows::Projected => part(heads + kv_heads, kv_heads),
         KvRows::FromKeys => part(heads, kv_heads),
     };
@@ -112,7 +112,7 @@ pub fn reference<B: GemmaBackend>(
         _ => v,
     };
     let store = B::kv_write(store, k, v, slot);
-    (q, store)
+    Ok((q, store))
 }
 
 /// CubeCL kernels: one cube per `(head row, sequence)`, where head rows run over the query,
@@ -617,8 +617,9 @@ mod gpu {
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
                 let format = if int8 { KvFormat::Int8 } else { KvFormat::Dense(dtype) };
                 let (store, reference_store) = stores::<B>(format, [batch, kv_heads, slots, dim], dtype, device);
-                let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store);
-                let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store);
+                let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store).expect("the step position reads back");
+                let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store)
+                    .expect("the step position reads back");
                 let what = format!(
                     "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm:?} {kv:?} int8 {int8} device position {on_device}"
                 );

@@ -8,7 +8,7 @@
 //! rewrites before each replay ([`StepPosition::Device`]), and grids are sized by a bound on
 //! `p` instead of `p` itself.
 
-use crate::{graph, AttentionMask};
+use crate::{graph, AttentionMask, ReadBackError};
 use burn::tensor::{backend::Backend, Int, Tensor};
 
 /// Where a decode step's position comes from.
@@ -25,13 +25,17 @@ pub enum StepPosition<B: Backend> {
 impl<B: Backend> StepPosition<B> {
     /// The position on the host: read back from the device for [`StepPosition::Device`] (a
     /// synchronizing read, which a recorded step cannot replay: recording is marked as failed).
-    pub fn resolve(&self) -> usize {
+    /// Fails when the read fails or the buffer holds a negative position.
+    pub fn resolve(&self) -> Result<usize, ReadBackError> {
         match self {
-            Self::Host(p) => *p,
+            Self::Host(p) => Ok(*p),
             Self::Device { values, .. } => {
                 graph::unsupported(|| "an operation read the step's position back to the host".into());
-                let data = values.clone().slice(0..1).into_data().convert::<i64>();
-                data.as_slice::<i64>().ok().and_then(|v| v.first().copied()).unwrap_or(0).max(0) as usize
+                let fail = |reason: String| ReadBackError { what: "the step's position", reason };
+                let data = values.clone().slice(0..1).try_into_data().map_err(|e| fail(format!("{e:?}")))?;
+                let value = data.convert::<i64>().into_vec::<i64>().map_err(|e| fail(format!("{e:?}")))?;
+                let value = value.first().copied().ok_or_else(|| fail("the buffer is empty".into()))?;
+                usize::try_from(value).map_err(|_| fail(format!("the buffer holds {value}, not a position")))
             }
         }
     }

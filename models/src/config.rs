@@ -3,9 +3,9 @@
 //! `sliding_window_pattern` keys) or built from GGUF metadata by the loader, and validated before
 //! anything is allocated.
 
+use crate::hf_config::HfConfig;
 use crate::ModelError;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 /// Which Gemma generation a checkpoint belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,325 +167,11 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig { field, reason: reason.into() }
 }
 
-fn get_usize(obj: &Map<String, Value>, key: &'static str) -> Result<Option<usize>, ModelError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| invalid(key, format!("must be a non-negative integer, found {v}"))),
-    }
-}
-
-fn require_usize(obj: &Map<String, Value>, key: &'static str) -> Result<usize, ModelError> {
-    get_usize(obj, key)?.ok_or_else(|| invalid(key, "is missing"))
-}
-
-fn get_f64(obj: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, ModelError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| invalid(key, format!("must be a number, found {v}"))),
-    }
-}
-
-fn get_str<'a>(obj: &'a Map<String, Value>, key: &'static str) -> Result<Option<&'a str>, ModelError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => Err(invalid(key, format!("must be a string, found {v}"))),
-    }
-}
-
-/// Parses one RoPE entry (`{"rope_type", "rope_theta", "factor"}`), with `theta` as fallback.
-fn rope_entry(entry: Option<&Value>, theta: Option<f64>, field: &'static str) -> Result<RopeConfig, ModelError> {
-    let empty = Map::new();
-    let obj = match entry {
-        None | Some(Value::Null) => &empty,
-        Some(Value::Object(o)) => o,
-        Some(v) => return Err(invalid(field, format!("must be an object, found {v}"))),
-    };
-    let rope_type = get_str(obj, "rope_type")?.or(get_str(obj, "type")?).unwrap_or("default");
-    let partial = get_f64(obj, "partial_rotary_factor")?;
-    let (factor, partial_rotary_factor) = match rope_type {
-        "default" => (1.0, 1.0),
-        "linear" => (get_f64(obj, "factor")?.ok_or_else(|| invalid(field, "linear scaling needs `factor`"))?, 1.0),
-        // Frequencies over the full head size, the pairs past the rotated share left as they are.
-        "proportional" => (get_f64(obj, "factor")?.unwrap_or(1.0), partial.unwrap_or(1.0)),
-        other => return Err(ModelError::UnsupportedConfig { field, value: format!("rope_type {other:?}") }),
-    };
-    if rope_type != "proportional" && partial.is_some_and(|p| p != 1.0) {
-        return Err(ModelError::UnsupportedConfig {
-            field,
-            value: format!("partial_rotary_factor with rope_type {rope_type:?} (only `proportional` takes it)"),
-        });
-    }
-    let rope_theta = get_f64(obj, "rope_theta")?.or(theta).unwrap_or(10_000.0);
-    Ok(RopeConfig { rope_theta, factor, partial_rotary_factor })
-}
-
-/// The head size and KV heads of Gemma 4's full layers: from `per_layer_config` (which 5.23
-/// writes: one override, the same for every full layer and none for sliding layers), else
-/// `global_head_dim` (default 512) and `num_global_key_value_heads` (read where
-/// `attention_k_eq_v`, as HF does).
-fn gemma4_full_shape(
-    obj: &Map<String, Value>,
-    layer_types: &[LayerType],
-    base: (usize, usize),
-    k_eq_v: bool,
-) -> Result<(usize, usize), ModelError> {
-    let field = "per_layer_config";
-    let Some(per_layer) = obj.get(field).filter(|v| !v.is_null()) else {
-        let head_dim = get_usize(obj, "global_head_dim")?.unwrap_or(512);
-        let kv_heads = if k_eq_v { get_usize(obj, "num_global_key_value_heads")? } else { None };
-        return Ok((head_dim, kv_heads.unwrap_or(base.1)));
-    };
-    let per_layer = per_layer.as_object().ok_or_else(|| invalid(field, "must be an object"))?;
-    let mut full_shape: Option<(usize, usize)> = None;
-    for (key, entry) in per_layer {
-        let index: usize = key.parse().map_err(|_| invalid(field, format!("has key {key:?}, not a layer index")))?;
-        let entry = entry.as_object().ok_or_else(|| invalid(field, format!("entry {key} must be an object")))?;
-        if let Some(other) = entry.keys().find(|k| !matches!(k.as_str(), "head_dim" | "num_key_value_heads")) {
-            return Err(ModelError::UnsupportedConfig { field, value: format!("override of `{other}` (layer {key})") });
-        }
-        match layer_types.get(index) {
-            Some(LayerType::FullAttention) => {}
-            Some(LayerType::SlidingAttention) => {
-                return Err(ModelError::UnsupportedConfig {
-                    field,
-                    value: format!("override of sliding layer {index} (only full layers differ)"),
-                })
-            }
-            None => return Err(invalid(field, format!("names layer {index} of {}", layer_types.len()))),
-        }
-        let shape = (
-            get_usize(entry, "head_dim")?.unwrap_or(base.0),
-            get_usize(entry, "num_key_value_heads")?.unwrap_or(base.1),
-        );
-        if full_shape.is_some_and(|s| s != shape) {
-            return Err(invalid(field, "gives the full layers different shapes"));
-        }
-        full_shape = Some(shape);
-    }
-    let full_layers = layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
-    if full_shape.is_some() && per_layer.len() != full_layers {
-        return Err(invalid(field, format!("overrides {} of the {full_layers} full layers", per_layer.len())));
-    }
-    Ok(full_shape.unwrap_or(base))
-}
-
 impl GemmaConfig {
-    /// Parses an HF `config.json`. A multimodal `gemma3` config is read through its `text_config`.
+    /// Parses an HF `config.json` ([`HfConfig`], resolved by `TryFrom`). A multimodal config is
+    /// read through its `text_config`.
     pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
-        let root: Value = serde_json::from_str(json)?;
-        let root = root.as_object().ok_or_else(|| invalid("config", "must be a JSON object"))?;
-        let top_type = get_str(root, "model_type")?.unwrap_or("");
-        let (obj, model_type) = match root.get("text_config") {
-            Some(Value::Object(text)) => {
-                let default = if top_type == "gemma4" { "gemma4_text" } else { "gemma3_text" };
-                (text, get_str(text, "model_type")?.unwrap_or(default))
-            }
-            _ => (root, top_type),
-        };
-        let model_type = if model_type.is_empty() { top_type } else { model_type };
-        if model_type.is_empty() {
-            return Err(invalid("model_type", "is missing"));
-        }
-        let arch = Architecture::from_name(model_type)?;
-
-        let activation =
-            get_str(obj, "hidden_activation")?.or(get_str(obj, "hidden_act")?).unwrap_or("gelu_pytorch_tanh");
-        // Gemma 1 configs say `gelu`; every Gemma checkpoint was trained with the tanh approximation,
-        // which transformers also uses for them.
-        if !matches!(activation, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu") {
-            return Err(ModelError::UnsupportedConfig { field: "hidden_activation", value: activation.to_string() });
-        }
-        if obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
-            return Err(ModelError::UnsupportedConfig { field: "tie_word_embeddings", value: "false".into() });
-        }
-
-        let hidden_size = require_usize(obj, "hidden_size")?;
-        let num_attention_heads = require_usize(obj, "num_attention_heads")?;
-        let num_hidden_layers = require_usize(obj, "num_hidden_layers")?;
-        let head_dim = match get_usize(obj, "head_dim")? {
-            Some(d) => d,
-            None if num_attention_heads > 0 => hidden_size / num_attention_heads,
-            None => 0,
-        };
-        let sliding_window = match arch {
-            Architecture::Gemma => None,
-            _ => get_usize(obj, "sliding_window")?,
-        };
-
-        let layer_types = match obj.get("layer_types") {
-            Some(Value::Array(items)) if arch != Architecture::Gemma => items
-                .iter()
-                .map(|v| match v.as_str() {
-                    Some("sliding_attention") => Ok(LayerType::SlidingAttention),
-                    Some("full_attention") => Ok(LayerType::FullAttention),
-                    _ => Err(invalid("layer_types", format!("has unknown entry {v}"))),
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            Some(other) if arch != Architecture::Gemma && !other.is_null() => {
-                return Err(invalid("layer_types", format!("must be an array of layer type names, found {other}")));
-            }
-            _ => {
-                let pattern = match arch {
-                    Architecture::Gemma => None,
-                    Architecture::Gemma2 => Some(2),
-                    Architecture::Gemma4 => Some(6),
-                    Architecture::Gemma3 => Some(
-                        get_usize(obj, "sliding_window_pattern")?
-                            .or(get_usize(obj, "_sliding_window_pattern")?)
-                            .unwrap_or(6),
-                    ),
-                };
-                default_layer_types(num_hidden_layers, pattern)?
-            }
-        };
-
-        if layer_types.len() != num_hidden_layers {
-            return Err(invalid(
-                "layer_types",
-                format!("has {} entries for {num_hidden_layers} layers", layer_types.len()),
-            ));
-        }
-        if arch == Architecture::Gemma4 && layer_types.last() != Some(&LayerType::FullAttention) {
-            return Err(invalid(
-                "layer_types",
-                "must end with a full_attention layer (Gemma 4's last layer is global)",
-            ));
-        }
-        let (rope_full_attention, rope_sliding_attention) = match obj.get("rope_parameters") {
-            None | Some(Value::Null) if arch == Architecture::Gemma4 => (
-                RopeConfig { rope_theta: 1_000_000.0, factor: 1.0, partial_rotary_factor: 0.25 },
-                RopeConfig { rope_theta: 10_000.0, factor: 1.0, partial_rotary_factor: 1.0 },
-            ),
-            Some(Value::Object(params))
-                if params.contains_key("full_attention") || params.contains_key("sliding_attention") =>
-            {
-                (
-                    rope_entry(params.get("full_attention"), None, "rope_parameters.full_attention")?,
-                    rope_entry(params.get("sliding_attention"), None, "rope_parameters.sliding_attention")?,
-                )
-            }
-            Some(Value::Object(_)) => {
-                let rope = rope_entry(obj.get("rope_parameters"), None, "rope_parameters")?;
-                (rope, rope)
-            }
-            _ => {
-                let theta = get_f64(obj, "rope_theta")?;
-                let global = rope_entry(obj.get("rope_scaling"), theta, "rope_scaling")?;
-                let local = match arch {
-                    Architecture::Gemma3 => RopeConfig {
-                        rope_theta: get_f64(obj, "rope_local_base_freq")?.unwrap_or(10_000.0),
-                        factor: 1.0,
-                        partial_rotary_factor: 1.0,
-                    },
-                    _ => global,
-                };
-                (global, local)
-            }
-        };
-
-        let eos_token_id = match obj.get("eos_token_id").or(root.get("eos_token_id")) {
-            None | Some(Value::Null) => vec![1],
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|n| u32::try_from(n).ok())
-                        .ok_or_else(|| invalid("eos_token_id", format!("bad entry {v}")))
-                })
-                .collect::<Result<_, _>>()?,
-            Some(v) => vec![v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| invalid("eos_token_id", format!("bad value {v}")))?],
-        };
-        let bos = get_usize(obj, "bos_token_id")?.or(get_usize(root, "bos_token_id")?).unwrap_or(2);
-
-        let num_key_value_heads = get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
-        let get_bool = |key: &'static str| match obj.get(key) {
-            None | Some(Value::Null) => Ok(false),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(invalid(key, format!("must be true or false, found {v}"))),
-        };
-        let gemma4 = arch == Architecture::Gemma4;
-        let attention_k_eq_v = gemma4 && get_bool("attention_k_eq_v")?;
-        let (global_head_dim, num_global_key_value_heads) = if gemma4 {
-            if let Some(mode) = get_str(obj, "use_bidirectional_attention")? {
-                return Err(ModelError::UnsupportedConfig {
-                    field: "use_bidirectional_attention",
-                    value: format!("{mode:?} (text generation is causal)"),
-                });
-            }
-            gemma4_full_shape(obj, &layer_types, (head_dim, num_key_value_heads), attention_k_eq_v)?
-        } else {
-            (head_dim, num_key_value_heads)
-        };
-        let moe = if gemma4 && get_bool("enable_moe_block")? {
-            let need = |key: &'static str| {
-                get_usize(obj, key)?.ok_or_else(|| invalid(key, "is missing (enable_moe_block is true)"))
-            };
-            Some(MoeConfig {
-                num_experts: need("num_experts")?,
-                top_k_experts: need("top_k_experts")?,
-                moe_intermediate_size: need("moe_intermediate_size")?,
-            })
-        } else {
-            None
-        };
-        let (num_kv_shared_layers, use_double_wide_mlp, hidden_size_per_layer_input, vocab_size_per_layer_input) =
-            if gemma4 {
-                let width = get_usize(obj, "hidden_size_per_layer_input")?.unwrap_or(0);
-                // The table's rows only matter where there is a table.
-                let rows = if width > 0 { get_usize(obj, "vocab_size_per_layer_input")?.unwrap_or(262_144) } else { 0 };
-                (get_usize(obj, "num_kv_shared_layers")?.unwrap_or(0), get_bool("use_double_wide_mlp")?, width, rows)
-            } else {
-                (0, false, 0, 0)
-            };
-
-        let config = GemmaConfig {
-            model_type: arch,
-            vocab_size: require_usize(obj, "vocab_size")?,
-            hidden_size,
-            intermediate_size: require_usize(obj, "intermediate_size")?,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            global_head_dim,
-            num_global_key_value_heads,
-            rms_norm_eps: get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
-            max_position_embeddings: get_usize(obj, "max_position_embeddings")?.unwrap_or(8192),
-            // Gemma 4 attends with a scale of 1 (its QK-norm sets the magnitude) and no softcap.
-            query_pre_attn_scalar: if gemma4 {
-                1.0
-            } else {
-                get_f64(obj, "query_pre_attn_scalar")?.unwrap_or(head_dim as f64)
-            },
-            attn_logit_softcapping: if gemma4 { None } else { get_f64(obj, "attn_logit_softcapping")? },
-            final_logit_softcapping: get_f64(obj, "final_logit_softcapping")?,
-            sliding_window: if gemma4 {
-                Some(get_usize(obj, "sliding_window")?.unwrap_or(512))
-            } else {
-                sliding_window
-            },
-            layer_types,
-            rope_full_attention,
-            rope_sliding_attention,
-            bos_token_id: u32::try_from(bos).map_err(|_| invalid("bos_token_id", "is too large"))?,
-            eos_token_id,
-            attention_k_eq_v,
-            num_kv_shared_layers,
-            use_double_wide_mlp,
-            hidden_size_per_layer_input,
-            vocab_size_per_layer_input,
-            moe,
-        };
-        config.validate()?;
-        Ok(config)
+        Self::try_from(HfConfig::from_json(json)?)
     }
 
     /// Names accepted by [`GemmaConfig::preset`].
@@ -920,6 +606,7 @@ pub const MAX_LAYERS: usize = 4096;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
 
@@ -988,6 +675,7 @@ mod tests {
 #[cfg(test)]
 mod gemma4_tests {
     use super::*;
+    use serde_json::Value;
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
 

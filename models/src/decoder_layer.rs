@@ -112,7 +112,7 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         per_layer_input: Option<(Tensor<B, 4>, usize)>,
     ) -> Result<ResidualStream<'a, B>, ModelError> {
         let (stream, h) = stream.norm(&self.input_layernorm);
-        let h = self.self_attn.forward(h, rope, cache, position);
+        let h = self.self_attn.forward(h, rope, cache, position)?;
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
         let h = self.mlp.forward(h);

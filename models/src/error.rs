@@ -7,11 +7,15 @@ pub enum ModelError {
     #[error("config is not valid JSON for a Gemma model: {0}")]
     ConfigJson(#[from] serde_json::Error),
     /// The checkpoint is for another architecture.
-    #[error("not a Gemma model: model_type / architecture is {0:?} (expected gemma, gemma2, gemma3 or gemma3_text)")]
+    #[error("not a Gemma model: model_type / architecture is {0:?} (expected gemma, gemma2, gemma3(_text) or gemma4(_text))")]
     NotGemma(String),
     /// A config value is missing or out of range.
     #[error("invalid config: `{field}` {reason}")]
     InvalidConfig { field: &'static str, reason: String },
+    /// A config value has the wrong type; `path` names it as it sits in the JSON
+    /// (`text_config.num_hidden_layers`, `layer_types[3]`).
+    #[error("invalid config: `{path}`: {reason}")]
+    ConfigValue { path: String, reason: String },
     /// A config value names a feature this crate does not implement.
     #[error("unsupported config: `{field}` = {value}")]
     UnsupportedConfig { field: &'static str, value: String },
@@ -45,6 +49,10 @@ pub enum ModelError {
     /// A result could not be read back from the device.
     #[error("reading {what} back from the device failed: {reason}")]
     ReadBack { what: &'static str, reason: String },
+    /// A layer's KV store was lost when an earlier step failed (a device read failed while the
+    /// store was being written); make a new cache.
+    #[error("the KV cache lost a layer's store when an earlier step failed; make a new cache")]
+    CacheLost,
     /// Decode could not be recorded or replayed as a CUDA graph.
     #[error(transparent)]
     Graph(#[from] burn_gemma_kernels::graph::GraphError),

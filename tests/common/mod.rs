@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod gguf;
+
 use std::path::PathBuf;
 
 /// `$BURN_GEMMA_FIXTURES`, else the repository's `tests/fixtures` (the override lets test

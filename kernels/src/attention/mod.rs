@@ -200,20 +200,21 @@ pub(crate) mod kernel {
     /// With `position` on the device (one decode query over a whole store, see
     /// [`crate::StepPosition`]), the decode kernel reads it and derives the visible slots and
     /// the mask offsets; only `options.mask.window` is used. Shapes the decode kernel does not
-    /// take read the position back to the host (which a recorded step cannot replay).
+    /// take read the position back to the host (which a recorded step cannot replay), and fail
+    /// only where that read fails.
     pub fn attention<R: CubeRuntime>(
         q: CubeTensor<R>,
         kv: Kv<R>,
         options: &AttentionOptions,
         position: Option<Position<R>>,
-    ) -> CubeTensor<R> {
+    ) -> Result<CubeTensor<R>, crate::ReadBackError> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
         let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
         if batch * q_heads * q_len * dim == 0 {
-            return out;
+            return Ok(out);
         }
         let shared = q.client.properties().hardware.max_shared_memory_size;
-        match (super::decode::tiling(&q, &kv, shared), position) {
+        Ok(match (super::decode::tiling(&q, &kv, shared), position) {
             (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position),
             (None, None | Some(Position::Host(_))) => match kv {
                 // Prefill-sized blocks of dense keys on matrix units: the GEMM path.
@@ -229,19 +230,24 @@ pub(crate) mod kernel {
             },
             (None, Some(Position::Device { values, .. })) => {
                 crate::graph::unsupported(|| format!("no decode attention kernel for head size {dim}"));
-                let p = read_position(&values);
+                let p = read_position(&values)?;
                 let (_, k_len, _) = kv.sizes();
                 // The causal mask of the position hides the slots past the visible ones.
                 let (_, mask) = crate::step::decode_visible(p, k_len, options.mask.window);
                 super::tiled::attention(q, kv, out, &AttentionOptions { mask, ..*options })
             }
-        }
+        })
     }
 
-    /// `values[0]` of a step buffer, read back to the host.
-    fn read_position<R: CubeRuntime>(values: &CubeTensor<R>) -> usize {
-        let bytes = values.client.read_one(values.handle.clone()).map(|b| b.to_vec()).unwrap_or_default();
-        bytes.get(..4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+    /// `values[0]` (its low 32 bits, as the kernels read it) of a step buffer, read back to the
+    /// host.
+    fn read_position<R: CubeRuntime>(values: &CubeTensor<R>) -> Result<usize, crate::ReadBackError> {
+        let fail = |reason: String| crate::ReadBackError { what: "the step's position", reason };
+        let bytes = values.client.read_one(values.handle.clone()).map_err(|e| fail(format!("{e:?}")))?;
+        match bytes.get(..4) {
+            Some(b) => Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize),
+            None => Err(fail(format!("the buffer holds {} bytes", bytes.len()))),
+        }
     }
 }
 
@@ -376,7 +382,7 @@ mod gpu {
             let scale = 1.0 / (dim as f64).sqrt() * 2.0;
             let options = AttentionOptions { mask, scale, softcap };
             let kv = KvView::Dense { keys: k.clone(), values: v.clone() };
-            let got = B::grouped_attention(q.clone(), kv, &options);
+            let got = B::grouped_attention(q.clone(), kv, &options).expect("host positions read nothing back");
             assert_eq!(got.dtype(), dtype);
             // Against f64 host attention on the same (rounded) inputs: a reference through the
             // backend's matmul would inherit its precision (TF32-class on CUDA).
@@ -431,7 +437,8 @@ mod gpu {
                 for (how, at) in
                     [("host", StepPosition::Host(position)), ("device", StepPosition::Device { values, bound })]
                 {
-                    let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options);
+                    let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options)
+                        .expect("the step position reads back");
                     let what = format!(
                         "decode b{batch} hq{hq} hkv{hkv} slots {slots} d{dim} at {position} window {window:?} {format} position on the {how}"
                     );

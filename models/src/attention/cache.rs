@@ -4,7 +4,9 @@
 use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
-use burn_gemma_kernels::{AttentionMask, AttentionOptions, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout};
+use burn_gemma_kernels::{
+    AttentionMask, AttentionOptions, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout, ReadBackError,
+};
 
 /// The score settings of a layer's attention: scale and optional logit softcap.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,12 +52,17 @@ impl<B: GemmaBackend> LayerCache<B> {
         Self { store: Some(B::kv_zeros(dims, format, device)), span, shared_chunk: None, shared }
     }
 
-    /// Runs `f` on the store and keeps the store it returns.
-    fn update<T>(&mut self, f: impl FnOnce(KvStore<B>) -> (T, KvStore<B>)) -> T {
-        let Some(store) = self.store.take() else { unreachable!("the store is put back after every update") };
-        let (out, store) = f(store);
+    /// Runs `f` on the store and keeps the store it returns. Where `f` fails (a device read
+    /// failed) the store is lost with it, and this layer refuses every later step
+    /// ([`ModelError::CacheLost`]).
+    fn update<T>(
+        &mut self,
+        f: impl FnOnce(KvStore<B>) -> Result<(T, KvStore<B>), ReadBackError>,
+    ) -> Result<T, ModelError> {
+        let store = self.store.take().ok_or(ModelError::CacheLost)?;
+        let (out, store) = f(store)?;
         self.store = Some(store);
-        out
+        Ok(out)
     }
 
     /// Decode: appends one position per sequence from the joined projection `qkv` (`[batch,
@@ -65,13 +72,18 @@ impl<B: GemmaBackend> LayerCache<B> {
     /// The slot and the visible slots follow from the position and the store's size
     /// ([`burn_gemma_kernels::step`]), which [`Span`] sized: a full store has a slot per
     /// position, a sliding-window store is a ring of the window.
-    pub fn decode(&mut self, qkv: Tensor<B, 2>, layout: &QkvLayout<B>, scores: Scores) -> Tensor<B, 4> {
+    pub fn decode(
+        &mut self,
+        qkv: Tensor<B, 2>,
+        layout: &QkvLayout<B>,
+        scores: Scores,
+    ) -> Result<Tensor<B, 4>, ModelError> {
         let mask = AttentionMask { q_offset: 0, k_offset: 0, window: self.span.window() };
         self.update(|store| {
-            let (q, store) = B::qkv_rope_append(qkv, layout, store);
+            let (q, store) = B::qkv_rope_append(qkv, layout, store)?;
             let view = KvView::Decode { store: &store, position: layout.position.clone() };
-            let out = B::grouped_attention(q, view, &scores.with(mask));
-            (out, store)
+            let out = B::grouped_attention(q, view, &scores.with(mask))?;
+            Ok((out, store))
         })
     }
 
@@ -87,14 +99,14 @@ impl<B: GemmaBackend> LayerCache<B> {
         values: Tensor<B, 4>,
         position: usize,
         scores: Scores,
-    ) -> Tensor<B, 4> {
+    ) -> Result<Tensor<B, 4>, ModelError> {
         let t = keys.dims()[2];
         match self.span {
             Span::Full => self.update(|store| {
                 let store = B::kv_write(store, keys, values, position);
                 let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
-                let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
-                (out, store)
+                let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask))?;
+                Ok((out, store))
             }),
             Span::Ring(w) => {
                 let shared = self.shared;
@@ -116,16 +128,16 @@ impl<B: GemmaBackend> LayerCache<B> {
                         AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
                     let chunk = shared.then(|| SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask });
                     let kv = KvView::Dense { keys: all_k, values: all_v };
-                    let out = B::grouped_attention(q, kv, &scores.with(mask));
+                    let out = B::grouped_attention(q, kv, &scores.with(mask))?;
                     let mut store = store;
                     for (rows, slot) in ring_writes(position, t, w) {
                         let rows = s![.., .., rows, ..];
                         store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
                     }
-                    ((out, chunk), store)
-                });
+                    Ok(((out, chunk), store))
+                })?;
                 self.shared_chunk = chunk;
-                out
+                Ok(out)
             }
         }
     }
@@ -133,17 +145,23 @@ impl<B: GemmaBackend> LayerCache<B> {
     /// A KV-sharing layer's chunk (Gemma 4): attends `q` (`[batch, q_heads, t, head_dim]`, at
     /// positions `position..position + t`) over what this layer's own chunk at the same
     /// positions attended over, without writing. Returns `[batch, q_heads, t, head_dim]`.
-    pub fn prefill_shared(&mut self, q: Tensor<B, 4>, position: usize, t: usize, scores: Scores) -> Tensor<B, 4> {
+    pub fn prefill_shared(
+        &mut self,
+        q: Tensor<B, 4>,
+        position: usize,
+        t: usize,
+        scores: Scores,
+    ) -> Result<Tensor<B, 4>, ModelError> {
         match (self.span, &self.shared_chunk) {
             (Span::Ring(_), Some(chunk)) => {
                 let kv = KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() };
-                B::grouped_attention(q, kv, &scores.with(chunk.mask))
+                Ok(B::grouped_attention(q, kv, &scores.with(chunk.mask))?)
             }
             _ => {
                 let mask = AttentionMask { q_offset: position, k_offset: 0, window: self.span.window() };
                 self.update(|store| {
-                    let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask));
-                    (out, store)
+                    let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask))?;
+                    Ok((out, store))
                 })
             }
         }

@@ -105,7 +105,7 @@ impl<B: GemmaBackend> Attention<B> {
         rope: &RopeTables<B>,
         cache: &mut LayerCache<B>,
         position: &StepPosition<B>,
-    ) -> Tensor<B, 3> {
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let s = &self.settings;
         let [batch, seq, _] = x.dims();
         let qkv = self.qkv_proj.forward(x);
@@ -122,10 +122,10 @@ impl<B: GemmaBackend> Attention<B> {
                 norm: self.head_norms(),
             };
             let width = layout.width();
-            cache.decode(qkv.reshape([batch, width]), &layout, s.scores)
+            cache.decode(qkv.reshape([batch, width]), &layout, s.scores)?
         } else {
             let d = s.head_dim;
-            let position = position.resolve();
+            let position = position.resolve()?;
             // `[batch, seq, n * d]` -> `[batch, n, seq, d]`.
             let heads = |first: usize, n: usize| {
                 qkv.clone()
@@ -150,10 +150,10 @@ impl<B: GemmaBackend> Attention<B> {
                     };
                     cache.prefill(q, k, v, position, s.scores)
                 }
-            }
+            }?
             .swap_dims(1, 2)
         };
-        self.o_proj.forward(out.reshape([batch, seq, s.num_heads * s.head_dim]))
+        Ok(self.o_proj.forward(out.reshape([batch, seq, s.num_heads * s.head_dim])))
     }
 
     /// The per-head norms the decode kernel applies, where the layer has them.

@@ -1,4 +1,10 @@
-//! The Gemma chat templates.
+//! The Gemma chat templates: plain turns for every generation ([`ChatTemplate`]), and Gemma 4's
+//! system turn, thinking and tool calls ([`gemma4`]).
+
+pub mod gemma4;
+pub mod gemma4_value;
+
+pub use gemma4::{ModelReply, ReplyPart, ReplyRouter, SystemTurn, Thinking, ToolCall, ToolDeclaration, ToolResponse};
 
 use burn_gemma_model::Architecture;
 

@@ -1,17 +1,21 @@
-//! Gemma tokenizers: `tokenizer.json` through the `tokenizers` crate, or the SentencePiece-style
-//! BPE embedded in a GGUF file (vocabulary, scores, token types, byte fallback).
+//! Gemma tokenizers: `tokenizer.json` through the `tokenizers` crate, or the vocabulary embedded
+//! in a GGUF file: SentencePiece-style BPE by piece scores (Gemma 1-3, [`spm`]) or Gemma 4's BPE
+//! by merge ranks ([`bpe`]), both with byte fallback.
 //!
-//! Special tokens (GGUF control and user-defined types, e.g. `<start_of_turn>`, runs of newlines)
-//! are matched in the text as single tokens, as Hugging Face tokenizers do.
+//! Special tokens (GGUF control and user-defined types, e.g. `<start_of_turn>`, `<|tool_call>`,
+//! runs of newlines) are matched in the text as single tokens ([`specials`]), as Hugging Face
+//! tokenizers and llama.cpp do.
+
+mod bpe;
+mod merge;
+mod specials;
+mod spm;
 
 use crate::{error::TokenizerError, Error};
-use std::{
-    cmp::Ordering,
-    collections::{BinaryHeap, HashMap},
-    path::Path,
-};
+use specials::{Fragment, Specials};
+use std::{collections::HashMap, path::Path};
 
-/// SentencePiece token types as stored in GGUF `tokenizer.ggml.token_type`.
+/// Token types as stored in GGUF `tokenizer.ggml.token_type`.
 const TYPE_NORMAL: i32 = 1;
 const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
@@ -40,16 +44,59 @@ pub struct Tokenizer {
 
 enum Engine {
     Hf(Box<tokenizers::Tokenizer>),
-    Spm(Box<Spm>),
+    Gguf { specials: Specials, merges: Box<GgufMerges> },
 }
 
-/// SentencePiece BPE: merge the adjacent pair whose merged piece scores highest, leftmost first.
-struct Spm {
-    scores: Vec<f32>,
-    types: Vec<i32>,
-    /// Special tokens matched atomically, grouped by first character, longest first.
-    specials: HashMap<char, Vec<(String, u32)>>,
-    byte_tokens: [Option<u32>; 256],
+/// How a GGUF vocabulary merges symbols.
+enum GgufMerges {
+    Spm(spm::Spm),
+    Bpe(bpe::Bpe),
+}
+
+/// The byte-fallback tokens (`<0xXX>`) of a vocabulary.
+struct ByteTokens([Option<u32>; 256]);
+
+impl ByteTokens {
+    /// Appends the byte tokens that spell `piece`.
+    fn spell(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), Error> {
+        for &b in piece.as_bytes() {
+            out.push(self.0[b as usize].ok_or(TokenizerError::NoByteFallback(b))?);
+        }
+        Ok(())
+    }
+}
+
+/// The parts of a GGUF vocabulary both merge schemes share.
+struct GgufParts {
+    token_bytes: Vec<Vec<u8>>,
+    pieces: HashMap<String, u32>,
+    specials: Specials,
+    bytes: ByteTokens,
+}
+
+impl GgufParts {
+    fn new(tokens: Vec<String>, types: &[i32]) -> Self {
+        let mut pieces = HashMap::with_capacity(tokens.len());
+        let mut specials = Specials::default();
+        let mut byte_tokens = [None; 256];
+        let mut token_bytes = Vec::with_capacity(tokens.len());
+        for (id, (piece, &ty)) in tokens.into_iter().zip(types).enumerate() {
+            let id = id as u32;
+            let bytes = piece_bytes(&piece);
+            if ty == TYPE_BYTE {
+                if let [b] = bytes[..] {
+                    byte_tokens[b as usize] = Some(id);
+                }
+            }
+            if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
+                specials.insert(&piece, id);
+            }
+            token_bytes.push(bytes);
+            pieces.entry(piece).or_insert(id);
+        }
+        specials.finish();
+        Self { token_bytes, pieces, specials, bytes: ByteTokens(byte_tokens) }
+    }
 }
 
 /// Tokens that mark sequence structure and decode to nothing.
@@ -93,7 +140,8 @@ impl Tokenizer {
         Ok(Self { engine: Engine::Hf(Box::new(inner)), token_bytes, pieces, bos })
     }
 
-    /// Builds the tokenizer from GGUF vocabulary arrays.
+    /// Builds a SentencePiece tokenizer (GGUF `tokenizer.ggml.model = "llama"`, Gemma 1-3) from
+    /// the GGUF vocabulary arrays.
     pub fn from_vocab(tokens: Vec<String>, scores: Vec<f32>, types: Vec<i32>, bos: u32) -> Result<Self, Error> {
         if tokens.is_empty() || tokens.len() != scores.len() || tokens.len() != types.len() {
             return Err(TokenizerError::VocabularyArrays {
@@ -103,33 +151,33 @@ impl Tokenizer {
             }
             .into());
         }
-        let mut pieces = HashMap::with_capacity(tokens.len());
-        let mut specials: HashMap<char, Vec<(String, u32)>> = HashMap::new();
-        let mut byte_tokens = [None; 256];
-        let mut token_bytes = Vec::with_capacity(tokens.len());
-        for (id, piece) in tokens.into_iter().enumerate() {
-            let id = id as u32;
-            let ty = types[id as usize];
-            token_bytes.push(piece_bytes(&piece));
-            if ty == TYPE_BYTE {
-                if let [b] = token_bytes[id as usize][..] {
-                    byte_tokens[b as usize] = Some(id);
-                }
-            }
-            if ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED {
-                if let Some(first) = piece.chars().next() {
-                    specials.entry(first).or_default().push((piece.clone(), id));
-                }
-            }
-            pieces.entry(piece).or_insert(id);
-        }
-        for list in specials.values_mut() {
-            list.sort_by_key(|entry| std::cmp::Reverse(entry.0.len()));
-        }
+        let parts = GgufParts::new(tokens, &types);
+        let merges = Box::new(GgufMerges::Spm(spm::Spm { scores, types, bytes: parts.bytes }));
         Ok(Self {
-            engine: Engine::Spm(Box::new(Spm { scores, types, specials, byte_tokens })),
-            token_bytes,
-            pieces,
+            engine: Engine::Gguf { specials: parts.specials, merges },
+            token_bytes: parts.token_bytes,
+            pieces: parts.pieces,
+            bos,
+        })
+    }
+
+    /// Builds Gemma 4's BPE tokenizer (GGUF `tokenizer.ggml.model = "gemma4"`) from the GGUF
+    /// vocabulary, token types and merges (`"left right"`, in rank order).
+    pub fn from_bpe_vocab(tokens: Vec<String>, types: Vec<i32>, merges: &[String], bos: u32) -> Result<Self, Error> {
+        if tokens.is_empty() || tokens.len() != types.len() {
+            return Err(TokenizerError::VocabularyArrays {
+                tokens: tokens.len(),
+                scores: tokens.len(),
+                types: types.len(),
+            }
+            .into());
+        }
+        let parts = GgufParts::new(tokens, &types);
+        let merges = Box::new(GgufMerges::Bpe(bpe::Bpe::new(merges, parts.bytes)?));
+        Ok(Self {
+            engine: Engine::Gguf { specials: parts.specials, merges },
+            token_bytes: parts.token_bytes,
+            pieces: parts.pieces,
             bos,
         })
     }
@@ -160,7 +208,15 @@ impl Tokenizer {
                 let enc = t.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
                 ids.extend_from_slice(enc.get_ids());
             }
-            Engine::Spm(spm) => spm.encode(text, &self.pieces, &mut ids)?,
+            Engine::Gguf { specials, merges } => {
+                for fragment in specials.split(text) {
+                    match (fragment, merges.as_ref()) {
+                        (Fragment::Token(id), _) => ids.push(id),
+                        (Fragment::Text(t), GgufMerges::Spm(spm)) => spm.encode(t, &self.pieces, &mut ids)?,
+                        (Fragment::Text(t), GgufMerges::Bpe(bpe)) => bpe.encode(t, &self.pieces, &mut ids)?,
+                    }
+                }
+            }
         }
         Ok(ids)
     }
@@ -176,117 +232,6 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> String {
         let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id).iter().copied()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Symbol {
-    start: usize,
-    end: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
-}
-
-#[derive(Debug, PartialEq)]
-struct Candidate {
-    score: f32,
-    left: usize,
-    /// Byte length of the merged text when pushed, to detect stale entries.
-    len: usize,
-}
-
-impl Eq for Candidate {}
-impl PartialOrd for Candidate {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Candidate {
-    fn cmp(&self, other: &Self) -> Ordering {
-        // Highest score first, then leftmost.
-        self.score.total_cmp(&other.score).then_with(|| other.left.cmp(&self.left))
-    }
-}
-
-impl Spm {
-    fn encode(&self, text: &str, pieces: &HashMap<String, u32>, out: &mut Vec<u32>) -> Result<(), Error> {
-        let mut segment_start = 0;
-        let mut i = 0;
-        while i < text.len() {
-            let rest = &text[i..];
-            let Some(c) = rest.chars().next() else { break };
-            let special =
-                self.specials.get(&c).and_then(|list| list.iter().find(|(p, _)| rest.starts_with(p.as_str())));
-            if let Some((piece, id)) = special {
-                self.encode_segment(&text[segment_start..i], pieces, out)?;
-                out.push(*id);
-                i += piece.len();
-                segment_start = i;
-            } else {
-                i += c.len_utf8();
-            }
-        }
-        self.encode_segment(&text[segment_start..], pieces, out)
-    }
-
-    fn encode_segment(&self, text: &str, pieces: &HashMap<String, u32>, out: &mut Vec<u32>) -> Result<(), Error> {
-        if text.is_empty() {
-            return Ok(());
-        }
-        let norm: String = text.chars().map(|c| if c == ' ' { SPACE } else { c }).collect();
-        let mut symbols: Vec<Symbol> = Vec::new();
-        for (start, c) in norm.char_indices() {
-            let n = symbols.len();
-            symbols.push(Symbol { start, end: start + c.len_utf8(), prev: n.checked_sub(1), next: None });
-            if n > 0 {
-                symbols[n - 1].next = Some(n);
-            }
-        }
-        let mut heap = BinaryHeap::new();
-        let push = |heap: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: usize| {
-            let Some(right) = symbols[left].next else { return };
-            let merged = &norm[symbols[left].start..symbols[right].end];
-            if let Some(&id) = pieces.get(merged) {
-                if self.types[id as usize] == TYPE_NORMAL {
-                    heap.push(Candidate { score: self.scores[id as usize], left, len: merged.len() });
-                }
-            }
-        };
-        for left in 0..symbols.len() {
-            push(&mut heap, &symbols, left);
-        }
-        while let Some(Candidate { left, len, .. }) = heap.pop() {
-            let Some(right) = symbols[left].next else { continue };
-            if symbols[left].end == symbols[left].start || symbols[right].end - symbols[left].start != len {
-                continue; // stale
-            }
-            symbols[left].end = symbols[right].end;
-            symbols[left].next = symbols[right].next;
-            if let Some(n) = symbols[right].next {
-                symbols[n].prev = Some(left);
-            }
-            symbols[right].start = symbols[right].end; // mark dead
-            if let Some(p) = symbols[left].prev {
-                push(&mut heap, &symbols, p);
-            }
-            push(&mut heap, &symbols, left);
-        }
-        let mut cursor = Some(0);
-        while let Some(idx) = cursor {
-            let sym = symbols[idx];
-            let piece = &norm[sym.start..sym.end];
-            match pieces.get(piece) {
-                Some(&id) => out.push(id),
-                None => {
-                    for b in piece.as_bytes() {
-                        let id = self.byte_tokens[*b as usize].ok_or(TokenizerError::NoByteFallback(*b))?;
-                        out.push(id);
-                    }
-                }
-            }
-            cursor = sym.next;
-        }
-        Ok(())
     }
 }
 
