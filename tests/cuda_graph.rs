@@ -172,7 +172,7 @@ fn gemma4_graph_equals_eager_or_says_why() {
         let options = LoadOptions::<B>::new().device(d.clone()).dtype(DType::F32).weights(WeightFormat::Dense);
         Checkpoint::open(&dir).unwrap().load(options).unwrap().model
     };
-    for name in ["gemma4-dense", "gemma4-e"] {
+    for name in ["gemma4-dense", "gemma4-e", "gemma4-unified"] {
         compare(&open(name), &prompt, 60, SamplingParams::GREEDY, 1e-4, &format!("{name} greedy"));
     }
     for (name, needle) in [("gemma4-moe", "mixture-of-experts")] {

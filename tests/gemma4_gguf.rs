@@ -90,7 +90,9 @@ fn write_gguf(name: &str, vocab: Option<&Gemma4Vocab>) -> PathBuf {
     g.meta(&a("rope.freq_base"), Meta::F32(1_000_000.0));
     g.meta(&a("rope.freq_base_swa"), Meta::F32(10_000.0));
     g.meta(&a("attention.shared_kv_layers"), Meta::U32(u("num_kv_shared_layers")));
-    g.meta(&a("embedding_length_per_layer_input"), Meta::U32(u("hidden_size_per_layer_input")));
+    // Gemma 4 12B's config has no per-layer inputs (nor the key).
+    let per_layer = config["hidden_size_per_layer_input"].as_u64().unwrap_or(0) as u32;
+    g.meta(&a("embedding_length_per_layer_input"), Meta::U32(per_layer));
     g.meta(&a("attention.sliding_window_pattern"), Meta::Bools(layer_types.clone()));
     g.meta(&a("attention.key_length"), Meta::U32(head_full));
     g.meta(&a("attention.value_length"), Meta::U32(head_full));
@@ -142,7 +144,11 @@ fn write_gguf(name: &str, vocab: Option<&Gemma4Vocab>) -> PathBuf {
     }
     let out = std::env::temp_dir().join(format!("burn-gemma-tests-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
-    let path = out.join(format!("{name}.gguf"));
+    // One file per call: tests run in parallel and each maps its own file (rewriting a file
+    // another test has mapped would pull its pages away).
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let path = out.join(format!("{name}-{call}.gguf"));
     std::fs::write(&path, g.bytes()).unwrap();
     path
 }
@@ -161,7 +167,7 @@ fn logits(path: &Path, input: &[u32]) -> (Vec<f32>, burn_gemma::GemmaConfig) {
 
 #[test]
 fn gemma4_gguf_matches_safetensors() {
-    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe"] {
+    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe", "gemma4-unified"] {
         let dir = common::fixtures().join("tiny-gemma").join(name);
         let reference = common::read_json(dir.join("reference.json"));
         let input = common::ids(&reference["input_ids"]);

@@ -11,7 +11,7 @@ struct Case {
     tolerance: f32,
 }
 
-const CASES: [Case; 8] = [
+const CASES: [Case; 9] = [
     Case { name: "gemma1", tolerance: 1e-3 },
     Case { name: "gemma2", tolerance: 1e-3 },
     Case { name: "gemma3", tolerance: 1e-3 },
@@ -24,6 +24,9 @@ const CASES: [Case; 8] = [
     Case { name: "gemma4-dense", tolerance: 1e-3 },
     // 4 experts, top 2, beside the dense MLP.
     Case { name: "gemma4-moe", tolerance: 1e-3 },
+    // Gemma 4 12B's text decoder (`gemma4_unified_text`): no per-layer inputs, no experts,
+    // projected values on full layers of two KV heads.
+    Case { name: "gemma4-unified", tolerance: 1e-3 },
 ];
 
 /// Largest logit error over all positions, and the greedy continuation.
@@ -123,7 +126,7 @@ fn tiny_models_match_reference_on_cuda() {
 fn gemma4_decode_path_matches_reference_on_cuda() {
     let device = Default::default();
     let mut failures = Vec::new();
-    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe"] {
+    for name in ["gemma4-e", "gemma4-dense", "gemma4-moe", "gemma4-unified"] {
         let dir = common::fixtures().join("tiny-gemma").join(name);
         let reference = common::read_json(dir.join("reference.json"));
         let (model, _) = Checkpoint::open(&dir)
@@ -265,13 +268,14 @@ fn random_gemma3_1b_matches_cpu_on_cuda() {
 /// The fixtures the quantized kernels are checked on: every architecture, and a second set of
 /// the Gemma 3 and 4 shapes with other random weights (`tiny-gemma-seed8`, made by
 /// `scripts/make_fixtures.py new`).
-const QUANT_FIXTURES: [&str; 10] = [
+const QUANT_FIXTURES: [&str; 11] = [
     "tiny-gemma/gemma1",
     "tiny-gemma/gemma2",
     "tiny-gemma/gemma3",
     "tiny-gemma/gemma4-e",
     "tiny-gemma/gemma4-dense",
     "tiny-gemma/gemma4-moe",
+    "tiny-gemma/gemma4-unified",
     "tiny-gemma-seed8/gemma3",
     "tiny-gemma-seed8/gemma4-e",
     "tiny-gemma-seed8/gemma4-dense",

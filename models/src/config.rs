@@ -16,7 +16,8 @@ pub enum Architecture {
     Gemma2,
     /// Gemma 3 (`gemma3_text`, or the language model of `gemma3`): QK-norm, 5:1 local/global.
     Gemma3,
-    /// Gemma 4 (`gemma4_text`, or the language model of `gemma4`): norms that scale by `w`, a
+    /// Gemma 4 (`gemma4_text`, `gemma4_unified_text`, or the language model of `gemma4` /
+    /// `gemma4_unified`): norms that scale by `w`, a
     /// second attention shape on full layers, value norms, and optionally shared KV layers,
     /// per-layer embeddings and a routed expert block.
     Gemma4,
@@ -29,7 +30,9 @@ impl Architecture {
             "gemma" => Ok(Self::Gemma),
             "gemma2" => Ok(Self::Gemma2),
             "gemma3" | "gemma3_text" => Ok(Self::Gemma3),
-            "gemma4" | "gemma4_text" => Ok(Self::Gemma4),
+            // Gemma 4 12B (`gemma4_unified`): Gemma 4's text decoder without per-layer inputs
+            // or experts.
+            "gemma4" | "gemma4_text" | "gemma4_unified" | "gemma4_unified_text" => Ok(Self::Gemma4),
             other => Err(ModelError::NotGemma(other.to_string())),
         }
     }

@@ -7,7 +7,7 @@ pub enum ModelError {
     #[error("config is not valid JSON for a Gemma model: {0}")]
     ConfigJson(#[from] serde_json::Error),
     /// The checkpoint is for another architecture.
-    #[error("not a Gemma model: model_type / architecture is {0:?} (expected gemma, gemma2, gemma3(_text) or gemma4(_text))")]
+    #[error("not a Gemma model: model_type / architecture is {0:?} (expected gemma, gemma2, gemma3(_text), gemma4(_text) or gemma4_unified(_text))")]
     NotGemma(String),
     /// A config value is missing or out of range.
     #[error("invalid config: `{field}` {reason}")]

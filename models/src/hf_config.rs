@@ -362,9 +362,12 @@ impl TryFrom<HfConfig> for GemmaConfig {
         let model_type = match c.model_type.as_deref() {
             Some(t) if !t.is_empty() => t,
             _ if hf.nested && top_type == "gemma4" => "gemma4_text",
+            _ if hf.nested && top_type == "gemma4_unified" => "gemma4_unified_text",
             _ if hf.nested => "gemma3_text",
             _ => top_type,
         };
+        // Gemma 4 12B's config class: other defaults, no per-layer inputs, no experts.
+        let unified = model_type.starts_with("gemma4_unified");
         if model_type.is_empty() {
             return Err(invalid("model_type", "is missing"));
         }
@@ -408,6 +411,19 @@ impl TryFrom<HfConfig> for GemmaConfig {
         } else {
             (head_dim, num_key_value_heads)
         };
+        if unified {
+            for (field, present) in [
+                ("hidden_size_per_layer_input", c.hidden_size_per_layer_input.is_some_and(|w| w > 0)),
+                ("enable_moe_block", c.enable_moe_block == Some(true)),
+            ] {
+                if present {
+                    return Err(ModelError::UnsupportedConfig {
+                        field,
+                        value: format!("in a {model_type} config (that model has none)"),
+                    });
+                }
+            }
+        }
         let moe = if gemma4 && c.enable_moe_block == Some(true) {
             let need = |key: &'static str, v: Option<usize>| {
                 v.ok_or_else(|| invalid(key, "is missing (enable_moe_block is true)"))
@@ -420,7 +436,11 @@ impl TryFrom<HfConfig> for GemmaConfig {
         } else {
             None
         };
-        let per_layer_width = if gemma4 { c.hidden_size_per_layer_input.unwrap_or(0) } else { 0 };
+        // HF's Gemma 4 text config defaults to 256-wide per-layer inputs; Gemma 4 12B has none.
+        let per_layer_width = match (gemma4, unified) {
+            (true, false) => c.hidden_size_per_layer_input.unwrap_or(256),
+            _ => 0,
+        };
         // The table's rows only matter where there is a table.
         let per_layer_rows = if per_layer_width > 0 { c.vocab_size_per_layer_input.unwrap_or(262_144) } else { 0 };
 
@@ -436,14 +456,18 @@ impl TryFrom<HfConfig> for GemmaConfig {
             global_head_dim,
             num_global_key_value_heads,
             rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
-            max_position_embeddings: c.max_position_embeddings.unwrap_or(8192),
+            max_position_embeddings: c.max_position_embeddings.unwrap_or(match (gemma4, unified) {
+                (true, true) => 262_144,
+                (true, false) => 131_072,
+                _ => 8192,
+            }),
             // Gemma 4 attends with a scale of 1 (its QK-norm sets the magnitude) and no softcap.
             query_pre_attn_scalar: if gemma4 { 1.0 } else { c.query_pre_attn_scalar.unwrap_or(head_dim as f64) },
             attn_logit_softcapping: if gemma4 { None } else { c.attn_logit_softcapping },
             final_logit_softcapping: c.final_logit_softcapping,
             sliding_window: match arch {
                 Architecture::Gemma => None,
-                Architecture::Gemma4 => Some(c.sliding_window.unwrap_or(512)),
+                Architecture::Gemma4 => Some(c.sliding_window.unwrap_or(if unified { 1024 } else { 512 })),
                 _ => c.sliding_window,
             },
             layer_types,
