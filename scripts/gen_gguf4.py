@@ -2,18 +2,26 @@
 # the real Gemma 3 vocabulary as a SentencePiece `llama` tokenizer) of a published text shape, for
 # speed tests: llama.cpp and burn-gemma read the same file. Metadata and tensor names as
 # llama.cpp's converter writes them (conversion/gemma.py, Gemma4Model).
-#   python3 gen_gguf4.py e2b|e4b|31b VOCAB.json.gz OUT.gguf
+#   python3 gen_gguf4.py e2b|e4b|31b|26b-a4b VOCAB.json.gz OUT.gguf
 # Needs the pure-Python `gguf` package (llama.cpp's gguf-py) and numpy.
 import sys, gzip, json, numpy as np, gguf
 
 # layers, hidden, intermediate, heads, KV heads (sliding, full), values from keys, window,
-# sliding pattern, KV-sharing layers, double-wide MLPs, per-layer input width
+# sliding pattern, KV-sharing layers, double-wide MLPs, per-layer input width; mixture of experts:
+# (experts, used per token, expert intermediate size) beside the dense MLP.
 CFG = {
     "e2b": dict(L=35, h=1536, ffn=6144, nh=8, kv=1, kv_full=1, k_eq_v=False, win=512, pattern=5, shared=20, wide=True, ple=256),
     "e4b": dict(L=42, h=2560, ffn=10240, nh=8, kv=2, kv_full=2, k_eq_v=False, win=512, pattern=6, shared=18, wide=False, ple=256),
     # A small file of the same layout, to check the script and the loaders.
     "tiny": dict(L=6, h=64, ffn=128, nh=2, kv=1, kv_full=1, k_eq_v=True, win=8, pattern=3, shared=2, wide=True, ple=32),
     "31b": dict(L=60, h=5376, ffn=21504, nh=32, kv=16, kv_full=4, k_eq_v=True, win=1024, pattern=6, shared=0, wide=False, ple=0),
+    # 26B-A4B: 30 layers (25 sliding + 5 full), 128 experts, top 8, expert width 704 beside a dense
+    # MLP of 2112 (shapes from the published model, see the design notes; 25.1 B parameters).
+    "26b-a4b": dict(L=30, h=2816, ffn=2112, nh=16, kv=8, kv_full=2, k_eq_v=True, win=1024, pattern=6, shared=0, wide=False, ple=0,
+                    moe=(128, 8, 704)),
+    # A small file of the expert layout, to check the script and the loaders.
+    "tiny-moe": dict(L=4, h=64, ffn=96, nh=2, kv=1, kv_full=1, k_eq_v=True, win=8, pattern=2, shared=0, wide=False, ple=0,
+                     moe=(4, 2, 32)),
 }
 HD, HD_FULL, PARTIAL = 256, 512, 0.25
 
@@ -49,6 +57,11 @@ w.add_float32(a("rope.freq_base_swa"), 1e4)
 w.add_uint32(a("rope.dimension_count"), HD_FULL)
 w.add_uint32(a("rope.dimension_count_swa"), HD)
 w.add_float32(a("final_logit_softcapping"), 30.0)
+if "moe" in c:
+    experts, used, expert_ffn = c["moe"]
+    w.add_uint32(a("expert_count"), experts)
+    w.add_uint32(a("expert_used_count"), used)
+    w.add_uint32(a("expert_feed_forward_length"), expert_ffn)
 w.add_tokenizer_model("llama"); w.add_tokenizer_pre("default")
 w.add_token_list(voc["tokens"]); w.add_token_scores(voc["scores"]); w.add_token_types(voc["types"])
 w.add_bos_token_id(2); w.add_eos_token_id(1); w.add_unk_token_id(3); w.add_pad_token_id(0)
@@ -68,6 +81,9 @@ def q8(rows, cols):
 
 def mat(name, rows, cols):
     w.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+def experts_mat(name, experts, rows, cols):
+    w.add_tensor(name, q8(experts * rows, cols).reshape(experts, rows, cols // 32 * 34), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
 def norm(name, n):
     w.add_tensor(name, (1.0 + rng.standard_normal(n) * 0.05).astype(np.float32))
@@ -95,6 +111,16 @@ for i in range(L):
         norm(p + n + ".weight", h)
     mat(p + "ffn_gate.weight", ffn[i], h); mat(p + "ffn_up.weight", ffn[i], h); mat(p + "ffn_down.weight", h, ffn[i])
     w.add_tensor(p + "layer_output_scale.weight", np.array([0.5], dtype=np.float32))
+    if "moe" in c:
+        # The router (f32, as the converter keeps small tensors), its input scale and the
+        # per-expert output scale; gate and up stacked per expert as HF's `gate_up_proj`.
+        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((experts, h)) * 0.02).astype(np.float32))
+        w.add_tensor(p + "ffn_gate_inp.scale", (1.0 + rng.standard_normal(h) * 0.05).astype(np.float32))
+        w.add_tensor(p + "ffn_down_exps.scale", (1.0 + rng.standard_normal(experts) * 0.05).astype(np.float32))
+        experts_mat(p + "ffn_gate_up_exps.weight", experts, 2 * expert_ffn, h)
+        experts_mat(p + "ffn_down_exps.weight", experts, h, expert_ffn)
+        for n in ["pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"]:
+            norm(p + n + ".weight", h)
     if c["ple"]:
         mat(p + "inp_gate.weight", c["ple"], h); mat(p + "proj.weight", h, c["ple"]); norm(p + "post_norm.weight", h)
 w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
