@@ -44,13 +44,7 @@ impl Bpe {
                 }
             }
             let symbols = merge(word, |left, right| self.ranks.get(left)?.get(right).map(|&rank| Reverse(rank)));
-            for range in symbols {
-                let piece = &word[range];
-                match pieces.get(piece) {
-                    Some(&id) => out.push(id),
-                    None => self.bytes.spell(piece, out)?,
-                }
-            }
+            self.bytes.emit(word, symbols, pieces, out)?;
         }
         Ok(())
     }

@@ -57,10 +57,25 @@ enum GgufMerges {
 struct ByteTokens([Option<u32>; 256]);
 
 impl ByteTokens {
-    /// Appends the byte tokens that spell `piece`.
-    fn spell(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), Error> {
-        for &b in piece.as_bytes() {
-            out.push(self.0[b as usize].ok_or(TokenizerError::NoByteFallback(b))?);
+    /// Appends the token of each merged symbol of `text` (`symbols`: byte ranges), spelling a
+    /// symbol that is not a token with byte tokens.
+    fn emit(
+        &self,
+        text: &str,
+        symbols: Vec<std::ops::Range<usize>>,
+        pieces: &HashMap<String, u32>,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
+        for range in symbols {
+            let piece = &text[range];
+            match pieces.get(piece) {
+                Some(&id) => out.push(id),
+                None => {
+                    for &b in piece.as_bytes() {
+                        out.push(self.0[b as usize].ok_or(TokenizerError::NoByteFallback(b))?);
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -39,13 +39,6 @@ impl Spm {
             let id = *pieces.get(merged.as_str())? as usize;
             (self.types.get(id) == Some(&TYPE_NORMAL)).then(|| Score(self.scores[id]))
         });
-        for range in symbols {
-            let piece = &norm[range];
-            match pieces.get(piece) {
-                Some(&id) => out.push(id),
-                None => self.bytes.spell(piece, out)?,
-            }
-        }
-        Ok(())
+        self.bytes.emit(&norm, symbols, pieces, out)
     }
 }
