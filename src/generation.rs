@@ -285,6 +285,8 @@ pub struct Generator<B: GemmaBackend> {
     cache: Option<KvCache<B>>,
     /// Tokens currently in the cache (the conversation so far in chat mode).
     context: Vec<u32>,
+    /// Stop tokens of the model and its chat layout (a run adds its own and, with tools
+    /// declared, `<|tool_response>`).
     default_stops: Vec<u32>,
     interrupt: Arc<AtomicBool>,
     /// Recorded decode steps for the current cache.
@@ -295,8 +297,6 @@ pub struct Generator<B: GemmaBackend> {
     template: ChatTemplate,
     /// How a conversation opens (see [`Generator::set_system`]).
     system: SystemTurn,
-    /// Stop tokens of the model and its chat layout, before [`Generator::set_system`]'s.
-    base_stops: Vec<u32>,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -317,7 +317,6 @@ impl<B: GemmaBackend> Generator<B> {
             tokenizer,
             template,
             system: SystemTurn::default(),
-            base_stops: default_stops.clone(),
             cache: None,
             context: Vec::new(),
             default_stops,
@@ -399,13 +398,6 @@ impl<B: GemmaBackend> Generator<B> {
                 return Err(RequestError::Gemma4Only { feature }.into());
             }
         }
-        let mut stops = self.base_stops.clone();
-        if !system.tools.is_empty() {
-            stops.extend(self.tokenizer.token_id("<|tool_response>"));
-        }
-        stops.sort_unstable();
-        stops.dedup();
-        self.default_stops = stops;
         self.system = system;
         self.reset();
         Ok(())
@@ -422,6 +414,12 @@ impl<B: GemmaBackend> Generator<B> {
     ) -> Result<GenerationOutput, Error> {
         let ids = self.tool_response_ids(responses)?;
         self.continue_ids(&ids, config, on_text)
+    }
+
+    /// Where the model hands over to a tool (`<|tool_response>`), a stop token when tools are
+    /// declared.
+    fn tool_handover(&self) -> Option<u32> {
+        self.tokenizer.token_id("<|tool_response>").filter(|_| !self.system.tools.is_empty())
     }
 
     fn tool_response_ids(&self, responses: &[ToolResponse]) -> Result<Vec<u32>, Error> {
@@ -562,7 +560,7 @@ impl<B: GemmaBackend> Generator<B> {
             prefill_chunk: config.prefill_chunk,
             max_new_tokens: config.max_new_tokens,
             capacity,
-            stops: self.default_stops.iter().chain(&config.stop_tokens).copied().collect(),
+            stops: self.default_stops.iter().chain(&config.stop_tokens).copied().chain(self.tool_handover()).collect(),
             start,
             decode_start: start,
             tuning_before: burn_gemma_kernels::gemm::tune::summary().time,

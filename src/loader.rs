@@ -419,10 +419,13 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
         }
         .into());
     }
-    let tokens = meta(file, "tokenizer.ggml.tokens")
-        .and_then(Value::as_array)
-        .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
-        .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
+    let strings = |key: &'static str| {
+        meta(file, key)
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| missing(key))
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
     let types = meta(file, "tokenizer.ggml.token_type")
         .and_then(Value::as_array)
         .and_then(|a| {
@@ -444,11 +447,7 @@ fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, Error> {
         })?,
     };
     if model == "gemma4" {
-        let merges = meta(file, "tokenizer.ggml.merges")
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| missing("tokenizer.ggml.merges"))?;
-        return Tokenizer::from_bpe_vocab(tokens, types, &merges, bos);
+        return Tokenizer::from_bpe_vocab(tokens, types, &strings("tokenizer.ggml.merges")?, bos);
     }
     let scores = meta(file, "tokenizer.ggml.scores")
         .and_then(Value::as_array)

@@ -270,6 +270,12 @@ fn training_corpus() -> Vec<String> {
 }
 
 impl Gemma4Vocab {
+    /// The 512-token vocabulary the tests share, trained once per test binary.
+    fn shared() -> &'static Self {
+        static VOCAB: std::sync::OnceLock<Gemma4Vocab> = std::sync::OnceLock::new();
+        VOCAB.get_or_init(|| Self::trained(512))
+    }
+
     /// Trains pieces and merges with the `tokenizers` crate (its normalizer and pre-tokenizer
     /// set as llama.cpp's Gemma 4 pre-tokenization), then lays the vocabulary out as a GGUF
     /// holds it, `size` tokens in all.
@@ -368,10 +374,10 @@ impl Gemma4Vocab {
 /// model in the same GGUF generates from a prompt it encodes.
 #[test]
 fn gemma4_gguf_tokenizer_matches_the_tokenizers_crate() {
-    let vocab = Gemma4Vocab::trained(512);
+    let vocab = Gemma4Vocab::shared();
     assert!(vocab.merges.len() > 50, "the trainer made {} merges", vocab.merges.len());
     let reference = vocab.reference();
-    let gguf = write_gguf("gemma4-e", Some(&vocab));
+    let gguf = write_gguf("gemma4-e", Some(vocab));
     let checkpoint = Checkpoint::open(&gguf).unwrap();
     let tokenizer = checkpoint.tokenizer().expect("the gemma4 vocabulary builds");
     let mut fallbacks = 0;
@@ -394,11 +400,12 @@ fn gemma4_gguf_tokenizer_matches_the_tokenizers_crate() {
     // Generation from text: the first greedy token is the argmax of the prompt's logits.
     let prompt = "Hello world";
     let prompt_ids = tokenizer.encode(prompt, burn_gemma::Bos::Prepend).unwrap();
-    let (logits, config) = logits(&gguf, &prompt_ids);
-    let last = &logits[(prompt_ids.len() - 1) * config.vocab_size..];
-    let expected = last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
     let device: burn::backend::ndarray::NdArrayDevice = Default::default();
     let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let mut cache = model.new_cache(1, prompt_ids.len()).unwrap();
+    let last = model.forward_last(token_tensor::<NdArray>(&prompt_ids, &device), &mut cache).unwrap();
+    let last = last.into_data().to_vec::<f32>().unwrap();
+    let expected = last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
     let mut generator = burn_gemma::Generator::new(model, tokenizer).unwrap();
     let config = burn_gemma::GenerationConfig { max_new_tokens: 5, ..Default::default() };
     let out = generator.generate(prompt, &config, |_| {}).unwrap();
@@ -446,8 +453,8 @@ fn newline_runs_are_whole_tokens_where_the_vocabulary_has_them() {
 fn gemma4_chat_with_thinking_and_tools() {
     use burn_gemma::chat::{SystemTurn, Thinking, ToolDeclaration, ToolResponse};
     use burn_gemma::{Bos, Error, RequestError};
-    let vocab = Gemma4Vocab::trained(512);
-    let gguf = write_gguf("gemma4-e", Some(&vocab));
+    let vocab = Gemma4Vocab::shared();
+    let gguf = write_gguf("gemma4-e", Some(vocab));
     let checkpoint = Checkpoint::open(&gguf).unwrap();
     let tokenizer = checkpoint.tokenizer().unwrap();
     let device: burn::backend::ndarray::NdArrayDevice = Default::default();

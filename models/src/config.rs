@@ -166,7 +166,7 @@ pub struct GemmaConfig {
     pub moe: Option<MoeConfig>,
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig { field, reason: reason.into() }
 }
 
@@ -676,13 +676,14 @@ mod tests {
 }
 
 #[cfg(test)]
-mod gemma4_tests {
+pub(crate) mod gemma4_tests {
     use super::*;
     use serde_json::Value;
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
 
-    fn fixture(name: &str) -> Value {
+    /// A tiny fixture's `config.json` as JSON, to edit.
+    pub(crate) fn fixture(name: &str) -> Value {
         let text = std::fs::read_to_string(format!("{FIXTURES}/{name}/config.json")).expect("fixture config");
         serde_json::from_str(&text).expect("fixture JSON")
     }

@@ -8,7 +8,7 @@
 //! result. A value of the wrong type is refused while parsing, with the key's path in the error
 //! (`ModelError::ConfigValue`).
 
-use crate::config::{default_layer_types, Architecture, GemmaConfig, LayerType, MoeConfig, RopeConfig};
+use crate::config::{default_layer_types, invalid, Architecture, GemmaConfig, LayerType, MoeConfig, RopeConfig};
 use crate::ModelError;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -76,7 +76,10 @@ pub struct HfRope {
     pub partial_rotary_factor: Option<f64>,
 }
 
-/// `rope_parameters`: one entry per layer type, or one entry for every layer.
+/// `rope_parameters`: one entry per layer type, or one entry for every layer. The single entry's
+/// keys are spelled out rather than flattened from [`HfRope`]: serde's `flatten` would drop the
+/// key from the path a wrong type is reported at (`rope_parameters` for
+/// `rope_parameters.factor`).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default, expecting = "a RoPE object")]
 pub struct HfRopeParameters {
@@ -147,9 +150,8 @@ pub struct HfTextConfig {
 }
 
 /// The keys read from the top level of a multimodal config.
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(default, expecting = "a JSON object")]
-#[derive(Default)]
 struct HfRoot {
     model_type: Option<String>,
     bos_token_id: Option<u32>,
@@ -198,10 +200,6 @@ impl HfConfig {
             }),
         }
     }
-}
-
-fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
-    ModelError::InvalidConfig { field, reason: reason.into() }
 }
 
 fn missing(field: &'static str, value: Option<usize>) -> Result<usize, ModelError> {
@@ -490,14 +488,8 @@ impl TryFrom<HfConfig> for GemmaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::gemma4_tests::fixture;
     use serde_json::{json, Value};
-
-    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-gemma");
-
-    fn fixture(name: &str) -> Value {
-        let text = std::fs::read_to_string(format!("{FIXTURES}/{name}/config.json")).expect("fixture config");
-        serde_json::from_str(&text).expect("fixture JSON")
-    }
 
     fn resolve(config: &Value) -> Result<GemmaConfig, ModelError> {
         GemmaConfig::from_hf_json(&config.to_string())

@@ -166,14 +166,7 @@ impl Tokenizer {
             }
             .into());
         }
-        let parts = GgufParts::new(tokens, &types);
-        let merges = Box::new(GgufMerges::Spm(spm::Spm { scores, types, bytes: parts.bytes }));
-        Ok(Self {
-            engine: Engine::Gguf { specials: parts.specials, merges },
-            token_bytes: parts.token_bytes,
-            pieces: parts.pieces,
-            bos,
-        })
+        Self::from_gguf_parts(tokens, types, bos, |bytes, types| Ok(GgufMerges::Spm(spm::Spm { scores, types, bytes })))
     }
 
     /// Builds Gemma 4's BPE tokenizer (GGUF `tokenizer.ggml.model = "gemma4"`) from the GGUF
@@ -187,8 +180,19 @@ impl Tokenizer {
             }
             .into());
         }
+        Self::from_gguf_parts(tokens, types, bos, |bytes, _| Ok(GgufMerges::Bpe(bpe::Bpe::new(merges, bytes)?)))
+    }
+
+    /// A GGUF vocabulary's tokenizer: the parts both merge schemes share, and the scheme `merges`
+    /// builds from the byte tokens and the token types.
+    fn from_gguf_parts(
+        tokens: Vec<String>,
+        types: Vec<i32>,
+        bos: u32,
+        merges: impl FnOnce(ByteTokens, Vec<i32>) -> Result<GgufMerges, Error>,
+    ) -> Result<Self, Error> {
         let parts = GgufParts::new(tokens, &types);
-        let merges = Box::new(GgufMerges::Bpe(bpe::Bpe::new(merges, parts.bytes)?));
+        let merges = Box::new(merges(parts.bytes, types)?);
         Ok(Self {
             engine: Engine::Gguf { specials: parts.specials, merges },
             token_bytes: parts.token_bytes,

@@ -39,6 +39,12 @@ impl GgufWriter {
             out.extend((s.len() as u64).to_le_bytes());
             out.extend(s.as_bytes());
         };
+        // An array's value type (GGUF 9), then its elements' type and count.
+        let array_header = |out: &mut Vec<u8>, element: u32, len: usize| {
+            out.extend(9u32.to_le_bytes());
+            out.extend(element.to_le_bytes());
+            out.extend((len as u64).to_le_bytes());
+        };
         for (key, value) in &self.meta {
             string(&mut out, key);
             match value {
@@ -55,27 +61,19 @@ impl GgufWriter {
                     string(&mut out, s);
                 }
                 Meta::U32s(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(4u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
+                    array_header(&mut out, 4, items.len());
                     items.iter().for_each(|v| out.extend(v.to_le_bytes()));
                 }
                 Meta::Bools(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(7u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
+                    array_header(&mut out, 7, items.len());
                     items.iter().for_each(|&b| out.push(u8::from(b)));
                 }
                 Meta::I32s(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(5u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
+                    array_header(&mut out, 5, items.len());
                     items.iter().for_each(|v| out.extend(v.to_le_bytes()));
                 }
                 Meta::Strs(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(8u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
+                    array_header(&mut out, 8, items.len());
                     items.iter().for_each(|s| string(&mut out, s));
                 }
             }
