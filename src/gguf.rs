@@ -319,8 +319,8 @@ impl GgufFile {
 }
 
 impl GgufFile {
-    /// A `[rows, cols]` tensor in the file's own block type, as stored (`Ok(None)` for float
-    /// tensors).
+    /// A `[rows, cols]` tensor (or `[experts, rows, cols]`, as `experts * rows` rows) in the
+    /// file's own block type, as stored (`Ok(None)` for float tensors).
     pub fn blocks(&self, name: &str) -> Result<Option<GgmlBlocks>, GgufError> {
         let info = self.tensor(name)?;
         if matches!(info.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
@@ -347,10 +347,12 @@ impl GgufFile {
     }
 }
 
-/// `(rows, cols)` of a two-dimensional tensor.
+/// `(rows, cols)` of a matrix: a two-dimensional tensor, or a layer's experts (`[experts,
+/// rows, cols]`) as one matrix of `experts * rows` rows.
 fn matrix_shape(name: &str, info: &TensorInfo) -> Result<(usize, usize), GgufError> {
     match info.shape[..] {
         [rows, cols] => Ok((rows, cols)),
+        [experts, rows, cols] => Ok((experts * rows, cols)),
         _ => Err(GgufError::Quantize {
             name: name.to_string(),
             source: QuantError::Length { rows: 0, cols: 0, len: info.shape.iter().product() },

@@ -11,7 +11,7 @@ use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
 use burn_gemma_model::{
     config::NormScale,
-    weights::{quantize, row_chunks, WeightKind},
+    weights::{matrix_dims, quantize, row_chunks, WeightKind},
     Architecture, Gemma, GemmaConfig, ModelError, WeightSource,
 };
 use std::{
@@ -338,21 +338,23 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
     fn load_host_quantized(
         &mut self,
         name: &str,
-        shape: [usize; 2],
+        shape: &[usize],
         format: QuantFormat,
         _device: &B::Device,
     ) -> Result<HostQuantized, ModelError> {
+        let dims = matrix_dims(shape)
+            .ok_or_else(|| ModelError::InvalidInput(format!("`{name}`: shape {shape:?} is not a matrix")))?;
         match &self.checkpoint.format {
             Format::Hf { .. } => {
-                let data = self.host_data(name, &shape, WeightKind::Matrix)?;
+                let data = self.host_data(name, shape, WeightKind::Matrix)?;
                 let values = data
                     .convert::<f32>()
                     .into_vec::<f32>()
                     .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
-                quantize(name, &values, shape, format)
+                quantize(name, &values, dims, format)
             }
             Format::Gguf(file) => {
-                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
+                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
                 let q = file.quantized(&stored, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 self.mark_used(stored);
                 Ok(q)
@@ -360,9 +362,9 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
         }
     }
 
-    fn load_blocks(&mut self, name: &str, shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
+    fn load_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Option<GgmlBlocks>, ModelError> {
         let Format::Gguf(file) = &self.checkpoint.format else { return Ok(None) };
-        let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, &shape)?;
+        let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
         let blocks = file.blocks(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
         if blocks.is_some() {
             self.mark_used(stored);

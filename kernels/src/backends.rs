@@ -1,7 +1,7 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
+    cube, matrix::Block, ExpertProduct, ExpertWeights, Experts, Routes, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
     GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError,
     QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, SamplingParams, StepPosition,
 };
@@ -330,6 +330,88 @@ where
             KvStore::Dense { .. } => crate::kv::read_reference(store, range.clone(), dtype),
             KvStore::Int8 { keys, values } => (read(keys), read(values)),
         }
+    }
+
+    /// Stacked in one device matrix (GGUF blocks converted as [`Self::upload_matrix`] converts
+    /// them) where its largest buffer fits the device's; one matrix per expert otherwise.
+    fn upload_experts(stacked: HostMatrix<Self>, count: usize, device: &Self::Device) -> Result<Experts<Self>, QuantError> {
+        let rows = crate::experts::stacked_rows(&stacked, count)?;
+        let stacked = match stacked {
+            HostMatrix::Ggml(blocks) => HostMatrix::Quantized(blocks.to_quantized()?),
+            other => other,
+        };
+        let largest = match &stacked {
+            HostMatrix::Dense(t) => t.shape().num_elements() * t.dtype().size(),
+            HostMatrix::Quantized(q) => q.rows * q.cols * q.format.bits() / 8,
+            HostMatrix::Ggml(q) => q.bytes().len(),
+        };
+        if largest > Self::max_buffer_bytes(device) {
+            return crate::experts::upload_reference(stacked, count, device);
+        }
+        let matrix = Self::upload_matrix(stacked, device)?;
+        Ok(Experts { weights: ExpertWeights::Stacked(matrix), count, rows })
+    }
+
+    fn route_experts(
+        scores: Tensor<Self, 2>,
+        per_expert_scale: Tensor<Self, 1>,
+        top_k: usize,
+    ) -> Result<Routes<Self>, crate::ReadBackError> {
+        let [_, experts] = scores.dims();
+        if top_k == 0 || top_k > experts {
+            return crate::experts::route_reference(scores, per_expert_scale, top_k);
+        }
+        let (ids, weights) = crate::experts::kernel::route(cube::float(scores), cube::float(per_expert_scale), top_k);
+        Ok(Routes { ids: cube::int_tensor(ids), weights: cube::tensor(weights) })
+    }
+
+    /// Up to [`crate::linear::GEMV_MAX_ROWS`] tokens through the routed kernels (ids read on
+    /// the device); more, or experts not stacked, grouped by expert on the host's reading of
+    /// the routes.
+    fn project_experts(
+        x: Tensor<Self, 2>,
+        experts: &Experts<Self>,
+        routes: &Routes<Self>,
+        product: ExpertProduct,
+        dtype: DType,
+    ) -> Result<Tensor<Self, 2>, crate::ReadBackError> {
+        let (tokens, _) = routes.shape();
+        let stacked = match &experts.weights {
+            ExpertWeights::Stacked(m) if tokens <= crate::linear::GEMV_MAX_ROWS => Some(m),
+            _ => None,
+        };
+        let shape = (experts.count, experts.rows);
+        // The router kernel writes `U32` ids; others (routes built on the host) are cast.
+        let ids = || {
+            let ids = routes.ids.clone();
+            if ids.dtype() == DType::U32 {
+                return cube::int(ids);
+            }
+            crate::graph::unsupported(|| "expert ids cast by Burn".into());
+            cube::int(ids.cast(burn::tensor::IntDType::U32))
+        };
+        let weights = || cube::float(routes.weights.clone());
+        Ok(match stacked {
+            Some(Matrix::Dense(w)) => cube::tensor(crate::experts::kernel::routed_gemv(
+                cube::float(x),
+                cube::float(w.val()),
+                shape,
+                ids(),
+                weights(),
+                product,
+                dtype,
+            )),
+            Some(Matrix::Quantized(w)) => cube::tensor(crate::experts::kernel::routed_qgemv(
+                cube::float(x),
+                &packed(w),
+                shape,
+                ids(),
+                weights(),
+                product,
+                dtype,
+            )),
+            _ => crate::experts::project_reference(x, experts, routes, product, dtype)?,
+        })
     }
 
     /// The logits are read in their own dtype; greedy reads no draws.

@@ -27,6 +27,7 @@ pub(crate) mod gpu_test;
 
 pub mod attention;
 pub mod embedding;
+pub mod experts;
 pub mod gelu;
 pub mod gemm;
 pub mod graph;
@@ -45,6 +46,7 @@ mod backends;
 mod cube;
 
 pub use attention::{AttentionMask, AttentionOptions};
+pub use experts::{ExpertProduct, ExpertWeights, Experts, Routes};
 pub use gelu::GateUpLayout;
 pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
@@ -232,6 +234,41 @@ pub trait GemmaBackend: ReservedMemory {
         store: KvStore<Self>,
     ) -> Result<(Tensor<Self, 4>, KvStore<Self>), ReadBackError> {
         qkv::reference(qkv, layout, store)
+    }
+
+    /// Puts one projection of a layer's `count` experts in the layout this backend's expert
+    /// products read, once at load: `stacked` is `[count * rows, cols]`, expert `e` at rows `e
+    /// * rows..`, in the checkpoint's own format. The default keeps one matrix per expert
+    /// ([`experts::upload_reference`]).
+    fn upload_experts(stacked: HostMatrix<Self>, count: usize, device: &Self::Device) -> Result<Experts<Self>, QuantError> {
+        experts::upload_reference(stacked, count, device)
+    }
+
+    /// The router's choice from its scores (`[tokens, experts]`, any float dtype): each token's
+    /// `top_k` experts by softmax probability, their probabilities renormalized over the
+    /// `top_k` and times `per_expert_scale` (`[experts]`, f32). The default reads the scores
+    /// back ([`experts::route_reference`]).
+    fn route_experts(
+        scores: Tensor<Self, 2>,
+        per_expert_scale: Tensor<Self, 1>,
+        top_k: usize,
+    ) -> Result<Routes<Self>, ReadBackError> {
+        experts::route_reference(scores, per_expert_scale, top_k)
+    }
+
+    /// One projection of the routed experts (see [`ExpertProduct`] for the shapes), returned
+    /// in `dtype`; `x` may be in any float dtype. The default groups the tokens by expert on
+    /// the host ([`experts::project_reference`]).
+    ///
+    /// Fails only where the routes must be read back and the read fails.
+    fn project_experts(
+        x: Tensor<Self, 2>,
+        experts: &Experts<Self>,
+        routes: &Routes<Self>,
+        product: ExpertProduct,
+        dtype: DType,
+    ) -> Result<Tensor<Self, 2>, ReadBackError> {
+        experts::project_reference(x, experts, routes, product, dtype)
     }
 
     /// `tanh(x / cap) * cap`, elementwise.

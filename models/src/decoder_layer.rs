@@ -116,14 +116,15 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
         let h = self.mlp.forward(h);
-        let (stream, h) = match &self.moe {
-            Some(moe) => {
+        let mut stream = match (&self.moe, &self.post_feedforward_layernorm) {
+            // The expert block applies the post-MLP norm itself (fused with its sum).
+            (Some(moe), Some(post_norm)) => {
                 let (stream, residual) = stream.residual();
-                (stream, moe.forward(residual, h)?)
+                let h = moe.forward(residual, h, post_norm)?;
+                stream.add(h, None)
             }
-            None => (stream, h),
+            _ => stream.add(h, self.post_feedforward_layernorm.as_ref()),
         };
-        let mut stream = stream.add(h, self.post_feedforward_layernorm.as_ref());
         if let (Some(block), Some((inputs, layer))) = (&self.per_layer_input, per_layer_input) {
             // The gate reads the residual itself (f32), which the pending add writes.
             let (settled, residual) = stream.settled(&block.post_per_layer_input_norm);

@@ -58,9 +58,9 @@ impl<B: GemmaBackend> Embedding<B> {
         let host: Option<HostMatrix<B>> = match settings.table_blocks(shape[1]) {
             None => None,
             Some(BlockRequest::Format(format)) => {
-                Some(settings.keep(source.load_host_quantized(name, shape, format, device)?, device))
+                Some(settings.keep(source.load_host_quantized(name, &shape, format, device)?, device))
             }
-            Some(BlockRequest::Native) => match source.load_blocks(name, shape)? {
+            Some(BlockRequest::Native) => match source.load_blocks(name, &shape)? {
                 None => None,
                 // 4 bits are not enough for a table that feeds both ends of the model: Q8.
                 Some(blocks) if blocks.closest_format() == QuantFormat::Q4 => {

@@ -111,9 +111,9 @@ impl<B: GemmaBackend> Mlp<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let (hidden, inter) = (c.hidden_size, c.intermediate_size_of(index));
-        let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), [inter, hidden], settings, device)?;
-        let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), [inter, hidden], settings, device)?;
-        let down = load_matrix(source, &format!("{prefix}.down_proj.weight"), [hidden, inter], settings, device)?;
+        let gate = load_matrix(source, &format!("{prefix}.gate_proj.weight"), &[inter, hidden], settings, device)?;
+        let up = load_matrix(source, &format!("{prefix}.up_proj.weight"), &[inter, hidden], settings, device)?;
+        let down = load_matrix(source, &format!("{prefix}.down_proj.weight"), &[hidden, inter], settings, device)?;
         Self::from_matrices(gate, up, down, inter, prefix, device)
     }
 

@@ -2,7 +2,7 @@
 //! dense or block-quantized [`Matrix`]es.
 
 use crate::{
-    weights::{WeightFormat, WeightKind, WeightSource},
+    weights::{load_flat, WeightFormat, WeightSource},
     ModelError,
 };
 use burn::{
@@ -68,15 +68,17 @@ pub(crate) enum BlockRequest {
     Format(QuantFormat),
 }
 
-/// Reads one `[out, in]` matrix in the format `settings` asks for.
+/// Reads one `[out, in]` matrix (or a layer's experts, `[experts, out, in]`, as one matrix of
+/// `experts * out` rows, see [`matrix_dims`]) in the format `settings` asks for.
 pub(crate) fn load_matrix<B: GemmaBackend>(
     source: &mut impl WeightSource<B>,
     name: &str,
-    shape: [usize; 2],
+    shape: &[usize],
     settings: WeightSettings,
     device: &B::Device,
 ) -> Result<HostMatrix<B>, ModelError> {
-    match settings.blocks(shape[1]) {
+    let cols = shape.last().copied().unwrap_or(0);
+    match settings.blocks(cols) {
         Some(BlockRequest::Format(format)) => {
             return Ok(settings.keep(source.load_host_quantized(name, shape, format, device)?, device));
         }
@@ -87,7 +89,7 @@ pub(crate) fn load_matrix<B: GemmaBackend>(
         }
         None => {}
     }
-    Ok(HostMatrix::Dense(source.load(name, shape, WeightKind::Matrix, settings.dtype, device)?))
+    Ok(HostMatrix::Dense(load_flat(source, name, shape, settings.dtype, device)?))
 }
 
 /// [`GemmaBackend::upload_matrix`], naming `name` on failure.
@@ -161,7 +163,7 @@ impl<B: GemmaBackend> Projection<B> {
     ) -> Result<Self, ModelError> {
         let blocks = names
             .iter()
-            .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), [out, inp], settings, device))
+            .map(|&(name, out)| load_matrix(source, &format!("{name}.weight"), &[out, inp], settings, device))
             .collect::<Result<Vec<_>, _>>()?;
         let joined: Vec<&str> = names.iter().map(|&(name, _)| name).collect();
         Self::joined(blocks, &joined.join(" | "), device)

@@ -80,23 +80,55 @@ pub trait WeightSource<B: Backend> {
         device: &B::Device,
     ) -> Result<Vec<Tensor<B, 2>>, ModelError>;
 
-    /// The `[rows, cols]` matrix `name` block-quantized to `format` on the host. The default
-    /// reads the dense matrix back from the device and quantizes it.
+    /// The matrix `name` of checkpoint shape `shape` ([`matrix_dims`]) block-quantized to
+    /// `format` on the host. The default reads the dense matrix back from the device and
+    /// quantizes it.
     fn load_host_quantized(
         &mut self,
         name: &str,
-        shape: [usize; 2],
+        shape: &[usize],
         format: QuantFormat,
         device: &B::Device,
     ) -> Result<HostQuantized, ModelError> {
-        let dense: Tensor<B, 2> = self.load(name, shape, WeightKind::Matrix, DType::F32, device)?;
-        quantize(name, &host_values(dense, name)?, shape, format)
+        let dense = load_flat(self, name, shape, DType::F32, device)?;
+        let dims = dense.dims();
+        quantize(name, &host_values(dense, name)?, dims, format)
     }
 
-    /// The `[rows, cols]` matrix `name` in the checkpoint's own GGUF block type, as stored;
-    /// `Ok(None)` where it is stored as floats (the default: sources without block types).
-    fn load_blocks(&mut self, _name: &str, _shape: [usize; 2]) -> Result<Option<GgmlBlocks>, ModelError> {
+    /// The matrix `name` of checkpoint shape `shape` ([`matrix_dims`]) in the checkpoint's own
+    /// GGUF block type, as stored; `Ok(None)` where it is stored as floats (the default:
+    /// sources without block types).
+    fn load_blocks(&mut self, _name: &str, _shape: &[usize]) -> Result<Option<GgmlBlocks>, ModelError> {
         Ok(None)
+    }
+}
+
+/// The `[rows, cols]` matrix of a checkpoint tensor of shape `shape`: a matrix as it is, or a
+/// layer's experts (`[experts, rows, cols]`) as one matrix of `experts * rows` rows, expert `e`
+/// at rows `e * rows..`. `None` for other ranks.
+pub fn matrix_dims(shape: &[usize]) -> Option<[usize; 2]> {
+    match *shape {
+        [rows, cols] => Some([rows, cols]),
+        [experts, rows, cols] => Some([experts * rows, cols]),
+        _ => None,
+    }
+}
+
+/// The tensor `name` of checkpoint shape `shape` as its `[rows, cols]` matrix ([`matrix_dims`])
+/// in `dtype`, dense on the device.
+pub(crate) fn load_flat<B: Backend, S: WeightSource<B> + ?Sized>(
+    source: &mut S,
+    name: &str,
+    shape: &[usize],
+    dtype: DType,
+    device: &B::Device,
+) -> Result<Tensor<B, 2>, ModelError> {
+    match *shape {
+        [rows, cols] => source.load(name, [rows, cols], WeightKind::Matrix, dtype, device),
+        [experts, rows, cols] => Ok(source
+            .load(name, [experts, rows, cols], WeightKind::Matrix, dtype, device)?
+            .reshape([experts * rows, cols])),
+        _ => Err(ModelError::InvalidInput(format!("`{name}`: a matrix of shape {shape:?} is neither 2-D nor 3-D"))),
     }
 }
 

@@ -28,7 +28,7 @@ use cubecl::prelude::*;
 /// also needs a subtraction. A dot product over these values is `sum(x) + sum(x * code) /
 /// 2^bits`; the GEMV subtracts `sum(x)` once per code vector, shared by the rows it serves.
 #[cube]
-fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
+pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
     let bits = comptime!(if q4 { 4usize } else { 8usize });
     // Lowest mantissa bit the code lands on, and the code's lowest bit in the word.
     let low = comptime!(23 - bits);

@@ -108,6 +108,9 @@ pub enum QuantError {
     /// A byte count that does not match the shape.
     #[error("{len} bytes for a [{rows}, {cols}] {dtype} matrix ({expected} expected)")]
     Bytes { dtype: String, rows: usize, cols: usize, len: usize, expected: usize },
+    /// A stack of expert matrices whose rows do not split evenly among the experts.
+    #[error("a [{rows}, {cols}] stack of matrices does not split into {count} experts")]
+    Experts { rows: usize, cols: usize, count: usize },
     /// candle-core refused the blocks.
     #[error("candle: {0}")]
     Candle(String),
