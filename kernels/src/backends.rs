@@ -1,9 +1,10 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, matrix::Block, ExpertProduct, ExpertWeights, Experts, Routes, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
-    GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError,
-    QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, SamplingParams, StepPosition,
+    cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
+    ExpertProduct, ExpertWeights, Experts, GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView,
+    Matrix, QkvLayout, QuantError, QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, Routes, SamplingParams,
+    StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -334,7 +335,11 @@ where
 
     /// Stacked in one device matrix (GGUF blocks converted as [`Self::upload_matrix`] converts
     /// them) where its largest buffer fits the device's; one matrix per expert otherwise.
-    fn upload_experts(stacked: HostMatrix<Self>, count: usize, device: &Self::Device) -> Result<Experts<Self>, QuantError> {
+    fn upload_experts(
+        stacked: HostMatrix<Self>,
+        count: usize,
+        device: &Self::Device,
+    ) -> Result<Experts<Self>, QuantError> {
         let rows = crate::experts::stacked_rows(&stacked, count)?;
         let stacked = match stacked {
             HostMatrix::Ggml(blocks) => HostMatrix::Quantized(blocks.to_quantized()?),
@@ -365,9 +370,9 @@ where
         Ok(Routes { ids: cube::int_tensor(ids), weights: cube::tensor(weights) })
     }
 
-    /// Up to [`crate::linear::GEMV_MAX_ROWS`] tokens through the routed kernels (ids read on
-    /// the device); more, or experts not stacked, grouped by expert on the host's reading of
-    /// the routes.
+    /// Stacked experts: up to [`crate::linear::GEMV_MAX_ROWS`] tokens through the routed
+    /// kernels, more (prompts) grouped by expert on the device; neither reads the routes back.
+    /// Experts held one matrix each: grouped on the host ([`crate::experts::project_reference`]).
     fn project_experts(
         x: Tensor<Self, 2>,
         experts: &Experts<Self>,
@@ -375,11 +380,11 @@ where
         product: ExpertProduct,
         dtype: DType,
     ) -> Result<Tensor<Self, 2>, crate::ReadBackError> {
-        let (tokens, _) = routes.shape();
-        let stacked = match &experts.weights {
-            ExpertWeights::Stacked(m) if tokens <= crate::linear::GEMV_MAX_ROWS => Some(m),
-            _ => None,
+        use crate::experts::kernel::{grouped_gemv, grouped_qgemv, routed_gemv, routed_qgemv};
+        let ExpertWeights::Stacked(stacked) = &experts.weights else {
+            return crate::experts::project_reference(x, experts, routes, product, dtype);
         };
+        let routed = routes.shape().0 <= crate::linear::GEMV_MAX_ROWS;
         let shape = (experts.count, experts.rows);
         // The router kernel writes `U32` ids; others (routes built on the host) are cast.
         let ids = || {
@@ -390,28 +395,22 @@ where
             crate::graph::unsupported(|| "expert ids cast by Burn".into());
             cube::int(ids.cast(burn::tensor::IntDType::U32))
         };
-        let weights = || cube::float(routes.weights.clone());
-        Ok(match stacked {
-            Some(Matrix::Dense(w)) => cube::tensor(crate::experts::kernel::routed_gemv(
-                cube::float(x),
-                cube::float(w.val()),
-                shape,
-                ids(),
-                weights(),
-                product,
-                dtype,
-            )),
-            Some(Matrix::Quantized(w)) => cube::tensor(crate::experts::kernel::routed_qgemv(
-                cube::float(x),
-                &packed(w),
-                shape,
-                ids(),
-                weights(),
-                product,
-                dtype,
-            )),
-            _ => crate::experts::project_reference(x, experts, routes, product, dtype)?,
-        })
+        let weights = cube::float(routes.weights.clone());
+        let x = cube::float(x);
+        Ok(cube::tensor(match stacked {
+            Matrix::Dense(w) => {
+                let run = if routed { routed_gemv } else { grouped_gemv };
+                run(x, cube::float(w.val()), shape, ids(), weights, product, dtype)
+            }
+            Matrix::Quantized(w) => {
+                let run = if routed { routed_qgemv } else { grouped_qgemv };
+                run(x, &packed(w), shape, ids(), weights, product, dtype)
+            }
+            // `upload_experts` stacks only dense and quantized matrices.
+            Matrix::Ggml(_) | Matrix::Stacked(_) => {
+                return crate::experts::project_reference(cube::tensor(x), experts, routes, product, dtype)
+            }
+        }))
     }
 
     /// The logits are read in their own dtype; greedy reads no draws.

@@ -240,7 +240,11 @@ pub trait GemmaBackend: ReservedMemory {
     /// products read, once at load: `stacked` is `[count * rows, cols]`, expert `e` at rows `e
     /// * rows..`, in the checkpoint's own format. The default keeps one matrix per expert
     /// ([`experts::upload_reference`]).
-    fn upload_experts(stacked: HostMatrix<Self>, count: usize, device: &Self::Device) -> Result<Experts<Self>, QuantError> {
+    fn upload_experts(
+        stacked: HostMatrix<Self>,
+        count: usize,
+        device: &Self::Device,
+    ) -> Result<Experts<Self>, QuantError> {
         experts::upload_reference(stacked, count, device)
     }
 

@@ -18,7 +18,7 @@
 #![allow(clippy::manual_div_ceil)]
 
 pub(crate) mod kernel {
-    use crate::cube::{empty, load_vector_size, planes_of_32};
+    use crate::cube::{empty, load_vector_size, planes_of_32, unit_index};
     use crate::experts::ExpertProduct;
     use crate::gelu::kernel::gelu_mul_f32;
     use crate::graph::{arg, launch};
@@ -83,6 +83,7 @@ pub(crate) mod kernel {
     fn store_routed<O: Float>(
         acc: f32,
         out: &mut Array<O>,
+        y: usize,
         rows: usize,
         #[comptime] halves: bool,
         #[comptime] plane: bool,
@@ -91,7 +92,6 @@ pub(crate) mod kernel {
         let lane = unit % LANES;
         let local = unit / LANES;
         let cube = CUBE_POS_X as usize;
-        let y = CUBE_POS_Y as usize;
         let mut partial = SharedMemory::<f32>::new(comptime!(ROWS * LANES));
         let mut totals = SharedMemory::<f32>::new(ROWS);
         let total = if plane {
@@ -108,7 +108,10 @@ pub(crate) mod kernel {
                 sync_cube();
                 stride /= 2;
             }
-            partial[unit - lane]
+            let total = partial[unit - lane];
+            // The next store of a grouped kernel writes `partial` again.
+            sync_cube();
+            total
         };
         if halves {
             if lane == 0 {
@@ -120,6 +123,8 @@ pub(crate) mod kernel {
             if unit < HALF && j < half {
                 out[y * half + j] = O::cast_from(gelu_mul_f32(totals[unit], totals[unit + HALF]));
             }
+            // The shared totals are reused by the next store of a grouped kernel.
+            sync_cube();
         } else {
             let row = cube * ROWS + local;
             if lane == 0 && row < rows {
@@ -145,32 +150,42 @@ pub(crate) mod kernel {
         #[comptime] plane: bool,
         #[define(X, W, O)] _dtypes: [StorageType; 3],
     ) {
-        let width = w.vector_size();
         let vectors = vectors as usize;
         let rows = routing.rows as usize;
-        let lane = UNIT_POS_X as usize % LANES;
         let row = plane_row(rows, halves);
         let picks = comptime!(if halves { 1usize } else { top_k });
         let mut acc = 0.0f32;
         #[unroll]
         for p in 0..picks {
             let (input, expert, weight) = pick_of(ids, weights, p, routing.count as usize, top_k, halves);
-            let base = (expert * rows + row) * vectors;
-            let xbase = input * vectors;
-            let mut part = 0.0f32;
-            let mut c = lane;
-            while c < vectors {
-                let wv = w[base + c];
-                let xv = x[xbase + c];
-                #[unroll]
-                for i in 0..width {
-                    part += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
-                }
-                c += LANES;
-            }
-            acc += weight * part;
+            acc += weight * dense_dot::<X, W, N>(x, w, (expert * rows + row) * vectors, input * vectors, vectors);
         }
-        store_routed::<O>(acc, out, rows, halves, plane);
+        store_routed::<O>(acc, out, CUBE_POS_Y as usize, rows, halves, plane);
+    }
+
+    /// This unit's share of the dot product of weight row `w[base..]` and input row
+    /// `x[xbase..]` (`vectors` vectors each), the plane's 32 units striding over them.
+    #[cube]
+    fn dense_dot<X: Float, W: Float, N: Size>(
+        x: &Array<Vector<X, N>>,
+        w: &Array<Vector<W, N>>,
+        base: usize,
+        xbase: usize,
+        vectors: usize,
+    ) -> f32 {
+        let width = w.vector_size();
+        let mut part = 0.0f32;
+        let mut c = UNIT_POS_X as usize % LANES;
+        while c < vectors {
+            let wv = w[base + c];
+            let xv = x[xbase + c];
+            #[unroll]
+            for i in 0..width {
+                part += f32::cast_from(wv[i]) * f32::cast_from(xv[i]);
+            }
+            c += LANES;
+        }
+        part
     }
 
     /// Quantized experts (codes `[count * rows, words]` in vectors of `NW` words, one scale,
@@ -195,6 +210,36 @@ pub(crate) mod kernel {
         #[comptime] plane: bool,
         #[define(X, O, S)] _dtypes: [StorageType; 3],
     ) {
+        let rows = routing.rows as usize;
+        let row = plane_row(rows, halves);
+        let picks = comptime!(if halves { 1usize } else { top_k });
+        let mut acc = 0.0f32;
+        #[unroll]
+        for p in 0..picks {
+            let (input, expert, weight) = pick_of(ids, weights, p, routing.count as usize, top_k, halves);
+            let part =
+                quant_dot::<X, S, NW, NX>(x, codes, scales, offsets, expert * rows + row, input, words, blocks, q4);
+            acc += weight * part;
+        }
+        store_routed::<O>(acc, out, CUBE_POS_Y as usize, rows, halves, plane);
+    }
+
+    /// This unit's share of the dot product of quantized weight row `grow` and input row
+    /// `input`, the plane's 32 units striding over the row's code vectors (`UNROLL` loaded per
+    /// unit before any is used); see [`crate::quant::gemv`] for the arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn quant_dot<X: Float, S: Float, NW: Size, NX: Size>(
+        x: &Array<Vector<X, NX>>,
+        codes: &Array<Vector<u32, NW>>,
+        scales: &Array<S>,
+        offsets: &Array<S>,
+        grow: usize,
+        input: usize,
+        words: u32,
+        blocks: u32,
+        #[comptime] q4: bool,
+    ) -> f32 {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
         let words_per_block = comptime!(32usize / per_word);
         let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
@@ -205,70 +250,349 @@ pub(crate) mod kernel {
         let vectors = words as usize / nw;
         let blocks = blocks as usize;
         let k = words as usize * per_word;
-        let rows = routing.rows as usize;
         let lane = UNIT_POS_X as usize % LANES;
-        let row = plane_row(rows, halves);
-        let picks = comptime!(if halves { 1usize } else { top_k });
         let mut cw = Array::<Vector<u32, NW>>::new(UNROLL);
         let mut scale = Array::<f32>::new(UNROLL);
         let mut offset = Array::<f32>::new(UNROLL);
-        let mut acc = 0.0f32;
-        #[unroll]
-        for p in 0..picks {
-            let (input, expert, weight) = pick_of(ids, weights, p, routing.count as usize, top_k, halves);
-            let grow = expert * rows + row;
-            let mut part = 0.0f32;
-            let mut v0 = lane;
-            while v0 < vectors {
-                #[unroll]
-                for u in 0..UNROLL {
-                    // Past the row's end a unit re-reads its last vector and discards it below.
-                    let v = min(v0 + u * LANES, vectors - 1);
-                    let block = (v * nw) / words_per_block;
-                    cw[u] = codes[grow * vectors + v];
-                    scale[u] = f32::cast_from(scales[grow * blocks + block]);
-                    if q4 {
-                        offset[u] = f32::cast_from(offsets[grow * blocks + block]);
-                    }
+        let mut part = 0.0f32;
+        let mut v0 = lane;
+        while v0 < vectors {
+            #[unroll]
+            for u in 0..UNROLL {
+                // Past the row's end a unit re-reads its last vector and discards it below.
+                let v = min(v0 + u * LANES, vectors - 1);
+                let block = (v * nw) / words_per_block;
+                cw[u] = codes[grow * vectors + v];
+                scale[u] = f32::cast_from(scales[grow * blocks + block]);
+                if q4 {
+                    offset[u] = f32::cast_from(offsets[grow * blocks + block]);
                 }
-                #[unroll]
-                for u in 0..UNROLL {
-                    let v = v0 + u * LANES;
-                    if v < vectors {
-                        let mut dot = 0.0f32;
-                        let mut sx = 0.0f32;
-                        #[unroll]
-                        for g in 0..loads {
-                            let xv = x[(input * k + v * nw * per_word) / nx + g];
-                            #[unroll]
-                            for i in 0..nx {
-                                let xi = f32::cast_from(xv[i]);
-                                sx += xi;
-                                let c = comptime!(g * nx + i);
-                                dot += unit_code(cw[u][comptime!(c / per_word)], comptime!(c % per_word), q4) * xi;
-                            }
-                        }
-                        // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                        let mut shift = scale[u] * sum_scale;
-                        if q4 {
-                            shift -= offset[u];
-                        }
-                        part += scale[u] * unit_scale * dot - shift * sx;
-                    }
-                }
-                v0 += comptime!(UNROLL * LANES);
             }
-            acc += weight * part;
+            #[unroll]
+            for u in 0..UNROLL {
+                let v = v0 + u * LANES;
+                if v < vectors {
+                    let mut dot = 0.0f32;
+                    let mut sx = 0.0f32;
+                    #[unroll]
+                    for g in 0..loads {
+                        let xv = x[(input * k + v * nw * per_word) / nx + g];
+                        #[unroll]
+                        for i in 0..nx {
+                            let xi = f32::cast_from(xv[i]);
+                            sx += xi;
+                            let c = comptime!(g * nx + i);
+                            dot += unit_code(cw[u][comptime!(c / per_word)], comptime!(c % per_word), q4) * xi;
+                        }
+                    }
+                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                    let mut shift = scale[u] * sum_scale;
+                    if q4 {
+                        shift -= offset[u];
+                    }
+                    part += scale[u] * unit_scale * dot - shift * sx;
+                }
+            }
+            v0 += comptime!(UNROLL * LANES);
         }
-        store_routed::<O>(acc, out, rows, halves, plane);
+        part
+    }
+
+    /// Groups the slots (`ids`, `[tokens * top_k]`) by expert: `offsets[e]..offsets[e + 1]` of
+    /// `order` are the slots routed to expert `e`, in slot order. One cube; each unit counts
+    /// and then lists its experts' slots, one unit sums the counts in between.
+    #[cube(launch)]
+    fn group_kernel(ids: &Array<u32>, order: &mut Array<u32>, offsets: &mut Array<u32>, #[comptime] count: usize) {
+        let unit = UNIT_POS_X as usize;
+        let units = CUBE_DIM_X as usize;
+        let slots = ids.len();
+        let mut counts = SharedMemory::<u32>::new(count);
+        let mut e = unit;
+        while e < count {
+            let mut n = 0u32;
+            for s in 0..slots {
+                if min(ids[s] as usize, count - 1) == e {
+                    n += 1;
+                }
+            }
+            counts[e] = n;
+            e += units;
+        }
+        sync_cube();
+        if unit == 0 {
+            let mut total = 0u32;
+            for e in 0..count {
+                let n = counts[e];
+                offsets[e] = total;
+                counts[e] = total;
+                total += n;
+            }
+            offsets[count] = total;
+        }
+        sync_cube();
+        let mut e = unit;
+        while e < count {
+            let mut at = counts[e] as usize;
+            for s in 0..slots {
+                if min(ids[s] as usize, count - 1) == e {
+                    order[at] = s as u32;
+                    at += 1;
+                }
+            }
+            e += units;
+        }
+    }
+
+    /// The slots of expert `CUBE_POS_Y`, from [`group_kernel`]'s lists.
+    #[cube]
+    fn expert_slots(offsets: &Array<u32>) -> (usize, usize) {
+        let expert = CUBE_POS_Y as usize;
+        (offsets[expert] as usize, offsets[expert + 1] as usize)
+    }
+
+    /// `(input row, route weight)` of `slot` (`WeightedSum` weights applied per slot here, the
+    /// sum over a token's slots by [`combine_kernel`]).
+    #[cube]
+    fn slot_input(
+        weights: &Array<f32>,
+        slot: usize,
+        #[comptime] top_k: usize,
+        #[comptime] halves: bool,
+    ) -> (usize, f32) {
+        let mut weight = 1.0f32;
+        if !halves {
+            weight = weights[slot];
+        }
+        (if halves { slot / top_k } else { slot }, weight)
+    }
+
+    /// [`routed_gemv_kernel`] grouped by expert: cube `(c, e)` reads its rows of expert `e`
+    /// once from memory (then from cache) for every slot routed to `e`; writes per slot.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    fn grouped_gemv_kernel<X: Float, W: Float, O: Float, N: Size>(
+        x: &Array<Vector<X, N>>,
+        w: &Array<Vector<W, N>>,
+        order: &Array<u32>,
+        offsets: &Array<u32>,
+        weights: &Array<f32>,
+        out: &mut Array<O>,
+        routing: Routing,
+        vectors: u32,
+        #[comptime] top_k: usize,
+        #[comptime] halves: bool,
+        #[comptime] plane: bool,
+        #[define(X, W, O)] _dtypes: [StorageType; 3],
+    ) {
+        let vectors = vectors as usize;
+        let rows = routing.rows as usize;
+        let base = (CUBE_POS_Y as usize * rows + plane_row(rows, halves)) * vectors;
+        let (start, end) = expert_slots(offsets);
+        for i in start..end {
+            let slot = order[i] as usize;
+            let (input, weight) = slot_input(weights, slot, top_k, halves);
+            let part = dense_dot::<X, W, N>(x, w, base, input * vectors, vectors);
+            store_routed::<O>(weight * part, out, slot, rows, halves, plane);
+        }
+    }
+
+    /// [`routed_qgemv_kernel`] grouped by expert, as [`grouped_gemv_kernel`].
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch)]
+    fn grouped_qgemv_kernel<X: Float, O: Float, S: Float, NW: Size, NX: Size>(
+        x: &Array<Vector<X, NX>>,
+        codes: &Array<Vector<u32, NW>>,
+        scales: &Array<S>,
+        offsets: &Array<S>,
+        order: &Array<u32>,
+        starts: &Array<u32>,
+        weights: &Array<f32>,
+        out: &mut Array<O>,
+        routing: Routing,
+        words: u32,
+        blocks: u32,
+        #[comptime] top_k: usize,
+        #[comptime] q4: bool,
+        #[comptime] halves: bool,
+        #[comptime] plane: bool,
+        #[define(X, O, S)] _dtypes: [StorageType; 3],
+    ) {
+        let rows = routing.rows as usize;
+        let grow = CUBE_POS_Y as usize * rows + plane_row(rows, halves);
+        let (start, end) = expert_slots(starts);
+        for i in start..end {
+            let slot = order[i] as usize;
+            let (input, weight) = slot_input(weights, slot, top_k, halves);
+            let part = quant_dot::<X, S, NW, NX>(x, codes, scales, offsets, grow, input, words, blocks, q4);
+            store_routed::<O>(weight * part, out, slot, rows, halves, plane);
+        }
+    }
+
+    /// `out[t] = sum_k parts[t * top_k + k]` (rows of `rows`), in `O`.
+    #[cube(launch)]
+    fn combine_kernel<O: Float>(
+        parts: &Array<f32>,
+        out: &mut Array<O>,
+        rows: u32,
+        #[comptime] top_k: usize,
+        #[define(O)] _dtype: StorageType,
+    ) {
+        let i = unit_index();
+        if i >= out.len() {
+            terminate!();
+        }
+        let rows = rows as usize;
+        let (t, r) = (i / rows, i % rows);
+        let mut sum = 0.0f32;
+        #[unroll]
+        for k in 0..top_k {
+            sum += parts[(t * top_k + k) * rows + r];
+        }
+        out[i] = O::cast_from(sum);
+    }
+
+    /// The slots of `ids` (`[tokens, top_k]`, `U32`) grouped by expert: `(order, offsets)`.
+    fn group<R: CubeRuntime>(ids: &CubeTensor<R>, count: usize) -> (CubeTensor<R>, CubeTensor<R>) {
+        let slots = ids.meta.num_elements();
+        let order = empty(ids, [slots.max(1)], DType::U32);
+        let offsets = empty(ids, [count + 1], DType::U32);
+        let units = crate::cube::pow2_ceil(count).clamp(32, 256);
+        launch!(group_kernel(
+            &ids.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(units as u32),
+            arg(ids),
+            arg(&order),
+            arg(&offsets),
+            count,
+        ));
+        (order, offsets)
+    }
+
+    /// The grid of a grouped product, its output (per slot: `WeightedSum`'s weighted parts in
+    /// f32, summed by [`combine`]) and whether it pairs halves.
+    fn grouped_shape(
+        product: ExpertProduct,
+        (count, rows): (usize, usize),
+        slots: usize,
+    ) -> (CubeCount, [usize; 2], bool) {
+        let halves = product == ExpertProduct::GeluHalves;
+        let (width, cubes) = if halves { (rows / 2, (rows / 2).div_ceil(HALF)) } else { (rows, rows.div_ceil(ROWS)) };
+        (CubeCount::Static(cubes.max(1) as u32, count.max(1) as u32, 1), [slots, width], halves)
+    }
+
+    /// A grouped product's per-slot output as the product's result: `GeluHalves` as it is,
+    /// `WeightedSum`'s parts summed per token in `dtype`.
+    fn combine<R: CubeRuntime>(
+        parts: CubeTensor<R>,
+        product: ExpertProduct,
+        top_k: usize,
+        dtype: DType,
+    ) -> CubeTensor<R> {
+        if product == ExpertProduct::GeluHalves {
+            return parts;
+        }
+        let [slots, rows] = [parts.meta.shape()[0], parts.meta.shape()[1]];
+        let tokens = slots / top_k.max(1);
+        let out = empty(&parts, [tokens, rows], dtype);
+        if tokens * rows == 0 {
+            return out;
+        }
+        let (cubes, dim) = crate::cube::elementwise(tokens * rows, 256);
+        launch!(combine_kernel(&parts.client, cubes, dim, arg(&parts), arg(&out), rows as u32, top_k, dtype.into()));
+        out
+    }
+
+    /// [`routed_gemv`] for any number of tokens, grouped by expert on the device.
+    pub fn grouped_gemv<R: CubeRuntime>(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        (count, rows): (usize, usize),
+        ids: CubeTensor<R>,
+        weights: CubeTensor<R>,
+        product: ExpertProduct,
+        dtype: DType,
+    ) -> CubeTensor<R> {
+        let (slots, top_k) = (ids.meta.num_elements(), ids.meta.shape()[1]);
+        let (cubes, shape, halves) = grouped_shape(product, (count, rows), slots);
+        let parts = empty(&x, shape, if halves { dtype } else { DType::F32 });
+        let cols = w.meta.shape()[1];
+        if slots == 0 || shape[1] == 0 || cols == 0 {
+            return combine(parts, product, top_k, dtype);
+        }
+        let (order, offsets) = group(&ids, count);
+        let size = x.dtype.size().max(w.dtype.size());
+        let width = load_vector_size(&x.client, size, cols, 16 / size);
+        launch!(grouped_gemv_kernel(
+            &x.client,
+            cubes,
+            CubeDim::new_1d((ROWS * LANES) as u32),
+            width,
+            arg(&x),
+            arg(&w),
+            arg(&order),
+            arg(&offsets),
+            arg(&weights),
+            arg(&parts),
+            RoutingLaunch::new(rows as u32, count as u32),
+            (cols / width) as u32,
+            top_k,
+            halves,
+            planes_of_32(&x.client),
+            [x.dtype.into(), w.dtype.into(), parts.dtype.into()],
+        ));
+        combine(parts, product, top_k, dtype)
+    }
+
+    /// [`routed_qgemv`] for any number of tokens, grouped by expert on the device.
+    pub fn grouped_qgemv<R: CubeRuntime>(
+        x: CubeTensor<R>,
+        w: &Packed<R>,
+        (count, rows): (usize, usize),
+        ids: CubeTensor<R>,
+        weights: CubeTensor<R>,
+        product: ExpertProduct,
+        dtype: DType,
+    ) -> CubeTensor<R> {
+        let (slots, top_k) = (ids.meta.num_elements(), ids.meta.shape()[1]);
+        let (cubes, shape, halves) = grouped_shape(product, (count, rows), slots);
+        let parts = empty(&x, shape, if halves { dtype } else { DType::F32 });
+        if slots == 0 || shape[1] == 0 {
+            return combine(parts, product, top_k, dtype);
+        }
+        let (order, starts) = group(&ids, count);
+        let (codes, scales, offsets, q4) = w.args();
+        let (row_words, row_blocks) = w.row_sizes();
+        let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
+        let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
+        launch!(grouped_qgemv_kernel(
+            &x.client,
+            cubes,
+            CubeDim::new_1d((ROWS * LANES) as u32),
+            nw,
+            nx,
+            arg(&x),
+            arg(&codes),
+            arg(&scales),
+            arg(&offsets),
+            arg(&order),
+            arg(&starts),
+            arg(&weights),
+            arg(&parts),
+            RoutingLaunch::new(rows as u32, count as u32),
+            row_words,
+            row_blocks,
+            top_k,
+            q4,
+            halves,
+            planes_of_32(&x.client),
+            [x.dtype.into(), parts.dtype.into(), scales.dtype.into()],
+        ));
+        combine(parts, product, top_k, dtype)
     }
 
     /// The grid, output and comptime flags of a routed product of `rows` rows per expert.
-    fn shape(
-        product: ExpertProduct,
-        rows: usize,
-        (tokens, top_k): (usize, usize),
-    ) -> (CubeCount, [usize; 2], bool) {
+    fn shape(product: ExpertProduct, rows: usize, (tokens, top_k): (usize, usize)) -> (CubeCount, [usize; 2], bool) {
         let halves = product == ExpertProduct::GeluHalves;
         let (y, width, cubes) = if halves {
             (tokens * top_k, rows / 2, (rows / 2).div_ceil(HALF))
@@ -393,17 +717,25 @@ mod gpu {
     }
 
     /// Both products against the grouped reference (each chosen expert's dequantized matrix in
-    /// one product), for 1 to 8 tokens (the routed kernels) and more (grouped on the device),
+    /// one product), for 1 to 8 tokens (the routed kernels) and more (grouped by expert on the
+    /// device, experts no token chose included),
     /// odd widths, dense and Q8/Q4 experts, activations in f32 and the model dtype.
     pub fn routed<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "routed experts");
         let formats = [None, Some(QuantFormat::Q8), Some(QuantFormat::Q4)];
         // (tokens, experts, top_k, 2 * m, cols, down cols)
-        for (tokens, count, top_k, rows, cols) in
-            [(1, 8, 2, 48, 64), (3, 5, 3, 22, 96), (8, 16, 8, 176, 256), (1, 128, 8, 88, 160), (13, 6, 2, 40, 64)]
-        {
+        for (tokens, count, top_k, rows, cols) in [
+            (1, 8, 2, 48, 64),
+            (3, 5, 3, 22, 96),
+            (8, 16, 8, 176, 256),
+            (1, 128, 8, 88, 160),
+            (13, 6, 2, 40, 64),
+            (37, 7, 3, 22, 96),
+            (70, 128, 8, 88, 160),
+        ] {
             for format in formats {
-                let what = format!("{tokens} tokens, {count} experts top {top_k}, [{rows}, {cols}] {format:?} {dtype:?}");
+                let what =
+                    format!("{tokens} tokens, {count} experts top {top_k}, [{rows}, {cols}] {format:?} {dtype:?}");
                 let gate_up = experts::<B>([count, rows, cols], format, dtype, device);
                 let m = rows / 2;
                 // The down projection's rows are `cols` wide and read `m` inputs; quantized only
@@ -422,10 +754,9 @@ mod gpu {
                 assert_close(h.clone(), h_ref.clone(), tolerance(dtype) * 2.0, &format!("gate/up {what}"));
 
                 // The down product from the same input on both sides.
-                let y = B::project_experts(h_ref.clone(), &down, &routes, ExpertProduct::WeightedSum, dtype)
-                    .expect("down");
-                let y_ref =
-                    project_reference(h_ref, &down, &routes, ExpertProduct::WeightedSum, dtype).expect("ref");
+                let y =
+                    B::project_experts(h_ref.clone(), &down, &routes, ExpertProduct::WeightedSum, dtype).expect("down");
+                let y_ref = project_reference(h_ref, &down, &routes, ExpertProduct::WeightedSum, dtype).expect("ref");
                 assert_close(y, y_ref, tolerance(dtype) * 2.0, &format!("down {what}"));
             }
         }

@@ -31,7 +31,7 @@ use std::ops::Range;
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
-    pub use super::gemv::kernel::{routed_gemv, routed_qgemv};
+    pub use super::gemv::kernel::{grouped_gemv, grouped_qgemv, routed_gemv, routed_qgemv};
     pub use super::route::kernel::route;
 }
 
