@@ -380,11 +380,10 @@ where
         product: ExpertProduct,
         dtype: DType,
     ) -> Result<Tensor<Self, 2>, crate::ReadBackError> {
-        use crate::experts::kernel::{grouped_gemv, grouped_qgemv, routed_gemv, routed_qgemv};
+        use crate::experts::kernel::{expert_gemv, expert_qgemv};
         let ExpertWeights::Stacked(stacked) = &experts.weights else {
             return crate::experts::project_reference(x, experts, routes, product, dtype);
         };
-        let routed = routes.shape().0 <= crate::linear::GEMV_MAX_ROWS;
         let shape = (experts.count, experts.rows);
         // The router kernel writes `U32` ids; others (routes built on the host) are cast.
         let ids = || {
@@ -398,14 +397,8 @@ where
         let weights = cube::float(routes.weights.clone());
         let x = cube::float(x);
         Ok(cube::tensor(match stacked {
-            Matrix::Dense(w) => {
-                let run = if routed { routed_gemv } else { grouped_gemv };
-                run(x, cube::float(w.val()), shape, ids(), weights, product, dtype)
-            }
-            Matrix::Quantized(w) => {
-                let run = if routed { routed_qgemv } else { grouped_qgemv };
-                run(x, &packed(w), shape, ids(), weights, product, dtype)
-            }
+            Matrix::Dense(w) => expert_gemv(x, cube::float(w.val()), shape, ids(), weights, product, dtype),
+            Matrix::Quantized(w) => expert_qgemv(x, &packed(w), shape, ids(), weights, product, dtype),
             // `upload_experts` stacks only dense and quantized matrices.
             Matrix::Ggml(_) | Matrix::Stacked(_) => {
                 return crate::experts::project_reference(cube::tensor(x), experts, routes, product, dtype)

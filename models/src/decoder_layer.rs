@@ -116,14 +116,18 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
         let h = self.mlp.forward(h);
-        let mut stream = match (&self.moe, &self.post_feedforward_layernorm) {
-            // The expert block applies the post-MLP norm itself (fused with its sum).
-            (Some(moe), Some(post_norm)) => {
+        let mut stream = match &self.moe {
+            // The expert block applies the post-MLP norm itself (fused with its sum); the
+            // loader builds one only beside that norm.
+            Some(moe) => {
+                let post_norm = self.post_feedforward_layernorm.as_ref().ok_or_else(|| {
+                    ModelError::InvalidInput("an expert block needs the layer's post-feedforward norm".into())
+                })?;
                 let (stream, residual) = stream.residual();
                 let h = moe.forward(residual, h, post_norm)?;
                 stream.add(h, None)
             }
-            _ => stream.add(h, self.post_feedforward_layernorm.as_ref()),
+            None => stream.add(h, self.post_feedforward_layernorm.as_ref()),
         };
         if let (Some(block), Some((inputs, layer))) = (&self.per_layer_input, per_layer_input) {
             // The gate reads the residual itself (f32), which the pending add writes.

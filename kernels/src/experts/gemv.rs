@@ -68,11 +68,7 @@ pub(crate) mod kernel {
     ) -> (usize, usize, f32) {
         let y = CUBE_POS_Y as usize;
         let slot = if halves { y } else { y * top_k + pick };
-        let input = if halves { y / top_k } else { slot };
-        let mut weight = 1.0f32;
-        if !halves {
-            weight = weights[slot];
-        }
+        let (input, weight) = slot_input(weights, slot, top_k, halves);
         (input, min(ids[slot] as usize, count - 1), weight)
     }
 
@@ -469,144 +465,88 @@ pub(crate) mod kernel {
         (order, offsets)
     }
 
-    /// The grid of a grouped product, its output (per slot: `WeightedSum`'s weighted parts in
-    /// f32, summed by [`combine`]) and whether it pairs halves.
-    fn grouped_shape(
-        product: ExpertProduct,
-        (count, rows): (usize, usize),
-        slots: usize,
-    ) -> (CubeCount, [usize; 2], bool) {
-        let halves = product == ExpertProduct::GeluHalves;
-        let (width, cubes) = if halves { (rows / 2, (rows / 2).div_ceil(HALF)) } else { (rows, rows.div_ceil(ROWS)) };
-        (CubeCount::Static(cubes.max(1) as u32, count.max(1) as u32, 1), [slots, width], halves)
-    }
-
-    /// A grouped product's per-slot output as the product's result: `GeluHalves` as it is,
-    /// `WeightedSum`'s parts summed per token in `dtype`.
-    fn combine<R: CubeRuntime>(
-        parts: CubeTensor<R>,
-        product: ExpertProduct,
+    /// A product's launch: grid, output (per slot for a grouped `WeightedSum`: the weighted
+    /// parts in f32, summed by [`Launch::finish`]), and the slots grouped by expert where the
+    /// tokens are more than the routed kernels take.
+    struct Launch<R: CubeRuntime> {
+        cubes: CubeCount,
+        out: CubeTensor<R>,
+        halves: bool,
         top_k: usize,
-        dtype: DType,
-    ) -> CubeTensor<R> {
-        if product == ExpertProduct::GeluHalves {
-            return parts;
-        }
-        let [slots, rows] = [parts.meta.shape()[0], parts.meta.shape()[1]];
-        let tokens = slots / top_k.max(1);
-        let out = empty(&parts, [tokens, rows], dtype);
-        if tokens * rows == 0 {
-            return out;
-        }
-        let (cubes, dim) = crate::cube::elementwise(tokens * rows, 256);
-        launch!(combine_kernel(&parts.client, cubes, dim, arg(&parts), arg(&out), rows as u32, top_k, dtype.into()));
-        out
+        /// The output holds a grouped `WeightedSum`'s per-slot parts.
+        parts: bool,
+        /// `(order, offsets)` of [`group`]: the grouped kernels.
+        grouped: Option<(CubeTensor<R>, CubeTensor<R>)>,
     }
 
-    /// [`routed_gemv`] for any number of tokens, grouped by expert on the device.
-    pub fn grouped_gemv<R: CubeRuntime>(
-        x: CubeTensor<R>,
-        w: CubeTensor<R>,
-        (count, rows): (usize, usize),
-        ids: CubeTensor<R>,
-        weights: CubeTensor<R>,
-        product: ExpertProduct,
-        dtype: DType,
-    ) -> CubeTensor<R> {
-        let (slots, top_k) = (ids.meta.num_elements(), ids.meta.shape()[1]);
-        let (cubes, shape, halves) = grouped_shape(product, (count, rows), slots);
-        let parts = empty(&x, shape, if halves { dtype } else { DType::F32 });
-        let cols = w.meta.shape()[1];
-        if slots == 0 || shape[1] == 0 || cols == 0 {
-            return combine(parts, product, top_k, dtype);
+    impl<R: CubeRuntime> Launch<R> {
+        /// Up to [`crate::linear::GEMV_MAX_ROWS`] tokens: the routed kernels (one cube row per
+        /// slot, or per token for `WeightedSum`); more: grouped by expert (one cube row per
+        /// expert).
+        fn new(
+            x: &CubeTensor<R>,
+            ids: &CubeTensor<R>,
+            (count, rows): (usize, usize),
+            product: ExpertProduct,
+            dtype: DType,
+        ) -> Self {
+            let (tokens, top_k) = (ids.meta.shape()[0], ids.meta.shape()[1]);
+            let halves = product == ExpertProduct::GeluHalves;
+            let (width, cubes) =
+                if halves { (rows / 2, (rows / 2).div_ceil(HALF)) } else { (rows, rows.div_ceil(ROWS)) };
+            let grouped = tokens > crate::linear::GEMV_MAX_ROWS;
+            let (y, out_rows, out_dtype) = match (grouped, halves) {
+                (false, true) => (tokens * top_k, tokens * top_k, dtype),
+                (false, false) => (tokens, tokens, dtype),
+                (true, _) => (count, tokens * top_k, if halves { dtype } else { DType::F32 }),
+            };
+            Self {
+                cubes: CubeCount::Static(cubes.max(1) as u32, y.max(1) as u32, 1),
+                out: empty(x, [out_rows, width], out_dtype),
+                halves,
+                top_k,
+                parts: grouped && !halves,
+                grouped: (grouped && out_rows * width > 0).then(|| group(ids, count)),
+            }
         }
-        let (order, offsets) = group(&ids, count);
-        let size = x.dtype.size().max(w.dtype.size());
-        let width = load_vector_size(&x.client, size, cols, 16 / size);
-        launch!(grouped_gemv_kernel(
-            &x.client,
-            cubes,
-            CubeDim::new_1d((ROWS * LANES) as u32),
-            width,
-            arg(&x),
-            arg(&w),
-            arg(&order),
-            arg(&offsets),
-            arg(&weights),
-            arg(&parts),
-            RoutingLaunch::new(rows as u32, count as u32),
-            (cols / width) as u32,
-            top_k,
-            halves,
-            planes_of_32(&x.client),
-            [x.dtype.into(), w.dtype.into(), parts.dtype.into()],
-        ));
-        combine(parts, product, top_k, dtype)
-    }
 
-    /// [`routed_qgemv`] for any number of tokens, grouped by expert on the device.
-    pub fn grouped_qgemv<R: CubeRuntime>(
-        x: CubeTensor<R>,
-        w: &Packed<R>,
-        (count, rows): (usize, usize),
-        ids: CubeTensor<R>,
-        weights: CubeTensor<R>,
-        product: ExpertProduct,
-        dtype: DType,
-    ) -> CubeTensor<R> {
-        let (slots, top_k) = (ids.meta.num_elements(), ids.meta.shape()[1]);
-        let (cubes, shape, halves) = grouped_shape(product, (count, rows), slots);
-        let parts = empty(&x, shape, if halves { dtype } else { DType::F32 });
-        if slots == 0 || shape[1] == 0 {
-            return combine(parts, product, top_k, dtype);
+        /// Nothing to compute.
+        fn empty(&self) -> bool {
+            self.out.meta.num_elements() == 0
         }
-        let (order, starts) = group(&ids, count);
-        let (codes, scales, offsets, q4) = w.args();
-        let (row_words, row_blocks) = w.row_sizes();
-        let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
-        let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
-        launch!(grouped_qgemv_kernel(
-            &x.client,
-            cubes,
-            CubeDim::new_1d((ROWS * LANES) as u32),
-            nw,
-            nx,
-            arg(&x),
-            arg(&codes),
-            arg(&scales),
-            arg(&offsets),
-            arg(&order),
-            arg(&starts),
-            arg(&weights),
-            arg(&parts),
-            RoutingLaunch::new(rows as u32, count as u32),
-            row_words,
-            row_blocks,
-            top_k,
-            q4,
-            halves,
-            planes_of_32(&x.client),
-            [x.dtype.into(), parts.dtype.into(), scales.dtype.into()],
-        ));
-        combine(parts, product, top_k, dtype)
-    }
 
-    /// The grid, output and comptime flags of a routed product of `rows` rows per expert.
-    fn shape(product: ExpertProduct, rows: usize, (tokens, top_k): (usize, usize)) -> (CubeCount, [usize; 2], bool) {
-        let halves = product == ExpertProduct::GeluHalves;
-        let (y, width, cubes) = if halves {
-            (tokens * top_k, rows / 2, (rows / 2).div_ceil(HALF))
-        } else {
-            (tokens, rows, rows.div_ceil(ROWS))
-        };
-        (CubeCount::Static(cubes.max(1) as u32, y.max(1) as u32, 1), [y, width], halves)
+        /// The product's result: the output, or a grouped `WeightedSum`'s parts summed per token
+        /// in `dtype`.
+        fn finish(self, dtype: DType) -> CubeTensor<R> {
+            if !self.parts {
+                return self.out;
+            }
+            let parts = self.out;
+            let [slots, rows] = [parts.meta.shape()[0], parts.meta.shape()[1]];
+            let tokens = slots / self.top_k.max(1);
+            let out = empty(&parts, [tokens, rows], dtype);
+            if tokens * rows == 0 {
+                return out;
+            }
+            let (cubes, dim) = crate::cube::elementwise(tokens * rows, 256);
+            launch!(combine_kernel(
+                &parts.client,
+                cubes,
+                dim,
+                arg(&parts),
+                arg(&out),
+                rows as u32,
+                self.top_k,
+                dtype.into()
+            ));
+            out
+        }
     }
 
     /// Dense experts: `w` `[count * rows, cols]`; `x` `[tokens, cols]` (`GeluHalves`) or
     /// `[tokens * top_k, cols]` (`WeightedSum`), any float dtype; `ids`/`weights` `[tokens,
     /// top_k]` (`U32`, f32). Returns `dtype`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn routed_gemv<R: CubeRuntime>(
+    pub fn expert_gemv<R: CubeRuntime>(
         x: CubeTensor<R>,
         w: CubeTensor<R>,
         (count, rows): (usize, usize),
@@ -615,37 +555,60 @@ pub(crate) mod kernel {
         product: ExpertProduct,
         dtype: DType,
     ) -> CubeTensor<R> {
-        let (tokens, top_k) = (ids.meta.shape()[0], ids.meta.shape()[1]);
-        let (cubes, out_shape, halves) = shape(product, rows, (tokens, top_k));
-        let out = empty(&x, out_shape, dtype);
-        let cols = w.meta.shape()[1];
-        if out_shape[0] == 0 || out_shape[1] == 0 || cols == 0 {
-            return out;
+        let launch = Launch::new(&x, &ids, (count, rows), product, dtype);
+        if launch.empty() {
+            return launch.finish(dtype);
         }
+        let cols = w.meta.shape()[1];
         let size = x.dtype.size().max(w.dtype.size());
         let width = load_vector_size(&x.client, size, cols, 16 / size);
-        launch!(routed_gemv_kernel(
-            &x.client,
-            cubes,
-            CubeDim::new_1d((ROWS * LANES) as u32),
-            width,
-            arg(&x),
-            arg(&w),
-            arg(&ids),
-            arg(&weights),
-            arg(&out),
-            RoutingLaunch::new(rows as u32, count as u32),
-            (cols / width) as u32,
-            top_k,
-            halves,
-            planes_of_32(&x.client),
-            [x.dtype.into(), w.dtype.into(), dtype.into()],
-        ));
-        out
+        let (cube_dim, vectors) = (CubeDim::new_1d((ROWS * LANES) as u32), (cols / width) as u32);
+        let (top_k, halves, plane) = (launch.top_k, launch.halves, planes_of_32(&x.client));
+        let dtypes = [x.dtype.into(), w.dtype.into(), launch.out.dtype.into()];
+        match &launch.grouped {
+            None => launch!(routed_gemv_kernel(
+                &x.client,
+                launch.cubes.clone(),
+                cube_dim,
+                width,
+                arg(&x),
+                arg(&w),
+                arg(&ids),
+                arg(&weights),
+                arg(&launch.out),
+                // Built per arm: the launch argument's type is the launching runtime's.
+                RoutingLaunch::new(rows as u32, count as u32),
+                vectors,
+                top_k,
+                halves,
+                plane,
+                dtypes,
+            )),
+            Some((order, offsets)) => launch!(grouped_gemv_kernel(
+                &x.client,
+                launch.cubes.clone(),
+                cube_dim,
+                width,
+                arg(&x),
+                arg(&w),
+                arg(order),
+                arg(offsets),
+                arg(&weights),
+                arg(&launch.out),
+                // Built per arm: the launch argument's type is the launching runtime's.
+                RoutingLaunch::new(rows as u32, count as u32),
+                vectors,
+                top_k,
+                halves,
+                plane,
+                dtypes,
+            )),
+        }
+        launch.finish(dtype)
     }
 
-    /// Quantized experts (`w` `[count * rows, cols]` packed); otherwise as [`routed_gemv`].
-    pub fn routed_qgemv<R: CubeRuntime>(
+    /// Quantized experts (`w` `[count * rows, cols]` packed); otherwise as [`expert_gemv`].
+    pub fn expert_qgemv<R: CubeRuntime>(
         x: CubeTensor<R>,
         w: &Packed<R>,
         (count, rows): (usize, usize),
@@ -654,39 +617,67 @@ pub(crate) mod kernel {
         product: ExpertProduct,
         dtype: DType,
     ) -> CubeTensor<R> {
-        let (tokens, top_k) = (ids.meta.shape()[0], ids.meta.shape()[1]);
-        let (cubes, out_shape, halves) = shape(product, rows, (tokens, top_k));
-        let out = empty(&x, out_shape, dtype);
-        if out_shape[0] == 0 || out_shape[1] == 0 {
-            return out;
+        let launch = Launch::new(&x, &ids, (count, rows), product, dtype);
+        if launch.empty() {
+            return launch.finish(dtype);
         }
         let (codes, scales, offsets, q4) = w.args();
         let (row_words, row_blocks) = w.row_sizes();
         let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
         let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
-        launch!(routed_qgemv_kernel(
-            &x.client,
-            cubes,
-            CubeDim::new_1d((ROWS * LANES) as u32),
-            nw,
-            nx,
-            arg(&x),
-            arg(&codes),
-            arg(&scales),
-            arg(&offsets),
-            arg(&ids),
-            arg(&weights),
-            arg(&out),
-            RoutingLaunch::new(rows as u32, count as u32),
-            row_words,
-            row_blocks,
-            top_k,
-            q4,
-            halves,
-            planes_of_32(&x.client),
-            [x.dtype.into(), dtype.into(), scales.dtype.into()],
-        ));
-        out
+        let cube_dim = CubeDim::new_1d((ROWS * LANES) as u32);
+        let (top_k, halves, plane) = (launch.top_k, launch.halves, planes_of_32(&x.client));
+        let dtypes = [x.dtype.into(), launch.out.dtype.into(), scales.dtype.into()];
+        match &launch.grouped {
+            None => launch!(routed_qgemv_kernel(
+                &x.client,
+                launch.cubes.clone(),
+                cube_dim,
+                nw,
+                nx,
+                arg(&x),
+                arg(&codes),
+                arg(&scales),
+                arg(&offsets),
+                arg(&ids),
+                arg(&weights),
+                arg(&launch.out),
+                // Built per arm: the launch argument's type is the launching runtime's.
+                RoutingLaunch::new(rows as u32, count as u32),
+                row_words,
+                row_blocks,
+                top_k,
+                q4,
+                halves,
+                plane,
+                dtypes,
+            )),
+            Some((order, starts)) => launch!(grouped_qgemv_kernel(
+                &x.client,
+                launch.cubes.clone(),
+                cube_dim,
+                nw,
+                nx,
+                arg(&x),
+                arg(&codes),
+                arg(&scales),
+                arg(&offsets),
+                arg(order),
+                arg(starts),
+                arg(&weights),
+                arg(&launch.out),
+                // Built per arm: the launch argument's type is the launching runtime's.
+                RoutingLaunch::new(rows as u32, count as u32),
+                row_words,
+                row_blocks,
+                top_k,
+                q4,
+                halves,
+                plane,
+                dtypes,
+            )),
+        }
+        launch.finish(dtype)
     }
 }
 

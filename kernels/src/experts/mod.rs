@@ -31,19 +31,21 @@ use std::ops::Range;
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
-    pub use super::gemv::kernel::{grouped_gemv, grouped_qgemv, routed_gemv, routed_qgemv};
+    pub use super::gemv::kernel::{expert_gemv, expert_qgemv};
     pub use super::route::kernel::route;
 }
 
-/// One projection of every expert of a layer: `count` matrices of `[rows, cols]`.
+/// One projection of every expert of a layer: `count` matrices of `[rows, cols]`, built by
+/// [`crate::GemmaBackend::upload_experts`] only, so that a stack holds only what its rows can
+/// be cut from (dense or quantized matrices).
 #[derive(Module, Debug)]
 pub struct Experts<B: Backend> {
-    pub weights: ExpertWeights<B>,
+    pub(crate) weights: ExpertWeights<B>,
     #[module(skip)]
-    pub count: usize,
+    pub(crate) count: usize,
     /// Rows of one expert's matrix.
     #[module(skip)]
-    pub rows: usize,
+    pub(crate) rows: usize,
 }
 
 /// How the experts' matrices are held.
@@ -58,7 +60,8 @@ pub enum ExpertWeights<B: Backend> {
 }
 
 impl<B: Backend> Experts<B> {
-    /// Expert `e`'s `[rows, cols]` matrix (a view of the stack where it is stacked).
+    /// Expert `e`'s `[rows, cols]` matrix (a view of the stack where it is stacked); `None`
+    /// past the last expert.
     pub fn expert(&self, e: usize) -> Option<Matrix<B>> {
         match &self.weights {
             ExpertWeights::Each(matrices) => matrices.get(e).cloned(),
@@ -68,13 +71,14 @@ impl<B: Backend> Experts<B> {
         }
     }
 
-    /// `[rows, cols]` of one expert.
-    pub fn dims(&self) -> [usize; 2] {
-        let cols = match &self.weights {
-            ExpertWeights::Stacked(m) => m.dims()[1],
-            ExpertWeights::Each(ms) => ms.first().map_or(0, |m| m.dims()[1]),
-        };
-        [self.rows, cols]
+    /// Experts in the stack.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// How the matrices are held.
+    pub fn weights(&self) -> &ExpertWeights<B> {
+        &self.weights
     }
 
     /// Bytes on the device (host memory for GGUF blocks kept on the host).
@@ -87,7 +91,7 @@ impl<B: Backend> Experts<B> {
 }
 
 /// Rows `range` of a dense or quantized matrix, as a view where the backend slices without a
-/// copy; `None` for the other kinds.
+/// copy; `None` for the other kinds, which no stack holds (see [`Experts`]).
 fn matrix_rows<B: Backend>(matrix: &Matrix<B>, range: Range<usize>) -> Option<Matrix<B>> {
     match matrix {
         Matrix::Dense(w) => {
@@ -119,7 +123,7 @@ impl<B: Backend> QuantizedMatrix<B> {
 }
 
 /// Rows `range` of a matrix read from a checkpoint.
-pub fn host_rows<B: Backend>(matrix: &HostMatrix<B>, range: Range<usize>) -> HostMatrix<B> {
+fn host_rows<B: Backend>(matrix: &HostMatrix<B>, range: Range<usize>) -> HostMatrix<B> {
     match matrix {
         HostMatrix::Dense(t) => {
             let cols = t.dims()[1];
@@ -285,7 +289,10 @@ pub fn project_reference<B: GemmaBackend>(
                 }
             })
             .collect();
-        let Some(matrix) = (!slots.is_empty()).then(|| experts.expert(e)).flatten() else { continue };
+        if slots.is_empty() {
+            continue;
+        }
+        let Some(matrix) = experts.expert(e) else { continue };
         let n = slots.len();
         let index = |v: Vec<i64>| Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &device);
         let inputs = index(slots.iter().map(|s| s.0).collect());
