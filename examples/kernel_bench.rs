@@ -28,6 +28,8 @@ type CliError = Box<dyn std::error::Error>;
 
 #[path = "kernel_bench/decode.rs"]
 mod decode;
+#[path = "kernel_bench/experts.rs"]
+mod experts;
 #[path = "kernel_bench/gemm.rs"]
 mod gemm;
 
@@ -45,7 +47,7 @@ struct Args {
     /// Which tables: kernels, decode, launch or all.
     #[arg(long, default_value = "all")]
     section: Section,
-    /// Gemm section: activation rows of each product (comma-separated).
+    /// Gemm and experts sections: activation rows (tokens) of each product (comma-separated).
     #[arg(long, default_value = "512,4096")]
     rows: String,
     /// Gemm section: `all` also times every CubeCL kernel candidate, `tuned` only `project`.
@@ -75,6 +77,9 @@ enum Section {
     /// Prefill products (CubeCL's matmul kernels) and prefill attention (CUDA and wgpu only;
     /// not part of `all`).
     Gemm,
+    /// A 26B-A4B experts layer by each path, at the token counts of `--rows` (CUDA and wgpu
+    /// only; not part of `all`).
+    Experts,
 }
 
 struct Bench {
@@ -393,17 +398,49 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliE
     }
 }
 
+/// `--section experts` on a CubeCL backend (the paths are the CubeCL backends').
+fn experts_section(kind: BackendKind, dtype: DType, reps: usize, rows: &[usize]) -> Result<(), CliError> {
+    println!("dtype {dtype:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
+    match kind {
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let device = burn::backend::cuda::CudaDevice::new(0);
+            experts::section::<burn_gemma::backends::Cuda>(&device, dtype, reps, rows, |x, e, r, p, d, path| {
+                burn_gemma_kernels::experts::project_on(x, e, r, p, d, path)
+            });
+            Ok(())
+        }
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => {
+            experts::section::<burn_gemma::backends::Wgpu>(
+                &Default::default(),
+                dtype,
+                reps,
+                rows,
+                |x, e, r, p, d, path| burn_gemma_kernels::experts::project_on(x, e, r, p, d, path),
+            );
+            Ok(())
+        }
+        _ => Err(CliError::from("--section experts runs on --backend cuda or wgpu (the CubeCL paths)")),
+    }
+}
+
 fn main() -> Result<(), CliError> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
     let models: Vec<String> = args.models.split(',').map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();
-    if args.section == Section::Gemm {
-        let rows = args
-            .rows
+    let rows = || {
+        args.rows
             .split(',')
             .map(|r| r.trim().parse::<usize>().map_err(|e| CliError::from(format!("--rows {r:?}: {e}"))))
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+    };
+    if args.section == Section::Experts {
+        return experts_section(kind, dtype, args.reps.max(1), &rows()?);
+    }
+    if args.section == Section::Gemm {
+        let rows = rows()?;
         let settings =
             gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all: args.gemm_kernels == GemmKernels::All };
         return gemm_section(kind, &settings);

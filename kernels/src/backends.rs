@@ -380,30 +380,10 @@ where
         product: ExpertProduct,
         dtype: DType,
     ) -> Result<Tensor<Self, 2>, crate::ReadBackError> {
-        use crate::experts::kernel::{expert_gemv, expert_qgemv};
-        let ExpertWeights::Stacked(stacked) = &experts.weights else {
-            return crate::experts::project_reference(x, experts, routes, product, dtype);
-        };
-        let shape = (experts.count, experts.rows);
-        // The router kernel writes `U32` ids; others (routes built on the host) are cast.
-        let ids = || {
-            let ids = routes.ids.clone();
-            if ids.dtype() == DType::U32 {
-                return cube::int(ids);
-            }
-            crate::graph::unsupported(|| "expert ids cast by Burn".into());
-            cube::int(ids.cast(burn::tensor::IntDType::U32))
-        };
-        let weights = cube::float(routes.weights.clone());
-        let x = cube::float(x);
-        Ok(cube::tensor(match stacked {
-            Matrix::Dense(w) => expert_gemv(x, cube::float(w.val()), shape, ids(), weights, product, dtype),
-            Matrix::Quantized(w) => expert_qgemv(x, &packed(w), shape, ids(), weights, product, dtype),
-            // `upload_experts` stacks only dense and quantized matrices.
-            Matrix::Ggml(_) | Matrix::Stacked(_) => {
-                return crate::experts::project_reference(cube::tensor(x), experts, routes, product, dtype)
-            }
-        }))
+        let (tokens, top_k) = routes.shape();
+        let units = crate::gemm::kernel::has_matrix_units(&R::client(&x.device()), dtype);
+        let path = crate::experts::ExpertPath::choose(tokens, top_k, experts.count, units);
+        crate::experts::project_on(x, experts, routes, product, dtype, path)
     }
 
     /// The logits are read in their own dtype; greedy reads no draws.
@@ -507,7 +487,7 @@ where
     }
 }
 
-fn packed<R, F, I, BT>(w: &QuantizedMatrix<CubeBackend<R, F, I, BT>>) -> Packed<R>
+pub(crate) fn packed<R, F, I, BT>(w: &QuantizedMatrix<CubeBackend<R, F, I, BT>>) -> Packed<R>
 where
     R: CubeRuntime,
     F: FloatElement,

@@ -448,7 +448,7 @@ pub(crate) mod kernel {
     }
 
     /// The slots of `ids` (`[tokens, top_k]`, `U32`) grouped by expert: `(order, offsets)`.
-    fn group<R: CubeRuntime>(ids: &CubeTensor<R>, count: usize) -> (CubeTensor<R>, CubeTensor<R>) {
+    pub(crate) fn group<R: CubeRuntime>(ids: &CubeTensor<R>, count: usize) -> (CubeTensor<R>, CubeTensor<R>) {
         let slots = ids.meta.num_elements();
         let order = empty(ids, [slots.max(1)], DType::U32);
         let offsets = empty(ids, [count + 1], DType::U32);
@@ -521,26 +521,22 @@ pub(crate) mod kernel {
             if !self.parts {
                 return self.out;
             }
-            let parts = self.out;
-            let [slots, rows] = [parts.meta.shape()[0], parts.meta.shape()[1]];
-            let tokens = slots / self.top_k.max(1);
-            let out = empty(&parts, [tokens, rows], dtype);
-            if tokens * rows == 0 {
-                return out;
-            }
-            let (cubes, dim) = crate::cube::elementwise(tokens * rows, 256);
-            launch!(combine_kernel(
-                &parts.client,
-                cubes,
-                dim,
-                arg(&parts),
-                arg(&out),
-                rows as u32,
-                self.top_k,
-                dtype.into()
-            ));
-            out
+            combine(self.out, self.top_k, dtype)
         }
+    }
+
+    /// A token's `top_k` weighted parts (`[tokens * top_k, rows]` f32) summed: `[tokens, rows]`
+    /// in `dtype`.
+    pub(crate) fn combine<R: CubeRuntime>(parts: CubeTensor<R>, top_k: usize, dtype: DType) -> CubeTensor<R> {
+        let [slots, rows] = [parts.meta.shape()[0], parts.meta.shape()[1]];
+        let tokens = slots / top_k.max(1);
+        let out = empty(&parts, [tokens, rows], dtype);
+        if tokens * rows == 0 {
+            return out;
+        }
+        let (cubes, dim) = crate::cube::elementwise(tokens * rows, 256);
+        launch!(combine_kernel(&parts.client, cubes, dim, arg(&parts), arg(&out), rows as u32, top_k, dtype.into()));
+        out
     }
 
     /// Dense experts: `w` `[count * rows, cols]`; `x` `[tokens, cols]` (`GeluHalves`) or
@@ -682,7 +678,7 @@ pub(crate) mod kernel {
 }
 
 #[cfg(test)]
-mod gpu {
+pub(crate) mod gpu {
     use crate::experts::{project_reference, route_reference, ExpertProduct, Experts};
     use crate::gpu_test::{assert_close, seed, tolerance};
     use crate::{GemmaBackend, HostMatrix, HostQuantized, QuantFormat};
@@ -690,7 +686,7 @@ mod gpu {
 
     /// The stacked experts of `count` matrices `[rows, cols]` in `format` (`None`: dense in
     /// `dtype`), uploaded as the backend keeps them.
-    fn experts<B: GemmaBackend>(
+    pub(crate) fn experts<B: GemmaBackend>(
         [count, rows, cols]: [usize; 3],
         format: Option<QuantFormat>,
         dtype: DType,

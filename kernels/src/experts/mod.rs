@@ -9,30 +9,105 @@
 //! device and stream only the chosen experts' rows. Nothing goes back to the host, so a decode
 //! step with experts records as one CUDA graph like a dense one.
 //!
-//! Larger inputs (prompts) and the host backends group the tokens by expert instead: the
-//! routes are read back, and each chosen expert multiplies the rows routed to it in one product
-//! ([`project_reference`]).
+//! Prompts group the tokens by expert: on the device by the grouped matrix-vector kernels, or,
+//! where the experts get enough rows each and the device has matrix units, gathered into one
+//! padded batch per group of experts and multiplied there ([`gemm`]; [`ExpertPath`] chooses).
+//! The host backends read the routes back and multiply each chosen expert's rows in one
+//! product ([`project_reference`]).
 //!
-//! Here: the types and the references; [`route`]: the router kernel; [`gemv`]: the routed
-//! products.
+//! Here: the types and the references; [`route`]: the router kernel; [`gemv`]: the routed and
+//! grouped matrix-vector products; [`gemm`]: the batched products on the matrix units.
 
+pub mod gemm;
 pub mod gemv;
 pub mod route;
 
+pub use gemm::ExpertPath;
+
 use crate::{
-    quant::QuantError, read_back, Epilogue, GateUpLayout, GemmaBackend, HostMatrix, Matrix, QuantizedMatrix,
-    ReadBackError,
+    cube::{self, Cb},
+    quant::QuantError,
+    read_back, Epilogue, GateUpLayout, GemmaBackend, HostMatrix, Matrix, QuantizedMatrix, ReadBackError,
 };
 use burn::{
     module::{Module, Param},
     tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData},
 };
+use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use std::ops::Range;
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
-    pub use super::gemv::kernel::{expert_gemv, expert_qgemv};
     pub use super::route::kernel::route;
+}
+
+/// One projection of the routed experts on a CubeCL backend by `path`: what
+/// [`GemmaBackend::project_experts`] does with the path [`ExpertPath::choose`] picks, open to
+/// tests and benchmarks that compare the paths. Experts held one matrix each, dense experts in
+/// another dtype than `dtype`, and products CubeCL refuses on the matrix units take the
+/// matrix-vector kernels whatever `path` says; experts the backend keeps on the host take
+/// [`project_reference`].
+///
+/// Fails only where the routes or the slot counts must be read back and the read fails.
+pub fn project_on<R, F, I, BT>(
+    x: Tensor<Cb<R, F, I, BT>, 2>,
+    experts: &Experts<Cb<R, F, I, BT>>,
+    routes: &Routes<Cb<R, F, I, BT>>,
+    product: ExpertProduct,
+    dtype: DType,
+    path: ExpertPath,
+) -> Result<Tensor<Cb<R, F, I, BT>, 2>, ReadBackError>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    use crate::backends::packed;
+    use gemm::kernel::{expert_gemm, GroupedError, Stack};
+    use gemv::kernel::{expert_gemv, expert_qgemv};
+    let ExpertWeights::Stacked(stacked) = &experts.weights else {
+        return project_reference(x, experts, routes, product, dtype);
+    };
+    let shape = (experts.count, experts.rows);
+    // The router kernel writes `U32` ids; others (routes built on the host) are cast.
+    let ids = || {
+        let ids = routes.ids.clone();
+        if ids.dtype() == DType::U32 {
+            return cube::int(ids);
+        }
+        crate::graph::unsupported(|| "expert ids cast by Burn".into());
+        cube::int(ids.cast(burn::tensor::IntDType::U32))
+    };
+    let weights = cube::float(routes.weights.clone());
+    let cols = x.dims()[1];
+    let group_bytes = match path {
+        ExpertPath::Gemm { group_bytes } if cols > 0 && experts.count > 0 => Some(group_bytes),
+        _ => None,
+    };
+    let stack = match (stacked, group_bytes) {
+        (Matrix::Dense(w), Some(_)) if w.val().dtype() == dtype => Some(Stack::Dense(cube::float(w.val()))),
+        (Matrix::Quantized(w), Some(_)) => Some(Stack::Quantized(packed(w))),
+        _ => None,
+    };
+    let x = cube::float(x);
+    if let (Some(stack), Some(group_bytes)) = (stack, group_bytes) {
+        crate::graph::unsupported(|| "experts grouped with their slot counts read back".into());
+        match expert_gemm(x.clone(), stack, shape, ids(), weights.clone(), product, dtype, group_bytes) {
+            Ok(out) => return Ok(cube::tensor(out)),
+            Err(GroupedError::ReadBack(e)) => return Err(e),
+            // CubeCL refused the batched product: the matrix-vector kernels below.
+            Err(GroupedError::Gemm) => {}
+        }
+    }
+    Ok(cube::tensor(match stacked {
+        Matrix::Dense(w) => expert_gemv(x, cube::float(w.val()), shape, ids(), weights, product, dtype),
+        Matrix::Quantized(w) => expert_qgemv(x, &packed(w), shape, ids(), weights, product, dtype),
+        // `upload_experts` stacks only dense and quantized matrices.
+        Matrix::Ggml(_) | Matrix::Stacked(_) => {
+            return project_reference(cube::tensor(x), experts, routes, product, dtype)
+        }
+    }))
 }
 
 /// One projection of every expert of a layer: `count` matrices of `[rows, cols]`, built by
