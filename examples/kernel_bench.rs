@@ -417,7 +417,7 @@ fn experts_section(kind: BackendKind, dtype: DType, reps: usize, rows: &[usize])
                 dtype,
                 reps,
                 rows,
-                |x, e, r, p, d, path| burn_gemma_kernels::experts::project_on(x, e, r, p, d, path),
+                burn_gemma_kernels::experts::project_on,
             );
             Ok(())
         }

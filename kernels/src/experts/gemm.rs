@@ -190,6 +190,7 @@ pub(crate) mod kernel {
     }
 
     /// The experts' weights, stacked `[count * rows, cols]`.
+    #[allow(clippy::large_enum_variant)] // One per product, held for its launches.
     pub(crate) enum Stack<R: CubeRuntime> {
         /// Dense in the model dtype.
         Dense(CubeTensor<R>),
