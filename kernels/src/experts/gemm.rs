@@ -90,7 +90,7 @@ pub(crate) mod kernel {
     use crate::gelu::kernel::gelu_mul_f32;
     use crate::gemm::kernel::{transposed, tuned_matmul};
     use crate::graph::{arg, launch};
-    use crate::quant::kernel::{dequantize, Packed};
+    use crate::quant::kernel::{dequantize_rows, Packed};
     use crate::ReadBackError;
     use burn::tensor::{DType, Shape};
     use burn_cubecl::{kernel::slice, ops::reshape, tensor::CubeTensor, CubeRuntime};
@@ -209,20 +209,6 @@ pub(crate) mod kernel {
         reshape(part, Shape::new([range.len(), rows, cols]))
     }
 
-    /// Rows `range` of a packed matrix (codes, scales and offsets alike).
-    fn packed_rows<R: CubeRuntime>(w: &Packed<R>, range: Range<usize>) -> Packed<R> {
-        let rows = |t: &CubeTensor<R>| {
-            let cols = t.meta.shape()[1];
-            slice(t.clone(), &[range.clone(), 0..cols])
-        };
-        Packed {
-            codes: rows(&w.codes),
-            scales: rows(&w.scales),
-            offsets: w.offsets.as_ref().map(rows),
-            format: w.format,
-        }
-    }
-
     /// The product of [`ExpertProduct`] by the batched path: `x` `[tokens, cols]` or
     /// `[tokens * top_k, cols]` with `cols > 0`, `count > 0` experts, `ids`/`weights`
     /// `[tokens, top_k]`; returns `dtype`.
@@ -290,8 +276,8 @@ pub(crate) mod kernel {
             let dense = match &stack {
                 Stack::Dense(w) => experts_of(w, experts.clone(), rows),
                 Stack::Quantized(w) => {
-                    let part = packed_rows(w, experts.start * rows..experts.end * rows);
-                    experts_of(&dequantize(&part, dtype), 0..experts.len(), rows)
+                    let part = dequantize_rows(w, experts.start * rows..experts.end * rows, dtype);
+                    experts_of(&part, 0..experts.len(), rows)
                 }
             };
             let lhs = experts_of(&gathered, experts.clone(), span);

@@ -118,6 +118,8 @@ pub(crate) fn code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32
     }
 }
 
+/// Dequantizes `total` code words from row `first` on (`out` starts at that row).
+#[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 fn dequantize_kernel<F: Float, S: Float>(
     codes: &Array<u32>,
@@ -126,25 +128,28 @@ fn dequantize_kernel<F: Float, S: Float>(
     out: &mut Array<F>,
     words: u32,
     blocks: u32,
+    first: u32,
+    total: u32,
     #[comptime] q4: bool,
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
     let words_per_block = comptime!(32usize / per_word);
     let idx = unit_index();
-    if idx >= codes.len() {
+    if idx >= total as usize {
         terminate!();
     }
     let words = words as usize;
-    let row = idx / words;
-    let w = idx % words;
+    let at = first as usize * words + idx;
+    let row = at / words;
+    let w = at % words;
     let block = row * blocks as usize + w / words_per_block;
     let scale = f32::cast_from(scales[block]);
     let mut offset = 0.0f32;
     if q4 {
         offset = f32::cast_from(offsets[block]);
     }
-    let word = codes[idx];
+    let word = codes[at];
     #[unroll]
     for n in 0..per_word {
         out[idx * per_word + n] = F::cast_from(code(word, n, q4) * scale + offset);
@@ -178,14 +183,21 @@ impl<R: CubeRuntime> Packed<R> {
 
 /// The dense `[rows, cols]` matrix in `dtype`.
 pub fn dequantize<R: CubeRuntime>(w: &Packed<R>, dtype: DType) -> CubeTensor<R> {
+    dequantize_rows(w, 0..w.codes.meta.shape()[0], dtype)
+}
+
+/// Rows `range` of the matrix, dense `[range.len(), cols]` in `dtype` (read in place: no
+/// view of the packed buffers is made).
+pub fn dequantize_rows<R: CubeRuntime>(w: &Packed<R>, range: std::ops::Range<usize>, dtype: DType) -> CubeTensor<R> {
     let rows = w.codes.meta.shape()[0];
-    let out = empty(&w.codes, [rows, w.cols()], dtype);
-    let total_words = w.codes.meta.num_elements();
+    let range = range.start.min(rows)..range.end.min(rows);
+    let out = empty(&w.codes, [range.len(), w.cols()], dtype);
+    let (row_words, row_blocks) = w.row_sizes();
+    let total_words = range.len() * row_words as usize;
     if total_words == 0 {
         return out;
     }
     let (codes, scales, offsets, q4) = w.args();
-    let (row_words, row_blocks) = w.row_sizes();
     let (count, dim) = elementwise(total_words, 256);
     launch!(dequantize_kernel(
         &codes.client.clone(),
@@ -197,6 +209,8 @@ pub fn dequantize<R: CubeRuntime>(w: &Packed<R>, dtype: DType) -> CubeTensor<R> 
         arg(&out),
         row_words,
         row_blocks,
+        range.start as u32,
+        total_words as u32,
         q4,
         [dtype.into(), scales.dtype.into()],
     ));

@@ -32,7 +32,7 @@ pub use ggml::{GgmlBlocks, GgmlMatrix};
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
-    pub use super::device::{dequantize, Packed};
+    pub use super::device::{dequantize, dequantize_rows, Packed};
     pub use super::embedding::embed;
     pub use super::gemv::{gemv, gemv_into};
 }
