@@ -6,7 +6,7 @@
 #![allow(clippy::manual_div_ceil)]
 
 use super::{HostQuantized, QuantFormat, BLOCK};
-use crate::cube::{elementwise, empty, unit_index};
+use crate::cube::{elementwise, empty, load_vector_size, unit_index};
 use crate::graph::{arg, launch};
 use burn::{
     module::{Module, Param},
@@ -118,14 +118,16 @@ pub(crate) fn code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32
     }
 }
 
-/// Dequantizes `total` code words from row `first` on (`out` starts at that row).
+/// Dequantizes `total` code words from row `first` on (`out` starts at that row); each unit
+/// writes its word's 4 (Q8) or 8 (Q4) values as vectors of `N` (one 16-byte store for Q4 in a
+/// 16-bit dtype).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn dequantize_kernel<F: Float, S: Float>(
+fn dequantize_kernel<F: Float, S: Float, N: Size>(
     codes: &Array<u32>,
     scales: &Array<S>,
     offsets: &Array<S>,
-    out: &mut Array<F>,
+    out: &mut Array<Vector<F, N>>,
     words: u32,
     blocks: u32,
     first: u32,
@@ -135,6 +137,8 @@ fn dequantize_kernel<F: Float, S: Float>(
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
     let words_per_block = comptime!(32usize / per_word);
+    let width = out.vector_size();
+    let vectors = comptime!(per_word / width);
     let idx = unit_index();
     if idx >= total as usize {
         terminate!();
@@ -151,8 +155,13 @@ fn dequantize_kernel<F: Float, S: Float>(
     }
     let word = codes[at];
     #[unroll]
-    for n in 0..per_word {
-        out[idx * per_word + n] = F::cast_from(code(word, n, q4) * scale + offset);
+    for j in 0..vectors {
+        let mut v = Vector::<F, N>::empty();
+        #[unroll]
+        for n in 0..width {
+            v[n] = F::cast_from(code(word, comptime!(j * width + n), q4) * scale + offset);
+        }
+        out[idx * vectors + j] = v;
     }
 }
 
@@ -199,10 +208,12 @@ pub fn dequantize_rows<R: CubeRuntime>(w: &Packed<R>, range: std::ops::Range<usi
     }
     let (codes, scales, offsets, q4) = w.args();
     let (count, dim) = elementwise(total_words, 256);
+    let width = load_vector_size(&codes.client, dtype.size(), w.format.codes_per_word(), 8);
     launch!(dequantize_kernel(
         &codes.client.clone(),
         count,
         dim,
+        width,
         arg(&codes),
         arg(&scales),
         arg(&offsets),

@@ -210,85 +210,128 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+/// Host threads for converting blocks: the machine's, at most 16.
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
+}
+
+/// Converts the blocks of `rows` whole rows (`raw`) with `fill` (a chunk of rows' bytes, then
+/// its codes, scales and offsets to write), chunks of rows on scoped threads, each writing its
+/// own slices of the outputs (the 26B-A4B's 27 GB of experts convert in seconds, not minutes).
+fn convert_rows(
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    format: QuantFormat,
+    fill: impl Fn(&[u8], &mut [u8], &mut [f32], &mut [f32]) + Sync,
+) -> Result<HostQuantized, QuantError> {
+    // `GgmlBlocks::new` checked the byte count; a stray caller gets the same error.
+    if rows > 0 && !raw.len().is_multiple_of(rows) {
+        let dtype = format!("{format} source");
+        return Err(QuantError::Bytes { dtype, rows, cols, len: raw.len(), expected: 0 });
+    }
+    let blocks = rows * cols / BLOCK;
+    let mut codes = vec![0u8; rows * cols];
+    let mut scales = vec![0f32; blocks];
+    let mut offsets = vec![0f32; if format == QuantFormat::Q4 { blocks } else { 0 }];
+    if let Some(row_bytes) = raw.len().checked_div(rows) {
+        let chunk = rows.div_ceil(threads()).max(1);
+        let (row_blocks, offset_blocks) = (cols / BLOCK, if offsets.is_empty() { 0 } else { cols / BLOCK });
+        std::thread::scope(|scope| {
+            let mut offsets_rest: &mut [f32] = &mut offsets;
+            for ((raw, codes), scales) in raw
+                .chunks(chunk * row_bytes)
+                .zip(codes.chunks_mut(chunk * cols))
+                .zip(scales.chunks_mut(chunk * row_blocks))
+            {
+                let n = raw.len() / row_bytes;
+                let (offsets, rest) = std::mem::take(&mut offsets_rest).split_at_mut(n * offset_blocks);
+                offsets_rest = rest;
+                let fill = &fill;
+                scope.spawn(move || fill(raw, codes, scales, offsets));
+            }
+        });
+    }
+    HostQuantized::from_parts(format, rows, cols, codes, scales, offsets)
+}
+
 /// Q8_0 (blocks of 34 bytes: f16 scale, 32 int8) as Q8, exactly.
 fn from_q8_0(raw: &[u8], rows: usize, cols: usize) -> Result<HostQuantized, QuantError> {
-    let blocks = raw.chunks_exact(34);
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::with_capacity(blocks.len());
-    for block in blocks {
-        scales.push(f16_at(block, 0));
-        codes.extend(block[2..].iter().map(|&q| (q as i8 as i16 + 128) as u8));
-    }
-    HostQuantized::from_parts(QuantFormat::Q8, rows, cols, codes, scales, Vec::new())
+    convert_rows(raw, rows, cols, QuantFormat::Q8, |raw, codes, scales, _| {
+        for ((block, codes), scale) in raw.chunks_exact(34).zip(codes.chunks_exact_mut(BLOCK)).zip(scales) {
+            *scale = f16_at(block, 0);
+            for (c, &q) in codes.iter_mut().zip(&block[2..]) {
+                *c = (q as i8 as i16 + 128) as u8;
+            }
+        }
+    })
 }
 
 /// Q5_0 (blocks of 22 bytes: f16 scale, the 32 fifth bits, 16 bytes of nibbles; `d * (q - 16)`)
 /// as Q8, exactly.
 fn from_q5_0(raw: &[u8], rows: usize, cols: usize) -> Result<HostQuantized, QuantError> {
-    let blocks = raw.chunks_exact(22);
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::with_capacity(blocks.len());
-    for block in blocks {
-        scales.push(f16_at(block, 0));
-        let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-        let qs = &block[6..];
-        // Element j: low nibble of byte j, fifth bit j; element j + 16: high nibble, bit j + 16.
-        let q = |j: usize| {
-            let nibble = if j < 16 { qs[j] & 15 } else { qs[j - 16] >> 4 };
-            (nibble | (((high >> j) & 1) as u8) << 4) as i16 - 16
-        };
-        codes.extend((0..BLOCK).map(|j| (q(j) + 128) as u8));
+    convert_rows(raw, rows, cols, QuantFormat::Q8, |raw, codes, scales, _| {
+        for ((block, codes), scale) in raw.chunks_exact(22).zip(codes.chunks_exact_mut(BLOCK)).zip(scales) {
+            *scale = f16_at(block, 0);
+            let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+            let qs = &block[6..];
+            // Element j: low nibble of byte j, fifth bit j; element j + 16: high nibble, bit j + 16.
+            for (j, c) in codes.iter_mut().enumerate() {
+                let nibble = if j < 16 { qs[j] & 15 } else { qs[j - 16] >> 4 };
+                *c = ((nibble | (((high >> j) & 1) as u8) << 4) as i16 - 16 + 128) as u8;
+            }
+        }
+    })
+}
+
+/// Q4_0/Q4_1 nibbles: byte j holds element j (low nibble) and element j + 16 (high nibble).
+fn nibbles(qs: &[u8], codes: &mut [u8]) {
+    let (low, high) = codes.split_at_mut(qs.len());
+    for ((l, h), &q) in low.iter_mut().zip(high).zip(qs) {
+        *l = q & 15;
+        *h = q >> 4;
     }
-    HostQuantized::from_parts(QuantFormat::Q8, rows, cols, codes, scales, Vec::new())
 }
 
 /// Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) and Q4_K (super-blocks of 256 with 6-bit
 /// per-32 scales and mins: `d * sc * q - dmin * m`) as Q4. Q4_0 and Q4_1 convert exactly; Q4_K's
 /// products `d * sc` and `dmin * m` are rounded to f16.
 fn from_q4(dtype: GgmlDType, raw: &[u8], rows: usize, cols: usize) -> Result<HostQuantized, QuantError> {
-    let mut codes = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::new();
-    let mut offsets = Vec::new();
-    // Q4_0/Q4_1: byte j holds element j (low nibble) and element j + 16 (high nibble).
-    let nibbles = |qs: &[u8], codes: &mut Vec<u8>| {
-        codes.extend(qs.iter().map(|q| q & 15));
-        codes.extend(qs.iter().map(|q| q >> 4));
-    };
-    match dtype {
+    convert_rows(raw, rows, cols, QuantFormat::Q4, |raw, codes, scales, offsets| match dtype {
         GgmlDType::Q4_0 => {
-            for block in raw.chunks_exact(18) {
+            let blocks = raw.chunks_exact(18).zip(codes.chunks_exact_mut(BLOCK));
+            for ((block, codes), (scale, offset)) in blocks.zip(scales.iter_mut().zip(offsets.iter_mut())) {
                 let d = f16_at(block, 0);
-                scales.push(d);
-                offsets.push(-8.0 * d);
-                nibbles(&block[2..], &mut codes);
+                (*scale, *offset) = (d, -8.0 * d);
+                nibbles(&block[2..], codes);
             }
         }
         GgmlDType::Q4_1 => {
-            for block in raw.chunks_exact(20) {
-                scales.push(f16_at(block, 0));
-                offsets.push(f16_at(block, 2));
-                nibbles(&block[4..], &mut codes);
+            let blocks = raw.chunks_exact(20).zip(codes.chunks_exact_mut(BLOCK));
+            for ((block, codes), (scale, offset)) in blocks.zip(scales.iter_mut().zip(offsets.iter_mut())) {
+                (*scale, *offset) = (f16_at(block, 0), f16_at(block, 2));
+                nibbles(&block[4..], codes);
             }
         }
         _ => {
-            for block in raw.chunks_exact(144) {
+            let supers = raw.chunks_exact(144).zip(codes.chunks_exact_mut(256));
+            for ((block, codes), (scales, offsets)) in
+                supers.zip(scales.chunks_exact_mut(8).zip(offsets.chunks_exact_mut(8)))
+            {
                 let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
                 let packed = &block[4..16];
-                let qs = &block[16..];
                 for j in 0..8 {
                     let (sc, m) = q4k_scale_min(j, packed);
-                    scales.push(d * sc as f32);
-                    offsets.push(-dmin * m as f32);
+                    scales[j] = d * sc as f32;
+                    offsets[j] = -dmin * m as f32;
                 }
                 // 64 elements per 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high.
-                for chunk in qs.chunks_exact(32) {
-                    codes.extend(chunk.iter().map(|q| q & 15));
-                    codes.extend(chunk.iter().map(|q| q >> 4));
+                for (chunk, codes) in block[16..].chunks_exact(32).zip(codes.chunks_exact_mut(64)) {
+                    nibbles(chunk, codes);
                 }
             }
         }
-    }
-    HostQuantized::from_parts(QuantFormat::Q4, rows, cols, codes, scales, offsets)
+    })
 }
 
 /// The 6-bit scale and min of Q4_K sub-block `j` from the 12 packed bytes.
