@@ -26,7 +26,10 @@ use burn_gemma_kernels::{AddNorm, Epilogue, ExpertProduct, Experts, GemmaBackend
 #[derive(Module, Debug)]
 pub struct Router<B: GemmaBackend> {
     /// `proj` times `scale * hidden^-0.5` per input column (HF scales the normalized input by
-    /// both before the projection; folded here once), f32: `[num_experts, hidden]`.
+    /// both before the projection; folded here once in f32), `[num_experts, hidden]` in the
+    /// model dtype: HF multiplies in the checkpoint's dtype, and in bf16 a prompt's scores take
+    /// the matrix units (in f32 they took a millisecond per 26B-A4B layer of a 512-token prompt,
+    /// `docs/gpu-runs/2026-11-25-experts-gemm/call5`).
     pub proj: Matrix<B>,
     /// The weightless input norm.
     pub norm: RmsNorm<B>,
@@ -42,6 +45,7 @@ impl<B: GemmaBackend> Router<B> {
         prefix: &str,
         c: &GemmaConfig,
         moe: MoeConfig,
+        dtype: DType,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let (experts, hidden) = (moe.num_experts, c.hidden_size);
@@ -57,7 +61,8 @@ impl<B: GemmaBackend> Router<B> {
             .chunks(hidden.max(1))
             .flat_map(|row| row.iter().zip(&scale).map(|(&w, &s)| (w as f64 * s as f64 * root) as f32))
             .collect();
-        let folded = Tensor::<B, 2>::from_data(TensorData::new(folded, [experts, hidden]), (device, DType::F32));
+        let folded =
+            Tensor::<B, 2>::from_data(TensorData::new(folded, [experts, hidden]), (device, DType::F32)).cast(dtype);
         let proj = B::upload_matrix(HostMatrix::Dense(folded), device)
             .map_err(|source| ModelError::Upload { name, source })?;
         Ok(Self {
@@ -74,10 +79,15 @@ impl<B: GemmaBackend> Router<B> {
         })
     }
 
-    /// Routes `x` (`[tokens, hidden]`, the f32 residual stream before the MLP), in f32.
+    /// Routes `x` (`[tokens, hidden]`, the f32 residual stream before the MLP): the norm in
+    /// f32, the scores in the projection's dtype, the softmax and top-k in f32.
     pub fn route(&self, x: Tensor<B, 2>) -> Result<Routes<B>, ModelError> {
         let h = self.norm.forward(x.cast(DType::F32));
-        let scores = B::project(h, &self.proj, Epilogue::Identity);
+        let dtype = match &self.proj {
+            Matrix::Dense(w) => w.val().dtype(),
+            _ => DType::F32,
+        };
+        let scores = B::project(h.cast(dtype), &self.proj, Epilogue::Identity).cast(DType::F32);
         Ok(B::route_experts(scores, self.per_expert_scale.val(), self.top_k)?)
     }
 }
@@ -116,7 +126,7 @@ impl<B: GemmaBackend> MoeBlock<B> {
             RmsNorm::load(source, &format!("{prefix}.{name}"), hidden, c.rms_norm_eps, NormScale::Weight, device)
         };
         Ok(Self {
-            router: Router::load(source, &format!("{prefix}.router"), c, moe, device)?,
+            router: Router::load(source, &format!("{prefix}.router"), c, moe, settings.dtype, device)?,
             gate_up_proj,
             down_proj,
             pre_feedforward_layernorm_2: norm(source, "pre_feedforward_layernorm_2")?,

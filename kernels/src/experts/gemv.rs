@@ -294,27 +294,49 @@ pub(crate) mod kernel {
         part
     }
 
+    /// Slots staged in shared memory at a time by [`group_kernel`].
+    const GROUP_TILE: usize = 2048;
+
     /// Groups the slots (`ids`, `[tokens * top_k]`) by expert: `offsets[e]..offsets[e + 1]` of
-    /// `order` are the slots routed to expert `e`, in slot order. One cube; each unit counts
-    /// and then lists its experts' slots, one unit sums the counts in between.
+    /// `order` are the slots routed to expert `e`, in slot order. One cube; the ids pass through
+    /// shared memory a tile at a time (every unit loads part of it), each unit counts and then
+    /// lists its experts' slots from there, one unit sums the counts in between.
     #[cube(launch)]
     fn group_kernel(ids: &Array<u32>, order: &mut Array<u32>, offsets: &mut Array<u32>, #[comptime] count: usize) {
         let unit = UNIT_POS_X as usize;
         let units = CUBE_DIM_X as usize;
         let slots = ids.len();
+        let last = (count - 1) as u32;
         let mut counts = SharedMemory::<u32>::new(count);
+        let mut tile = SharedMemory::<u32>::new(GROUP_TILE);
         let mut e = unit;
         while e < count {
-            let mut n = 0u32;
-            for s in 0..slots {
-                if min(ids[s] as usize, count - 1) == e {
-                    n += 1;
-                }
-            }
-            counts[e] = n;
+            counts[e] = 0u32;
             e += units;
         }
-        sync_cube();
+        let mut start = 0usize;
+        while start < slots {
+            let n = min(GROUP_TILE, slots - start);
+            let mut i = unit;
+            while i < n {
+                tile[i] = min(ids[start + i], last);
+                i += units;
+            }
+            sync_cube();
+            let mut e = unit;
+            while e < count {
+                let mut found = counts[e];
+                for s in 0..n {
+                    if tile[s] as usize == e {
+                        found += 1;
+                    }
+                }
+                counts[e] = found;
+                e += units;
+            }
+            sync_cube();
+            start += GROUP_TILE;
+        }
         if unit == 0 {
             let mut total = 0u32;
             for e in 0..count {
@@ -326,16 +348,29 @@ pub(crate) mod kernel {
             offsets[count] = total;
         }
         sync_cube();
-        let mut e = unit;
-        while e < count {
-            let mut at = counts[e] as usize;
-            for s in 0..slots {
-                if min(ids[s] as usize, count - 1) == e {
-                    order[at] = s as u32;
-                    at += 1;
-                }
+        let mut start = 0usize;
+        while start < slots {
+            let n = min(GROUP_TILE, slots - start);
+            let mut i = unit;
+            while i < n {
+                tile[i] = min(ids[start + i], last);
+                i += units;
             }
-            e += units;
+            sync_cube();
+            let mut e = unit;
+            while e < count {
+                let mut at = counts[e] as usize;
+                for s in 0..n {
+                    if tile[s] as usize == e {
+                        order[at] = (start + s) as u32;
+                        at += 1;
+                    }
+                }
+                counts[e] = at as u32;
+                e += units;
+            }
+            sync_cube();
+            start += GROUP_TILE;
         }
     }
 
