@@ -78,24 +78,6 @@ fn span_of(largest: usize) -> usize {
     largest.div_ceil(SPAN_ALIGN).max(1) * SPAN_ALIGN
 }
 
-/// Rows of work one extra launch is worth (its fixed cost, and a partly filled tile), in
-/// [`batch_span`]'s trade.
-const LAUNCH_ROWS: usize = 64;
-
-/// The rows every expert gets in the shared batch: the multiple of [`SPAN_ALIGN`] that
-/// minimizes the padded rows of the batch (`experts * span`) plus the overflow of the experts
-/// past it, each multiplied on its own (its rows rounded up to whole tiles, plus
-/// [`LAUNCH_ROWS`]). A router that sends most tokens to a few experts (as random weights do)
-/// then pads the batch to the typical expert, not to the busiest.
-fn batch_span(counts: &[usize]) -> usize {
-    let largest = counts.iter().copied().max().unwrap_or(0);
-    let cost = |span: usize| {
-        let overflow: usize = counts.iter().filter(|&&c| c > span).map(|&c| span_of(c - span) + LAUNCH_ROWS).sum();
-        counts.len() * span + overflow
-    };
-    (1..=span_of(largest) / SPAN_ALIGN).map(|k| k * SPAN_ALIGN).min_by_key(|&span| cost(span)).unwrap_or(SPAN_ALIGN)
-}
-
 /// `true` for the product whose output is formed from gate and up halves.
 fn halves(product: ExpertProduct) -> bool {
     product == ExpertProduct::GeluHalves
@@ -116,14 +98,12 @@ pub(crate) mod kernel {
     use std::ops::Range;
 
     /// Where a batch of experts sits: the first expert's id, rows per expert in the batch,
-    /// the width of a row, and the expert's slots skipped before the batch's first row (an
-    /// expert's overflow past the shared batch).
+    /// and the width of a row.
     #[derive(CubeLaunch, CubeType, Clone, Copy)]
     pub(crate) struct Batch {
         pub first: u32,
         pub span: u32,
         pub width: u32,
-        pub skip: u32,
     }
 
     /// `out[e, j, :] = x[input of expert e's j-th slot, :]` (cast to `O`), zeros past its
@@ -147,7 +127,7 @@ pub(crate) mod kernel {
         let (span, width) = (batch.span as usize, batch.width as usize);
         let (row, c) = (i / width, i % width);
         let expert = batch.first as usize + row / span;
-        let at = offsets[expert] as usize + batch.skip as usize + row % span;
+        let at = offsets[expert] as usize + row % span;
         let mut value = O::new(0.0);
         if at < offsets[expert + 1] as usize {
             let slot = order[at] as usize;
@@ -183,7 +163,7 @@ pub(crate) mod kernel {
         if expert + 1 >= offsets.len() {
             terminate!();
         }
-        let at = offsets[expert] as usize + batch.skip as usize + row % span;
+        let at = offsets[expert] as usize + row % span;
         if at >= offsets[expert + 1] as usize {
             terminate!();
         }
@@ -256,58 +236,35 @@ pub(crate) mod kernel {
             return Ok(if halves { out } else { combine(out, top_k, dtype) });
         }
         let (order, offsets) = group(&ids, count);
-        let offsets_host = read_offsets(&offsets).map_err(GroupedError::ReadBack)?;
-        let counts: Vec<usize> = offsets_host.windows(2).map(|w| w[1].saturating_sub(w[0]) as usize).collect();
-        let span = batch_span(&counts);
-        let largest = counts.iter().copied().max().unwrap_or(0);
-        // One allocation holds the gathered batch, another a group's dense stack or an
-        // expert's overflow: each within what the device allocates at once (else the
-        // matrix-vector kernels take the product).
+        let counts = read_offsets(&offsets).map_err(GroupedError::ReadBack)?;
+        let largest = counts.windows(2).map(|w| w[1].saturating_sub(w[0]) as usize).max().unwrap_or(0);
+        let span = span_of(largest);
+        // One allocation holds the gathered batch, another a group's dense stack: both within
+        // what the device allocates at once (else the matrix-vector kernels take the product).
         let page = usize::try_from(x.client.properties().memory.max_page_size).unwrap_or(usize::MAX);
         let elem = dtype.size();
-        let widest = (span_of(largest) * cols).max(span_of(largest) * rows).max(rows * cols);
-        if count * span * cols * elem > page || widest * elem > page {
+        if count * span * cols * elem > page || (span * rows).max(rows * cols) * elem > page {
             return Err(GroupedError::Gemm);
         }
         // Dense experts are views: only the outputs count against `group_bytes` there.
         let group_bytes = group_bytes.min(page);
-        let gather = |out: &CubeTensor<R>, [first, span, width, skip]: [usize; 4], elements: usize| {
-            let (cubes, dim) = elementwise(elements, 256);
-            launch!(gather_kernel(
-                &x.client,
-                cubes,
-                dim,
-                arg(&x),
-                arg(&order),
-                arg(&offsets),
-                arg(out),
-                // Built inside the launch: the argument's type is the launching runtime's.
-                BatchLaunch::new(first as u32, span as u32, width as u32, skip as u32),
-                top_k,
-                halves,
-                [x.dtype.into(), dtype.into()],
-            ));
-        };
-        let scatter = |y: &CubeTensor<R>, [first, span, width, skip]: [usize; 4], elements: usize| {
-            let (cubes, dim) = elementwise(elements, 256);
-            launch!(scatter_kernel(
-                &x.client,
-                cubes,
-                dim,
-                arg(y),
-                arg(&order),
-                arg(&offsets),
-                arg(&weights),
-                arg(&out),
-                BatchLaunch::new(first as u32, span as u32, width as u32, skip as u32),
-                halves,
-                [dtype.into(), out_dtype.into()],
-            ));
-        };
-        // Each expert's first `span` slots; rows of experts no token chose are zeros in and
-        // never scattered.
+        // Every slot is written by exactly one valid row; rows of experts no token chose are
+        // zeros in and never scattered.
         let gathered = empty(&x, [count, span, cols], dtype);
-        gather(&gathered, [0, span, cols, 0], count * span * cols);
+        let (cubes, dim) = elementwise(count * span * cols, 256);
+        launch!(gather_kernel(
+            &x.client,
+            cubes,
+            dim,
+            arg(&x),
+            arg(&order),
+            arg(&offsets),
+            arg(&gathered),
+            BatchLaunch::new(0, span as u32, cols as u32),
+            top_k,
+            halves,
+            [x.dtype.into(), dtype.into()],
+        ));
         // A group's product output, and for quantized experts their dequantized stack.
         let per_expert = match &stack {
             Stack::Dense(_) => span * rows * elem,
@@ -324,17 +281,21 @@ pub(crate) mod kernel {
                 }
             };
             let lhs = experts_of(&gathered, experts.clone(), span);
-            let y = tuned_matmul(lhs, transposed(dense.clone()), dtype).map_err(|_| GroupedError::Gemm)?;
-            scatter(&y, [first, span, width, 0], experts.len() * span * width);
-            // The slots of this group's busiest experts past the shared batch, one product each.
-            for e in experts.clone().filter(|&e| counts[e] > span) {
-                let extra = span_of(counts[e] - span);
-                let lhs = empty(&x, [1, extra, cols], dtype);
-                gather(&lhs, [e, extra, cols, span], extra * cols);
-                let w = experts_of(&dense, e - first..e - first + 1, rows);
-                let y = tuned_matmul(lhs, transposed(w), dtype).map_err(|_| GroupedError::Gemm)?;
-                scatter(&y, [e, extra, width, span], extra * width);
-            }
+            let y = tuned_matmul(lhs, transposed(dense), dtype).map_err(|_| GroupedError::Gemm)?;
+            let (cubes, dim) = elementwise(experts.len() * span * width, 256);
+            launch!(scatter_kernel(
+                &x.client,
+                cubes,
+                dim,
+                arg(&y),
+                arg(&order),
+                arg(&offsets),
+                arg(&weights),
+                arg(&out),
+                BatchLaunch::new(first as u32, span as u32, width as u32),
+                halves,
+                [dtype.into(), out_dtype.into()],
+            ));
         }
         Ok(if halves { out } else { combine(out, top_k, dtype) })
     }
@@ -364,20 +325,6 @@ mod tests {
         assert_eq!(group_size(7, 8 * 8 * 2, GROUP_BYTES), 7);
         // Six experts of 100 bytes in 250: two at a time.
         assert_eq!(group_size(6, 100, 250), 2);
-    }
-
-    #[test]
-    fn the_batch_is_padded_to_the_typical_expert_not_the_busiest() {
-        // Even routes: the batch covers every expert, no overflow.
-        assert_eq!(batch_span(&[30, 32, 28, 31]), 32);
-        // One expert takes 500 slots, 127 others about 28: the batch stops at 32 and the busy
-        // expert's 468 others go alone (128 * 32 + 480 + 64 rows, against 128 * 512).
-        let mut counts = vec![28; 128];
-        counts[5] = 500;
-        assert_eq!(batch_span(&counts), 32);
-        // No slots at all: one tile.
-        assert_eq!(batch_span(&[0, 0]), 16);
-        assert_eq!(batch_span(&[]), 16);
     }
 
     #[test]
