@@ -297,6 +297,20 @@ pub(crate) mod kernel {
     /// Slots staged in shared memory at a time by [`group_kernel`].
     const GROUP_TILE: usize = 2048;
 
+    /// Copies slots `start..` of `ids` (at most [`GROUP_TILE`], clamped to the last expert
+    /// `last`) into `tile`, every unit of the cube a share; returns how many, once all are in.
+    #[cube]
+    fn stage_tile(ids: &Array<u32>, tile: &mut SharedMemory<u32>, start: usize, last: u32) -> usize {
+        let n = min(GROUP_TILE, ids.len() - start);
+        let mut i = UNIT_POS_X as usize;
+        while i < n {
+            tile[i] = min(ids[start + i], last);
+            i += CUBE_DIM_X as usize;
+        }
+        sync_cube();
+        n
+    }
+
     /// Groups the slots (`ids`, `[tokens * top_k]`) by expert: `offsets[e]..offsets[e + 1]` of
     /// `order` are the slots routed to expert `e`, in slot order. One cube; the ids pass through
     /// shared memory a tile at a time (every unit loads part of it), each unit counts and then
@@ -316,13 +330,7 @@ pub(crate) mod kernel {
         }
         let mut start = 0usize;
         while start < slots {
-            let n = min(GROUP_TILE, slots - start);
-            let mut i = unit;
-            while i < n {
-                tile[i] = min(ids[start + i], last);
-                i += units;
-            }
-            sync_cube();
+            let n = stage_tile(ids, &mut tile, start, last);
             let mut e = unit;
             while e < count {
                 let mut found = counts[e];
@@ -350,13 +358,7 @@ pub(crate) mod kernel {
         sync_cube();
         let mut start = 0usize;
         while start < slots {
-            let n = min(GROUP_TILE, slots - start);
-            let mut i = unit;
-            while i < n {
-                tile[i] = min(ids[start + i], last);
-                i += units;
-            }
-            sync_cube();
+            let n = stage_tile(ids, &mut tile, start, last);
             let mut e = unit;
             while e < count {
                 let mut at = counts[e] as usize;
