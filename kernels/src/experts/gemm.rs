@@ -35,7 +35,8 @@ const SPAN_ALIGN: usize = 16;
 /// matrix-vector kernels (which read only the chosen experts' rows, once): below it most
 /// of a padded batch would be zeros and dequantizing every expert would cost more than it saves.
 /// On one 26B-A4B layer on the H200 (`docs/gpu-runs/2026-11-25-experts-gemm/call3`) the GEMVs
-/// are 1.1-1.2x faster at 4 slots per expert (64 tokens), the batched path 1.5-2.1x at 8.
+/// are 1.08-1.10x faster for Q8/Q4 experts at 4 slots per expert (64 tokens; dense: the batched
+/// path 1.09x), the batched path 1.5-2.0x faster at 8 (128 tokens).
 pub const GEMM_MIN_SLOTS_PER_EXPERT: usize = 8;
 
 /// How the CubeCL backends take a batch of tokens through a layer's experts.
