@@ -6,7 +6,9 @@
 //! Sections (`--section`): `kernels` (each kernel on prefill-sized inputs against its
 //! reference), `decode` (every decode kernel on the shapes of the Gemma 3 models, 1 and 8
 //! activation rows, dense / Q8 / Q4 weights, bf16 and int8 KV at depth), `launch` (host cost of
-//! small launches), or `all`. On CUDA, decode kernels are timed on the GPU itself: calls
+//! small launches), or `all`; apart from `all`, `gemm` (CubeCL's matmul kernels on the prefill
+//! products) and `experts` (a 26B-A4B experts layer by each `ExpertPath` at the `--rows` token
+//! counts). On CUDA, decode kernels are timed on the GPU itself: calls
 //! recorded into one CUDA graph, replayed, CUDA events around each replay (no host launch cost
 //! in the figure, as in a replayed decode step); elsewhere by the host around synchronized
 //! batches.
