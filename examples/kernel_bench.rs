@@ -407,22 +407,22 @@ fn experts_section(kind: BackendKind, dtype: DType, reps: usize, rows: &[usize])
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let device = burn::backend::cuda::CudaDevice::new(0);
-            experts::section::<burn_gemma::backends::Cuda>(&device, dtype, reps, rows, |x, e, r, p, d, path| {
-                burn_gemma_kernels::experts::project_on(x, e, r, p, d, path)
-            });
-            Ok(())
-        }
-        #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => {
-            experts::section::<burn_gemma::backends::Wgpu>(
-                &Default::default(),
+            experts::section::<burn_gemma::backends::Cuda>(
+                &device,
                 dtype,
                 reps,
                 rows,
                 burn_gemma_kernels::experts::project_on,
-            );
-            Ok(())
+            )
         }
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => experts::section::<burn_gemma::backends::Wgpu>(
+            &Default::default(),
+            dtype,
+            reps,
+            rows,
+            burn_gemma_kernels::experts::project_on,
+        ),
         _ => Err(CliError::from("--section experts runs on --backend cuda or wgpu (the CubeCL paths)")),
     }
 }

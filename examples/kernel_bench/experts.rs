@@ -3,7 +3,7 @@
 //! [`ExpertPath`] and by what `project_experts` chooses, for several token counts and
 //! dense / Q8 / Q4 experts. Routes come from a random router (softmax top 8 of normal scores).
 
-use super::{random, time};
+use super::{random, time, CliError};
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
 use burn_gemma::GemmaBackend;
 use burn_gemma_kernels::{
@@ -20,7 +20,13 @@ pub type Project<B> =
 
 /// One table row per (weights, tokens, path): both products' milliseconds, and tokens per
 /// second of the layer's experts.
-pub fn section<B: GemmaBackend>(d: &B::Device, dtype: DType, reps: usize, rows: &[usize], project: Project<B>) {
+pub fn section<B: GemmaBackend>(
+    d: &B::Device,
+    dtype: DType,
+    reps: usize,
+    rows: &[usize],
+    project: Project<B>,
+) -> Result<(), CliError> {
     let (count, top_k, hidden, width) = SHAPE;
     println!("26B-A4B experts layer: {count} experts, top {top_k}, hidden {hidden}, expert width {width}\n");
     println!("| experts | tokens | path | gate/up ms | down ms | layer tokens/s |");
@@ -29,34 +35,28 @@ pub fn section<B: GemmaBackend>(d: &B::Device, dtype: DType, reps: usize, rows: 
         let stack = |rows: usize, cols: usize| {
             // Drawn one expert at a time on the device (no single buffer of the whole stack in
             // f32, which some Vulkan drivers cannot allocate), gathered on the host.
-            let values: Vec<f32> = (0..count)
-                .flat_map(|_| {
-                    random::<B>(vec![rows * cols], DType::F32, d)
-                        .mul_scalar(0.05)
-                        .into_data()
-                        .to_vec::<f32>()
-                        .expect("f32 values")
-                })
-                .collect();
+            let mut values = Vec::with_capacity(count * rows * cols);
+            for _ in 0..count {
+                let expert = random::<B>(vec![rows * cols], DType::F32, d).mul_scalar(0.05).into_data();
+                values.extend(expert.to_vec::<f32>().map_err(|e| format!("random weights: {e:?}"))?);
+            }
             let host = match format {
                 None => HostMatrix::Dense(
                     Tensor::<B, 1>::from_data(TensorData::new(values, [count * rows * cols]), d)
                         .reshape([count * rows, cols])
                         .cast(dtype),
                 ),
-                Some(q) => HostMatrix::Quantized(
-                    HostQuantized::quantize(&values, count * rows, cols, q).expect("block-aligned shapes"),
-                ),
+                Some(q) => HostMatrix::Quantized(HostQuantized::quantize(&values, count * rows, cols, q)?),
             };
-            B::upload_experts(host, count, d).expect("generated experts upload")
+            Ok::<_, CliError>(B::upload_experts(host, count, d)?)
         };
-        let gate_up = stack(2 * width, hidden);
-        let down = stack(hidden, width);
+        let gate_up = stack(2 * width, hidden)?;
+        let down = stack(hidden, width)?;
         let name = format.map_or(format!("dense {dtype:?}"), |q| format!("{q:?}"));
         for &tokens in rows {
             let scores = Tensor::<B, 2>::random([tokens, count], Distribution::Normal(0.0, 1.0), d);
             let scale = Tensor::<B, 1>::ones([count], d);
-            let routes = route_reference(scores, scale, top_k).expect("routes");
+            let routes = route_reference(scores, scale, top_k)?;
             let x = random::<B>(vec![tokens * hidden], dtype, d).reshape([tokens, hidden]);
             let h = random::<B>(vec![tokens * top_k * width], dtype, d).reshape([tokens * top_k, width]);
             let paths = [
@@ -66,9 +66,12 @@ pub fn section<B: GemmaBackend>(d: &B::Device, dtype: DType, reps: usize, rows: 
             ];
             for (path, label) in paths {
                 let run = |x: &Tensor<B, 2>, w: &Experts<B>, product| match path {
-                    Some(path) => project(x.clone(), w, &routes, product, dtype, path).expect("read back"),
-                    None => B::project_experts(x.clone(), w, &routes, product, dtype).expect("read back"),
+                    Some(path) => project(x.clone(), w, &routes, product, dtype, path),
+                    None => B::project_experts(x.clone(), w, &routes, product, dtype),
                 };
+                // A failed read-back ends the section here; the timed calls repeat these.
+                run(&x, &gate_up, ExpertProduct::GeluHalves)?;
+                run(&h, &down, ExpertProduct::WeightedSum)?;
                 let up = time::<B, _>(d, reps, || run(&x, &gate_up, ExpertProduct::GeluHalves));
                 let dn = time::<B, _>(d, reps, || run(&h, &down, ExpertProduct::WeightedSum));
                 println!(
@@ -80,4 +83,5 @@ pub fn section<B: GemmaBackend>(d: &B::Device, dtype: DType, reps: usize, rows: 
             }
         }
     }
+    Ok(())
 }

@@ -231,12 +231,13 @@ pub(crate) mod kernel {
         let halves = halves(product);
         let width = if halves { rows / 2 } else { rows };
         let slots = tokens * top_k;
-        let (out, out_dtype) = match halves {
-            true => (empty(&x, [slots, width], dtype), dtype),
-            false => (empty(&x, [slots, width], DType::F32), DType::F32),
-        };
+        // Per slot: `GeluHalves` is the result; `WeightedSum`'s weighted parts are summed per
+        // token at the end.
+        let out_dtype = if halves { dtype } else { DType::F32 };
+        let out = empty(&x, [slots, width], out_dtype);
+        let finish = |out| if halves { out } else { combine(out, top_k, dtype) };
         if slots * width == 0 {
-            return Ok(if halves { out } else { combine(out, top_k, dtype) });
+            return Ok(finish(out));
         }
         let (order, offsets) = group(&ids, count);
         let counts = read_offsets(&offsets).map_err(GroupedError::ReadBack)?;
@@ -300,7 +301,7 @@ pub(crate) mod kernel {
                 [dtype.into(), out_dtype.into()],
             ));
         }
-        Ok(if halves { out } else { combine(out, top_k, dtype) })
+        Ok(finish(out))
     }
 
     /// The grouping's `count + 1` offsets on the host.

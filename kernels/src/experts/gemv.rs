@@ -311,6 +311,42 @@ pub(crate) mod kernel {
         n
     }
 
+    /// One pass over the slots, a tile at a time: each unit walks its experts' slots, moving
+    /// `cursor[e]` one step per slot of expert `e` and, with `list`, writing the slot to
+    /// `order` at the cursor first (a counting pass from zeros, a listing pass from the
+    /// offsets).
+    #[cube]
+    fn walk_slots(
+        ids: &Array<u32>,
+        tile: &mut SharedMemory<u32>,
+        cursor: &mut SharedMemory<u32>,
+        order: &mut Array<u32>,
+        #[comptime] count: usize,
+        #[comptime] list: bool,
+    ) {
+        let last = (count - 1) as u32;
+        let mut start = 0usize;
+        while start < ids.len() {
+            let n = stage_tile(ids, tile, start, last);
+            let mut e = UNIT_POS_X as usize;
+            while e < count {
+                let mut at = cursor[e];
+                for s in 0..n {
+                    if tile[s] as usize == e {
+                        if list {
+                            order[at as usize] = (start + s) as u32;
+                        }
+                        at += 1;
+                    }
+                }
+                cursor[e] = at;
+                e += CUBE_DIM_X as usize;
+            }
+            sync_cube();
+            start += GROUP_TILE;
+        }
+    }
+
     /// Groups the slots (`ids`, `[tokens * top_k]`) by expert: `offsets[e]..offsets[e + 1]` of
     /// `order` are the slots routed to expert `e`, in slot order. One cube; the ids pass through
     /// shared memory a tile at a time (every unit loads part of it), each unit counts and then
@@ -318,62 +354,26 @@ pub(crate) mod kernel {
     #[cube(launch)]
     fn group_kernel(ids: &Array<u32>, order: &mut Array<u32>, offsets: &mut Array<u32>, #[comptime] count: usize) {
         let unit = UNIT_POS_X as usize;
-        let units = CUBE_DIM_X as usize;
-        let slots = ids.len();
-        let last = (count - 1) as u32;
-        let mut counts = SharedMemory::<u32>::new(count);
+        let mut cursor = SharedMemory::<u32>::new(count);
         let mut tile = SharedMemory::<u32>::new(GROUP_TILE);
         let mut e = unit;
         while e < count {
-            counts[e] = 0u32;
-            e += units;
+            cursor[e] = 0u32;
+            e += CUBE_DIM_X as usize;
         }
-        let mut start = 0usize;
-        while start < slots {
-            let n = stage_tile(ids, &mut tile, start, last);
-            let mut e = unit;
-            while e < count {
-                let mut found = counts[e];
-                for s in 0..n {
-                    if tile[s] as usize == e {
-                        found += 1;
-                    }
-                }
-                counts[e] = found;
-                e += units;
-            }
-            sync_cube();
-            start += GROUP_TILE;
-        }
+        walk_slots(ids, &mut tile, &mut cursor, order, count, false);
         if unit == 0 {
             let mut total = 0u32;
             for e in 0..count {
-                let n = counts[e];
+                let n = cursor[e];
                 offsets[e] = total;
-                counts[e] = total;
+                cursor[e] = total;
                 total += n;
             }
             offsets[count] = total;
         }
         sync_cube();
-        let mut start = 0usize;
-        while start < slots {
-            let n = stage_tile(ids, &mut tile, start, last);
-            let mut e = unit;
-            while e < count {
-                let mut at = counts[e] as usize;
-                for s in 0..n {
-                    if tile[s] as usize == e {
-                        order[at] = (start + s) as u32;
-                        at += 1;
-                    }
-                }
-                counts[e] = at as u32;
-                e += units;
-            }
-            sync_cube();
-            start += GROUP_TILE;
-        }
+        walk_slots(ids, &mut tile, &mut cursor, order, count, true);
     }
 
     /// The slots of expert `CUBE_POS_Y`, from [`group_kernel`]'s lists.
@@ -656,8 +656,7 @@ pub(crate) mod kernel {
         }
         let (codes, scales, offsets, q4) = w.args();
         let (row_words, row_blocks) = w.row_sizes();
-        let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
-        let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
+        let (nw, nx) = w.load_vectors(&x);
         let cube_dim = CubeDim::new_1d((ROWS * LANES) as u32);
         let (top_k, halves, plane) = (launch.top_k, launch.halves, planes_of_32(&x.client));
         let dtypes = [x.dtype.into(), launch.out.dtype.into(), scales.dtype.into()];

@@ -80,18 +80,17 @@ where
         cube::int(ids.cast(burn::tensor::IntDType::U32))
     };
     let weights = cube::float(routes.weights.clone());
-    let cols = x.dims()[1];
-    let group_bytes = match path {
-        ExpertPath::Gemm { group_bytes } if cols > 0 && experts.count > 0 => Some(group_bytes),
-        _ => None,
-    };
-    let stack = match (stacked, group_bytes) {
-        (Matrix::Dense(w), Some(_)) if w.val().dtype() == dtype => Some(Stack::Dense(cube::float(w.val()))),
-        (Matrix::Quantized(w), Some(_)) => Some(Stack::Quantized(packed(w))),
+    // The batched path, where the path asks for it and the stack is one it multiplies.
+    let batched = match (path, stacked) {
+        _ if x.dims()[1] == 0 || experts.count == 0 => None,
+        (ExpertPath::Gemm { group_bytes }, Matrix::Dense(w)) if w.val().dtype() == dtype => {
+            Some((Stack::Dense(cube::float(w.val())), group_bytes))
+        }
+        (ExpertPath::Gemm { group_bytes }, Matrix::Quantized(w)) => Some((Stack::Quantized(packed(w)), group_bytes)),
         _ => None,
     };
     let x = cube::float(x);
-    if let (Some(stack), Some(group_bytes)) = (stack, group_bytes) {
+    if let Some((stack, group_bytes)) = batched {
         crate::graph::unsupported(|| "experts grouped with their slot counts read back".into());
         match expert_gemm(x.clone(), stack, shape, ids(), weights.clone(), product, dtype, group_bytes) {
             Ok(out) => return Ok(cube::tensor(out)),

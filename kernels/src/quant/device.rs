@@ -184,6 +184,13 @@ impl<R: CubeRuntime> Packed<R> {
         self.codes.meta.shape()[1] * self.format.codes_per_word()
     }
 
+    /// Vector widths of the matrix-vector kernels: code words per load (at most 4 `u32`, 16
+    /// bytes) and activations per load of `x` (the codes one load of words holds, at most 8).
+    pub(crate) fn load_vectors(&self, x: &CubeTensor<R>) -> (usize, usize) {
+        let nw = load_vector_size(&x.client, 4, self.codes.meta.shape()[1], 4);
+        (nw, load_vector_size(&x.client, x.dtype.size(), nw * self.format.codes_per_word(), 8))
+    }
+
     /// Code words and scale blocks per row, as the kernels take them.
     pub(crate) fn row_sizes(&self) -> (u32, u32) {
         (self.codes.meta.shape()[1] as u32, self.scales.meta.shape()[1] as u32)

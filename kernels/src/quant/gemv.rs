@@ -16,7 +16,7 @@
 #![allow(clippy::manual_div_ceil)]
 
 use super::device::Packed;
-use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
+use crate::cube::{cube_index, empty, grid, planes_of_32};
 use crate::graph::{arg, launch};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::Epilogue;
@@ -221,8 +221,7 @@ pub fn gemv_into<R: CubeRuntime>(
     let dtypes = [x.dtype.into(), scales.dtype.into()];
     // Up to 4 words (16 bytes) per code load: a divisor of the row, and of the block (4 or
     // 8 words); activations in loads of up to 16 bytes dividing the vector's codes.
-    let nw = load_vector_size(&x.client, 4, codes.meta.shape()[1], 4);
-    let nx = load_vector_size(&x.client, x.dtype.size(), nw * w.format.codes_per_word(), 8);
+    let (nw, nx) = w.load_vectors(&x);
     let per_plane = rows_per_plane(&x.client, n, out_features);
     let unroll = gemv_unroll(per_plane, n);
     let stride = out.meta.shape()[1] as u32;

@@ -29,6 +29,7 @@ pub(crate) mod check;
 pub use device::{dequantize_reference, project_reference, CodeLayout, QuantizedMatrix};
 pub use embedding::embed_reference;
 pub use ggml::{GgmlBlocks, GgmlMatrix};
+use rayon::prelude::*;
 
 /// The CubeCL launchers, for the backends.
 pub(crate) mod kernel {
@@ -116,25 +117,13 @@ pub enum QuantError {
     Candle(String),
 }
 
-/// The first code past `max` and its index (chunks scanned on scoped threads: the host checks
+/// The first code past `max` and its index (scanned on rayon's pool: the host checks
 /// gigabytes of codes at load); none where every `u8` is in range.
 fn first_past(codes: &[u8], max: u8) -> Option<(usize, u8)> {
     if max == u8::MAX {
         return None;
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
-    let chunk = codes.len().div_ceil(threads).max(1);
-    std::thread::scope(|scope| {
-        let scans: Vec<_> = codes
-            .chunks(chunk)
-            .enumerate()
-            .map(|(i, part)| {
-                scope.spawn(move || part.iter().position(|&c| c > max).map(|at| (i * chunk + at, part[at])))
-            })
-            .collect();
-        // The earliest chunk's find is the first (a position scan does not panic).
-        scans.into_iter().find_map(|scan| scan.join().ok().flatten())
-    })
+    codes.par_iter().position_first(|&c| c > max).map(|at| (at, codes[at]))
 }
 
 /// A quantized matrix on the host: one code per weight (row-major, unsigned: Q8 stores
@@ -322,20 +311,11 @@ impl HostQuantized {
     /// Codes packed into `u32` words, lowest bits first: `[rows, cols / codes_per_word]`.
     pub fn packed_words(&self) -> Vec<u32> {
         let (bits, per_word) = (self.format.bits(), self.format.codes_per_word());
-        let mut words = vec![0u32; self.codes.len() / per_word];
-        // Chunks of words on scoped threads (the host packs gigabytes of codes at load).
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
-        let chunk = words.len().div_ceil(threads).max(1);
-        std::thread::scope(|scope| {
-            for (words, codes) in words.chunks_mut(chunk).zip(self.codes.chunks(chunk * per_word)) {
-                scope.spawn(move || {
-                    for (word, codes) in words.iter_mut().zip(codes.chunks_exact(per_word)) {
-                        *word = codes.iter().enumerate().fold(0u32, |acc, (n, &c)| acc | (c as u32) << (n * bits));
-                    }
-                });
-            }
-        });
-        words
+        // On rayon's pool: the host packs gigabytes of codes at load.
+        self.codes
+            .par_chunks_exact(per_word)
+            .map(|codes| codes.iter().enumerate().fold(0u32, |acc, (n, &c)| acc | (c as u32) << (n * bits)))
+            .collect()
     }
 }
 

@@ -25,6 +25,7 @@ use burn::{
     tensor::{backend::Backend, DType, Int, Tensor, TensorData},
 };
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+use rayon::prelude::*;
 use std::{marker::PhantomData, ops::Range, sync::Arc};
 
 /// A `[rows, cols]` matrix in a GGUF block type, its blocks row-major as the file stores them
@@ -210,14 +211,13 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Host threads for converting blocks: the machine's, at most 16.
-fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
-}
+/// Rows converted per task of [`convert_rows`].
+const ROWS_PER_TASK: usize = 64;
 
-/// Converts the blocks of `rows` whole rows (`raw`) with `fill` (a chunk of rows' bytes, then
-/// its codes, scales and offsets to write), chunks of rows on scoped threads, each writing its
-/// own slices of the outputs (the 26B-A4B's 27 GB of experts convert in seconds, not minutes).
+/// Converts the blocks of `rows` whole rows (`raw`) with `fill` (some rows' bytes, then their
+/// codes, scales and offsets to write), tasks of [`ROWS_PER_TASK`] rows on rayon's pool (the
+/// one the CPU products use), each writing its own slices of the outputs (the 26B-A4B's 27 GB
+/// of experts convert in seconds, not minutes).
 fn convert_rows(
     raw: &[u8],
     rows: usize,
@@ -230,27 +230,21 @@ fn convert_rows(
         let dtype = format!("{format} source");
         return Err(QuantError::Bytes { dtype, rows, cols, len: raw.len(), expected: 0 });
     }
-    let blocks = rows * cols / BLOCK;
+    let (blocks, row_blocks) = (rows * cols / BLOCK, cols / BLOCK);
     let mut codes = vec![0u8; rows * cols];
     let mut scales = vec![0f32; blocks];
     let mut offsets = vec![0f32; if format == QuantFormat::Q4 { blocks } else { 0 }];
-    if let Some(row_bytes) = raw.len().checked_div(rows) {
-        let chunk = rows.div_ceil(threads()).max(1);
-        let (row_blocks, offset_blocks) = (cols / BLOCK, if offsets.is_empty() { 0 } else { cols / BLOCK });
-        std::thread::scope(|scope| {
-            let mut offsets_rest: &mut [f32] = &mut offsets;
-            for ((raw, codes), scales) in raw
-                .chunks(chunk * row_bytes)
-                .zip(codes.chunks_mut(chunk * cols))
-                .zip(scales.chunks_mut(chunk * row_blocks))
-            {
-                let n = raw.len() / row_bytes;
-                let (offsets, rest) = std::mem::take(&mut offsets_rest).split_at_mut(n * offset_blocks);
-                offsets_rest = rest;
-                let fill = &fill;
-                scope.spawn(move || fill(raw, codes, scales, offsets));
-            }
-        });
+    if let Some(row_bytes) = raw.len().checked_div(rows).filter(|&b| b > 0 && row_blocks > 0) {
+        let tasks = raw
+            .par_chunks(ROWS_PER_TASK * row_bytes)
+            .zip(codes.par_chunks_mut(ROWS_PER_TASK * cols))
+            .zip(scales.par_chunks_mut(ROWS_PER_TASK * row_blocks));
+        if offsets.is_empty() {
+            tasks.for_each(|((raw, codes), scales)| fill(raw, codes, scales, &mut []));
+        } else {
+            let offsets = offsets.par_chunks_mut(ROWS_PER_TASK * row_blocks);
+            tasks.zip(offsets).for_each(|(((raw, codes), scales), offsets)| fill(raw, codes, scales, offsets));
+        }
     }
     HostQuantized::from_parts(format, rows, cols, codes, scales, offsets)
 }
@@ -492,7 +486,8 @@ pub(crate) mod tests {
 
     #[test]
     fn block_conversions_match_candle_dequantization() {
-        let (rows, cols) = (3, 512);
+        // More rows than one conversion task takes (two whole tasks and a part).
+        let (rows, cols) = (131, 512);
         let seed = seed();
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q4K] {
             let blocks = random_blocks(dtype, rows, cols, seed);
