@@ -3,7 +3,8 @@
 
 The trace holds every launch of a short run (ncu --metrics gpu__time_duration.sum). One sampling
 kernel ends each forward pass, so the launches between two sampling kernels are one pass; the
-last pass of more than --min launches is a prompt. Prints its kernel time by kernel name,
+pass of --min launches or more with the most kernel time is the prompt (a decode step replayed as a
+CUDA graph also has hundreds of launches, so the last long pass may be one). Prints its kernel time by kernel name,
 largest first (each kernel timed alone: no launch gaps, no host work).
 
 usage: prefill_profile.py TRACE.csv [--marker sample_kernel] [--min 200] [--label L]
@@ -31,7 +32,7 @@ def main():
     prompts = [p for p in passes if len(p) >= a.min]
     if not prompts:
         raise SystemExit(f"no pass of {a.min} launches or more among {len(passes)} in {len(trace)} launches")
-    prompt = prompts[-1]
+    prompt = max(prompts, key=lambda p: sum(s for _, s in p))
     total = sum(s for _, s in prompt)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for name, seconds in prompt:

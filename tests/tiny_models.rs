@@ -2,9 +2,11 @@
 
 mod common;
 
-use burn::tensor::DType;
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{backends::NdArray, Checkpoint, GemmaBackend, KvFormat, LoadOptions, QuantFormat, WeightFormat};
+use burn_gemma::{
+    backends::NdArray, Checkpoint, GemmaBackend, KvFormat, LoadOptions, QuantFormat, StoredRows, WeightFormat,
+};
 
 struct Case {
     name: &'static str,
@@ -288,8 +290,15 @@ const MAX_REL_TO_REFERENCE: f32 = 1e-3;
 
 /// A weight and KV format under test, and its reference: the same model in f32 with every
 /// matrix the quantized load quantizes replaced by its dequantized values
-/// ([`WeightFormat::Dequantized`]) and the int8 cache rounded as the int8 store rounds it (the
-/// plain-Burn int8 store on NdArray, [`burn_gemma_kernels::kv::int8::store_reference`]).
+/// ([`WeightFormat::Dequantized`]) and, for an int8 cache, the codes the checked run stored:
+/// after each of its writes the reference's int8 store holds the checked run's codes and scales
+/// ([`burn_gemma::KvCache::pin_next_write`]). The values the stores round are computed in float arithmetic
+/// whose sums run in another order on the device, so a value within an ulp of a code boundary can
+/// take the neighbouring code there (a step of 1/127 of its row's largest value); on the Gemma 4
+/// fixtures, which attend with scale 1 over QK-normed heads, one such step moved later logits by
+/// up to 7e-2 of the logit scale before the reference attended over the same codes. The int8
+/// store's rounding itself is held to its plain reference in the kernel tests
+/// (`burn_gemma_kernels::kv::int8`), where both round the same inputs.
 #[derive(Debug, Clone, Copy)]
 struct QuantVariant {
     weights: WeightFormat,
@@ -321,30 +330,61 @@ enum Pass {
     Decode,
 }
 
-/// The logits of every position of `fixture`'s input, loaded with `weights` and `kv`.
-fn fixture_logits<B: GemmaBackend>(
-    fixture: &str,
+/// What a run over a fixture's input left in its KV cache after each forward call, on the host:
+/// per call, per layer with keys of its own, keys and values (see [`burn_gemma::KvCache::stored`]).
+type Stores = Vec<Vec<(TensorData, TensorData)>>;
+
+/// One run of a fixture's model over its 40 input ids.
+#[derive(Debug, Clone, Copy)]
+struct FixtureRun<'a> {
+    fixture: &'a str,
     weights: WeightFormat,
     kv: KvFormat,
     pass: Pass,
-    device: &B::Device,
-) -> Vec<Vec<f32>> {
-    let dir = common::fixtures().join(fixture);
-    let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
-    let options = LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32).weights(weights).kv_cache(kv);
-    let model = Checkpoint::open(&dir).expect("open").load(options).expect("load").model;
-    let vocab = model.config().vocab_size;
-    let mut cache = model.new_cache(1, input.len()).unwrap();
-    let rows = |t: burn::tensor::Tensor<B, 3>| -> Vec<Vec<f32>> {
-        let values = t.into_data().to_vec::<f32>().unwrap();
-        values.chunks(vocab).map(<[f32]>::to_vec).collect()
-    };
-    match pass {
-        Pass::Prompt => rows(model.forward(token_tensor::<B>(&input, device), &mut cache).unwrap()),
-        Pass::Decode => input
-            .iter()
-            .flat_map(|&id| rows(model.forward(token_tensor::<B>(&[id], device), &mut cache).unwrap()))
-            .collect(),
+}
+
+impl FixtureRun<'_> {
+    /// The logits of every position, and, where `record`, what the cache stored after each
+    /// forward call. `pins`: another run's stores, which this run's cache holds after each of
+    /// its writes in place of its own ([`burn_gemma::KvCache::pin_next_write`]).
+    fn logits<B: GemmaBackend>(
+        &self,
+        device: &B::Device,
+        record: bool,
+        pins: Option<&Stores>,
+    ) -> (Vec<Vec<f32>>, Stores) {
+        let dir = common::fixtures().join(self.fixture);
+        let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
+        let options =
+            LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32).weights(self.weights).kv_cache(self.kv);
+        let model = Checkpoint::open(&dir).expect("open").load(options).expect("load").model;
+        let vocab = model.config().vocab_size;
+        let mut cache = model.new_cache(1, input.len()).unwrap();
+        let calls: Vec<Vec<u32>> = match self.pass {
+            Pass::Prompt => vec![input],
+            Pass::Decode => input.iter().map(|&id| vec![id]).collect(),
+        };
+        let (mut logits, mut stores) = (Vec::new(), Vec::new());
+        for (call, ids) in calls.iter().enumerate() {
+            if let Some(pins) = pins {
+                let pinned = pins[call]
+                    .iter()
+                    .map(|(keys, values)| StoredRows {
+                        keys: Tensor::from_data(keys.clone(), device),
+                        values: Tensor::from_data(values.clone(), device),
+                    })
+                    .collect();
+                cache.pin_next_write(pinned).unwrap();
+            }
+            let out = model.forward(token_tensor::<B>(ids, device), &mut cache).unwrap();
+            let values = out.into_data().to_vec::<f32>().unwrap();
+            logits.extend(values.chunks(vocab).map(<[f32]>::to_vec));
+            if record {
+                let stored = cache.stored().unwrap();
+                stores.push(stored.into_iter().map(|rows| (rows.keys.into_data(), rows.values.into_data())).collect());
+            }
+        }
+        (logits, stores)
     }
 }
 
@@ -389,25 +429,13 @@ fn quantization_error(got: &[Vec<f32>], hf: &serde_json::Value) -> (f64, f64) {
 /// Why a case is measured and printed but not held to [`MAX_REL_TO_REFERENCE`]; `None` for the
 /// cases that are.
 ///
-/// - int8 KV on the Gemma 4 fixtures: the values the int8 store rounds are computed on the
-///   device, where float sums run in another order than the reference's, so now and then a value
-///   within an ulp of a rounding boundary takes the neighbouring code (a step of 1/127 of its
-///   row's largest value); these tiny random models attend with scale 1 over QK-normed heads, so
-///   one such step moves later logits by up to a few percent (measured on wgpu: 6e-4 to 7e-2,
-///   while Q8/Q4 weights with an f32 cache stay within 1.3e-4 on the same fixtures). The int8
-///   store and the attention over its codes are held to their reference in the kernel tests
-///   (`burn_gemma_kernels::kv::int8`), where both round the same inputs.
-/// - Candle's decode products: candle's block dot products quantize the activations too (to
-///   Q8_0/Q8_1 per block of 32, as llama.cpp does), which this reference does not model;
-///   they are held bit for bit to candle's own matmul in `burn_gemma_kernels::quant::ggml::product`.
-///   Its prompt products (16 rows and more) dequantize the blocks and multiply in f32, and are
-///   held here, except on the expert fixtures, where an expert's share of the prompt can be
-///   fewer than 16 rows.
+/// Candle's decode products: candle's block dot products quantize the activations too (to
+/// Q8_0/Q8_1 per block of 32, as llama.cpp does), which this reference does not model; they are
+/// held bit for bit to candle's own matmul in `burn_gemma_kernels::quant::ggml::product`. Its
+/// prompt products (16 rows and more) dequantize the blocks and multiply in f32, and are held
+/// here, except on the expert fixtures, where an expert's share of the prompt can be fewer than
+/// 16 rows.
 fn not_held(fixture: &str, variant: QuantVariant, pass: Pass, activations: ActivationRounding) -> Option<&'static str> {
-    let gemma4 = fixture.contains("gemma4");
-    if gemma4 && variant.kv == KvFormat::Int8 {
-        return Some("int8 codes of device-computed values can round the other way (see not_held)");
-    }
     let quantized = matches!(variant.weights, WeightFormat::Quantized(_));
     if quantized && activations == ActivationRounding::Q8Blocks && (pass == Pass::Decode || fixture.contains("moe")) {
         return Some("candle's block products round the activations too (see not_held)");
@@ -434,14 +462,15 @@ fn quantized_kernels_match_their_reference<B: GemmaBackend>(device: &B::Device, 
         let hf = common::read_json(common::fixtures().join(fixture).join("reference.json"));
         for variant in QuantVariant::ALL {
             for pass in [Pass::Prompt, Pass::Decode] {
-                let reference = fixture_logits::<NdArray>(
-                    fixture,
-                    variant.reference_weights(),
-                    variant.kv,
-                    pass,
+                let run = FixtureRun { fixture, weights: variant.weights, kv: variant.kv, pass };
+                let int8 = variant.kv == KvFormat::Int8;
+                let (got, stores) = run.logits::<B>(device, int8, None);
+                let reference = FixtureRun { weights: variant.reference_weights(), ..run }.logits::<NdArray>(
                     &Default::default(),
+                    false,
+                    int8.then_some(&stores),
                 );
-                let got = fixture_logits::<B>(fixture, variant.weights, variant.kv, pass, device);
+                let reference = reference.0;
                 let err = relative_error(&got, &reference);
                 let (kl, top1) = quantization_error(&got, &hf["logits"]);
                 let verdict = match not_held(fixture, variant, pass, activations) {

@@ -89,6 +89,11 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
         Self { residual: x, pending: None, dtype }
     }
 
+    /// The dtype the norms return (the activations').
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// `residual + post_norm(h)`, applied by the next [`ResidualStream::norm`].
     pub fn add(self, h: Tensor<B, 3>, post_norm: Option<&'a RmsNorm<B>>) -> Self {
         let stream = self.settle();

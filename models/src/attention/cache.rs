@@ -33,6 +33,31 @@ pub struct LayerCache<B: GemmaBackend> {
     /// too; the ring itself no longer holds the first rows once the chunk is written.
     shared_chunk: Option<SharedChunk<B>>,
     shared: bool,
+    /// What the store holds right after its next write ([`KvCache::pin_next_write`]).
+    pinned: Pin<B>,
+}
+
+/// Keys and values a store takes right after a write in place of what the write stored, or
+/// nothing to replace.
+#[derive(Debug)]
+struct Pin<B: GemmaBackend>(Option<StoredRows<B>>);
+
+impl<B: GemmaBackend> Pin<B> {
+    /// `store` after a write: holding the pinned rows (stored in its own format), or as it is.
+    fn apply(self, store: KvStore<B>) -> KvStore<B> {
+        match self.0 {
+            Some(rows) => B::kv_write(store, rows.keys, rows.values, 0),
+            None => store,
+        }
+    }
+}
+
+/// Every slot of one layer's store, `[batch, kv_heads, slots, head_dim]` in f32 (an int8
+/// store's codes times their scales).
+#[derive(Debug, Clone)]
+pub struct StoredRows<B: GemmaBackend> {
+    pub keys: Tensor<B, 4>,
+    pub values: Tensor<B, 4>,
 }
 
 /// The keys and values a multi-position chunk attended over, and their mask.
@@ -49,7 +74,7 @@ impl<B: GemmaBackend> LayerCache<B> {
     fn new(shape: LayerShape, window: Option<usize>, format: KvFormat, shared: bool, device: &B::Device) -> Self {
         let span = Span::new(window, shape.capacity);
         let dims = [shape.batch, shape.kv_heads, span.slots(shape.capacity), shape.head_dim];
-        Self { store: Some(B::kv_zeros(dims, format, device)), span, shared_chunk: None, shared }
+        Self { store: Some(B::kv_zeros(dims, format, device)), span, shared_chunk: None, shared, pinned: Pin(None) }
     }
 
     /// Runs `f` on the store and keeps the store it returns. Where `f` fails (a device read
@@ -79,8 +104,10 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         let mask = AttentionMask { q_offset: 0, k_offset: 0, window: self.span.window() };
+        let pinned = Pin(self.pinned.0.take());
         self.update(|store| {
             let (q, store) = B::qkv_rope_append(qkv, layout, store)?;
+            let store = pinned.apply(store);
             let view = KvView::Decode { store: &store, position: layout.position.clone() };
             let out = B::grouped_attention(q, view, &scores.with(mask))?;
             Ok((out, store))
@@ -101,9 +128,10 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         let t = keys.dims()[2];
+        let pinned = Pin(self.pinned.0.take());
         match self.span {
             Span::Full => self.update(|store| {
-                let store = B::kv_write(store, keys, values, position);
+                let store = pinned.apply(B::kv_write(store, keys, values, position));
                 let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
                 let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask))?;
                 Ok((out, store))
@@ -134,7 +162,7 @@ impl<B: GemmaBackend> LayerCache<B> {
                         let rows = s![.., .., rows, ..];
                         store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
                     }
-                    Ok(((out, chunk), store))
+                    Ok(((out, chunk), pinned.apply(store)))
                 })?;
                 self.shared_chunk = chunk;
                 Ok(out)
@@ -170,6 +198,13 @@ impl<B: GemmaBackend> LayerCache<B> {
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
         self.store.as_ref().map_or(0, KvStore::device_bytes)
+    }
+
+    /// Every slot of the store, in f32.
+    fn stored(&self) -> Result<StoredRows<B>, ModelError> {
+        let store = self.store.as_ref().ok_or(ModelError::CacheLost)?;
+        let (keys, values) = B::kv_read(store, 0..store.shape()[2], DType::F32);
+        Ok(StoredRows { keys, values })
     }
 }
 
@@ -353,5 +388,44 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Bytes the keys and values occupy on the device.
     pub fn device_bytes(&self) -> usize {
         self.layers.iter().map(LayerCache::device_bytes).sum()
+    }
+
+    /// What every layer with keys of its own stores now, in f32 (an int8 store's codes times
+    /// their scales), in layer order.
+    pub fn stored(&self) -> Result<Vec<StoredRows<B>>, ModelError> {
+        self.layers.iter().map(LayerCache::stored).collect()
+    }
+
+    /// Makes each layer's store hold `stored[i]` (what [`KvCache::stored`] returned for another
+    /// cache of the same shape after the same step, stored again in this cache's format) right
+    /// after its next write, before anything reads it, in place of what the write computed.
+    ///
+    /// For checking one run against another: an int8 store rounds values computed in float
+    /// arithmetic, and two runs whose sums go in different orders (a reference on the CPU, kernels
+    /// on a GPU) now and then round a value lying within an ulp of a code boundary to
+    /// neighbouring codes. Pinning the reference's cache to the checked run's stores makes both
+    /// attend over the same codes, so that what is left between them is their float arithmetic.
+    pub fn pin_next_write(&mut self, stored: Vec<StoredRows<B>>) -> Result<(), ModelError> {
+        if stored.len() != self.layers.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "{} layers of stored rows for a cache of {} layers with keys of their own",
+                stored.len(),
+                self.layers.len()
+            )));
+        }
+        for (i, (layer, rows)) in self.layers.iter().zip(&stored).enumerate() {
+            let shape = layer.store.as_ref().ok_or(ModelError::CacheLost)?.shape();
+            if rows.keys.dims() != shape || rows.values.dims() != shape {
+                return Err(ModelError::InvalidInput(format!(
+                    "stored rows {:?} and {:?} for layer {i}, whose store is {shape:?}",
+                    rows.keys.dims(),
+                    rows.values.dims()
+                )));
+            }
+        }
+        for (layer, rows) in self.layers.iter_mut().zip(stored) {
+            layer.pinned = Pin(Some(rows));
+        }
+        Ok(())
     }
 }

@@ -5,7 +5,7 @@
 pub mod cache;
 pub mod ring;
 
-pub use cache::{KvCache, LayerCache, Scores};
+pub use cache::{KvCache, LayerCache, Scores, StoredRows};
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, Architecture, LayerType};
