@@ -182,4 +182,7 @@ pub enum BackendError {
     /// Reading a result back from the device failed.
     #[error("reading {what} back from the device failed: {reason}")]
     ReadBack { what: &'static str, reason: String },
+    /// The operating system refused a worker thread.
+    #[error("cannot start the {what} thread: {reason}")]
+    Thread { what: &'static str, reason: String },
 }

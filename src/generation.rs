@@ -746,7 +746,7 @@ impl<B: GemmaBackend> Generator<B> {
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's
 /// logits (every chunk but the last only fills the cache).
-fn prefill<B: GemmaBackend>(
+pub(crate) fn prefill<B: GemmaBackend>(
     model: &Gemma<B>,
     cache: &mut KvCache<B>,
     input: &[u32],

@@ -26,6 +26,7 @@
 
 pub mod backends;
 pub mod chat;
+pub mod engine;
 mod error;
 pub mod fetch;
 pub mod generation;

@@ -1,0 +1,231 @@
+//! The engine serves many requests at once as each would be served alone: same tokens for every
+//! request (greedy and seeded sampling, mixed prompt lengths, requests joining and leaving
+//! mid-run, sliding windows wrapping), bad requests refused with their reason, a full queue
+//! refused, cancellation and shutdown.
+
+mod common;
+
+use burn::tensor::DType;
+use burn_gemma::{
+    backends::NdArray,
+    engine::{Engine, EngineConfig, EngineError, Event, Request},
+    Checkpoint, Error, Gemma, GenerationConfig, Generator, LoadOptions, SamplingConfig, StopReason,
+};
+use std::num::NonZeroUsize;
+
+const FIXTURES: [&str; 3] = ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma4-moe"];
+
+fn model(fixture: &str) -> Gemma<NdArray> {
+    let options = LoadOptions::<NdArray>::new().dtype(DType::F32);
+    Checkpoint::open(common::fixtures().join(fixture)).expect("open").load(options).expect("load").model
+}
+
+fn input(fixture: &str) -> Vec<u32> {
+    common::ids(&common::read_json(common::fixtures().join(fixture).join("reference.json"))["input_ids"])
+}
+
+/// Requests of mixed prompt lengths, token budgets and sampling: greedy, and seeded sampling
+/// with temperature, top-k and top-p. Budgets of 50 and more pass the fixtures' sliding windows.
+fn requests(input: &[u32]) -> Vec<Request> {
+    let cases: [(usize, usize, Option<u64>); 7] = [
+        (3, 20, None),
+        (40, 9, Some(7)),
+        (17, 60, None),
+        (1, 33, Some(11)),
+        (29, 5, None),
+        (8, 50, Some(3)),
+        (40, 1, None),
+    ];
+    cases
+        .iter()
+        .map(|&(prompt, new, seed)| {
+            let sampling = match seed {
+                None => SamplingConfig::default(),
+                Some(seed) => SamplingConfig {
+                    temperature: 0.9,
+                    top_k: Some(40),
+                    top_p: Some(0.95),
+                    seed,
+                    ..SamplingConfig::default()
+                },
+            };
+            // Stop tokens: none beyond the model's, so that each runs its whole budget unless the
+            // model ends it.
+            let generation = GenerationConfig { max_new_tokens: new, sampling, ..GenerationConfig::default() };
+            Request { input: input[..prompt].to_vec(), generation }
+        })
+        .collect()
+}
+
+/// Each request alone through the plain [`Generator`].
+fn alone(fixture: &str, requests: &[Request]) -> Vec<(Vec<u32>, StopReason)> {
+    let mut generator = Generator::new(model(fixture), common::tiny_tokenizer()).expect("generator");
+    requests
+        .iter()
+        .map(|r| {
+            generator.reset();
+            let mut stream = generator.stream_ids(&r.input, &r.generation).expect("request");
+            let ids: Vec<u32> = stream.by_ref().map(|t| t.expect("token").id).collect();
+            let output = stream.finish();
+            (ids, output.stop)
+        })
+        .collect()
+}
+
+/// Every event of a request from the next on: its token ids and how it ended (`seen`: tokens
+/// already taken from the stream).
+fn collect_after(seen: usize, stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) {
+    let mut ids = Vec::new();
+    for event in stream {
+        match event.expect("event") {
+            Event::Token(t) => ids.push(t.id),
+            Event::Done(finish) => {
+                let stop_token = usize::from(matches!(finish.reason, StopReason::StopToken(_)));
+                assert_eq!(finish.generated_tokens, seen + ids.len() + stop_token);
+                return (ids, finish.reason);
+            }
+        }
+    }
+    panic!("the stream ended without a Done event");
+}
+
+/// Every event of a request.
+fn collect(stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) {
+    collect_after(0, stream)
+}
+
+#[test]
+fn many_requests_at_once_match_each_alone() {
+    for fixture in FIXTURES {
+        let requests = requests(&input(fixture));
+        let expected = alone(fixture, &requests);
+        // Three run at once, so four wait and join as others leave.
+        let config = EngineConfig { max_running: NonZeroUsize::new(3).unwrap(), max_waiting: 16 };
+        let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+        let got: Vec<(Vec<u32>, StopReason)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let engine = &engine;
+                    scope.spawn(move || {
+                        // Staggered, so that some join while others run.
+                        std::thread::sleep(std::time::Duration::from_millis(3 * i as u64));
+                        collect(engine.submit(r.clone()).expect("submit"))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("request thread")).collect()
+        });
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            println!("{fixture} request {i}: {} tokens, {:?} (alone: {} tokens, {:?})", g.0.len(), g.1, e.0.len(), e.1);
+            assert!(
+                !g.0.is_empty() || matches!(g.1, StopReason::StopToken(_)),
+                "{fixture} request {i}: nothing generated"
+            );
+        }
+        assert_eq!(got, expected, "{fixture}: the engine's tokens differ from each request alone");
+        let metrics = engine.metrics();
+        assert_eq!(metrics.running.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(metrics.waiting.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(metrics.kv_cache_bytes.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(metrics.requests_finished.load(std::sync::atomic::Ordering::SeqCst), requests.len() as u64);
+        engine.shutdown();
+    }
+}
+
+#[test]
+fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
+    let fixture = FIXTURES[0];
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
+    let good = Request {
+        input: input(fixture)[..5].to_vec(),
+        generation: GenerationConfig { max_new_tokens: 4, ..Default::default() },
+    };
+    let cases: Vec<(Request, &str)> = vec![
+        (Request { input: vec![], ..good.clone() }, "no input tokens"),
+        (Request { input: vec![2, 600_000], ..good.clone() }, "token id 600000 is outside the vocabulary"),
+        (
+            Request { generation: GenerationConfig { max_new_tokens: 0, ..good.generation.clone() }, ..good.clone() },
+            "max new tokens must be at least 1",
+        ),
+        (
+            Request {
+                generation: GenerationConfig {
+                    sampling: SamplingConfig { temperature: f32::NAN, ..Default::default() },
+                    ..good.generation.clone()
+                },
+                ..good.clone()
+            },
+            "temperature",
+        ),
+        (Request { input: vec![2; 1_000_000], ..good.clone() }, "exceeds the model's context"),
+    ];
+    for (request, says) in cases {
+        match engine.submit(request) {
+            Err(EngineError::Generation(e)) => {
+                assert!(matches!(e, Error::Request(_) | Error::Sampling(_)), "{e:?}");
+                assert!(e.to_string().contains(says), "{e} does not say {says:?}");
+            }
+            other => panic!("expected a refusal saying {says:?}, got {other:?}"),
+        }
+    }
+    let (ids, reason) = collect(engine.submit(good).expect("submit"));
+    assert!(ids.len() == 4 || matches!(reason, StopReason::StopToken(_)), "{ids:?} {reason:?}");
+}
+
+#[test]
+fn a_full_queue_refuses_and_cancelled_requests_leave() {
+    let fixture = FIXTURES[1];
+    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 2 };
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+    let long = Request {
+        input: input(fixture)[..4].to_vec(),
+        generation: GenerationConfig { max_new_tokens: 10_000, ..Default::default() },
+    };
+    let first = engine.submit(long.clone()).expect("first");
+    // Running once its first token is out: the next two wait, the fourth finds the queue full.
+    assert!(matches!(first.next_event(), Some(Ok(Event::Token(_)))));
+    let second = engine.submit(long.clone()).expect("second");
+    let third = engine.submit(long.clone()).expect("third");
+    match engine.submit(long.clone()) {
+        Err(EngineError::QueueFull { waiting: 2 }) => {}
+        other => panic!("expected QueueFull with 2 waiting, got {other:?}"),
+    }
+    assert_eq!(engine.metrics().requests_refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Dropping the waiting second cancels it; cancelling the running first ends it.
+    drop(second);
+    first.cancel();
+    let (_, reason) = collect_after(1, first);
+    assert_eq!(reason, StopReason::Interrupted);
+    // The third now runs; a short request after it is served too.
+    assert!(matches!(third.next_event(), Some(Ok(Event::Token(_)))));
+    third.cancel();
+    assert_eq!(collect_after(1, third).1, StopReason::Interrupted);
+    let short = Request { generation: GenerationConfig { max_new_tokens: 3, ..Default::default() }, ..long };
+    let (ids, reason) = collect(engine.submit(short).expect("short"));
+    assert!(ids.len() == 3 || matches!(reason, StopReason::StopToken(_)));
+    engine.shutdown();
+}
+
+#[test]
+fn shutdown_lets_running_and_waiting_requests_finish() {
+    let fixture = FIXTURES[0];
+    let config = EngineConfig { max_running: NonZeroUsize::new(2).unwrap(), max_waiting: 8 };
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+    let streams: Vec<_> = (0..5)
+        .map(|i| {
+            let generation = GenerationConfig { max_new_tokens: 6 + i, ..Default::default() };
+            engine.submit(Request { input: input(fixture)[..3 + i].to_vec(), generation }).expect("submit")
+        })
+        .collect();
+    engine.shutdown();
+    for (i, stream) in streams.into_iter().enumerate() {
+        let (ids, reason) = collect(stream);
+        assert!(
+            reason == StopReason::MaxTokens && ids.len() == 6 + i || matches!(reason, StopReason::StopToken(_)),
+            "request {i}: {reason:?} after {} tokens",
+            ids.len()
+        );
+    }
+}
