@@ -16,7 +16,7 @@
 
 use crate::{
     error::{BackendError, RequestError},
-    generation::{prefill, Utf8Stream},
+    generation::{first_sampled, prefill, Utf8Stream},
     sampling::Sampler,
     Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
 };
@@ -498,11 +498,7 @@ fn step<B: GemmaBackend>(
     let logits = prefill(model, &mut sequence.cache, &sequence.input, generation.prefill_chunk, &device)?;
     sequence.context.extend_from_slice(&sequence.input);
     let draws = sequence.sampler.draws(1);
-    let ids = sequence.sampler.sample_with_draws(logits, &sequence.context, &draws)?;
-    let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
-    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-    let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
-    let token = *ids.first().ok_or_else(|| read("no id came back".into()))?;
+    let token = first_sampled(sequence.sampler.sample_with_draws(logits, &sequence.context, &draws)?)?;
     let vocab = model.config().vocab_size;
     let token = u32::try_from(token)
         .ok()

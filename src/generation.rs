@@ -624,11 +624,7 @@ impl<B: GemmaBackend> Generator<B> {
                 self.cache = Some(cache);
                 let logits = logits?;
                 self.context.extend_from_slice(&run.input);
-                let ids = run.sampler.sample_with_draws(logits, &self.context, &draws)?;
-                let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
-                let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-                let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
-                *ids.first().ok_or_else(|| read("no id came back".into()))?
+                first_sampled(run.sampler.sample_with_draws(logits, &self.context, &draws)?)?
             }
         };
         if token < 0 || token as usize >= vocab {
@@ -742,6 +738,14 @@ impl<B: GemmaBackend> Generator<B> {
         };
         Ok(cache)
     }
+}
+
+/// The first id of a sampled batch, read back to the host.
+pub(crate) fn first_sampled<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<i64, BackendError> {
+    let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
+    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
+    let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
+    ids.first().copied().ok_or_else(|| read("no id came back".into()))
 }
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's
