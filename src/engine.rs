@@ -117,6 +117,11 @@ impl RequestStream {
         self.events.recv().ok()
     }
 
+    /// The events, borrowing the stream (which stays usable to cancel the request).
+    pub fn events(&self) -> impl Iterator<Item = Result<Event, EngineError>> + '_ {
+        std::iter::from_fn(move || self.next_event())
+    }
+
     /// Stops the request at the worker's next round (its stream then ends with
     /// [`StopReason::Interrupted`]).
     pub fn cancel(&self) {

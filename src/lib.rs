@@ -36,6 +36,8 @@ mod load_options;
 pub mod loader;
 pub mod safetensors;
 pub mod sampling;
+#[cfg(feature = "server")]
+pub mod server;
 pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};

@@ -1,0 +1,135 @@
+//! An OpenAI-compatible server for a Gemma model.
+//!
+//! ```text
+//! cargo run --release --features server --example serve -- --port 8080
+//! cargo run --release --features server,cuda --example serve -- --model gemma-3-4b-it-Q4_K_M.gguf --host 0.0.0.0 --port 8080
+//! curl http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \
+//!   -d '{"model": "gemma", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+//! ```
+//!
+//! Ctrl-C stops taking connections and lets the requests in flight finish.
+
+use burn_gemma::{
+    backends::{cpu_threads, dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
+    chat::ChatTemplate,
+    engine::{Engine, EngineConfig},
+    server::{Server, ServerConfig},
+    Checkpoint, GemmaBackend, LoadOptions, Loaded,
+};
+use clap::Parser;
+use std::{num::NonZeroUsize, path::PathBuf, process::ExitCode};
+
+type CliError = Box<dyn std::error::Error>;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Serve a Gemma model over an OpenAI-compatible HTTP API")]
+struct Args {
+    /// A GGUF file or a Hugging Face directory; default: Gemma 3 270M (fetched once, cached).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The model name `/v1/models` lists; default: the file's or directory's name.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Requests generating at once.
+    #[arg(long, default_value_t = NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN))]
+    max_running: NonZeroUsize,
+    /// Requests waiting beyond those; one more gets a 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// `max_tokens` of a request that gives none.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// auto | cuda | rocm | vulkan | wgpu | metal | candle | ndarray
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// f32 | f16 | bf16: compute dtype; default: bf16 on CUDA/ROCm, f32 elsewhere.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// auto | native | q8 | q4 | bf16 | f16 | f32 (as the generate example's).
+    #[arg(long, default_value = "auto")]
+    weights: String,
+    /// auto | bf16 | f16 | f32 | int8 (as the generate example's).
+    #[arg(long, default_value = "auto")]
+    kv_cache: String,
+    /// CPU threads of the CPU backends; default: the machine's physical cores.
+    #[arg(long)]
+    threads: Option<NonZeroUsize>,
+}
+
+struct Run {
+    args: Args,
+    model_path: PathBuf,
+}
+
+impl BackendTask for Run {
+    type Output = Result<(), CliError>;
+
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
+        let args = self.args;
+        let (weights, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), name)?;
+        let kv_cache = parse_kv_cache(&args.kv_cache, dtype)?;
+        eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
+        let checkpoint = Checkpoint::open(&self.model_path)?;
+        let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights).kv_cache(kv_cache);
+        let Loaded { model, .. } = checkpoint.load(options)?;
+        let tokenizer = checkpoint.tokenizer()?;
+        drop(checkpoint);
+        let template = ChatTemplate::for_architecture(model.config().model_type);
+        let config = EngineConfig { max_running: args.max_running, max_waiting: args.max_waiting };
+        let engine = Engine::new(model, tokenizer, config)?;
+        let model_id = args.model_id.clone().unwrap_or_else(|| {
+            self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
+        });
+        let server =
+            Server::new(engine, template, ServerConfig { model_id, default_max_tokens: args.default_max_tokens });
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
+            eprintln!("serving on http://{}", listener.local_addr()?);
+            let shutdown = async {
+                let _ = tokio::signal::ctrl_c().await;
+                eprintln!("shutting down: finishing the requests in flight");
+            };
+            server.serve(listener, shutdown).await
+        })?;
+        Ok(())
+    }
+}
+
+fn real_main(args: Args) -> Result<(), CliError> {
+    let threads = cpu_threads(args.threads);
+    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
+    // no other thread, before the CPU thread pool starts.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    set_cpu_threads(NonZeroUsize::new(threads))?;
+    let kind: BackendKind = args.backend.parse()?;
+    let (_, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
+    parse_kv_cache(&args.kv_cache, dtype)?;
+    if args.default_max_tokens == 0 {
+        return Err(CliError::from("--default-max-tokens must be at least 1"));
+    }
+    let model_path = match &args.model {
+        Some(path) if !path.exists() => {
+            return Err(CliError::from(format!("model path {} does not exist", path.display())))
+        }
+        Some(path) => path.clone(),
+        None => {
+            burn_gemma::fetch::default_model(|done, total| eprintln!("fetching the default model: {done}/{total}"))?
+        }
+    };
+    dispatch(kind, Run { args, model_path }, &mut |note| eprintln!("{note}"))?
+}
+
+fn main() -> ExitCode {
+    match real_main(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! `GET /metrics`: the engine's counters in Prometheus' text format.
+
+use super::Server;
+use axum::{extract::State, http::header, response::IntoResponse};
+use std::{
+    fmt::Write,
+    sync::{atomic::Ordering, Arc},
+};
+
+pub(super) async fn handler(State(server): State<Arc<Server>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], render(&server))
+}
+
+/// The text of every metric.
+fn render(server: &Server) -> String {
+    let m = server.engine.metrics();
+    let uptime = server.started.elapsed().as_secs_f64();
+    let prompt = m.prompt_tokens.load(Ordering::Relaxed);
+    let generated = m.generated_tokens.load(Ordering::Relaxed);
+    let metrics: [(&str, &str, &str, f64); 11] = [
+        ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
+        (
+            "burn_gemma_requests_waiting",
+            "gauge",
+            "Requests waiting to start.",
+            m.waiting.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_kv_cache_bytes",
+            "gauge",
+            "KV cache bytes held by the running requests.",
+            m.kv_cache_bytes.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_requests_finished_total",
+            "counter",
+            "Requests that ended (done, stopped or cancelled).",
+            m.requests_finished.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_requests_failed_total",
+            "counter",
+            "Requests that ended in an error.",
+            m.requests_failed.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_requests_refused_total",
+            "counter",
+            "Requests refused because the queue was full.",
+            m.requests_refused.load(Ordering::Relaxed) as f64,
+        ),
+        ("burn_gemma_prompt_tokens_total", "counter", "Prompt tokens run through the model.", prompt as f64),
+        ("burn_gemma_generated_tokens_total", "counter", "Tokens generated.", generated as f64),
+        (
+            "burn_gemma_prompt_tokens_per_second",
+            "gauge",
+            "Prompt tokens per second since start (rate() of the total gives it over any window).",
+            prompt as f64 / uptime.max(1e-9),
+        ),
+        (
+            "burn_gemma_generated_tokens_per_second",
+            "gauge",
+            "Generated tokens per second since start (rate() of the total gives it over any window).",
+            generated as f64 / uptime.max(1e-9),
+        ),
+        ("burn_gemma_uptime_seconds", "gauge", "Seconds since the server started.", uptime),
+    ];
+    let mut text = String::new();
+    for (name, kind, help, value) in metrics {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
+    text
+}

@@ -1,0 +1,345 @@
+//! An OpenAI-compatible HTTP server over an [`Engine`] (feature `server`): axum on tokio.
+//!
+//! - `POST /v1/completions` and `POST /v1/chat/completions`, streamed as server-sent events
+//!   (`"stream": true`) or not;
+//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//!
+//! A bad request gets a 400 with an OpenAI-style JSON error naming the field; a full queue a
+//! 429; a server shutting down a 503. The `model` field of a request is not checked against the
+//! served model's name (as llama.cpp's server does): the server serves one model.
+
+mod metrics;
+pub mod openai;
+pub mod stop_text;
+
+use crate::{
+    chat::ChatTemplate,
+    engine::{Engine, EngineError, Event, Request, RequestStream},
+    tokenizer::Bos,
+    Error, StopReason,
+};
+use axum::{
+    body::Bytes,
+    extract::State,
+    http::StatusCode,
+    response::{
+        sse::{Event as SseEvent, KeepAlive, Sse},
+        IntoResponse, Response,
+    },
+    routing::{get, post},
+    Json, Router,
+};
+use openai::{ApiError, ChatRequest, CompletionRequest, FinishReason, SamplingFields, Usage};
+use serde_json::json;
+use std::{
+    convert::Infallible,
+    sync::{atomic::AtomicU64, Arc},
+    time::{Instant, SystemTime, UNIX_EPOCH},
+};
+use stop_text::StopText;
+
+/// What the server is told at start.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The name `/v1/models` lists and responses carry.
+    pub model_id: String,
+    /// `max_tokens` of a request that gives none.
+    pub default_max_tokens: usize,
+}
+
+/// The server's shared state: the engine and its settings.
+#[derive(Debug)]
+pub struct Server {
+    engine: Engine,
+    config: ServerConfig,
+    template: ChatTemplate,
+    started: Instant,
+    next_id: AtomicU64,
+}
+
+impl Server {
+    /// Serves `engine`, whose model's chat layout is `template`.
+    pub fn new(engine: Engine, template: ChatTemplate, config: ServerConfig) -> Arc<Self> {
+        Arc::new(Self { engine, config, template, started: Instant::now(), next_id: AtomicU64::new(1) })
+    }
+
+    /// The engine served.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The routes.
+    pub fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/models", get(models))
+            .route("/health", get(health))
+            .route("/metrics", get(metrics::handler))
+            .with_state(Arc::clone(self))
+    }
+
+    /// Serves on `listener` until `shutdown` completes, then lets the requests in flight
+    /// finish.
+    pub async fn serve(
+        self: &Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).with_graceful_shutdown(shutdown).await
+    }
+
+    fn id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// A JSON body, or a 400 naming what is wrong with it (serde's message names the field).
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("invalid request body: {e}"),
+        param: None,
+    })
+}
+
+/// What an engine refusal means to a client; `input` names the field the prompt came in.
+fn refused(e: EngineError, input: &'static str) -> ApiError {
+    match e {
+        EngineError::QueueFull { .. } => {
+            ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None }
+        }
+        EngineError::ShutDown => {
+            ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None }
+        }
+        EngineError::Generation(Error::Sampling(s)) => ApiError::invalid("temperature", s.to_string()),
+        EngineError::Generation(e @ Error::Request(_)) => ApiError::invalid(input, e.to_string()),
+        EngineError::Generation(e) => {
+            ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
+        }
+    }
+}
+
+/// One request on its way: what the two endpoints share.
+struct Started {
+    stream: RequestStream,
+    stops: Vec<String>,
+    prompt_tokens: usize,
+    id: String,
+    model: String,
+}
+
+fn start(
+    server: &Server,
+    prompt: &str,
+    fields: &SamplingFields,
+    input: &'static str,
+    prefix: &str,
+) -> Result<Started, ApiError> {
+    let (generation, stops) = fields.generation(server.config.default_max_tokens)?;
+    let ids =
+        server.engine.tokenizer().encode(prompt, Bos::Prepend).map_err(|e| ApiError::invalid(input, e.to_string()))?;
+    let prompt_tokens = ids.len();
+    let stream = server.engine.submit(Request { input: ids, generation }).map_err(|e| refused(e, input))?;
+    Ok(Started { stream, stops, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
+}
+
+/// How a generation went.
+struct Outcome {
+    finish_reason: FinishReason,
+    completion_tokens: usize,
+}
+
+/// Runs a request to its end on this (blocking) thread, handing each piece of text to `emit`
+/// (which says whether the client still listens); a stop string ends it there.
+fn drive(started: &Started, mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
+    let mut stops = StopText::new(started.stops.clone());
+    let mut completion_tokens = 0;
+    for event in started.stream.events() {
+        match event {
+            Ok(Event::Token(token)) => {
+                completion_tokens += 1;
+                let pushed = stops.push(&token.text);
+                if !pushed.text.is_empty() && !emit(&pushed.text) {
+                    started.stream.cancel();
+                }
+                if pushed.stopped {
+                    started.stream.cancel();
+                    return Ok(Outcome { finish_reason: FinishReason::Stop, completion_tokens });
+                }
+            }
+            Ok(Event::Done(finish)) => {
+                let rest = stops.finish();
+                if !rest.is_empty() {
+                    emit(&rest);
+                }
+                let finish_reason = match finish.reason {
+                    StopReason::MaxTokens | StopReason::ContextFull => FinishReason::Length,
+                    _ => FinishReason::Stop,
+                };
+                return Ok(Outcome { finish_reason, completion_tokens });
+            }
+            Err(e) => return Err(refused(e, "prompt")),
+        }
+    }
+    Err(ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: "the request ended without finishing".into(),
+        param: None,
+    })
+}
+
+/// Which endpoint a request came to, for the shapes of its responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn object(self, streamed: bool) -> &'static str {
+        match (self, streamed) {
+            (Self::Completions, _) => "text_completion",
+            (Self::Chat, false) => "chat.completion",
+            (Self::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// A choice carrying `text` (a whole answer, or a streamed piece).
+    fn choice(self, text: Option<&str>, finish: Option<FinishReason>, streamed: bool) -> serde_json::Value {
+        match (self, streamed) {
+            (Self::Completions, _) => {
+                json!({ "index": 0, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null })
+            }
+            (Self::Chat, false) => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text.unwrap_or("") },
+                "finish_reason": finish,
+            }),
+            (Self::Chat, true) => {
+                let delta = match text {
+                    Some(t) => json!({ "content": t }),
+                    None => json!({}),
+                };
+                json!({ "index": 0, "delta": delta, "finish_reason": finish })
+            }
+        }
+    }
+}
+
+async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stream: bool) -> Response {
+    let created = now();
+    if !stream {
+        let head = (started.id.clone(), started.model.clone(), started.prompt_tokens);
+        let result = tokio::task::spawn_blocking(move || {
+            let mut text = String::new();
+            drive(&started, |piece| {
+                text.push_str(piece);
+                true
+            })
+            .map(|outcome| (text, outcome))
+        })
+        .await;
+        let (text, outcome) = match result {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) => return e.into_response(),
+            Err(e) => {
+                return ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
+                    .into_response()
+            }
+        };
+        let (id, model, prompt_tokens) = head;
+        drop(server);
+        return Json(json!({
+            "id": id,
+            "object": endpoint.object(false),
+            "created": created,
+            "model": model,
+            "choices": [endpoint.choice(Some(&text), Some(outcome.finish_reason), false)],
+            "usage": Usage::new(prompt_tokens, outcome.completion_tokens),
+        }))
+        .into_response();
+    }
+    let (sender, receiver) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    tokio::task::spawn_blocking(move || {
+        let chunk = |choice: serde_json::Value, usage: Option<Usage>| {
+            let mut body = json!({
+                "id": started.id,
+                "object": endpoint.object(true),
+                "created": created,
+                "model": started.model,
+                "choices": [choice],
+            });
+            if let Some(usage) = usage {
+                body["usage"] = json!(usage);
+            }
+            SseEvent::default().data(body.to_string())
+        };
+        if endpoint == Endpoint::Chat {
+            let role = json!({ "index": 0, "delta": { "role": "assistant", "content": "" }, "finish_reason": null });
+            if sender.blocking_send(chunk(role, None)).is_err() {
+                return;
+            }
+        }
+        let outcome = drive(&started, |piece| {
+            sender.blocking_send(chunk(endpoint.choice(Some(piece), None, true), None)).is_ok()
+        });
+        let last = match outcome {
+            Ok(o) => chunk(
+                endpoint.choice(None, Some(o.finish_reason), true),
+                Some(Usage::new(started.prompt_tokens, o.completion_tokens)),
+            ),
+            Err(e) => SseEvent::default().data(e.body().to_string()),
+        };
+        let _ = sender.blocking_send(last);
+        let _ = sender.blocking_send(SseEvent::default().data("[DONE]"));
+        drop(server);
+    });
+    let events = tokio_stream::wrappers::ReceiverStream::new(receiver);
+    let events = tokio_stream::StreamExt::map(events, Ok::<_, Infallible>);
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
+    let request: CompletionRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if request.prompt.is_empty() {
+        return ApiError::invalid("prompt", "prompt is empty").into_response();
+    }
+    match start(&server, &request.prompt, &request.sampling, "prompt", "cmpl") {
+        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, request.stream).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
+    let request: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let prompt = match openai::render_chat(server.template, &request.messages) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    match start(&server, &prompt, &request.sampling, "messages", "chatcmpl") {
+        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, request.stream).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn models(State(server): State<Arc<Server>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": server.config.model_id, "object": "model", "created": now(), "owned_by": "burn-gemma" }],
+    }))
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(json!({ "status": "ok" }))
+}

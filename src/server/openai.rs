@@ -1,0 +1,300 @@
+//! The OpenAI-compatible request and response bodies, their checks, and the chat templates.
+
+use crate::{
+    chat::{ChatTemplate, SystemTurn, Thinking},
+    sampling::SamplingConfig,
+    GenerationConfig,
+};
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+
+/// An error as OpenAI's API reports one: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// The request field at fault, where one is.
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param) }
+    }
+
+    /// The error's JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        let kind = match self.status {
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_exceeded",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            s if s.is_server_error() => "server_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            _ => "invalid_request_error",
+        };
+        serde_json::json!({
+            "error": { "message": self.message, "type": kind, "param": self.param, "code": null }
+        })
+    }
+}
+
+impl axum::response::IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The sampling fields both endpoints share.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SamplingFields {
+    pub max_tokens: Option<usize>,
+    /// OpenAI's newer name for `max_tokens` (chat).
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Not OpenAI's, as llama.cpp and vLLM take it.
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub n: Option<usize>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+}
+
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOPS: usize = 4;
+
+impl SamplingFields {
+    /// The generation settings, checked; `default_max_tokens` where the request gives none.
+    pub fn generation(&self, default_max_tokens: usize) -> Result<(GenerationConfig, Vec<String>), ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid("n", format!("n = {n}: one choice per request is supported")));
+        }
+        for (param, value) in
+            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
+        {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(param, format!("{param} is not supported; leave it out or 0")));
+            }
+        }
+        let max_new_tokens = self.max_completion_tokens.or(self.max_tokens).unwrap_or(default_max_tokens);
+        if max_new_tokens == 0 {
+            return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
+        }
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !temperature.is_finite() || !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid("temperature", format!("temperature {temperature} is outside [0, 2]")));
+        }
+        if let Some(p) = self.top_p.filter(|p| !p.is_finite() || *p <= 0.0 || *p > 1.0) {
+            return Err(ApiError::invalid("top_p", format!("top_p {p} is outside (0, 1]")));
+        }
+        if let Some(p) = self.min_p.filter(|p| !p.is_finite() || *p < 0.0 || *p > 1.0) {
+            return Err(ApiError::invalid("min_p", format!("min_p {p} is outside [0, 1]")));
+        }
+        if self.top_k == Some(0) {
+            return Err(ApiError::invalid("top_k", "top_k must be at least 1"));
+        }
+        let stops = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stops.len() > MAX_STOPS {
+            return Err(ApiError::invalid("stop", format!("{} stop strings; at most {MAX_STOPS}", stops.len())));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "a stop string is empty"));
+        }
+        let sampling = SamplingConfig {
+            temperature,
+            top_k: self.top_k,
+            top_p: self.top_p.filter(|&p| p < 1.0),
+            min_p: self.min_p.filter(|&p| p > 0.0),
+            seed: self.seed.unwrap_or_else(rand_seed),
+            ..SamplingConfig::default()
+        };
+        Ok((GenerationConfig { max_new_tokens, sampling, ..GenerationConfig::default() }, stops))
+    }
+}
+
+/// A seed for a request that gives none: the clock's nanoseconds, so that two such requests
+/// sample differently.
+fn rand_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: String,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// One message of a chat.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// The prompt text of a chat in the model's template, its model turn opened: system messages
+/// (first only) as Gemma 4's system turn or, before Gemma 4, at the head of the first user
+/// message; user and assistant turns alternating as they come; the last message a user's.
+pub fn render_chat(template: ChatTemplate, messages: &[Message]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages is empty"));
+    }
+    let mut system = None;
+    let mut text = String::new();
+    for (i, message) in messages.iter().enumerate() {
+        match message.role.as_str() {
+            "system" | "developer" if i == 0 => system = Some(message.content.clone()),
+            "system" | "developer" => {
+                return Err(ApiError::invalid("messages", format!("messages[{i}]: a system message must come first")))
+            }
+            "user" => {
+                let content = match (template, system.take()) {
+                    (ChatTemplate::Gemma, Some(s)) => format!("{s}\n\n{}", message.content),
+                    (_, s) => {
+                        if let Some(s) = s {
+                            let turn = SystemTurn { instructions: Some(s), thinking: Thinking::Off, tools: Vec::new() };
+                            text.push_str(&turn.render());
+                        }
+                        message.content.clone()
+                    }
+                };
+                text.push_str(&template.user_turn(&content));
+            }
+            "assistant" => {
+                if i + 1 == messages.len() {
+                    return Err(ApiError::invalid("messages", "the last message must be the user's"));
+                }
+                text.push_str(&message.content);
+                text.push_str(template.end_of_turn());
+                text.push_str(crate::chat::TURN_SEPARATOR);
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!("messages[{i}].role is {other:?}; expected system, user or assistant"),
+                ))
+            }
+        }
+    }
+    if messages.last().is_some_and(|m| m.role != "user") {
+        return Err(ApiError::invalid("messages", "the last message must be the user's"));
+    }
+    Ok(text)
+}
+
+/// Why a choice ended, in OpenAI's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token or a stop string.
+    Stop,
+    /// `max_tokens`, or the model's context.
+    Length,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(role: &str, content: &str) -> Message {
+        Message { role: role.into(), content: content.into() }
+    }
+
+    #[test]
+    fn chats_render_in_each_template() {
+        let chat = [
+            message("system", "Be brief."),
+            message("user", "Hi"),
+            message("assistant", "Hello!"),
+            message("user", "Again"),
+        ];
+        assert_eq!(
+            render_chat(ChatTemplate::Gemma, &chat).unwrap(),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
+             <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            render_chat(ChatTemplate::Gemma4, &chat).unwrap(),
+            "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n\
+             <|turn>user\nAgain<turn|>\n<|turn>model\n"
+        );
+    }
+
+    #[test]
+    fn bad_chats_name_the_field() {
+        for (chat, says) in [
+            (vec![], "messages is empty"),
+            (vec![message("user", "a"), message("assistant", "b")], "last message"),
+            (vec![message("user", "a"), message("system", "b"), message("user", "c")], "must come first"),
+            (vec![message("tool", "a")], "messages[0].role is \"tool\""),
+        ] {
+            let e = render_chat(ChatTemplate::Gemma, &chat).unwrap_err();
+            assert_eq!(e.param, Some("messages"));
+            assert!(e.message.contains(says), "{} does not say {says}", e.message);
+        }
+    }
+
+    #[test]
+    fn sampling_fields_are_checked() {
+        let fields = |json: &str| serde_json::from_str::<SamplingFields>(json).unwrap();
+        for (json, param) in [
+            (r#"{"max_tokens": 0}"#, "max_tokens"),
+            (r#"{"temperature": 3}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_k": 0}"#, "top_k"),
+            (r#"{"min_p": 2}"#, "min_p"),
+            (r#"{"n": 2}"#, "n"),
+            (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
+            (r#"{"stop": ""}"#, "stop"),
+            (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
+        ] {
+            assert_eq!(fields(json).generation(16).unwrap_err().param, Some(param), "{json}");
+        }
+        let (config, stops) =
+            fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#).generation(16).unwrap();
+        assert_eq!((config.max_new_tokens, config.sampling.temperature, config.sampling.seed), (7, 0.0, 5));
+        assert_eq!(stops, vec!["\n".to_string()]);
+        assert_eq!(fields("{}").generation(16).unwrap().0.max_new_tokens, 16);
+    }
+}

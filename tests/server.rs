@@ -1,0 +1,311 @@
+//! The OpenAI-compatible server on a tiny model, hit by a real HTTP client (reqwest): both
+//! endpoints streamed and not, answers equal to the plain generator's, stop strings, bad
+//! requests refused with OpenAI-style errors naming the field, a full queue refused with 429,
+//! 200 requests at 32 concurrent all answered once, the engine's counters back to zero, and a
+//! clean shutdown.
+
+mod common;
+
+use burn::tensor::DType;
+use burn_gemma::{
+    backends::NdArray,
+    chat::ChatTemplate,
+    engine::{Engine, EngineConfig},
+    server::{Server, ServerConfig},
+    Checkpoint, Gemma, GenerationConfig, Generator, LoadOptions,
+};
+use serde_json::{json, Value};
+use std::{collections::HashSet, num::NonZeroUsize, sync::atomic::Ordering, sync::Arc};
+
+const FIXTURE: &str = "tiny-gemma/gemma3";
+
+fn model() -> Gemma<NdArray> {
+    let options = LoadOptions::<NdArray>::new().dtype(DType::F32);
+    Checkpoint::open(common::fixtures().join(FIXTURE)).expect("open").load(options).expect("load").model
+}
+
+/// What the plain generator answers to `prompt` greedily in `max_new_tokens`.
+fn alone(prompt: &str, max_new_tokens: usize) -> String {
+    let mut generator = Generator::new(model(), common::tiny_tokenizer()).expect("generator");
+    let config = GenerationConfig { max_new_tokens, ..GenerationConfig::default() };
+    generator.generate(prompt, &config, |_| {}).expect("generate").text
+}
+
+/// A running server and how to stop it.
+struct Running {
+    base: String,
+    server: Arc<Server>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(config: EngineConfig) -> Running {
+    let engine = Engine::new(model(), common::tiny_tokenizer(), config).expect("engine");
+    let server = Server::new(
+        engine,
+        ChatTemplate::Gemma,
+        ServerConfig { model_id: "tiny-gemma3".into(), default_max_tokens: 8 },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = Arc::clone(&server);
+    let task = tokio::spawn(async move {
+        serving
+            .serve(listener, async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    Running { base, server, stop: Some(stop), task }
+}
+
+impl Running {
+    async fn post(&self, path: &str, body: &Value) -> (u16, String) {
+        let response =
+            reqwest::Client::new().post(format!("{}{path}", self.base)).json(body).send().await.expect("post");
+        let status = response.status().as_u16();
+        (status, response.text().await.expect("body"))
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let done = tokio::time::timeout(std::time::Duration::from_secs(30), self.task).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "the server did not shut down cleanly: {done:?}");
+    }
+}
+
+/// The text of a streamed response: its events' pieces joined, and the finish reason of the last.
+fn streamed(body: &str, chat: bool) -> (String, String) {
+    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "the stream does not end with [DONE]: {body}");
+    let mut text = String::new();
+    let mut finish = String::new();
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).expect("chunk JSON");
+        let choice = &chunk["choices"][0];
+        let piece = if chat { &choice["delta"]["content"] } else { &choice["text"] };
+        text.push_str(piece.as_str().unwrap_or(""));
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    (text, finish)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn answers_as_the_generator_does_streamed_or_not() {
+    let running = start(EngineConfig::default()).await;
+    let client = reqwest::Client::new();
+    let health: Value = client.get(format!("{}/health", running.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(health, json!({ "status": "ok" }));
+    let models: Value = client.get(format!("{}/v1/models", running.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny-gemma3");
+
+    let prompt = "The quick brown fox";
+    let expected = alone(prompt, 12);
+    let body = json!({ "model": "x", "prompt": prompt, "max_tokens": 12, "temperature": 0 });
+    let (status, text) = running.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["object"], "text_completion");
+    assert_eq!(answer["choices"][0]["text"], expected.as_str());
+    let completion_tokens = answer["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=12).contains(&completion_tokens), "{answer}");
+    assert!(!expected.is_empty(), "the fixture's greedy answer to {prompt:?} is empty");
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (status, text) = running.post("/v1/completions", &streaming).await;
+    assert_eq!(status, 200);
+    let (streamed_text, finish) = streamed(&text, false);
+    assert_eq!(streamed_text, expected);
+    assert_eq!(finish, answer["choices"][0]["finish_reason"].as_str().unwrap());
+
+    // Chat: the same answer as the generator's on the rendered template.
+    let chat_prompt = ChatTemplate::Gemma.user_turn("Hello there");
+    let expected = alone(&chat_prompt, 10);
+    let body = json!({ "model": "x", "messages": [{ "role": "user", "content": "Hello there" }], "max_tokens": 10, "temperature": 0 });
+    let (status, text) = running.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(answer["choices"][0]["message"]["content"], expected.as_str());
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (_, text) = running.post("/v1/chat/completions", &streaming).await;
+    assert_eq!(streamed(&text, true).0, expected);
+
+    // A stop string cuts the answer before it.
+    let full = alone(prompt, 12);
+    let cut = full.char_indices().nth(full.chars().count() / 2).map(|(i, _)| i).unwrap();
+    let stop: String = full[cut..].chars().take(2).collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let body = json!({ "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop], "stream": stream });
+        let (status, text) = running.post("/v1/completions", &body).await;
+        assert_eq!(status, 200);
+        let (got, finish) = if stream {
+            streamed(&text, false)
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                v["choices"][0]["finish_reason"].as_str().unwrap().to_string(),
+            )
+        };
+        assert_eq!((got.as_str(), finish.as_str()), (before, "stop"), "stop {stop:?} in {full:?}, streamed: {stream}");
+    }
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_openai_errors_naming_the_field() {
+    let running = start(EngineConfig::default()).await;
+    let user = json!([{ "role": "user", "content": "hi" }]);
+    let cases: Vec<(&str, Value, Option<&str>, &str)> = vec![
+        ("/v1/chat/completions", json!({ "model": "x" }), None, "missing field `messages`"),
+        ("/v1/chat/completions", json!({ "messages": "hi" }), None, "invalid type"),
+        ("/v1/chat/completions", json!({ "messages": [] }), Some("messages"), "messages is empty"),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "robot", "content": "a" }] }),
+            Some("messages"),
+            "role",
+        ),
+        ("/v1/chat/completions", json!({ "messages": user, "temperature": 5 }), Some("temperature"), "outside [0, 2]"),
+        ("/v1/chat/completions", json!({ "messages": user, "max_tokens": 0 }), Some("max_tokens"), "at least 1"),
+        ("/v1/chat/completions", json!({ "messages": user, "n": 3 }), Some("n"), "one choice"),
+        ("/v1/chat/completions", json!({ "messages": user, "top_p": 1.5 }), Some("top_p"), "outside (0, 1]"),
+        ("/v1/completions", json!({ "prompt": "" }), Some("prompt"), "prompt is empty"),
+        ("/v1/completions", json!({ "prompt": 7 }), None, "invalid type"),
+        ("/v1/completions", json!({ "prompt": "a".repeat(100_000) }), Some("prompt"), "exceeds the model's context"),
+    ];
+    for (path, body, param, says) in cases {
+        let (status, text) = running.post(path, &body).await;
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{text}");
+        assert_eq!(error["error"]["param"].as_str(), param, "{text}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(says), "{text} does not say {says:?}");
+    }
+    let raw = reqwest::Client::new()
+        .post(format!("{}/v1/completions", running.base))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status().as_u16(), 400);
+    // The server still answers.
+    let (status, _) = running.post("/v1/chat/completions", &json!({ "messages": user, "max_tokens": 2 })).await;
+    assert_eq!(status, 200);
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_gets_429_and_a_gone_client_frees_its_place() {
+    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 1 };
+    let running = start(config).await;
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0, "stream": true });
+    // The first runs (its first event is out), the second waits, the third is refused.
+    let mut first =
+        reqwest::Client::new().post(format!("{}/v1/completions", running.base)).json(&long).send().await.unwrap();
+    assert_eq!(first.status().as_u16(), 200);
+    let _ = first.chunk().await.unwrap().expect("a first event");
+    let base = running.base.clone();
+    let second = tokio::spawn(async move {
+        let mut short = long.clone();
+        short["stream"] = json!(false);
+        short["max_tokens"] = json!(3);
+        reqwest::Client::new()
+            .post(format!("{base}/v1/completions"))
+            .json(&short)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    // Until the second is queued.
+    while running.server.engine().metrics().waiting.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    let (status, text) = running.post("/v1/completions", &json!({ "prompt": "x", "max_tokens": 2 })).await;
+    assert_eq!(status, 429, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["type"], "rate_limit_exceeded");
+    // The first client goes away: its request is cancelled and the second runs.
+    drop(first);
+    assert_eq!(tokio::time::timeout(std::time::Duration::from_secs(60), second).await.unwrap().unwrap(), 200);
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn two_hundred_requests_at_32_concurrent_are_all_answered_once() {
+    let config = EngineConfig { max_running: NonZeroUsize::new(8).unwrap(), max_waiting: 256 };
+    let running = Arc::new(start(config).await);
+    let prompts: Vec<String> = (0..10).map(|i| format!("Request number {i}: tell me")).collect();
+    let expected: Vec<String> = prompts.iter().map(|p| alone(&ChatTemplate::Gemma.user_turn(p), 6)).collect();
+    assert!(expected.iter().all(|e| !e.is_empty()), "{expected:?}");
+    println!("expected answers: {expected:?}");
+    let rss_before = burn_gemma::backends::resident_bytes();
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(32));
+    let mut tasks = Vec::new();
+    for i in 0..200usize {
+        let (running, semaphore, prompt) = (Arc::clone(&running), Arc::clone(&semaphore), prompts[i % 10].clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = semaphore.acquire().await.unwrap();
+            let stream = i % 2 == 1;
+            let body = json!({
+                "messages": [{ "role": "user", "content": prompt }],
+                "max_tokens": 6, "temperature": 0, "stream": stream,
+            });
+            let (status, text) = running.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "request {i}: {text}");
+            if stream {
+                let id = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data: "))
+                    .map(|e| serde_json::from_str::<Value>(e).unwrap()["id"].as_str().unwrap().to_string());
+                (i, id.unwrap(), streamed(&text, true).0)
+            } else {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                (
+                    i,
+                    v["id"].as_str().unwrap().to_string(),
+                    v["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+                )
+            }
+        }));
+    }
+    let mut ids = HashSet::new();
+    for task in tasks {
+        let (i, id, text) = task.await.expect("request task");
+        assert_eq!(text, expected[i % 10], "request {i}");
+        assert!(ids.insert(id.clone()), "response id {id} came twice");
+    }
+    assert_eq!(ids.len(), 200);
+    let metrics = running.server.engine().metrics();
+    assert_eq!(metrics.running.load(Ordering::SeqCst), 0);
+    assert_eq!(metrics.waiting.load(Ordering::SeqCst), 0);
+    assert_eq!(metrics.kv_cache_bytes.load(Ordering::SeqCst), 0);
+    assert_eq!(metrics.requests_finished.load(Ordering::SeqCst), 200);
+    assert_eq!(metrics.requests_failed.load(Ordering::SeqCst), 0);
+    let text = reqwest::get(format!("{}/metrics", running.base)).await.unwrap().text().await.unwrap();
+    assert!(text.contains("burn_gemma_requests_finished_total 200"), "{text}");
+    assert!(text.contains("burn_gemma_requests_running 0"), "{text}");
+    if let (Some(before), Some(after)) = (rss_before, burn_gemma::backends::resident_bytes()) {
+        println!(
+            "resident memory {:.1} MB before the 200 requests, {:.1} MB after",
+            before as f64 / 1e6,
+            after as f64 / 1e6
+        );
+    }
+    match Arc::try_unwrap(running) {
+        Ok(running) => running.shutdown().await,
+        Err(_) => panic!("a request task still holds the server"),
+    }
+}
