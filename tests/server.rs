@@ -166,8 +166,20 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
     let running = start(EngineConfig::default()).await;
     let user = json!([{ "role": "user", "content": "hi" }]);
     let cases: Vec<(&str, Value, Option<&str>, &str)> = vec![
-        ("/v1/chat/completions", json!({ "model": "x" }), None, "missing field `messages`"),
-        ("/v1/chat/completions", json!({ "messages": "hi" }), None, "invalid type"),
+        ("/v1/chat/completions", json!({ "model": "x" }), Some("messages"), "missing field `messages`"),
+        ("/v1/chat/completions", json!({ "messages": "hi" }), Some("messages"), "messages: invalid type"),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": user, "temperature": "hot" }),
+            Some("temperature"),
+            "temperature: invalid type",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user" }] }),
+            Some("messages"),
+            "messages[0]: missing field `content`",
+        ),
         ("/v1/chat/completions", json!({ "messages": [] }), Some("messages"), "messages is empty"),
         (
             "/v1/chat/completions",
@@ -180,7 +192,8 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
         ("/v1/chat/completions", json!({ "messages": user, "n": 3 }), Some("n"), "one choice"),
         ("/v1/chat/completions", json!({ "messages": user, "top_p": 1.5 }), Some("top_p"), "outside (0, 1]"),
         ("/v1/completions", json!({ "prompt": "" }), Some("prompt"), "prompt is empty"),
-        ("/v1/completions", json!({ "prompt": 7 }), None, "invalid type"),
+        ("/v1/completions", json!({ "prompt": 7 }), Some("prompt"), "prompt: invalid type"),
+        ("/v1/completions", json!({ "max_tokens": 7 }), Some("prompt"), "missing field `prompt`"),
         ("/v1/completions", json!({ "prompt": "a".repeat(100_000) }), Some("prompt"), "exceeds the model's context"),
     ];
     for (path, body, param, says) in cases {

@@ -29,7 +29,7 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use openai::{ApiError, ChatRequest, CompletionRequest, FinishReason, SamplingFields, Usage};
+use openai::{ApiError, FinishReason, RequestBody, Usage};
 use serde_json::json;
 use std::{
     convert::Infallible,
@@ -98,12 +98,18 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// A JSON body, or a 400 naming what is wrong with it (serde's message names the field).
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError {
-        status: StatusCode::BAD_REQUEST,
-        message: format!("invalid request body: {e}"),
-        param: None,
+/// A JSON body, or a 400 naming what is wrong with it and where.
+fn parse(body: &Bytes) -> Result<RequestBody, ApiError> {
+    let mut json = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let path = e.path().to_string();
+        // The top-level field, as OpenAI's `param` names it.
+        let field = path.split(['.', '[']).next().filter(|f| !f.is_empty()).map(str::to_string);
+        let message = match &field {
+            None => format!("invalid request body: {}", e.inner()),
+            Some(_) => format!("invalid request body: {path}: {}", e.inner()),
+        };
+        ApiError { status: StatusCode::BAD_REQUEST, message, param: field }
     })
 }
 
@@ -136,7 +142,7 @@ struct Started {
 fn start(
     server: &Server,
     prompt: &str,
-    fields: &SamplingFields,
+    fields: &RequestBody,
     input: &'static str,
     prefix: &str,
 ) -> Result<Started, ApiError> {
@@ -305,29 +311,34 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stre
 }
 
 async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
-    let request: CompletionRequest = match parse(&body) {
+    let request = match parse(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    if request.prompt.is_empty() {
-        return ApiError::invalid("prompt", "prompt is empty").into_response();
-    }
-    match start(&server, &request.prompt, &request.sampling, "prompt", "cmpl") {
+    let prompt = match request.prompt.as_deref() {
+        None => return ApiError::invalid("prompt", "missing field `prompt`").into_response(),
+        Some("") => return ApiError::invalid("prompt", "prompt is empty").into_response(),
+        Some(p) => p,
+    };
+    match start(&server, prompt, &request, "prompt", "cmpl") {
         Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, request.stream).await,
         Err(e) => e.into_response(),
     }
 }
 
 async fn chat_completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
-    let request: ChatRequest = match parse(&body) {
+    let request = match parse(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let prompt = match openai::render_chat(server.template, &request.messages) {
+    let Some(messages) = &request.messages else {
+        return ApiError::invalid("messages", "missing field `messages`").into_response();
+    };
+    let prompt = match openai::render_chat(server.template, messages) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    match start(&server, &prompt, &request.sampling, "messages", "chatcmpl") {
+    match start(&server, &prompt, &request, "messages", "chatcmpl") {
         Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, request.stream).await,
         Err(e) => e.into_response(),
     }

@@ -14,12 +14,12 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     /// The request field at fault, where one is.
-    pub param: Option<&'static str>,
+    pub param: Option<String>,
 }
 
 impl ApiError {
     pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param) }
+        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.to_string()) }
     }
 
     /// The error's JSON body.
@@ -51,9 +51,18 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// The sampling fields both endpoints share.
+/// The body of `POST /v1/completions` (`prompt`) and `POST /v1/chat/completions` (`messages`):
+/// one struct, so that an error in any field names its path.
 #[derive(Debug, Clone, Deserialize)]
-pub struct SamplingFields {
+pub struct RequestBody {
+    /// Not checked: one model is served.
+    pub model: Option<String>,
+    /// Completions: the prompt text.
+    pub prompt: Option<String>,
+    /// Chat: the conversation.
+    pub messages: Option<Vec<Message>>,
+    #[serde(default)]
+    pub stream: bool,
     pub max_tokens: Option<usize>,
     /// OpenAI's newer name for `max_tokens` (chat).
     pub max_completion_tokens: Option<usize>,
@@ -72,7 +81,7 @@ pub struct SamplingFields {
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
 
-impl SamplingFields {
+impl RequestBody {
     /// The generation settings, checked; `default_max_tokens` where the request gives none.
     pub fn generation(&self, default_max_tokens: usize) -> Result<(GenerationConfig, Vec<String>), ApiError> {
         if let Some(n) = self.n.filter(|&n| n != 1) {
@@ -131,33 +140,11 @@ fn rand_seed() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// `POST /v1/completions`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: String,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
-}
-
 /// One message of a chat.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: String,
-}
-
-/// `POST /v1/chat/completions`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ChatRequest {
-    pub model: Option<String>,
-    pub messages: Vec<Message>,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 /// The prompt text of a chat in the model's template, its model turn opened: system messages
@@ -270,14 +257,14 @@ mod tests {
             (vec![message("tool", "a")], "messages[0].role is \"tool\""),
         ] {
             let e = render_chat(ChatTemplate::Gemma, &chat).unwrap_err();
-            assert_eq!(e.param, Some("messages"));
+            assert_eq!(e.param.as_deref(), Some("messages"));
             assert!(e.message.contains(says), "{} does not say {says}", e.message);
         }
     }
 
     #[test]
     fn sampling_fields_are_checked() {
-        let fields = |json: &str| serde_json::from_str::<SamplingFields>(json).unwrap();
+        let fields = |json: &str| serde_json::from_str::<RequestBody>(json).unwrap();
         for (json, param) in [
             (r#"{"max_tokens": 0}"#, "max_tokens"),
             (r#"{"temperature": 3}"#, "temperature"),
@@ -289,7 +276,7 @@ mod tests {
             (r#"{"stop": ""}"#, "stop"),
             (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
         ] {
-            assert_eq!(fields(json).generation(16).unwrap_err().param, Some(param), "{json}");
+            assert_eq!(fields(json).generation(16).unwrap_err().param.as_deref(), Some(param), "{json}");
         }
         let (config, stops) =
             fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#).generation(16).unwrap();
