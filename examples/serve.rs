@@ -40,6 +40,9 @@ struct Args {
     /// Requests waiting beyond those; one more gets a 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
+    /// Tokens a round of the engine runs: one per generating request, then prompt chunks.
+    #[arg(long, default_value_t = NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN))]
+    round_tokens: NonZeroUsize,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -79,7 +82,11 @@ impl BackendTask for Run {
         let tokenizer = checkpoint.tokenizer()?;
         drop(checkpoint);
         let template = ChatTemplate::for_architecture(model.config().model_type);
-        let config = EngineConfig { max_running: args.max_running, max_waiting: args.max_waiting };
+        let config = EngineConfig {
+            max_running: args.max_running,
+            max_waiting: args.max_waiting,
+            round_tokens: args.round_tokens,
+        };
         let engine = Engine::new(model, tokenizer, config)?;
         let model_id = args.model_id.clone().unwrap_or_else(|| {
             self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())

@@ -3,9 +3,10 @@
 //!
 //! Scheduling is continuous: requests join and leave between steps. Up to
 //! [`EngineConfig::max_running`] sequences run at once, each with its own KV cache sized for
-//! its prompt and token budget; each round of the worker admits waiting requests (their prompt
-//! runs through the model, chunked as [`GenerationConfig::prefill_chunk`] says) and then
-//! advances every running sequence by one token. A step runs one sequence at a time (eager
+//! its prompt and token budget; each round of the worker admits waiting requests, advances
+//! every generating sequence by one token, then runs prompt chunks of the newcomers within the
+//! round's token budget ([`EngineConfig::round_tokens`]), so a long prompt does not stall the
+//! others for longer than a chunk. A step runs one sequence at a time (eager
 //! decode, no CUDA graph): the steps over several sequences in one batch, with a paged cache,
 //! are the next part of this module's work, and will not change its API.
 //!
@@ -16,7 +17,7 @@
 
 use crate::{
     error::{BackendError, RequestError},
-    generation::{first_sampled, prefill, Utf8Stream},
+    generation::{first_sampled, prefill, token_tensor, Utf8Stream},
     sampling::Sampler,
     Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
 };
@@ -38,11 +39,20 @@ pub struct EngineConfig {
     pub max_running: NonZeroUsize,
     /// Requests waiting for a place among the running; one more is refused.
     pub max_waiting: usize,
+    /// Tokens a round runs through the model: one per generating sequence, then prompt chunks
+    /// (each [`GenerationConfig::prefill_chunk`] long, the last shorter) while they fit. The
+    /// first prompt chunk waiting runs whatever the budget, so prompts always advance; a long
+    /// prompt delays the generating sequences by at most this many tokens' work per round.
+    pub round_tokens: NonZeroUsize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { max_running: NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN), max_waiting: 256 }
+        Self {
+            max_running: NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN),
+            max_waiting: 256,
+            round_tokens: NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN),
+        }
     }
 }
 
@@ -329,6 +339,18 @@ struct Sequence<B: GemmaBackend> {
     first_token: Option<Duration>,
 }
 
+impl<B: GemmaBackend> Sequence<B> {
+    /// Whether its prompt is still being run (no token sampled yet).
+    fn in_prompt(&self) -> bool {
+        self.generated == 0
+    }
+
+    /// Tokens its next step runs: the next prompt chunk, or the last token.
+    fn next_chunk(&self) -> usize {
+        self.input.len().min(self.submitted.request.generation.prefill_chunk.get())
+    }
+}
+
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
     tokenizer: Arc<Tokenizer>,
@@ -428,35 +450,51 @@ impl<B: GemmaBackend> Worker<B> {
         })
     }
 
-    /// One token for every running sequence; the finished leave.
+    /// One token for every generating sequence, then prompt chunks within the round's budget
+    /// ([`EngineConfig::round_tokens`]); the finished leave.
     fn round(&mut self) {
-        let mut i = 0;
-        while i < self.running.len() {
-            let sequence = &mut self.running[i];
-            let outcome = if sequence.submitted.cancel.load(Ordering::SeqCst) {
-                Ok(Stepped::Finished(StopReason::Interrupted))
-            } else {
-                step(&self.model, &self.tokenizer, sequence, &self.metrics)
-            };
-            match outcome {
-                Ok(Stepped::Continue) => i += 1,
-                Ok(Stepped::Finished(reason)) => {
-                    let sequence = self.running.swap_remove(i);
-                    self.retire(&sequence);
-                    self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
-                    let finish = Finish {
-                        reason,
-                        prompt_tokens: sequence.submitted.request.input.len(),
-                        generated_tokens: sequence.generated,
-                        time_to_first_token: sequence.first_token,
-                    };
-                    let _ = sequence.submitted.events.send(Ok(Event::Done(finish)));
+        let mut budget = self.config.round_tokens.get();
+        for prompts in [false, true] {
+            let mut chunk_ran = false;
+            let mut i = 0;
+            while i < self.running.len() {
+                let sequence = &mut self.running[i];
+                if sequence.in_prompt() != prompts {
+                    i += 1;
+                    continue;
                 }
-                Err(e) => {
-                    let sequence = self.running.swap_remove(i);
-                    self.retire(&sequence);
-                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                    let _ = sequence.submitted.events.send(Err(EngineError::Generation(e)));
+                let tokens = sequence.next_chunk();
+                if prompts && chunk_ran && tokens > budget {
+                    i += 1;
+                    continue;
+                }
+                budget = budget.saturating_sub(tokens);
+                chunk_ran |= prompts;
+                let outcome = if sequence.submitted.cancel.load(Ordering::SeqCst) {
+                    Ok(Stepped::Finished(StopReason::Interrupted))
+                } else {
+                    step(&self.model, &self.tokenizer, sequence, &self.metrics)
+                };
+                match outcome {
+                    Ok(Stepped::Continue) => i += 1,
+                    Ok(Stepped::Finished(reason)) => {
+                        let sequence = self.running.remove(i);
+                        self.retire(&sequence);
+                        self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+                        let finish = Finish {
+                            reason,
+                            prompt_tokens: sequence.submitted.request.input.len(),
+                            generated_tokens: sequence.generated,
+                            time_to_first_token: sequence.first_token,
+                        };
+                        let _ = sequence.submitted.events.send(Ok(Event::Done(finish)));
+                    }
+                    Err(e) => {
+                        let sequence = self.running.remove(i);
+                        self.retire(&sequence);
+                        self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                        let _ = sequence.submitted.events.send(Err(EngineError::Generation(e)));
+                    }
                 }
             }
         }
@@ -500,6 +538,15 @@ fn step<B: GemmaBackend>(
 ) -> Result<Stepped, Error> {
     let generation = &sequence.submitted.request.generation;
     let device = model.device();
+    let chunk = sequence.next_chunk();
+    if chunk < sequence.input.len() {
+        // A prompt chunk before its last: fills the cache, samples nothing (the chunks fall
+        // where the plain generator's do, so the cache holds the same values).
+        let filling: Vec<u32> = sequence.input.drain(..chunk).collect();
+        model.forward_last(token_tensor(&filling, &device), &mut sequence.cache)?;
+        sequence.context.extend_from_slice(&filling);
+        return Ok(Stepped::Continue);
+    }
     let logits = prefill(model, &mut sequence.cache, &sequence.input, generation.prefill_chunk, &device)?;
     sequence.context.extend_from_slice(&sequence.input);
     let draws = sequence.sampler.draws(1);

@@ -26,7 +26,7 @@ fn input(fixture: &str) -> Vec<u32> {
 
 /// Requests of mixed prompt lengths, token budgets and sampling: greedy, and seeded sampling
 /// with temperature, top-k and top-p. Budgets of 50 and more pass the fixtures' sliding windows.
-fn requests(input: &[u32]) -> Vec<Request> {
+fn requests(input: &[u32], prefill_chunk: NonZeroUsize) -> Vec<Request> {
     let cases: [(usize, usize, Option<u64>); 7] = [
         (3, 20, None),
         (40, 9, Some(7)),
@@ -51,7 +51,8 @@ fn requests(input: &[u32]) -> Vec<Request> {
             };
             // Stop tokens: none beyond the model's, so that each runs its whole budget unless the
             // model ends it.
-            let generation = GenerationConfig { max_new_tokens: new, sampling, ..GenerationConfig::default() };
+            let generation =
+                GenerationConfig { max_new_tokens: new, sampling, prefill_chunk, ..GenerationConfig::default() };
             Request { input: input[..prompt].to_vec(), generation }
         })
         .collect()
@@ -94,13 +95,19 @@ fn collect(stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) 
     collect_after(0, stream)
 }
 
-#[test]
-fn many_requests_at_once_match_each_alone() {
+/// Seven requests through an engine running three at once against each alone, with
+/// `prefill_chunk` and the engine's `round_tokens`.
+fn many_requests_match_alone(prefill_chunk: usize, round_tokens: usize) {
+    let prefill_chunk = NonZeroUsize::new(prefill_chunk).unwrap();
     for fixture in FIXTURES {
-        let requests = requests(&input(fixture));
+        let requests = requests(&input(fixture), prefill_chunk);
         let expected = alone(fixture, &requests);
         // Three run at once, so four wait and join as others leave.
-        let config = EngineConfig { max_running: NonZeroUsize::new(3).unwrap(), max_waiting: 16 };
+        let config = EngineConfig {
+            max_running: NonZeroUsize::new(3).unwrap(),
+            max_waiting: 16,
+            round_tokens: NonZeroUsize::new(round_tokens).unwrap(),
+        };
         let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
         let got: Vec<(Vec<u32>, StopReason)> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
@@ -132,6 +139,18 @@ fn many_requests_at_once_match_each_alone() {
         assert_eq!(metrics.requests_finished.load(std::sync::atomic::Ordering::SeqCst), requests.len() as u64);
         engine.shutdown();
     }
+}
+
+#[test]
+fn many_requests_at_once_match_each_alone() {
+    many_requests_match_alone(2048, 2048);
+}
+
+/// Prompts in chunks of 7 under a budget of 9 tokens a round: prompts advance a chunk or so per
+/// round between the others' tokens, and every request still gets its tokens alone.
+#[test]
+fn prompt_chunks_interleaved_with_generation_match_each_alone() {
+    many_requests_match_alone(7, 9);
 }
 
 #[test]
@@ -177,7 +196,7 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
 #[test]
 fn a_full_queue_refuses_and_cancelled_requests_leave() {
     let fixture = FIXTURES[1];
-    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 2 };
+    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 2, ..EngineConfig::default() };
     let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
     let long = Request {
         input: input(fixture)[..4].to_vec(),
@@ -211,7 +230,7 @@ fn a_full_queue_refuses_and_cancelled_requests_leave() {
 #[test]
 fn shutdown_lets_running_and_waiting_requests_finish() {
     let fixture = FIXTURES[0];
-    let config = EngineConfig { max_running: NonZeroUsize::new(2).unwrap(), max_waiting: 8 };
+    let config = EngineConfig { max_running: NonZeroUsize::new(2).unwrap(), max_waiting: 8, ..EngineConfig::default() };
     let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
     let streams: Vec<_> = (0..5)
         .map(|i| {

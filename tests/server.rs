@@ -220,7 +220,7 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_gets_429_and_a_gone_client_frees_its_place() {
-    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 1 };
+    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 1, ..EngineConfig::default() };
     let running = start(config).await;
     let long = json!({ "prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0, "stream": true });
     // The first runs (its first event is out), the second waits, the third is refused.
@@ -258,7 +258,8 @@ async fn a_full_queue_gets_429_and_a_gone_client_frees_its_place() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn two_hundred_requests_at_32_concurrent_are_all_answered_once() {
-    let config = EngineConfig { max_running: NonZeroUsize::new(8).unwrap(), max_waiting: 256 };
+    let config =
+        EngineConfig { max_running: NonZeroUsize::new(8).unwrap(), max_waiting: 256, ..EngineConfig::default() };
     let running = Arc::new(start(config).await);
     let prompts: Vec<String> = (0..10).map(|i| format!("Request number {i}: tell me")).collect();
     let expected: Vec<String> = prompts.iter().map(|p| alone(&ChatTemplate::Gemma.user_turn(p), 6)).collect();
