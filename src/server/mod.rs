@@ -199,6 +199,15 @@ fn drive(started: &Started, mut emit: impl FnMut(&str) -> bool) -> Result<Outcom
     })
 }
 
+/// Sets a request's cancel flag when dropped.
+struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Which endpoint a request came to, for the shapes of its responses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -241,6 +250,8 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stre
     let created = now();
     if !stream {
         let head = (started.id.clone(), started.model.clone(), started.prompt_tokens);
+        // A client that goes away drops this future: the guard then cancels its request.
+        let _guard = CancelOnDrop(started.stream.cancel_flag());
         let result = tokio::task::spawn_blocking(move || {
             let mut text = String::new();
             drive(&started, |piece| {
