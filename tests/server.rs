@@ -12,7 +12,7 @@ use burn_gemma::{
     chat::ChatTemplate,
     engine::{Engine, EngineConfig},
     server::{Server, ServerConfig},
-    Checkpoint, Gemma, GenerationConfig, Generator, LoadOptions,
+    Checkpoint, Gemma, GenerationConfig, Generator, LoadOptions, SamplingConfig,
 };
 use serde_json::{json, Value};
 use std::{collections::HashSet, num::NonZeroUsize, sync::atomic::Ordering, sync::Arc};
@@ -26,8 +26,13 @@ fn model() -> Gemma<NdArray> {
 
 /// What the plain generator answers to `prompt` greedily in `max_new_tokens`.
 fn alone(prompt: &str, max_new_tokens: usize) -> String {
+    alone_sampled(prompt, max_new_tokens, SamplingConfig::default())
+}
+
+/// What the plain generator answers to `prompt` with `sampling`.
+fn alone_sampled(prompt: &str, max_new_tokens: usize, sampling: SamplingConfig) -> String {
     let mut generator = Generator::new(model(), common::tiny_tokenizer()).expect("generator");
-    let config = GenerationConfig { max_new_tokens, ..GenerationConfig::default() };
+    let config = GenerationConfig { max_new_tokens, sampling, ..GenerationConfig::default() };
     generator.generate(prompt, &config, |_| {}).expect("generate").text
 }
 
@@ -77,15 +82,23 @@ impl Running {
     }
 }
 
-/// The text of a streamed response: its events' pieces joined, and the finish reason of the last.
+/// The text of a streamed response's first choice: its events' pieces joined, and its finish
+/// reason.
 fn streamed(body: &str, chat: bool) -> (String, String) {
+    streamed_choice(body, chat, 0)
+}
+
+/// The text and finish reason of choice `index` of a streamed response.
+fn streamed_choice(body: &str, chat: bool, index: u64) -> (String, String) {
     let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(events.last(), Some(&"[DONE]"), "the stream does not end with [DONE]: {body}");
     let mut text = String::new();
     let mut finish = String::new();
     for event in &events[..events.len() - 1] {
         let chunk: Value = serde_json::from_str(event).expect("chunk JSON");
-        let choice = &chunk["choices"][0];
+        let Some(choice) = chunk["choices"].as_array().and_then(|c| c.iter().find(|c| c["index"] == index)) else {
+            continue;
+        };
         let piece = if chat { &choice["delta"]["content"] } else { &choice["text"] };
         text.push_str(piece.as_str().unwrap_or(""));
         if let Some(f) = choice["finish_reason"].as_str() {
@@ -138,6 +151,25 @@ async fn answers_as_the_generator_does_streamed_or_not() {
     let (_, text) = running.post("/v1/chat/completions", &streaming).await;
     assert_eq!(streamed(&text, true).0, expected);
 
+    // Three choices, sampled with seeds 5, 6 and 7: each is the generator's answer with its seed.
+    let sampled = |seed| SamplingConfig { temperature: 0.9, top_k: Some(40), seed, ..SamplingConfig::default() };
+    let expected: Vec<String> = (5..8).map(|seed| alone_sampled(prompt, 10, sampled(seed))).collect();
+    assert!(expected.iter().collect::<HashSet<_>>().len() > 1, "the seeds gave one answer: {expected:?}");
+    let body = json!({ "prompt": prompt, "max_tokens": 10, "temperature": 0.9, "top_k": 40, "seed": 5, "n": 3 });
+    let (status, text) = running.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    for (i, e) in expected.iter().enumerate() {
+        assert_eq!(answer["choices"][i]["index"], i);
+        assert_eq!(answer["choices"][i]["text"], e.as_str(), "choice {i}");
+    }
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (_, text) = running.post("/v1/completions", &streaming).await;
+    for (i, e) in expected.iter().enumerate() {
+        assert_eq!(&streamed_choice(&text, false, i as u64).0, e, "streamed choice {i}");
+    }
+
     // A stop string cuts the answer before it.
     let full = alone(prompt, 12);
     let cut = full.char_indices().nth(full.chars().count() / 2).map(|(i, _)| i).unwrap();
@@ -189,7 +221,7 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
         ),
         ("/v1/chat/completions", json!({ "messages": user, "temperature": 5 }), Some("temperature"), "outside [0, 2]"),
         ("/v1/chat/completions", json!({ "messages": user, "max_tokens": 0 }), Some("max_tokens"), "at least 1"),
-        ("/v1/chat/completions", json!({ "messages": user, "n": 3 }), Some("n"), "one choice"),
+        ("/v1/chat/completions", json!({ "messages": user, "n": 9 }), Some("n"), "from 1 to 8 choices"),
         ("/v1/chat/completions", json!({ "messages": user, "top_p": 1.5 }), Some("top_p"), "outside (0, 1]"),
         ("/v1/completions", json!({ "prompt": "" }), Some("prompt"), "prompt is empty"),
         ("/v1/completions", json!({ "prompt": 7 }), Some("prompt"), "prompt: invalid type"),

@@ -130,9 +130,10 @@ fn refused(e: EngineError, input: &'static str) -> ApiError {
     }
 }
 
-/// One request on its way: what the two endpoints share.
+/// One request on its way, with its choices (one engine request each): what the two
+/// endpoints share.
 struct Started {
-    stream: RequestStream,
+    streams: Vec<RequestStream>,
     stops: Vec<String>,
     prompt_tokens: usize,
     id: String,
@@ -150,8 +151,14 @@ fn start(
     let ids =
         server.engine.tokenizer().encode(prompt, Bos::Prepend).map_err(|e| ApiError::invalid(input, e.to_string()))?;
     let prompt_tokens = ids.len();
-    let stream = server.engine.submit(Request { input: ids, generation }).map_err(|e| refused(e, input))?;
-    Ok(Started { stream, stops, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
+    let mut streams = Vec::new();
+    for index in 0..fields.choices() {
+        let mut generation = generation.clone();
+        generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
+        // On a refusal the choices already queued are cancelled as their streams drop.
+        streams.push(server.engine.submit(Request { input: ids.clone(), generation }).map_err(|e| refused(e, input))?);
+    }
+    Ok(Started { streams, stops, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
 }
 
 /// How a generation went.
@@ -160,21 +167,21 @@ struct Outcome {
     completion_tokens: usize,
 }
 
-/// Runs a request to its end on this (blocking) thread, handing each piece of text to `emit`
+/// Runs one choice to its end on this (blocking) thread, handing each piece of text to `emit`
 /// (which says whether the client still listens); a stop string ends it there.
-fn drive(started: &Started, mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
-    let mut stops = StopText::new(started.stops.clone());
+fn drive(stream: &RequestStream, stops: &[String], mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
+    let mut stops = StopText::new(stops.to_vec());
     let mut completion_tokens = 0;
-    for event in started.stream.events() {
+    for event in stream.events() {
         match event {
             Ok(Event::Token(token)) => {
                 completion_tokens += 1;
                 let pushed = stops.push(&token.text);
                 if !pushed.text.is_empty() && !emit(&pushed.text) {
-                    started.stream.cancel();
+                    stream.cancel();
                 }
                 if pushed.stopped {
-                    started.stream.cancel();
+                    stream.cancel();
                     return Ok(Outcome { finish_reason: FinishReason::Stop, completion_tokens });
                 }
             }
@@ -225,13 +232,19 @@ impl Endpoint {
     }
 
     /// A choice carrying `text` (a whole answer, or a streamed piece).
-    fn choice(self, text: Option<&str>, finish: Option<FinishReason>, streamed: bool) -> serde_json::Value {
+    fn choice(
+        self,
+        index: usize,
+        text: Option<&str>,
+        finish: Option<FinishReason>,
+        streamed: bool,
+    ) -> serde_json::Value {
         match (self, streamed) {
             (Self::Completions, _) => {
-                json!({ "index": 0, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null })
+                json!({ "index": index, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null })
             }
             (Self::Chat, false) => json!({
-                "index": 0,
+                "index": index,
                 "message": { "role": "assistant", "content": text.unwrap_or("") },
                 "finish_reason": finish,
             }),
@@ -240,80 +253,103 @@ impl Endpoint {
                     Some(t) => json!({ "content": t }),
                     None => json!({}),
                 };
-                json!({ "index": 0, "delta": delta, "finish_reason": finish })
+                json!({ "index": index, "delta": delta, "finish_reason": finish })
             }
         }
     }
 }
 
+fn join_error(e: tokio::task::JoinError) -> ApiError {
+    ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
+}
+
 async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stream: bool) -> Response {
     let created = now();
+    let Started { streams, stops, prompt_tokens, id, model } = started;
+    let stops = Arc::new(stops);
     if !stream {
-        let head = (started.id.clone(), started.model.clone(), started.prompt_tokens);
-        // A client that goes away drops this future: the guard then cancels its request.
-        let _guard = CancelOnDrop(started.stream.cancel_flag());
-        let result = tokio::task::spawn_blocking(move || {
-            let mut text = String::new();
-            drive(&started, |piece| {
-                text.push_str(piece);
-                true
+        // A client that goes away drops this future: the guards then cancel its choices.
+        let _guards: Vec<CancelOnDrop> = streams.iter().map(|s| CancelOnDrop(s.cancel_flag())).collect();
+        let choices: Vec<_> = streams
+            .into_iter()
+            .map(|stream| {
+                let stops = Arc::clone(&stops);
+                tokio::task::spawn_blocking(move || {
+                    let mut text = String::new();
+                    drive(&stream, &stops, |piece| {
+                        text.push_str(piece);
+                        true
+                    })
+                    .map(|outcome| (text, outcome))
+                })
             })
-            .map(|outcome| (text, outcome))
-        })
-        .await;
-        let (text, outcome) = match result {
-            Ok(Ok(done)) => done,
-            Ok(Err(e)) => return e.into_response(),
-            Err(e) => {
-                return ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
-                    .into_response()
-            }
-        };
-        let (id, model, prompt_tokens) = head;
+            .collect();
+        let mut body = Vec::new();
+        let mut completion_tokens = 0;
+        for (index, choice) in choices.into_iter().enumerate() {
+            let (text, outcome) = match choice.await.map_err(join_error) {
+                Ok(Ok(done)) => done,
+                Ok(Err(e)) | Err(e) => return e.into_response(),
+            };
+            completion_tokens += outcome.completion_tokens;
+            body.push(endpoint.choice(index, Some(&text), Some(outcome.finish_reason), false));
+        }
         drop(server);
         return Json(json!({
             "id": id,
             "object": endpoint.object(false),
             "created": created,
             "model": model,
-            "choices": [endpoint.choice(Some(&text), Some(outcome.finish_reason), false)],
-            "usage": Usage::new(prompt_tokens, outcome.completion_tokens),
+            "choices": body,
+            "usage": Usage::new(prompt_tokens, completion_tokens),
         }))
         .into_response();
     }
     let (sender, receiver) = tokio::sync::mpsc::channel::<SseEvent>(64);
-    tokio::task::spawn_blocking(move || {
-        let chunk = |choice: serde_json::Value, usage: Option<Usage>| {
-            let mut body = json!({
-                "id": started.id,
-                "object": endpoint.object(true),
-                "created": created,
-                "model": started.model,
-                "choices": [choice],
-            });
-            if let Some(usage) = usage {
-                body["usage"] = json!(usage);
-            }
-            SseEvent::default().data(body.to_string())
-        };
-        if endpoint == Endpoint::Chat {
-            let role = json!({ "index": 0, "delta": { "role": "assistant", "content": "" }, "finish_reason": null });
-            if sender.blocking_send(chunk(role, None)).is_err() {
-                return;
-            }
-        }
-        let outcome = drive(&started, |piece| {
-            sender.blocking_send(chunk(endpoint.choice(Some(piece), None, true), None)).is_ok()
+    let chunk = Arc::new(move |choices: serde_json::Value, usage: Option<Usage>| {
+        let mut body = json!({
+            "id": id,
+            "object": endpoint.object(true),
+            "created": created,
+            "model": model,
+            "choices": choices,
         });
-        let last = match outcome {
-            Ok(o) => chunk(
-                endpoint.choice(None, Some(o.finish_reason), true),
-                Some(Usage::new(started.prompt_tokens, o.completion_tokens)),
-            ),
-            Err(e) => SseEvent::default().data(e.body().to_string()),
-        };
-        let _ = sender.blocking_send(last);
-        let _ = sender.blocking_send(SseEvent::default().data("[DONE]"));
+        if let Some(usage) = usage {
+            body["usage"] = json!(usage);
+        }
+        SseEvent::default().data(body.to_string())
+    });
+    let choices: Vec<_> = streams
+        .into_iter()
+        .enumerate()
+        .map(|(index, stream)| {
+            let (sender, stops, chunk) = (sender.clone(), Arc::clone(&stops), Arc::clone(&chunk));
+            tokio::task::spawn_blocking(move || {
+                if endpoint == Endpoint::Chat {
+                    let role = json!({ "index": index, "delta": { "role": "assistant", "content": "" }, "finish_reason": null });
+                    if sender.blocking_send(chunk(json!([role]), None)).is_err() {
+                        stream.cancel();
+                    }
+                }
+                let outcome = drive(&stream, &stops, |piece| {
+                    sender.blocking_send(chunk(json!([endpoint.choice(index, Some(piece), None, true)]), None)).is_ok()
+                });
+                let last = match &outcome {
+                    Ok(o) => chunk(json!([endpoint.choice(index, None, Some(o.finish_reason), true)]), None),
+                    Err(e) => SseEvent::default().data(e.body().to_string()),
+                };
+                let _ = sender.blocking_send(last);
+                outcome.map(|o| o.completion_tokens).unwrap_or(0)
+            })
+        })
+        .collect();
+    tokio::spawn(async move {
+        let mut completion_tokens = 0;
+        for choice in choices {
+            completion_tokens += choice.await.unwrap_or(0);
+        }
+        let _ = sender.send(chunk(json!([]), Some(Usage::new(prompt_tokens, completion_tokens)))).await;
+        let _ = sender.send(SseEvent::default().data("[DONE]")).await;
         drop(server);
     });
     let events = tokio_stream::wrappers::ReceiverStream::new(receiver);

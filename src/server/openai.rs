@@ -81,11 +81,20 @@ pub struct RequestBody {
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
 
+/// Most choices (`n`) a request may ask for: each is a request of the engine, with seed
+/// `seed + index`.
+pub const MAX_CHOICES: usize = 8;
+
 impl RequestBody {
+    /// Choices asked for (`n`, default 1).
+    pub fn choices(&self) -> usize {
+        self.n.unwrap_or(1)
+    }
+
     /// The generation settings, checked; `default_max_tokens` where the request gives none.
     pub fn generation(&self, default_max_tokens: usize) -> Result<(GenerationConfig, Vec<String>), ApiError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid("n", format!("n = {n}: one choice per request is supported")));
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
+            return Err(ApiError::invalid("n", format!("n = {n}: from 1 to {MAX_CHOICES} choices per request")));
         }
         for (param, value) in
             [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
@@ -271,7 +280,8 @@ mod tests {
             (r#"{"top_p": 0}"#, "top_p"),
             (r#"{"top_k": 0}"#, "top_k"),
             (r#"{"min_p": 2}"#, "min_p"),
-            (r#"{"n": 2}"#, "n"),
+            (r#"{"n": 9}"#, "n"),
+            (r#"{"n": 0}"#, "n"),
             (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
             (r#"{"stop": ""}"#, "stop"),
             (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
