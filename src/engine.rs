@@ -256,12 +256,14 @@ impl Engine {
             return Err(EngineError::ShutDown);
         }
         check(&request, self.vocab, self.max_context)?;
-        let waiting = self.metrics.waiting.load(Ordering::SeqCst);
-        if waiting >= self.config.max_waiting {
+        // Checked and counted in one step, so that racing submits cannot both take the last place.
+        let max = self.config.max_waiting;
+        let counted =
+            self.metrics.waiting.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| (w < max).then_some(w + 1));
+        if let Err(waiting) = counted {
             self.metrics.requests_refused.fetch_add(1, Ordering::Relaxed);
             return Err(EngineError::QueueFull { waiting });
         }
-        self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
         let (events, receiver) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let submitted = Submitted { request, events, cancel: Arc::clone(&cancel), submitted: Instant::now() };
@@ -473,7 +475,18 @@ impl<B: GemmaBackend> Worker<B> {
                 let outcome = if sequence.submitted.cancel.load(Ordering::SeqCst) {
                     Ok(Stepped::Finished(StopReason::Interrupted))
                 } else {
-                    step(&self.model, &self.tokenizer, sequence, &self.metrics)
+                    // A panic in the backend (the GPU runtimes panic on some device failures)
+                    // ends this request with an error; the others keep their own caches.
+                    let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, tokenizer, sequence, metrics)))
+                        .unwrap_or_else(|panic| {
+                            let message = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a panic without a message".into());
+                            Err(BackendError::Panicked { what: "a generation step", message }.into())
+                        })
                 };
                 match outcome {
                     Ok(Stepped::Continue) => i += 1,

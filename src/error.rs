@@ -182,6 +182,9 @@ pub enum BackendError {
     /// Reading a result back from the device failed.
     #[error("reading {what} back from the device failed: {reason}")]
     ReadBack { what: &'static str, reason: String },
+    /// The backend panicked during an operation (caught where it would end other work).
+    #[error("the backend panicked during {what}: {message}")]
+    Panicked { what: &'static str, message: String },
     /// The operating system refused a worker thread.
     #[error("cannot start the {what} thread: {reason}")]
     Thread { what: &'static str, reason: String },
