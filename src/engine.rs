@@ -19,6 +19,7 @@ use crate::{
     error::{BackendError, RequestError},
     generation::{first_sampled, prefill, token_tensor, Utf8Stream},
     sampling::Sampler,
+    stop_text::StopText,
     Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
 };
 use std::{
@@ -64,6 +65,16 @@ pub struct Request {
     /// Most tokens to generate, how to choose them and extra stop tokens; its CUDA-graph
     /// setting is not used (see the module's docs).
     pub generation: GenerationConfig,
+    /// Texts that end generation where they appear (cut before them): the text that could
+    /// still begin one is held back from the token events until it cannot.
+    pub stop_strings: Vec<String>,
+}
+
+impl Request {
+    /// A request for `input` continued as `generation` says, without stop strings.
+    pub fn new(input: Vec<u32>, generation: GenerationConfig) -> Self {
+        Self { input, generation, stop_strings: Vec::new() }
+    }
 }
 
 /// What a request's stream yields.
@@ -79,6 +90,9 @@ pub enum Event {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finish {
     pub reason: StopReason,
+    /// Text held back at the end (it could have begun a stop string, or was an unfinished
+    /// character), to append after the last token's.
+    pub text: String,
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     /// From submission to the first token (waiting included).
@@ -311,6 +325,9 @@ fn check(request: &Request, vocab: usize, max_context: usize) -> Result<(), Erro
     if let Some(&id) = request.input.iter().find(|&&t| t as usize >= vocab) {
         return Err(RequestError::TokenOutOfVocabulary { id, vocab }.into());
     }
+    if let Some(index) = request.stop_strings.iter().position(String::is_empty) {
+        return Err(RequestError::EmptyStopString { index }.into());
+    }
     generation.sampling.validate()?;
     let needed = request.input.len() + generation.max_new_tokens;
     if request.input.len() + 1 > max_context {
@@ -338,6 +355,7 @@ struct Sequence<B: GemmaBackend> {
     stops: Vec<u32>,
     generated: usize,
     utf8: Utf8Stream,
+    stop_text: StopText,
     first_token: Option<Duration>,
 }
 
@@ -447,6 +465,7 @@ impl<B: GemmaBackend> Worker<B> {
             stops,
             generated: 0,
             utf8: Utf8Stream::default(),
+            stop_text: StopText::new(submitted.request.stop_strings.clone()),
             first_token: None,
             submitted,
         })
@@ -491,11 +510,16 @@ impl<B: GemmaBackend> Worker<B> {
                 match outcome {
                     Ok(Stepped::Continue) => i += 1,
                     Ok(Stepped::Finished(reason)) => {
-                        let sequence = self.running.remove(i);
+                        let mut sequence = self.running.remove(i);
                         self.retire(&sequence);
                         self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+                        let text = match reason {
+                            StopReason::StopString(_) => String::new(),
+                            _ => sequence.utf8.finish() + &sequence.stop_text.finish(),
+                        };
                         let finish = Finish {
                             reason,
+                            text,
                             prompt_tokens: sequence.submitted.request.input.len(),
                             generated_tokens: sequence.generated,
                             time_to_first_token: sequence.first_token,
@@ -522,6 +546,7 @@ impl<B: GemmaBackend> Worker<B> {
         self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
         let finish = Finish {
             reason: StopReason::Interrupted,
+            text: String::new(),
             prompt_tokens: submitted.request.input.len(),
             generated_tokens: 0,
             time_to_first_token: None,
@@ -578,9 +603,13 @@ fn step<B: GemmaBackend>(
         return Ok(Stepped::Finished(StopReason::StopToken(token)));
     }
     let text = sequence.utf8.push(tokenizer.token_bytes(token));
-    if sequence.submitted.events.send(Ok(Event::Token(Token { id: token, text }))).is_err() {
+    let pushed = sequence.stop_text.push(&text);
+    if sequence.submitted.events.send(Ok(Event::Token(Token { id: token, text: pushed.text }))).is_err() {
         // Nobody listens any more.
         return Ok(Stepped::Finished(StopReason::Interrupted));
+    }
+    if let Some(index) = pushed.stopped {
+        return Ok(Stepped::Finished(StopReason::StopString(index)));
     }
     if sequence.generated >= generation.max_new_tokens {
         return Ok(Stepped::Finished(StopReason::MaxTokens));

@@ -132,6 +132,8 @@ pub enum RequestError {
     NoNewTokens,
     #[error("no input tokens")]
     NoInput,
+    #[error("stop string {index} is empty")]
+    EmptyStopString { index: usize },
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfVocabulary { id: u32, vocab: usize },
     #[error(

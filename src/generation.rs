@@ -63,6 +63,9 @@ impl Default for GenerationConfig {
 pub enum StopReason {
     /// A stop token was generated (it is included in the tokens, not in the text).
     StopToken(u32),
+    /// The text reached the stop string of this index (an engine [`crate::engine::Request`]'s
+    /// `stop_strings`); it and what follows are not in the text.
+    StopString(usize),
     /// `max_new_tokens` were generated.
     MaxTokens,
     /// The model's context is full.

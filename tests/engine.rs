@@ -53,7 +53,7 @@ fn requests(input: &[u32], prefill_chunk: NonZeroUsize) -> Vec<Request> {
             // model ends it.
             let generation =
                 GenerationConfig { max_new_tokens: new, sampling, prefill_chunk, ..GenerationConfig::default() };
-            Request { input: input[..prompt].to_vec(), generation }
+            Request::new(input[..prompt].to_vec(), generation)
         })
         .collect()
 }
@@ -153,16 +153,53 @@ fn prompt_chunks_interleaved_with_generation_match_each_alone() {
     many_requests_match_alone(7, 9);
 }
 
+/// A stop string cuts a request's text before it: the token events and the finish's held text
+/// join to the plain generator's text up to the stop, and the request ends there.
+#[test]
+fn stop_strings_cut_the_text_where_they_appear() {
+    for fixture in FIXTURES {
+        let generation = GenerationConfig { max_new_tokens: 30, ..Default::default() };
+        let prompt = input(fixture)[..6].to_vec();
+        let mut generator = Generator::new(model(fixture), common::tiny_tokenizer()).expect("generator");
+        let mut stream = generator.stream_ids(&prompt, &generation).expect("request");
+        stream.by_ref().for_each(|t| drop(t.expect("token")));
+        let whole = stream.finish().text;
+        let chars: Vec<char> = whole.chars().collect();
+        assert!(chars.len() >= 8, "{fixture}: too little text to cut: {whole:?}");
+        let engine = Engine::new(model(fixture), common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
+        // A stop from the middle of the text (its first appearance may come earlier), and one
+        // that never appears.
+        let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+        let expected = &whole[..whole.find(&stop).expect("the stop is in the text")];
+        let request = Request {
+            stop_strings: vec!["never there \u{1}".into(), stop.clone()],
+            ..Request::new(prompt, generation)
+        };
+        let mut text = String::new();
+        let mut finish = None;
+        for event in engine.submit(request).expect("submit") {
+            match event.expect("event") {
+                Event::Token(t) => text.push_str(&t.text),
+                Event::Done(f) => {
+                    text.push_str(&f.text);
+                    finish = Some(f);
+                }
+            }
+        }
+        assert_eq!(text, expected, "{fixture}: stop {stop:?} in {whole:?}");
+        assert_eq!(finish.expect("a Done event").reason, StopReason::StopString(1), "{fixture}");
+        engine.shutdown();
+    }
+}
+
 #[test]
 fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
     let fixture = FIXTURES[0];
     let engine = Engine::new(model(fixture), common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
-    let good = Request {
-        input: input(fixture)[..5].to_vec(),
-        generation: GenerationConfig { max_new_tokens: 4, ..Default::default() },
-    };
+    let good = Request::new(input(fixture)[..5].to_vec(), GenerationConfig { max_new_tokens: 4, ..Default::default() });
     let cases: Vec<(Request, &str)> = vec![
         (Request { input: vec![], ..good.clone() }, "no input tokens"),
+        (Request { stop_strings: vec!["a".into(), String::new()], ..good.clone() }, "stop string 1 is empty"),
         (Request { input: vec![2, 600_000], ..good.clone() }, "token id 600000 is outside the vocabulary"),
         (
             Request { generation: GenerationConfig { max_new_tokens: 0, ..good.generation.clone() }, ..good.clone() },
@@ -198,10 +235,8 @@ fn a_full_queue_refuses_and_cancelled_requests_leave() {
     let fixture = FIXTURES[1];
     let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 2, ..EngineConfig::default() };
     let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
-    let long = Request {
-        input: input(fixture)[..4].to_vec(),
-        generation: GenerationConfig { max_new_tokens: 10_000, ..Default::default() },
-    };
+    let long =
+        Request::new(input(fixture)[..4].to_vec(), GenerationConfig { max_new_tokens: 10_000, ..Default::default() });
     let first = engine.submit(long.clone()).expect("first");
     // Running once its first token is out: the next two wait, the fourth finds the queue full.
     assert!(matches!(first.next_event(), Some(Ok(Event::Token(_)))));
@@ -235,7 +270,7 @@ fn shutdown_lets_running_and_waiting_requests_finish() {
     let streams: Vec<_> = (0..5)
         .map(|i| {
             let generation = GenerationConfig { max_new_tokens: 6 + i, ..Default::default() };
-            engine.submit(Request { input: input(fixture)[..3 + i].to_vec(), generation }).expect("submit")
+            engine.submit(Request::new(input(fixture)[..3 + i].to_vec(), generation)).expect("submit")
         })
         .collect();
     engine.shutdown();

@@ -10,7 +10,6 @@
 
 mod metrics;
 pub mod openai;
-pub mod stop_text;
 
 use crate::{
     chat::ChatTemplate,
@@ -36,7 +35,6 @@ use std::{
     sync::{atomic::AtomicU64, Arc},
     time::{Instant, SystemTime, UNIX_EPOCH},
 };
-use stop_text::StopText;
 
 /// What the server is told at start.
 #[derive(Debug, Clone)]
@@ -134,7 +132,6 @@ fn refused(e: EngineError, input: &'static str) -> ApiError {
 /// endpoints share.
 struct Started {
     streams: Vec<RequestStream>,
-    stops: Vec<String>,
     prompt_tokens: usize,
     id: String,
     model: String,
@@ -156,9 +153,10 @@ fn start(
         let mut generation = generation.clone();
         generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
         // On a refusal the choices already queued are cancelled as their streams drop.
-        streams.push(server.engine.submit(Request { input: ids.clone(), generation }).map_err(|e| refused(e, input))?);
+        let request = Request { input: ids.clone(), generation, stop_strings: stops.clone() };
+        streams.push(server.engine.submit(request).map_err(|e| refused(e, input))?);
     }
-    Ok(Started { streams, stops, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
+    Ok(Started { streams, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
 }
 
 /// How a generation went.
@@ -168,33 +166,30 @@ struct Outcome {
 }
 
 /// Runs one choice to its end on this (blocking) thread, handing each piece of text to `emit`
-/// (which says whether the client still listens); a stop string ends it there.
-fn drive(stream: &RequestStream, stops: &[String], mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
-    let mut stops = StopText::new(stops.to_vec());
+/// (which says whether the client still listens; the engine holds back text that could begin
+/// a stop string, and ends the request at one).
+fn drive(stream: &RequestStream, mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
     let mut completion_tokens = 0;
     for event in stream.events() {
         match event {
             Ok(Event::Token(token)) => {
                 completion_tokens += 1;
-                let pushed = stops.push(&token.text);
-                if !pushed.text.is_empty() && !emit(&pushed.text) {
+                if !token.text.is_empty() && !emit(&token.text) {
                     stream.cancel();
-                }
-                if pushed.stopped {
-                    stream.cancel();
-                    return Ok(Outcome { finish_reason: FinishReason::Stop, completion_tokens });
                 }
             }
             Ok(Event::Done(finish)) => {
-                let rest = stops.finish();
-                if !rest.is_empty() {
-                    emit(&rest);
+                if !finish.text.is_empty() {
+                    emit(&finish.text);
                 }
                 let finish_reason = match finish.reason {
                     StopReason::MaxTokens | StopReason::ContextFull => FinishReason::Length,
                     _ => FinishReason::Stop,
                 };
-                return Ok(Outcome { finish_reason, completion_tokens });
+                return Ok(Outcome {
+                    finish_reason,
+                    completion_tokens: finish.generated_tokens.max(completion_tokens),
+                });
             }
             Err(e) => return Err(refused(e, "prompt")),
         }
@@ -265,18 +260,16 @@ fn join_error(e: tokio::task::JoinError) -> ApiError {
 
 async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stream: bool) -> Response {
     let created = now();
-    let Started { streams, stops, prompt_tokens, id, model } = started;
-    let stops = Arc::new(stops);
+    let Started { streams, prompt_tokens, id, model } = started;
     if !stream {
         // A client that goes away drops this future: the guards then cancel its choices.
         let _guards: Vec<CancelOnDrop> = streams.iter().map(|s| CancelOnDrop(s.cancel_flag())).collect();
         let choices: Vec<_> = streams
             .into_iter()
             .map(|stream| {
-                let stops = Arc::clone(&stops);
                 tokio::task::spawn_blocking(move || {
                     let mut text = String::new();
-                    drive(&stream, &stops, |piece| {
+                    drive(&stream, |piece| {
                         text.push_str(piece);
                         true
                     })
@@ -323,7 +316,7 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stre
         .into_iter()
         .enumerate()
         .map(|(index, stream)| {
-            let (sender, stops, chunk) = (sender.clone(), Arc::clone(&stops), Arc::clone(&chunk));
+            let (sender, chunk) = (sender.clone(), Arc::clone(&chunk));
             tokio::task::spawn_blocking(move || {
                 if endpoint == Endpoint::Chat {
                     let role = json!({ "index": index, "delta": { "role": "assistant", "content": "" }, "finish_reason": null });
@@ -331,7 +324,7 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stre
                         stream.cancel();
                     }
                 }
-                let outcome = drive(&stream, &stops, |piece| {
+                let outcome = drive(&stream, |piece| {
                     sender.blocking_send(chunk(json!([endpoint.choice(index, Some(piece), None, true)]), None)).is_ok()
                 });
                 let last = match &outcome {

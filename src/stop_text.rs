@@ -12,8 +12,9 @@ pub struct StopText {
 pub struct Pushed {
     /// Text to send now.
     pub text: String,
-    /// Whether a stop string was reached (it and everything after it are dropped).
-    pub stopped: bool,
+    /// The index of the stop string reached, if one was (it and everything after it are
+    /// dropped); the earliest in the text where several are.
+    pub stopped: Option<usize>,
 }
 
 impl StopText {
@@ -24,11 +25,11 @@ impl StopText {
     /// Takes the next piece of generated text.
     pub fn push(&mut self, text: &str) -> Pushed {
         self.held.push_str(text);
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = first {
+        let first = self.stops.iter().enumerate().filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i))).min();
+        if let Some((at, index)) = first {
             let text = self.held[..at].to_string();
             self.held.clear();
-            return Pushed { text, stopped: true };
+            return Pushed { text, stopped: Some(index) };
         }
         // Keep the longest tail that is the start of a stop string.
         let keep = self
@@ -41,7 +42,7 @@ impl StopText {
             .unwrap_or(0);
         let text = self.held[..self.held.len() - keep].to_string();
         self.held.drain(..self.held.len() - keep);
-        Pushed { text, stopped: false }
+        Pushed { text, stopped: None }
     }
 
     /// What is still held when generation ends without a stop string.
@@ -61,7 +62,7 @@ mod tests {
         for p in pieces {
             let pushed = s.push(p);
             out.push_str(&pushed.text);
-            if pushed.stopped {
+            if pushed.stopped.is_some() {
                 return (out, true);
             }
         }
