@@ -14,11 +14,12 @@
 //! warm-up rep.
 
 use burn::tensor::{Int, Tensor};
+#[path = "cli/backend_args.rs"]
+mod backend_args;
+
+use backend_args::BackendArgs;
 use burn_gemma::{
-    backends::{
-        cpu_threads, dispatch, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads, BackendKind,
-        BackendTask,
-    },
+    backends::{dispatch, resident_bytes, BackendTask},
     generation::token_tensor,
     Checkpoint, Gemma, GemmaBackend, GemmaConfig, KvCache, LoadOptions, ModelOptions,
 };
@@ -36,20 +37,8 @@ struct Args {
     /// synthetic:<preset> (see `GemmaConfig::PRESETS`).
     #[arg(long)]
     model: String,
-    /// auto, cuda, rocm, vulkan, wgpu, metal, candle, ndarray.
-    #[arg(long, default_value = "auto")]
-    backend: String,
-    /// f32, f16 or bf16 compute dtype (default bf16 on CUDA/ROCm, f32 elsewhere).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// auto, native, q8, q4, bf16, f16 or f32: how weight matrices are kept on the device
-    /// (`auto`: native, except dense on NdArray).
-    #[arg(long, default_value = "auto")]
-    weights: String,
-    /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
-    /// compute dtype; `int8`: one scale per position and head, read directly by attention).
-    #[arg(long, default_value = "auto")]
-    kv_cache: String,
+    #[command(flatten)]
+    backend: BackendArgs,
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
     /// Most prompt tokens per forward pass (as `generate --prefill-chunk`).
@@ -62,9 +51,6 @@ struct Args {
     depth: usize,
     #[arg(long, default_value_t = 5)]
     reps: usize,
-    /// CPU threads of the CPU backends (candle, ndarray); default: the machine's physical cores.
-    #[arg(long)]
-    threads: Option<std::num::NonZeroUsize>,
     /// Seed of synthetic weights and of the token ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -144,8 +130,7 @@ impl BackendTask for Bench {
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let mut a = self.0;
-        let (weights, dtype) = resolve_weights(&a.weights, a.dtype.as_deref(), name)?;
-        let kv_cache = parse_kv_cache(&a.kv_cache, dtype)?;
+        let (weights, dtype, kv_cache) = a.backend.formats(name)?;
         if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
             return Err(CliError::from("--prompt-len, --gen and --reps must be at least 1"));
         }
@@ -372,11 +357,7 @@ mod host_profile {
 
 fn main() -> Result<(), CliError> {
     let args = Args::parse();
-    let kind: BackendKind = args.backend.parse()?;
-    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
-    // no other thread, before the CPU thread pool starts.
-    let threads = cpu_threads(args.threads);
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    set_cpu_threads(std::num::NonZeroUsize::new(threads))?;
+    let kind = args.backend.check()?;
+    args.backend.start_threads()?;
     dispatch(kind, Bench(args.clone()), &mut |note| eprintln!("{note}"))?
 }

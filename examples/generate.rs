@@ -9,12 +9,13 @@
 //! stdout receives exactly the generated text; progress, the chosen backend and the final
 //! statistics go to stderr.
 
+#[path = "cli/backend_args.rs"]
+mod backend_args;
+
+use backend_args::BackendArgs;
 use burn::tensor::DType;
 use burn_gemma::{
-    backends::{
-        cpu_threads, dispatch, list_devices, parse_kv_cache, resident_bytes, resolve_weights, set_cpu_threads,
-        BackendKind, BackendTask,
-    },
+    backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
     Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig,
     StopReason,
@@ -72,22 +73,8 @@ struct Args {
     repeat_last_n: usize,
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// auto | cuda | rocm | vulkan | wgpu | metal | candle | ndarray
-    #[arg(long, default_value = "auto")]
-    backend: String,
-    /// f32 | f16 | bf16: compute dtype; default: bf16 on CUDA/ROCm, f32 elsewhere.
-    #[arg(long)]
-    dtype: Option<String>,
-    /// auto | native | q8 | q4 | bf16 | f16 | f32: how weight matrices are kept on the device
-    /// (`native`: a GGUF's own block types, multiplied as they are on Candle and converted to
-    /// q8/q4 for the GPU kernels; dense for safetensors; `auto`: native, except dense on
-    /// NdArray, which dequantizes on every product).
-    #[arg(long, default_value = "auto")]
-    weights: String,
-    /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the
-    /// compute dtype; `int8`: one scale per position and head, read directly by attention).
-    #[arg(long, default_value = "auto")]
-    kv_cache: String,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// auto | on | off: replay each decode step as one recorded CUDA graph (`auto`: on CUDA,
     /// without a repetition penalty; `on`: an error where it cannot work).
     #[arg(long, default_value = "auto")]
@@ -96,9 +83,6 @@ struct Args {
     /// bounds the device memory their activations take.
     #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: std::num::NonZeroUsize,
-    /// CPU threads of the CPU backends (candle, ndarray); default: the machine's physical cores.
-    #[arg(long)]
-    threads: Option<std::num::NonZeroUsize>,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -130,8 +114,7 @@ impl BackendTask for Run {
     type Output = Result<(), CliError>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
-        let (weights, dtype) = resolve_weights(&self.args.weights, self.args.dtype.as_deref(), name)?;
-        let kv_cache = parse_kv_cache(&self.args.kv_cache, dtype)?;
+        let (weights, dtype, kv_cache) = self.args.backend.formats(name)?;
         let threads = if name.contains("CPU") { format!(", threads: {}", self.threads) } else { String::new() };
         eprintln!(
             "backend: {name}, device: {device:?}{threads}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
@@ -254,15 +237,9 @@ fn real_main(args: Args) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
-    // no other thread, before the CPU thread pool starts.
-    let threads = cpu_threads(args.threads);
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    set_cpu_threads(std::num::NonZeroUsize::new(threads))?;
+    let threads = args.backend.start_threads()?;
     // Everything the user typed is checked before any download or model load.
-    let kind: BackendKind = args.backend.parse()?;
-    let (_, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
-    parse_kv_cache(&args.kv_cache, dtype)?;
+    let kind = args.backend.check()?;
     let sampling = SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,

@@ -9,8 +9,12 @@
 //!
 //! Ctrl-C stops taking connections and lets the requests in flight finish.
 
+#[path = "cli/backend_args.rs"]
+mod backend_args;
+
+use backend_args::BackendArgs;
 use burn_gemma::{
-    backends::{cpu_threads, dispatch, parse_kv_cache, resolve_weights, set_cpu_threads, BackendKind, BackendTask},
+    backends::{dispatch, BackendTask},
     chat::ChatTemplate,
     engine::{Engine, EngineConfig},
     server::{Server, ServerConfig},
@@ -46,21 +50,8 @@ struct Args {
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
-    /// auto | cuda | rocm | vulkan | wgpu | metal | candle | ndarray
-    #[arg(long, default_value = "auto")]
-    backend: String,
-    /// f32 | f16 | bf16: compute dtype; default: bf16 on CUDA/ROCm, f32 elsewhere.
-    #[arg(long)]
-    dtype: Option<String>,
-    /// auto | native | q8 | q4 | bf16 | f16 | f32 (as the generate example's).
-    #[arg(long, default_value = "auto")]
-    weights: String,
-    /// auto | bf16 | f16 | f32 | int8 (as the generate example's).
-    #[arg(long, default_value = "auto")]
-    kv_cache: String,
-    /// CPU threads of the CPU backends; default: the machine's physical cores.
-    #[arg(long)]
-    threads: Option<NonZeroUsize>,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 struct Run {
@@ -73,8 +64,7 @@ impl BackendTask for Run {
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let args = self.args;
-        let (weights, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), name)?;
-        let kv_cache = parse_kv_cache(&args.kv_cache, dtype)?;
+        let (weights, dtype, kv_cache) = args.backend.formats(name)?;
         eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
         let checkpoint = Checkpoint::open(&self.model_path)?;
         let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights).kv_cache(kv_cache);
@@ -108,14 +98,8 @@ impl BackendTask for Run {
 }
 
 fn real_main(args: Args) -> Result<(), CliError> {
-    let threads = cpu_threads(args.threads);
-    // Candle splits its dense products into RAYON_NUM_THREADS tasks: set while the program has
-    // no other thread, before the CPU thread pool starts.
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    set_cpu_threads(NonZeroUsize::new(threads))?;
-    let kind: BackendKind = args.backend.parse()?;
-    let (_, dtype) = resolve_weights(&args.weights, args.dtype.as_deref(), "")?;
-    parse_kv_cache(&args.kv_cache, dtype)?;
+    args.backend.start_threads()?;
+    let kind = args.backend.check()?;
     if args.default_max_tokens == 0 {
         return Err(CliError::from("--default-max-tokens must be at least 1"));
     }
