@@ -125,6 +125,10 @@ pub struct EngineMetrics {
     pub generated_tokens: AtomicU64,
     /// Bytes of KV cache allocated by the running sequences.
     pub kv_cache_bytes: AtomicU64,
+    /// Requests that got their first token, and the microseconds from submission to it, summed
+    /// (waiting included): their ratio is the mean time to first token.
+    pub first_tokens: AtomicU64,
+    pub first_token_micros: AtomicU64,
 }
 
 /// The receiving end of one request: its events in order, then nothing. Dropping it cancels
@@ -595,7 +599,10 @@ fn step<B: GemmaBackend>(
         .filter(|&t| (t as usize) < vocab)
         .ok_or(Error::NonFiniteLogits { step: sequence.generated })?;
     if sequence.first_token.is_none() {
-        sequence.first_token = Some(sequence.submitted.submitted.elapsed());
+        let elapsed = sequence.submitted.submitted.elapsed();
+        sequence.first_token = Some(elapsed);
+        metrics.first_tokens.fetch_add(1, Ordering::Relaxed);
+        metrics.first_token_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
     }
     sequence.generated += 1;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);

@@ -343,6 +343,15 @@ async fn two_hundred_requests_at_32_concurrent_are_all_answered_once() {
     let text = reqwest::get(format!("{}/metrics", running.base)).await.unwrap().text().await.unwrap();
     assert!(text.contains("burn_gemma_requests_finished_total 200"), "{text}");
     assert!(text.contains("burn_gemma_requests_running 0"), "{text}");
+    // Every request got a first token, after a positive time.
+    assert!(text.contains("burn_gemma_time_to_first_token_seconds_count 200"), "{text}");
+    let ttft_sum: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("burn_gemma_time_to_first_token_seconds_sum "))
+        .and_then(|v| v.parse().ok())
+        .expect("the time-to-first-token sum");
+    assert!(ttft_sum > 0.0, "{text}");
+    println!("mean time to first token under 32 concurrent requests: {:.1} ms", ttft_sum / 200.0 * 1e3);
     if let (Some(before), Some(after)) = (rss_before, burn_gemma::backends::resident_bytes()) {
         println!(
             "resident memory {:.1} MB before the 200 requests, {:.1} MB after",

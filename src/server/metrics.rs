@@ -17,7 +17,9 @@ fn render(server: &Server) -> String {
     let uptime = server.started.elapsed().as_secs_f64();
     let prompt = m.prompt_tokens.load(Ordering::Relaxed);
     let generated = m.generated_tokens.load(Ordering::Relaxed);
-    let metrics: [(&str, &str, &str, f64); 11] = [
+    let first_tokens = m.first_tokens.load(Ordering::Relaxed);
+    let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
+    let metrics: [(&str, &str, &str, f64); 13] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -62,6 +64,18 @@ fn render(server: &Server) -> String {
             "gauge",
             "Generated tokens per second since start (rate() of the total gives it over any window).",
             generated as f64 / uptime.max(1e-9),
+        ),
+        (
+            "burn_gemma_time_to_first_token_seconds_sum",
+            "counter",
+            "Seconds from each request's arrival to its first token (waiting included), summed.",
+            first_token_seconds,
+        ),
+        (
+            "burn_gemma_time_to_first_token_seconds_count",
+            "counter",
+            "Requests that got a first token (the mean time to first token is sum / count).",
+            first_tokens as f64,
         ),
         ("burn_gemma_uptime_seconds", "gauge", "Seconds since the server started.", uptime),
     ];
