@@ -17,7 +17,10 @@
 
 use crate::{
     error::{BackendError, RequestError},
-    generation::{first_sampled, prefill, token_tensor, Utf8Stream},
+    generation::{
+        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, token_tensor,
+        Utf8Stream,
+    },
     sampling::Sampler,
     stop_text::StopText,
     Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
@@ -179,6 +182,7 @@ impl Drop for RequestStream {
 /// A request on its way to the worker.
 struct Submitted {
     request: Request,
+    sampler: Sampler,
     events: mpsc::Sender<Result<Event, EngineError>>,
     cancel: Arc<AtomicBool>,
     submitted: Instant,
@@ -216,12 +220,9 @@ impl Engine {
     where
         Gemma<B>: Send + 'static,
     {
+        check_vocabulary(model.config(), &tokenizer)?;
         let vocab = model.config().vocab_size;
-        if tokenizer.vocab_size() > vocab {
-            return Err(
-                crate::TokenizerError::VocabularyTooLarge { tokenizer: tokenizer.vocab_size(), model: vocab }.into()
-            );
-        }
+        let default_stops = default_stop_tokens(model.config(), &tokenizer);
         let max_context = model.config().max_position_embeddings;
         let tokenizer = Arc::new(tokenizer);
         let metrics = Arc::new(EngineMetrics::default());
@@ -229,6 +230,7 @@ impl Engine {
         let worker = Worker {
             model,
             tokenizer: Arc::clone(&tokenizer),
+            default_stops,
             config,
             metrics: Arc::clone(&metrics),
             waiting: VecDeque::new(),
@@ -274,6 +276,8 @@ impl Engine {
             return Err(EngineError::ShutDown);
         }
         check(&request, self.vocab, self.max_context)?;
+        // Its settings checked here, with the other checks.
+        let sampler = Sampler::new(request.generation.sampling.clone())?;
         // Checked and counted in one step, so that racing submits cannot both take the last place.
         let max = self.config.max_waiting;
         let counted =
@@ -284,7 +288,7 @@ impl Engine {
         }
         let (events, receiver) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let submitted = Submitted { request, events, cancel: Arc::clone(&cancel), submitted: Instant::now() };
+        let submitted = Submitted { request, sampler, events, cancel: Arc::clone(&cancel), submitted: Instant::now() };
         if self.commands.send(Command::Submit(Box::new(submitted))).is_err() {
             self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::ShutDown);
@@ -320,19 +324,10 @@ impl Drop for Engine {
 /// The checks [`Engine::submit`] makes before queueing.
 fn check(request: &Request, vocab: usize, max_context: usize) -> Result<(), Error> {
     let generation = &request.generation;
-    if generation.max_new_tokens == 0 {
-        return Err(RequestError::NoNewTokens.into());
-    }
-    if request.input.is_empty() {
-        return Err(RequestError::NoInput.into());
-    }
-    if let Some(&id) = request.input.iter().find(|&&t| t as usize >= vocab) {
-        return Err(RequestError::TokenOutOfVocabulary { id, vocab }.into());
-    }
+    check_input(&request.input, generation, vocab)?;
     if let Some(index) = request.stop_strings.iter().position(String::is_empty) {
         return Err(RequestError::EmptyStopString { index }.into());
     }
-    generation.sampling.validate()?;
     let needed = request.input.len() + generation.max_new_tokens;
     if request.input.len() + 1 > max_context {
         return Err(RequestError::ContextOverflow {
@@ -351,7 +346,6 @@ fn check(request: &Request, vocab: usize, max_context: usize) -> Result<(), Erro
 struct Sequence<B: GemmaBackend> {
     submitted: Submitted,
     cache: KvCache<B>,
-    sampler: Sampler,
     /// Prompt and generated tokens so far.
     context: Vec<u32>,
     /// What the next step feeds the model: the prompt first, then the last token.
@@ -378,6 +372,8 @@ impl<B: GemmaBackend> Sequence<B> {
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
     tokenizer: Arc<Tokenizer>,
+    /// The model's stop tokens, which every request's own extend.
+    default_stops: Vec<u32>,
     config: EngineConfig,
     metrics: Arc<EngineMetrics>,
     waiting: VecDeque<Submitted>,
@@ -444,26 +440,18 @@ impl<B: GemmaBackend> Worker<B> {
         }
     }
 
-    /// A sequence for `submitted`: its sampler, its cache sized for the prompt and budget, its
-    /// stop tokens.
+    /// A sequence for `submitted`: its cache sized for the prompt and budget, its stop tokens.
     fn start(&self, submitted: Submitted) -> Result<Sequence<B>, Box<(Submitted, Error)>> {
         let generation = &submitted.request.generation;
         let capacity = (submitted.request.input.len() + generation.max_new_tokens)
             .min(self.model.config().max_position_embeddings);
-        let prepared = Sampler::new(generation.sampling.clone())
-            .and_then(|sampler| Ok((sampler, self.model.new_cache(1, capacity)?)));
-        let (sampler, cache) = match prepared {
-            Ok(p) => p,
-            Err(e) => return Err(Box::new((submitted, e))),
+        let cache = match self.model.new_cache(1, capacity) {
+            Ok(cache) => cache,
+            Err(e) => return Err(Box::new((submitted, e.into()))),
         };
-        let mut stops = self.model.config().eos_token_id.clone();
-        stops.extend(self.tokenizer.token_id("<eos>"));
-        stops.extend(self.tokenizer.token_id("<end_of_turn>"));
-        stops.extend(self.tokenizer.token_id("<turn|>"));
-        stops.extend(generation.stop_tokens.iter().copied());
+        let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
         Ok(Sequence {
             cache,
-            sampler,
             context: Vec::with_capacity(capacity),
             input: submitted.request.input.clone(),
             stops,
@@ -483,62 +471,63 @@ impl<B: GemmaBackend> Worker<B> {
             let mut chunk_ran = false;
             let mut i = 0;
             while i < self.running.len() {
-                let sequence = &mut self.running[i];
-                if sequence.in_prompt() != prompts {
-                    i += 1;
-                    continue;
-                }
+                let sequence = &self.running[i];
                 let tokens = sequence.next_chunk();
-                if prompts && chunk_ran && tokens > budget {
+                if sequence.in_prompt() != prompts || (prompts && chunk_ran && tokens > budget) {
                     i += 1;
                     continue;
                 }
                 budget = budget.saturating_sub(tokens);
                 chunk_ran |= prompts;
-                let outcome = if sequence.submitted.cancel.load(Ordering::SeqCst) {
-                    Ok(Stepped::Finished(StopReason::Interrupted))
-                } else {
-                    // A panic in the backend (the GPU runtimes panic on some device failures)
-                    // ends this request with an error; the others keep their own caches.
-                    let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, tokenizer, sequence, metrics)))
-                        .unwrap_or_else(|panic| {
-                            let message = panic
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| panic.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "a panic without a message".into());
-                            Err(BackendError::Panicked { what: "a generation step", message }.into())
-                        })
-                };
-                match outcome {
+                match self.advance(i) {
                     Ok(Stepped::Continue) => i += 1,
-                    Ok(Stepped::Finished(reason)) => {
-                        let mut sequence = self.running.remove(i);
-                        self.retire(&sequence);
-                        self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
-                        let text = match reason {
-                            StopReason::StopString(_) => String::new(),
-                            _ => sequence.utf8.finish() + &sequence.stop_text.finish(),
-                        };
-                        let finish = Finish {
-                            reason,
-                            text,
-                            prompt_tokens: sequence.submitted.request.input.len(),
-                            generated_tokens: sequence.generated,
-                            time_to_first_token: sequence.first_token,
-                        };
-                        let _ = sequence.submitted.events.send(Ok(Event::Done(finish)));
-                    }
-                    Err(e) => {
-                        let sequence = self.running.remove(i);
-                        self.retire(&sequence);
-                        self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                        let _ = sequence.submitted.events.send(Err(EngineError::Generation(e)));
-                    }
+                    Ok(Stepped::Finished(reason)) => self.conclude(i, Ok(reason)),
+                    Err(e) => self.conclude(i, Err(e)),
                 }
             }
         }
+    }
+
+    /// Runs running sequence `i`'s next step, or ends it where it was cancelled. A panic in the
+    /// backend (the GPU runtimes panic on some device failures) ends this request with an
+    /// error; the others keep their own caches.
+    fn advance(&mut self, i: usize) -> Result<Stepped, Error> {
+        let sequence = &mut self.running[i];
+        if sequence.submitted.cancel.load(Ordering::SeqCst) {
+            return Ok(Stepped::Finished(StopReason::Interrupted));
+        }
+        let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, tokenizer, sequence, metrics)))
+            .unwrap_or_else(|panic| {
+                Err(BackendError::Panicked { what: "a generation step", message: panic_message(&*panic) }.into())
+            })
+    }
+
+    /// Takes running sequence `i` out, finished with `reason` or failed, and tells its stream.
+    fn conclude(&mut self, i: usize, outcome: Result<StopReason, Error>) {
+        let mut sequence = self.running.remove(i);
+        self.retire(&sequence);
+        let event = match outcome {
+            Ok(reason) => {
+                self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+                let text = match reason {
+                    StopReason::StopString(_) => String::new(),
+                    _ => sequence.utf8.finish() + &sequence.stop_text.finish(),
+                };
+                Ok(Event::Done(Finish {
+                    reason,
+                    text,
+                    prompt_tokens: sequence.submitted.request.input.len(),
+                    generated_tokens: sequence.generated,
+                    time_to_first_token: sequence.first_token,
+                }))
+            }
+            Err(e) => {
+                self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                Err(EngineError::Generation(e))
+            }
+        };
+        let _ = sequence.submitted.events.send(event);
     }
 
     fn retire(&self, sequence: &Sequence<B>) {
@@ -571,6 +560,15 @@ impl<B: GemmaBackend> Worker<B> {
     }
 }
 
+/// The message a panic carried, where it carried text.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// Runs a sequence's pending input and samples its next token, which goes to its stream.
 fn step<B: GemmaBackend>(
     model: &Gemma<B>,
@@ -591,13 +589,10 @@ fn step<B: GemmaBackend>(
     }
     let logits = prefill(model, &mut sequence.cache, &sequence.input, generation.prefill_chunk, &device)?;
     sequence.context.extend_from_slice(&sequence.input);
-    let draws = sequence.sampler.draws(1);
-    let token = first_sampled(sequence.sampler.sample_with_draws(logits, &sequence.context, &draws)?)?;
-    let vocab = model.config().vocab_size;
-    let token = u32::try_from(token)
-        .ok()
-        .filter(|&t| (t as usize) < vocab)
-        .ok_or(Error::NonFiniteLogits { step: sequence.generated })?;
+    let sampler = &mut sequence.submitted.sampler;
+    let draws = sampler.draws(1);
+    let token = first_sampled(sampler.sample_with_draws(logits, &sequence.context, &draws)?)?;
+    let token = checked_token(token, model.config().vocab_size, sequence.generated)?;
     if sequence.first_token.is_none() {
         let elapsed = sequence.submitted.submitted.elapsed();
         sequence.first_token = Some(elapsed);

@@ -5,7 +5,7 @@ use crate::{
     error::{BackendError, RequestError, TokenizerError},
     sampling::{Sampler, SamplingConfig},
     tokenizer::Bos,
-    Error, Gemma, GemmaBackend, KvCache, Tokenizer,
+    Error, Gemma, GemmaBackend, GemmaConfig, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
@@ -305,16 +305,9 @@ pub struct Generator<B: GemmaBackend> {
 impl<B: GemmaBackend> Generator<B> {
     /// Wraps a model and tokenizer. Fails if they disagree on the vocabulary.
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
-        let vocab = model.config().vocab_size;
-        if tokenizer.vocab_size() > vocab {
-            return Err(TokenizerError::VocabularyTooLarge { tokenizer: tokenizer.vocab_size(), model: vocab }.into());
-        }
+        check_vocabulary(model.config(), &tokenizer)?;
         let template = ChatTemplate::for_architecture(model.config().model_type);
-        let mut default_stops = model.config().eos_token_id.clone();
-        default_stops.extend(tokenizer.token_id(template.end_of_turn()));
-        default_stops.extend(tokenizer.token_id("<eos>"));
-        default_stops.sort_unstable();
-        default_stops.dedup();
+        let default_stops = default_stop_tokens(model.config(), &tokenizer);
         Ok(Self {
             model,
             tokenizer,
@@ -528,16 +521,7 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// Checks a request and sets up its run: the cache sized for it, nothing run yet.
     fn start(&mut self, ids: &[u32], config: &GenerationConfig) -> Result<Run, Error> {
-        if config.max_new_tokens == 0 {
-            return Err(RequestError::NoNewTokens.into());
-        }
-        if ids.is_empty() {
-            return Err(RequestError::NoInput.into());
-        }
-        let vocab = self.model.config().vocab_size;
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(RequestError::TokenOutOfVocabulary { id: *bad, vocab }.into());
-        }
+        check_input(ids, config, self.model.config().vocab_size)?;
         let sampler = Sampler::new(config.sampling.clone())?;
         let graph = self.graph_plan(config.cuda_graph, &sampler)?;
         let needed = self.context.len() + ids.len() + config.max_new_tokens;
@@ -630,10 +614,7 @@ impl<B: GemmaBackend> Generator<B> {
                 first_sampled(run.sampler.sample_with_draws(logits, &self.context, &draws)?)?
             }
         };
-        if token < 0 || token as usize >= vocab {
-            return Err(Error::NonFiniteLogits { step });
-        }
-        let token = token as u32;
+        let token = checked_token(token, vocab, step)?;
         if step == 0 {
             run.stats.prefill = run.start.elapsed();
             run.stats.time_to_first_token = run.start.elapsed();
@@ -741,6 +722,46 @@ impl<B: GemmaBackend> Generator<B> {
         };
         Ok(cache)
     }
+}
+
+/// Fails where `tokenizer` has more tokens than the model's embedding table.
+pub(crate) fn check_vocabulary(config: &GemmaConfig, tokenizer: &Tokenizer) -> Result<(), Error> {
+    let vocab = config.vocab_size;
+    if tokenizer.vocab_size() > vocab {
+        return Err(TokenizerError::VocabularyTooLarge { tokenizer: tokenizer.vocab_size(), model: vocab }.into());
+    }
+    Ok(())
+}
+
+/// The tokens that end a reply of the model whatever the request: its EOS ids, its chat
+/// template's end of turn and `<eos>`, sorted.
+pub(crate) fn default_stop_tokens(config: &GemmaConfig, tokenizer: &Tokenizer) -> Vec<u32> {
+    let template = ChatTemplate::for_architecture(config.model_type);
+    let mut stops = config.eos_token_id.clone();
+    stops.extend(tokenizer.token_id(template.end_of_turn()));
+    stops.extend(tokenizer.token_id("<eos>"));
+    stops.sort_unstable();
+    stops.dedup();
+    stops
+}
+
+/// The checks of a request's input `ids` and token budget, for a model of `vocab` tokens.
+pub(crate) fn check_input(ids: &[u32], config: &GenerationConfig, vocab: usize) -> Result<(), Error> {
+    if config.max_new_tokens == 0 {
+        return Err(RequestError::NoNewTokens.into());
+    }
+    if ids.is_empty() {
+        return Err(RequestError::NoInput.into());
+    }
+    if let Some(&id) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(RequestError::TokenOutOfVocabulary { id, vocab }.into());
+    }
+    Ok(())
+}
+
+/// A sampled id as a token of the vocabulary: logits with NaN or infinity sample outside it.
+pub(crate) fn checked_token(token: i64, vocab: usize, step: usize) -> Result<u32, Error> {
+    u32::try_from(token).ok().filter(|&t| (t as usize) < vocab).ok_or(Error::NonFiniteLogits { step })
 }
 
 /// The first id of a sampled batch, read back to the host.

@@ -344,15 +344,9 @@ struct FixtureRun<'a> {
 }
 
 impl FixtureRun<'_> {
-    /// The logits of every position, and, where `record`, what the cache stored after each
-    /// forward call. `pins`: another run's stores, which this run's cache holds after each of
-    /// its writes in place of its own ([`burn_gemma::KvCache::pin_next_write`]).
-    fn logits<B: GemmaBackend>(
-        &self,
-        device: &B::Device,
-        record: bool,
-        pins: Option<&Stores>,
-    ) -> (Vec<Vec<f32>>, Stores) {
+    /// The logits of every position, and the cache's stores after each forward call where
+    /// `stores` says to record them.
+    fn logits<B: GemmaBackend>(&self, device: &B::Device, stores: CacheStores) -> (Vec<Vec<f32>>, Stores) {
         let dir = common::fixtures().join(self.fixture);
         let input = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
         let options =
@@ -364,9 +358,9 @@ impl FixtureRun<'_> {
             Pass::Prompt => vec![input],
             Pass::Decode => input.iter().map(|&id| vec![id]).collect(),
         };
-        let (mut logits, mut stores) = (Vec::new(), Vec::new());
+        let (mut logits, mut recorded) = (Vec::new(), Vec::new());
         for (call, ids) in calls.iter().enumerate() {
-            if let Some(pins) = pins {
+            if let CacheStores::Pinned(pins) = stores {
                 let pinned = pins[call]
                     .iter()
                     .map(|(keys, values)| StoredRows {
@@ -379,13 +373,26 @@ impl FixtureRun<'_> {
             let out = model.forward(token_tensor::<B>(ids, device), &mut cache).unwrap();
             let values = out.into_data().to_vec::<f32>().unwrap();
             logits.extend(values.chunks(vocab).map(<[f32]>::to_vec));
-            if record {
+            if let CacheStores::Record = stores {
                 let stored = cache.stored().unwrap();
-                stores.push(stored.into_iter().map(|rows| (rows.keys.into_data(), rows.values.into_data())).collect());
+                recorded
+                    .push(stored.into_iter().map(|rows| (rows.keys.into_data(), rows.values.into_data())).collect());
             }
         }
-        (logits, stores)
+        (logits, recorded)
     }
+}
+
+/// What a [`FixtureRun`] does with its cache's stores.
+#[derive(Debug, Clone, Copy)]
+enum CacheStores<'a> {
+    /// Nothing beside running.
+    Own,
+    /// Records them after each forward call.
+    Record,
+    /// Holds another run's after each of its writes, in place of its own
+    /// ([`burn_gemma::KvCache::pin_next_write`]).
+    Pinned(&'a Stores),
 }
 
 /// Largest `|got - reference|` over the reference's logit scale, per position, worst first.
@@ -464,13 +471,10 @@ fn quantized_kernels_match_their_reference<B: GemmaBackend>(device: &B::Device, 
             for pass in [Pass::Prompt, Pass::Decode] {
                 let run = FixtureRun { fixture, weights: variant.weights, kv: variant.kv, pass };
                 let int8 = variant.kv == KvFormat::Int8;
-                let (got, stores) = run.logits::<B>(device, int8, None);
-                let reference = FixtureRun { weights: variant.reference_weights(), ..run }.logits::<NdArray>(
-                    &Default::default(),
-                    false,
-                    int8.then_some(&stores),
-                );
-                let reference = reference.0;
+                let (got, stores) = run.logits::<B>(device, if int8 { CacheStores::Record } else { CacheStores::Own });
+                let pins = if int8 { CacheStores::Pinned(&stores) } else { CacheStores::Own };
+                let reference = FixtureRun { weights: variant.reference_weights(), ..run };
+                let (reference, _) = reference.logits::<NdArray>(&Default::default(), pins);
                 let err = relative_error(&got, &reference);
                 let (kl, top1) = quantization_error(&got, &hf["logits"]);
                 let verdict = match not_held(fixture, variant, pass, activations) {

@@ -120,7 +120,7 @@ fn refused(e: EngineError, input: &'static str) -> ApiError {
         EngineError::ShutDown => {
             ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None }
         }
-        EngineError::Generation(Error::Sampling(s)) => ApiError::invalid("temperature", s.to_string()),
+        EngineError::Generation(Error::Sampling(s)) => openai::sampling_error(&s),
         EngineError::Generation(e @ Error::Request(_)) => ApiError::invalid(input, e.to_string()),
         EngineError::Generation(e) => {
             ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
@@ -210,6 +210,23 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// How a response goes out: one JSON body, or server-sent events as the tokens come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Delivery {
+    Whole,
+    Streamed,
+}
+
+impl Delivery {
+    fn of(request: &RequestBody) -> Self {
+        if request.stream {
+            Self::Streamed
+        } else {
+            Self::Whole
+        }
+    }
+}
+
 /// Which endpoint a request came to, for the shapes of its responses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
@@ -218,11 +235,11 @@ enum Endpoint {
 }
 
 impl Endpoint {
-    fn object(self, streamed: bool) -> &'static str {
-        match (self, streamed) {
+    fn object(self, delivery: Delivery) -> &'static str {
+        match (self, delivery) {
             (Self::Completions, _) => "text_completion",
-            (Self::Chat, false) => "chat.completion",
-            (Self::Chat, true) => "chat.completion.chunk",
+            (Self::Chat, Delivery::Whole) => "chat.completion",
+            (Self::Chat, Delivery::Streamed) => "chat.completion.chunk",
         }
     }
 
@@ -232,18 +249,18 @@ impl Endpoint {
         index: usize,
         text: Option<&str>,
         finish: Option<FinishReason>,
-        streamed: bool,
+        delivery: Delivery,
     ) -> serde_json::Value {
-        match (self, streamed) {
+        match (self, delivery) {
             (Self::Completions, _) => {
                 json!({ "index": index, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null })
             }
-            (Self::Chat, false) => json!({
+            (Self::Chat, Delivery::Whole) => json!({
                 "index": index,
                 "message": { "role": "assistant", "content": text.unwrap_or("") },
                 "finish_reason": finish,
             }),
-            (Self::Chat, true) => {
+            (Self::Chat, Delivery::Streamed) => {
                 let delta = match text {
                     Some(t) => json!({ "content": t }),
                     None => json!({}),
@@ -258,51 +275,64 @@ fn join_error(e: tokio::task::JoinError) -> ApiError {
     ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
 }
 
-async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stream: bool) -> Response {
+async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, delivery: Delivery) -> Response {
+    match delivery {
+        Delivery::Whole => respond_whole(started, endpoint).await,
+        Delivery::Streamed => respond_streamed(server, started, endpoint),
+    }
+}
+
+/// Every choice run to its end, then one JSON body.
+async fn respond_whole(started: Started, endpoint: Endpoint) -> Response {
     let created = now();
     let Started { streams, prompt_tokens, id, model } = started;
-    if !stream {
-        // A client that goes away drops this future: the guards then cancel its choices.
-        let _guards: Vec<CancelOnDrop> = streams.iter().map(|s| CancelOnDrop(s.cancel_flag())).collect();
-        let choices: Vec<_> = streams
-            .into_iter()
-            .map(|stream| {
-                tokio::task::spawn_blocking(move || {
-                    let mut text = String::new();
-                    drive(&stream, |piece| {
-                        text.push_str(piece);
-                        true
-                    })
-                    .map(|outcome| (text, outcome))
+    // A client that goes away drops this future: the guards then cancel its choices.
+    let _guards: Vec<CancelOnDrop> = streams.iter().map(|s| CancelOnDrop(s.cancel_flag())).collect();
+    let choices: Vec<_> = streams
+        .into_iter()
+        .map(|stream| {
+            tokio::task::spawn_blocking(move || {
+                let mut text = String::new();
+                drive(&stream, |piece| {
+                    text.push_str(piece);
+                    true
                 })
+                .map(|outcome| (text, outcome))
             })
-            .collect();
-        let mut body = Vec::new();
-        let mut completion_tokens = 0;
-        for (index, choice) in choices.into_iter().enumerate() {
-            let (text, outcome) = match choice.await.map_err(join_error) {
-                Ok(Ok(done)) => done,
-                Ok(Err(e)) | Err(e) => return e.into_response(),
-            };
-            completion_tokens += outcome.completion_tokens;
-            body.push(endpoint.choice(index, Some(&text), Some(outcome.finish_reason), false));
-        }
-        drop(server);
-        return Json(json!({
-            "id": id,
-            "object": endpoint.object(false),
-            "created": created,
-            "model": model,
-            "choices": body,
-            "usage": Usage::new(prompt_tokens, completion_tokens),
-        }))
-        .into_response();
+        })
+        .collect();
+    let mut body = Vec::new();
+    let mut completion_tokens = 0;
+    for (index, choice) in choices.into_iter().enumerate() {
+        let (text, outcome) = match choice.await.map_err(join_error) {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) | Err(e) => return e.into_response(),
+        };
+        completion_tokens += outcome.completion_tokens;
+        body.push(endpoint.choice(index, Some(&text), Some(outcome.finish_reason), Delivery::Whole));
     }
+    Json(json!({
+        "id": id,
+        "object": endpoint.object(Delivery::Whole),
+        "created": created,
+        "model": model,
+        "choices": body,
+        "usage": Usage::new(prompt_tokens, completion_tokens),
+    }))
+    .into_response()
+}
+
+/// Server-sent events as the choices' tokens come (each chunk naming its choice), a last chunk
+/// with the usage, then `[DONE]`. The tasks feeding the events hold `server`, so that its
+/// engine outlives them.
+fn respond_streamed(server: Arc<Server>, started: Started, endpoint: Endpoint) -> Response {
+    let created = now();
+    let Started { streams, prompt_tokens, id, model } = started;
     let (sender, receiver) = tokio::sync::mpsc::channel::<SseEvent>(64);
     let chunk = Arc::new(move |choices: serde_json::Value, usage: Option<Usage>| {
         let mut body = json!({
             "id": id,
-            "object": endpoint.object(true),
+            "object": endpoint.object(Delivery::Streamed),
             "created": created,
             "model": model,
             "choices": choices,
@@ -324,11 +354,10 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, stre
                         stream.cancel();
                     }
                 }
-                let outcome = drive(&stream, |piece| {
-                    sender.blocking_send(chunk(json!([endpoint.choice(index, Some(piece), None, true)]), None)).is_ok()
-                });
+                let piece = |text: Option<&str>, finish| json!([endpoint.choice(index, text, finish, Delivery::Streamed)]);
+                let outcome = drive(&stream, |text| sender.blocking_send(chunk(piece(Some(text), None), None)).is_ok());
                 let last = match &outcome {
-                    Ok(o) => chunk(json!([endpoint.choice(index, None, Some(o.finish_reason), true)]), None),
+                    Ok(o) => chunk(piece(None, Some(o.finish_reason)), None),
                     Err(e) => SseEvent::default().data(e.body().to_string()),
                 };
                 let _ = sender.blocking_send(last);
@@ -361,7 +390,7 @@ async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response
         Some(p) => p,
     };
     match start(&server, prompt, &request, "prompt", "cmpl") {
-        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, request.stream).await,
+        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, Delivery::of(&request)).await,
         Err(e) => e.into_response(),
     }
 }
@@ -379,7 +408,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Bytes) -> Res
         Err(e) => return e.into_response(),
     };
     match start(&server, &prompt, &request, "messages", "chatcmpl") {
-        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, request.stream).await,
+        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, Delivery::of(&request)).await,
         Err(e) => e.into_response(),
     }
 }

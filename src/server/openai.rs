@@ -3,7 +3,7 @@
 use crate::{
     chat::{ChatTemplate, SystemTurn, Thinking},
     sampling::SamplingConfig,
-    GenerationConfig,
+    Error, GenerationConfig, SamplingError,
 };
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
@@ -108,18 +108,22 @@ impl RequestBody {
             return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
         }
         let temperature = self.temperature.unwrap_or(1.0);
-        if !temperature.is_finite() || !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid("temperature", format!("temperature {temperature} is outside [0, 2]")));
+        // OpenAI's range; the library takes any temperature from 0.
+        if temperature > 2.0 {
+            return Err(sampling_error(&SamplingError::Temperature(temperature)));
         }
-        if let Some(p) = self.top_p.filter(|p| !p.is_finite() || *p <= 0.0 || *p > 1.0) {
-            return Err(ApiError::invalid("top_p", format!("top_p {p} is outside (0, 1]")));
-        }
-        if let Some(p) = self.min_p.filter(|p| !p.is_finite() || *p < 0.0 || *p > 1.0) {
-            return Err(ApiError::invalid("min_p", format!("min_p {p} is outside [0, 1]")));
-        }
-        if self.top_k == Some(0) {
-            return Err(ApiError::invalid("top_k", "top_k must be at least 1"));
-        }
+        let sampling = SamplingConfig {
+            temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed.unwrap_or_else(rand_seed),
+            ..SamplingConfig::default()
+        };
+        sampling.validate().map_err(|e| match e {
+            Error::Sampling(e) => sampling_error(&e),
+            other => ApiError::invalid("temperature", other.to_string()),
+        })?;
         let stops = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -131,15 +135,26 @@ impl RequestBody {
         if stops.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop", "a stop string is empty"));
         }
+        // A top-p of 1 and a min-p of 0 keep every token: no filter.
         let sampling = SamplingConfig {
-            temperature,
-            top_k: self.top_k,
-            top_p: self.top_p.filter(|&p| p < 1.0),
-            min_p: self.min_p.filter(|&p| p > 0.0),
-            seed: self.seed.unwrap_or_else(rand_seed),
-            ..SamplingConfig::default()
+            top_p: sampling.top_p.filter(|&p| p < 1.0),
+            min_p: sampling.min_p.filter(|&p| p > 0.0),
+            ..sampling
         };
         Ok((GenerationConfig { max_new_tokens, sampling, ..GenerationConfig::default() }, stops))
+    }
+}
+
+/// The request field and message for a sampling value the library refuses, in OpenAI's names.
+pub fn sampling_error(e: &SamplingError) -> ApiError {
+    match *e {
+        SamplingError::Temperature(t) => ApiError::invalid("temperature", format!("temperature {t} is outside [0, 2]")),
+        SamplingError::TopK => ApiError::invalid("top_k", "top_k must be at least 1"),
+        SamplingError::TopP(p) => ApiError::invalid("top_p", format!("top_p {p} is outside (0, 1]")),
+        SamplingError::MinP(p) => ApiError::invalid("min_p", format!("min_p {p} is outside [0, 1]")),
+        SamplingError::RepeatPenalty(r) => {
+            ApiError::invalid("repeat_penalty", format!("repeat penalty {r} is not > 0"))
+        }
     }
 }
 
@@ -238,7 +253,7 @@ mod tests {
     }
 
     #[test]
-    fn chats_render_in_each_template() {
+    fn chats_render_in_each_template() -> Result<(), ApiError> {
         let chat = [
             message("system", "Be brief."),
             message("user", "Hi"),
@@ -246,15 +261,16 @@ mod tests {
             message("user", "Again"),
         ];
         assert_eq!(
-            render_chat(ChatTemplate::Gemma, &chat).unwrap(),
+            render_chat(ChatTemplate::Gemma, &chat)?,
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
              <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(
-            render_chat(ChatTemplate::Gemma4, &chat).unwrap(),
+            render_chat(ChatTemplate::Gemma4, &chat)?,
             "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n\
              <|turn>user\nAgain<turn|>\n<|turn>model\n"
         );
+        Ok(())
     }
 
     #[test]
@@ -272,8 +288,8 @@ mod tests {
     }
 
     #[test]
-    fn sampling_fields_are_checked() {
-        let fields = |json: &str| serde_json::from_str::<RequestBody>(json).unwrap();
+    fn sampling_fields_are_checked() -> Result<(), Box<dyn std::error::Error>> {
+        let fields = |json: &str| serde_json::from_str::<RequestBody>(json);
         for (json, param) in [
             (r#"{"max_tokens": 0}"#, "max_tokens"),
             (r#"{"temperature": 3}"#, "temperature"),
@@ -286,12 +302,14 @@ mod tests {
             (r#"{"stop": ""}"#, "stop"),
             (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
         ] {
-            assert_eq!(fields(json).generation(16).unwrap_err().param.as_deref(), Some(param), "{json}");
+            assert_eq!(fields(json)?.generation(16).err().and_then(|e| e.param).as_deref(), Some(param), "{json}");
         }
-        let (config, stops) =
-            fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#).generation(16).unwrap();
+        let (config, stops) = fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#)?
+            .generation(16)
+            .map_err(|e| e.message)?;
         assert_eq!((config.max_new_tokens, config.sampling.temperature, config.sampling.seed), (7, 0.0, 5));
         assert_eq!(stops, vec!["\n".to_string()]);
-        assert_eq!(fields("{}").generation(16).unwrap().0.max_new_tokens, 16);
+        assert_eq!(fields("{}")?.generation(16).map_err(|e| e.message)?.0.max_new_tokens, 16);
+        Ok(())
     }
 }

@@ -43,6 +43,11 @@ pub struct LayerCache<B: GemmaBackend> {
 struct Pin<B: GemmaBackend>(Option<StoredRows<B>>);
 
 impl<B: GemmaBackend> Pin<B> {
+    /// The pinned rows, leaving none.
+    fn take(&mut self) -> Self {
+        Self(self.0.take())
+    }
+
     /// `store` after a write: holding the pinned rows (stored in its own format), or as it is.
     fn apply(self, store: KvStore<B>) -> KvStore<B> {
         match self.0 {
@@ -104,7 +109,7 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         let mask = AttentionMask { q_offset: 0, k_offset: 0, window: self.span.window() };
-        let pinned = Pin(self.pinned.0.take());
+        let pinned = self.pinned.take();
         self.update(|store| {
             let (q, store) = B::qkv_rope_append(qkv, layout, store)?;
             let store = pinned.apply(store);
@@ -128,7 +133,7 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         let t = keys.dims()[2];
-        let pinned = Pin(self.pinned.0.take());
+        let pinned = self.pinned.take();
         match self.span {
             Span::Full => self.update(|store| {
                 let store = pinned.apply(B::kv_write(store, keys, values, position));
