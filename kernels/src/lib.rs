@@ -48,7 +48,7 @@ mod cube;
 pub use attention::{AttentionMask, AttentionOptions};
 pub use experts::{ExpertProduct, ExpertWeights, Experts, Routes};
 pub use gelu::GateUpLayout;
-pub use kv::{Int8Kv, KvFormat, KvStore, KvView};
+pub use kv::{Int8Kv, KvFormat, KvStore, KvView, StoreMismatch};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
 pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
 /// A value that could not be read back from the device.
@@ -80,7 +80,7 @@ pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
 pub use step::StepPosition;
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, s, DType, Int, Tensor};
 use std::ops::Range;
 
 /// What a device can still allocate, where the backend can tell.
@@ -301,7 +301,19 @@ pub trait GemmaBackend: ReservedMemory {
                 (keys, values, *options)
             }
             KvView::Decode { store, position } => {
-                let (visible, mask) = step::decode_visible(position.resolve()?, store.shape()[2], options.mask.window);
+                let batch = q.dims()[0];
+                let positions = position.resolve_rows(batch)?;
+                if batch > 0 && (batch != store.shape()[0] || positions.windows(2).any(|w| w[0] != w[1])) {
+                    // Sequences at positions of their own (or fewer than the store's): one at a time.
+                    let rows = positions.iter().enumerate().map(|(b, &p)| {
+                        let rows = store.rows(b..b + 1);
+                        let view = KvView::Decode { store: &rows, position: StepPosition::Host(p) };
+                        Self::grouped_attention(q.clone().slice(s![b..b + 1, .., .., ..]), view, options)
+                    });
+                    return Ok(Tensor::cat(rows.collect::<Result<Vec<_>, _>>()?, 0));
+                }
+                let p = positions.first().copied().unwrap_or(0);
+                let (visible, mask) = step::decode_visible(p, store.shape()[2], options.mask.window);
                 let (keys, values) = Self::kv_read(store, 0..visible, q.dtype());
                 (keys, values, AttentionOptions { mask, ..*options })
             }

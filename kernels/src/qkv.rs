@@ -78,16 +78,41 @@ impl<B: Backend> QkvLayout<B> {
 /// Reference: splits with slices, rotates with [`rope::reference`], and writes the store with
 /// [`GemmaBackend::kv_write`] (whose int8 layout is the backend's).
 ///
-/// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence;
-/// - returns the queries `[batch, heads, 1, head_dim]` and the store with the position's slot
+/// - `qkv`: `[batch, width]` in the activation dtype, one position per sequence (the first
+///   `batch` sequences of the store, each at its own position where `layout.position` holds
+///   one per sequence);
+/// - returns the queries `[batch, heads, 1, head_dim]` and the store with each sequence's slot
 ///   written.
 pub fn reference<B: GemmaBackend>(
     qkv: Tensor<B, 2>,
     layout: &QkvLayout<B>,
     store: KvStore<B>,
 ) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
+    let [batch, width] = qkv.dims();
+    let positions = layout.position.resolve_rows(batch)?;
+    if batch == 0 || (batch == store.shape()[0] && positions.windows(2).all(|w| w[0] == w[1])) {
+        return one_position(qkv, layout, positions.first().copied().unwrap_or(0), store);
+    }
+    // Sequences at positions of their own (or fewer than the store's): one at a time.
+    let mut store = store;
+    let mut queries = Vec::with_capacity(batch);
+    for (b, &position) in positions.iter().enumerate() {
+        let row = qkv.clone().slice([b..b + 1, 0..width]);
+        let (q, rows) = one_position(row, layout, position, store.rows(b..b + 1))?;
+        store = store.replace_rows(b, rows);
+        queries.push(q);
+    }
+    Ok((Tensor::cat(queries, 0), store))
+}
+
+/// [`reference`] with every sequence of `qkv` and `store` at `position`.
+fn one_position<B: GemmaBackend>(
+    qkv: Tensor<B, 2>,
+    layout: &QkvLayout<B>,
+    position: usize,
+    store: KvStore<B>,
+) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, _] = qkv.dims();
-    let position = layout.position.resolve()?;
     let slot = step::slot(position, store.shape()[2]);
     let d = layout.head_dim;
     let part =
@@ -229,6 +254,7 @@ pub(crate) mod kernel {
         row_width: u32,
         value_offset: u32,
         position: u32,
+        position_stride: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
@@ -236,14 +262,14 @@ pub(crate) mod kernel {
         #[comptime] position_on_device: bool,
         #[define(F, W, C)] _dtypes: [StorageType; 3],
     ) {
-        let mut position = position;
-        if position_on_device {
-            position = step[0];
-        }
-        let slot = position % slots;
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
         let r = CUBE_POS_X as usize;
         let b = CUBE_POS_Y as usize;
+        let mut position = position;
+        if position_on_device {
+            position = step[b * position_stride as usize];
+        }
+        let slot = position % slots;
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -311,6 +337,7 @@ pub(crate) mod kernel {
         row_width: u32,
         value_offset: u32,
         position: u32,
+        position_stride: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
@@ -318,14 +345,14 @@ pub(crate) mod kernel {
         #[comptime] position_on_device: bool,
         #[define(F, W)] _dtypes: [StorageType; 2],
     ) {
-        let mut position = position;
-        if position_on_device {
-            position = step[0];
-        }
-        let slot = position % slots;
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
         let r = CUBE_POS_X as usize;
         let b = CUBE_POS_Y as usize;
+        let mut position = position;
+        if position_on_device {
+            position = step[b * position_stride as usize];
+        }
+        let slot = position % slots;
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -433,8 +460,9 @@ pub(crate) mod kernel {
         },
     }
 
-    /// `qkv`: contiguous `[batch, width]`. Writes slot `position % slots` of `store` and returns
-    /// the queries `[batch, heads, 1, head_dim]`.
+    /// `qkv`: contiguous `[batch, width]`, the first `batch` sequences of `store`. Writes slot
+    /// `position % slots` of each (its own position where the buffer holds one per sequence)
+    /// and returns the queries `[batch, heads, 1, head_dim]`.
     pub fn qkv_rope_append<R: CubeRuntime>(
         qkv: CubeTensor<R>,
         layout: &Layout<R>,
@@ -488,6 +516,7 @@ pub(crate) mod kernel {
                 row_width as u32,
                 value_offset as u32,
                 position,
+                layout.position.stride(),
                 eps as f32,
                 dim,
                 has_norm,
@@ -516,6 +545,7 @@ pub(crate) mod kernel {
                 row_width as u32,
                 value_offset as u32,
                 position,
+                layout.position.stride(),
                 eps as f32,
                 dim,
                 has_norm,
@@ -558,10 +588,21 @@ mod gpu {
         B::kv_read(store, 0..store.shape()[2], DType::F32)
     }
 
+    /// Where a test step's position comes from.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Placement {
+        Host,
+        /// One device position for the batch.
+        Device,
+        /// A device position per sequence (`position + 3 b` for sequence `b`), the batch being
+        /// the first sequences of a store with one more, which must stay as it was.
+        PerSequence,
+    }
+
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
     /// first and last slot (rings that wrapped and stores that did not), batches of 1 to 3, the
-    /// position passed at launch and read from a device buffer; the untouched slots must stay
-    /// as they were.
+    /// position passed at launch, read from a device buffer, and read per sequence; the
+    /// untouched slots must stay as they were.
     pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "qkv_rope_append");
         let cases = [
@@ -585,17 +626,26 @@ mod gpu {
             (Some(ValueNorm::Unweighted), KvRows::FromKeys, true),
             (Some(ValueNorm::Unweighted), KvRows::Shared, false),
         ];
-        for ((batch, heads, kv_heads, dim, slots, position), on_device) in
-            cases.into_iter().flat_map(|case| [(case, false), (case, true)])
+        let placements = [Placement::Host, Placement::Device, Placement::PerSequence];
+        for ((batch, heads, kv_heads, dim, slots, position), placement) in
+            cases.into_iter().flat_map(|case| placements.map(|p| (case, p)))
         {
             let slot = position % slots;
-            let step = if on_device {
-                let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64, 7], device);
-                StepPosition::Device { values, bound: position + 3 }
-            } else {
-                StepPosition::Host(position)
+            let last = position + 3 * (batch - 1);
+            let step = match placement {
+                Placement::Host => StepPosition::Host(position),
+                Placement::Device => {
+                    let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
+                    StepPosition::Device { values, bound: position + 3 }
+                }
+                Placement::PerSequence => {
+                    let own: Vec<i64> = (0..batch).map(|b| (position + 3 * b) as i64).collect();
+                    let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
+                    StepPosition::Device { values, bound: last + 2 }
+                }
             };
-            let positions = position + 5;
+            let store_batch = if placement == Placement::PerSequence { batch + 1 } else { batch };
+            let positions = last + 5;
             let partial = if dim == 512 { 0.25 } else { 1.0 };
             let frequencies =
                 rope::Frequencies { head_dim: dim, theta: 10_000.0, factor: 1.0, partial_rotary_factor: partial };
@@ -616,12 +666,12 @@ mod gpu {
                 let qkv =
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
                 let format = if int8 { KvFormat::Int8 } else { KvFormat::Dense(dtype) };
-                let (store, reference_store) = stores::<B>(format, [batch, kv_heads, slots, dim], dtype, device);
+                let (store, reference_store) = stores::<B>(format, [store_batch, kv_heads, slots, dim], dtype, device);
                 let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store).expect("the step position reads back");
                 let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store)
                     .expect("the step position reads back");
                 let what = format!(
-                    "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm:?} {kv:?} int8 {int8} device position {on_device}"
+                    "qkv b{batch} h{heads}/{kv_heads} d{dim} slot {slot}/{slots} pos {position} norm {norm:?} {kv:?} int8 {int8} position {placement:?}"
                 );
                 assert_eq!(q.dtype(), dtype, "{what}");
                 assert_close(q, q_ref, tolerance(dtype), &format!("{what}: queries"));

@@ -7,6 +7,11 @@
 //! change its launch values, so there the kernels read `p` from a device buffer that the host
 //! rewrites before each replay ([`StepPosition::Device`]), and grids are sized by a bound on
 //! `p` instead of `p` itself.
+//!
+//! A batch of sequences can step at positions of their own (many requests served at once):
+//! the device buffer then holds one position per sequence, `values[b]` for sequence `b`, and
+//! every sequence writes its own slot and attends to its own visible slots. A buffer of one
+//! position serves every sequence of the batch.
 
 use crate::{graph, AttentionMask, ReadBackError};
 use burn::tensor::{backend::Backend, Int, Tensor};
@@ -16,26 +21,54 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 pub enum StepPosition<B: Backend> {
     /// Known on the host: passed to the kernels as a launch value.
     Host(usize),
-    /// `values[0]` on the device (an int tensor; the kernels read its low 32 bits), read by
-    /// the kernels when they run: a recorded step replays at any position up to `bound`,
-    /// which sizes the launch grids.
+    /// On the device (an int tensor; the kernels read its low 32 bits), read by the kernels
+    /// when they run: a recorded step replays at any positions up to `bound`, which sizes the
+    /// launch grids. One value for the whole batch, or one per sequence (`values[b]`).
     Device { values: Tensor<B, 1, Int>, bound: usize },
 }
 
 impl<B: Backend> StepPosition<B> {
-    /// The position on the host: read back from the device for [`StepPosition::Device`] (a
-    /// synchronizing read, which a recorded step cannot replay: recording is marked as failed).
-    /// Fails when the read fails or the buffer holds a negative position.
+    /// The position on the host, where the whole batch is at one position: read back from the
+    /// device for [`StepPosition::Device`] (a synchronizing read, which a recorded step cannot
+    /// replay: recording is marked as failed). Fails when the read fails, the buffer holds a
+    /// negative position, or it holds positions of their own for several sequences.
     pub fn resolve(&self) -> Result<usize, ReadBackError> {
+        if let Self::Device { values, .. } = self {
+            if values.dims()[0] > 1 {
+                let reason = format!("the buffer holds {} positions, one per sequence, not one", values.dims()[0]);
+                return Err(ReadBackError { what: "the step's position", reason });
+            }
+        }
+        let rows = self.resolve_rows(1)?;
+        rows.first().copied().ok_or_else(|| ReadBackError { what: "the step's position", reason: "no position".into() })
+    }
+
+    /// Whether the sequences of the batch step at positions of their own.
+    pub fn per_sequence(&self) -> bool {
+        matches!(self, Self::Device { values, .. } if values.dims()[0] > 1)
+    }
+
+    /// The position of each of `batch` sequences on the host (see [`StepPosition::resolve`]):
+    /// a single position repeated, or the first `batch` of the buffer's. Fails where the buffer
+    /// holds fewer than `batch` positions of their own, or a negative one.
+    pub fn resolve_rows(&self, batch: usize) -> Result<Vec<usize>, ReadBackError> {
         match self {
-            Self::Host(p) => Ok(*p),
+            Self::Host(p) => Ok(vec![*p; batch]),
             Self::Device { values, .. } => {
                 graph::unsupported(|| "an operation read the step's position back to the host".into());
                 let fail = |reason: String| ReadBackError { what: "the step's position", reason };
-                let data = values.clone().slice(0..1).try_into_data().map_err(|e| fail(format!("{e:?}")))?;
-                let value = data.convert::<i64>().into_vec::<i64>().map_err(|e| fail(format!("{e:?}")))?;
-                let value = value.first().copied().ok_or_else(|| fail("the buffer is empty".into()))?;
-                usize::try_from(value).map_err(|_| fail(format!("the buffer holds {value}, not a position")))
+                let held = values.dims()[0];
+                if held == 0 || (held > 1 && held < batch) {
+                    return Err(fail(format!("the buffer holds {held} positions for {batch} sequences")));
+                }
+                let data = values.clone().try_into_data().map_err(|e| fail(format!("{e:?}")))?;
+                let all = data.convert::<i64>().into_vec::<i64>().map_err(|e| fail(format!("{e:?}")))?;
+                let row = |b: usize| {
+                    let value = all[if held == 1 { 0 } else { b }];
+                    // The kernels read the low 32 bits.
+                    usize::try_from(value).map_err(|_| fail(format!("the buffer holds {value}, not a position")))
+                };
+                (0..batch).map(row).collect()
             }
         }
     }
@@ -66,7 +99,8 @@ pub(crate) mod kernel {
     #[allow(clippy::large_enum_variant)]
     pub enum Position<R: CubeRuntime> {
         Host(usize),
-        /// `values[0]` (low 32 bits), at most `bound`.
+        /// `values[b]` for sequence `b`, or `values[0]` for all where it holds one (low 32
+        /// bits), at most `bound`.
         Device {
             values: CubeTensor<R>,
             bound: usize,
@@ -85,6 +119,15 @@ pub(crate) mod kernel {
         /// Whether the kernels read the position from the buffer (a comptime switch).
         pub fn on_device(&self) -> bool {
             matches!(self, Self::Device { .. })
+        }
+
+        /// The buffer index of sequence `b` is `b * stride()`: 1 where the buffer holds a
+        /// position per sequence, 0 where one serves the batch.
+        pub fn stride(&self) -> u32 {
+            match self {
+                Self::Device { values, .. } if values.meta.shape()[0] > 1 => 1,
+                _ => 0,
+            }
         }
 
         /// The buffer argument: the position's buffer, or `stand_in` (never read).

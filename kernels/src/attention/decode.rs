@@ -107,6 +107,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     kv_len: u32,
     q_offset: u32,
     k_offset: u32,
+    position_stride: u32,
     window: u32,
     scale: f32,
     cap: f32,
@@ -118,13 +119,17 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     #[comptime] position_on_device: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    // A position read on the device: the first `min(p + 1, kv_len)` slots are visible, placed
-    // so that the query at `p` sees them all (see `crate::step::decode_visible`).
+    // A position read on the device (sequence `b`'s own where the buffer holds one per
+    // sequence): the first `min(p + 1, kv_len)` slots are visible, placed so that the query at
+    // `p` sees them all (see `crate::step::decode_visible`).
+    let kv_heads = shape.kv_heads;
+    let b = CUBE_POS_Y as usize / kv_heads;
+    let kvh = CUBE_POS_Y as usize % kv_heads;
     let mut kv_len = kv_len;
     let mut q_offset = q_offset;
     let mut k_offset = k_offset;
     if position_on_device {
-        let p = step[0];
+        let p = step[b * position_stride as usize];
         kv_len = min(p + 1, kv_len);
         q_offset = p;
         k_offset = p + 1 - kv_len;
@@ -135,9 +140,6 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     let planes = tiling.planes;
     let n = k.vector_size();
     let nc = k_codes.vector_size();
-    let kv_heads = shape.kv_heads;
-    let b = CUBE_POS_Y as usize / kv_heads;
-    let kvh = CUBE_POS_Y as usize % kv_heads;
     let splits = CUBE_COUNT_X as usize;
     let split_index = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
@@ -509,6 +511,7 @@ pub(super) fn attention<R: CubeRuntime>(
         k_len as u32,
         mask.q_offset as u32,
         mask.k_offset as u32,
+        position.as_ref().map_or(0, Position::stride),
         mask.window.unwrap_or(0) as u32,
         scale as f32,
         softcap.unwrap_or(1.0) as f32,

@@ -228,6 +228,13 @@ pub(crate) mod kernel {
                 }
                 kv => super::tiled::attention(q, kv, out, options),
             },
+            (None, Some(position @ Position::Device { .. })) if position.stride() > 0 => {
+                // The caller runs such sequences one at a time ([`decode_kernel_applies`]).
+                return Err(crate::ReadBackError {
+                    what: "the step's positions",
+                    reason: format!("positions per sequence need the decode attention kernel (head size {dim})"),
+                });
+            }
             (None, Some(Position::Device { values, .. })) => {
                 crate::graph::unsupported(|| format!("no decode attention kernel for head size {dim}"));
                 let p = read_position(&values)?;
@@ -237,6 +244,13 @@ pub(crate) mod kernel {
                 super::tiled::attention(q, kv, out, &AttentionOptions { mask, ..*options })
             }
         })
+    }
+
+    /// Whether one decode query per sequence of `q` over `kv` runs in the decode kernel, which
+    /// reads a position per sequence; the other kernels take one mask for the whole batch.
+    pub fn decode_kernel_applies<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>) -> bool {
+        let shared = q.client.properties().hardware.max_shared_memory_size;
+        super::decode::tiling(q, kv, shared).is_some()
     }
 
     /// `values[0]` (its low 32 bits, as the kernels read it) of a step buffer, read back to the
@@ -448,5 +462,64 @@ mod gpu {
         }
     }
 
-    gpu_tests!(attention_matches_reference => attention, decode_at_position_matches_reference => decode_at_position);
+    /// One decode query per sequence, each at its own position read on the device (many
+    /// requests served at once), for the first sequences of a larger store: full stores and
+    /// rings, some wrapped and some not, dense and int8, head sizes the decode kernel takes and
+    /// ones it does not (run one sequence at a time), against f64 attention over each
+    /// sequence's own visible slots.
+    pub fn decode_per_sequence<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        use crate::{KvFormat, StepPosition};
+        seed::<B>(device, "decode_per_sequence");
+        let normal = Distribution::Normal(0.0, 1.0);
+        // (store batch, q heads, kv heads, slots, dim, positions, window, bound)
+        let cases: [(usize, usize, usize, usize, usize, &[usize], Option<usize>, usize); 5] = [
+            (4, 4, 1, 300, 256, &[0, 299, 17], None, 511),
+            (3, 8, 2, 8, 64, &[3, 21, 7], Some(8), 255),
+            (2, 2, 2, 33, 128, &[40, 1], Some(33), 4095),
+            (5, 8, 1, 40, 512, &[37, 2, 39, 11, 20], None, 255),
+            // 35 elements per lane do not split over 32 lanes: no decode kernel.
+            (3, 4, 2, 20, 70, &[19, 4], None, 31),
+        ];
+        for (store_batch, hq, hkv, slots, dim, positions, window, bound) in cases {
+            let batch = positions.len();
+            for format in [KvFormat::Dense(dtype), KvFormat::Int8] {
+                if format == KvFormat::Int8 && dim % 4 != 0 {
+                    continue;
+                }
+                let shape = [store_batch, hkv, slots, dim];
+                let rows = || Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
+                let store = B::kv_write(B::kv_zeros(shape, format, device), rows(), rows(), 0);
+                let q = Tensor::<B, 4>::random([batch, hq, 1, dim], normal, device).cast(dtype);
+                let scale = 1.0 / (dim as f64).sqrt();
+                let options =
+                    AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale, softcap: None };
+                let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+                let mut expected = Vec::new();
+                for (b, &position) in positions.iter().enumerate() {
+                    let (visible, mask) = crate::step::decode_visible(position, slots, window);
+                    let (k, v) = B::kv_read(&store.rows(b..b + 1), 0..visible, DType::F32);
+                    let q = q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]);
+                    let exact = AttentionOptions { mask, ..options };
+                    expected.extend(super::naive(&host(q), &host(k), &host(v), [1, hq, hkv, 1, visible, dim], &exact));
+                }
+                let expected =
+                    Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, 1, dim]), (device, DType::F32));
+                let own: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+                let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
+                let at = StepPosition::Device { values, bound };
+                let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options)
+                    .expect("the step positions read back");
+                let what = format!(
+                    "decode per sequence b{batch}/{store_batch} hq{hq} hkv{hkv} slots {slots} d{dim} at {positions:?} window {window:?} {format}"
+                );
+                assert_close(got, expected, tolerance(dtype), &what);
+            }
+        }
+    }
+
+    gpu_tests!(
+        attention_matches_reference => attention,
+        decode_at_position_matches_reference => decode_at_position,
+        decode_per_sequence_matches_reference => decode_per_sequence
+    );
 }

@@ -24,6 +24,26 @@ impl<B: Backend> Int8Kv<B> {
     pub fn device_bytes(&self) -> usize {
         self.codes.shape().num_elements() * self.codes.dtype().size() + self.scales.shape().num_elements() * 4
     }
+
+    /// Sequences `rows` (slices of the codes and scales).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Self {
+        let [_, h, slots, d] = self.shape;
+        Self {
+            codes: self.codes.clone().slice(s![rows.clone(), .., .., ..]),
+            scales: self.scales.clone().slice(s![rows.clone(), .., ..]),
+            shape: [rows.len(), h, slots, d],
+        }
+    }
+
+    /// Sequences `at..` replaced by `rows` (same heads, slots, head size and code layout).
+    pub(crate) fn assign_rows(self, at: usize, rows: Self) -> Self {
+        let n = rows.shape[0];
+        Self {
+            codes: self.codes.slice_assign(s![at..at + n, .., .., ..], rows.codes),
+            scales: self.scales.slice_assign(s![at..at + n, .., ..], rows.scales),
+            shape: self.shape,
+        }
+    }
 }
 
 /// Reference storage: `U8` codes `[batch, heads, slots, head_dim]`, zero scales.

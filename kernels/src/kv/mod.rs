@@ -81,6 +81,51 @@ impl<B: Backend> KvStore<B> {
         }
     }
 
+    /// Sequences `rows` of the store (slices of its tensors), `[rows.len(), kv_heads, slots,
+    /// head_dim]`.
+    pub fn rows(&self, rows: Range<usize>) -> Self {
+        match self {
+            Self::Dense { keys, values } => Self::Dense {
+                keys: keys.clone().slice(s![rows.clone(), .., .., ..]),
+                values: values.clone().slice(s![rows, .., .., ..]),
+            },
+            Self::Int8 { keys, values } => Self::Int8 { keys: keys.rows(rows.clone()), values: values.rows(rows) },
+        }
+    }
+
+    /// The store with sequences `at..at + n` replaced by `rows` (`n` sequences of the same
+    /// heads, slots, head size and format, as [`KvStore::rows`] returns them). Fails, returning
+    /// the store unchanged with the reason, where `rows` does not fit.
+    pub fn assign_rows(self, at: usize, rows: Self) -> Result<Self, (Self, StoreMismatch)> {
+        let (store, given) = (self.shape(), rows.shape());
+        let mismatch = |why: &'static str| StoreMismatch { store, rows: given, at, why };
+        if given[1..] != store[1..] || at + given[0] > store[0] {
+            return Err((self, mismatch("its shape does not fit")));
+        }
+        match (&self, &rows) {
+            (Self::Dense { keys, .. }, Self::Dense { keys: k, .. }) if keys.dtype() == k.dtype() => {}
+            (Self::Int8 { keys, .. }, Self::Int8 { keys: k, .. }) if keys.codes.dtype() == k.codes.dtype() => {}
+            _ => return Err((self, mismatch("its format differs"))),
+        }
+        Ok(self.replace_rows(at, rows))
+    }
+
+    /// [`KvStore::assign_rows`] for rows known to fit (taken from a store of the same shape and
+    /// format).
+    pub(crate) fn replace_rows(self, at: usize, rows: Self) -> Self {
+        match (self, rows) {
+            (Self::Dense { keys, values }, Self::Dense { keys: k, values: v }) => {
+                let range = s![at..at + k.dims()[0], .., .., ..];
+                Self::Dense { keys: keys.slice_assign(range.clone(), k), values: values.slice_assign(range, v) }
+            }
+            (Self::Int8 { keys, values }, Self::Int8 { keys: k, values: v }) => {
+                Self::Int8 { keys: keys.assign_rows(at, k), values: values.assign_rows(at, v) }
+            }
+            // Never reached by the callers; the store is left as it was.
+            (store, _) => store,
+        }
+    }
+
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
         let dense = |t: &Tensor<B, 4>| t.shape().num_elements() * t.dtype().size();
@@ -89,6 +134,16 @@ impl<B: Backend> KvStore<B> {
             Self::Int8 { keys, values } => keys.device_bytes() + values.device_bytes(),
         }
     }
+}
+
+/// Why [`KvStore::assign_rows`] refused rows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("rows {rows:?} cannot go into a store of {store:?} at sequence {at}: {why}")]
+pub struct StoreMismatch {
+    pub store: [usize; 4],
+    pub rows: [usize; 4],
+    pub at: usize,
+    pub why: &'static str,
 }
 
 /// Keys and values as attention reads them.
