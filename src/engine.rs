@@ -2,18 +2,24 @@
 //! requests submitted from any thread, each answered through its own [`RequestStream`].
 //!
 //! Scheduling is continuous: requests join and leave between steps. Up to
-//! [`EngineConfig::max_running`] sequences run at once, each with its own KV cache sized for
-//! its prompt and token budget; each round of the worker admits waiting requests, advances
-//! every generating sequence by one token, then runs prompt chunks of the newcomers within the
-//! round's token budget ([`EngineConfig::round_tokens`]), so a long prompt does not stall the
-//! others for longer than a chunk. A step runs one sequence at a time (eager
-//! decode, no CUDA graph): the steps over several sequences in one batch, with a paged cache,
-//! are the next part of this module's work, and will not change its API.
+//! [`EngineConfig::max_running`] sequences run at once. Each round of the worker admits waiting
+//! requests, advances every generating sequence by one token in **one batched decode step**,
+//! then runs prompt chunks of the newcomers within the round's token budget
+//! ([`EngineConfig::round_tokens`]), so a long prompt does not stall the others for longer than
+//! a chunk.
+//!
+//! The generating sequences are the first sequences of one KV cache of `max_running`
+//! sequences of [`EngineConfig::max_sequence_len`] positions each, each at its own position
+//! ([`Gemma::decode_logits`]): a step reads the weights once for all of them. A prompt runs in
+//! a cache of one sequence of its own (a few are kept for reuse), and when its first token is
+//! out its keys and values join the batched cache; a sequence that leaves gives its place to
+//! the last one. Sampling runs on the device, once for all the sequences that sample alike.
 //!
 //! A request that finds [`EngineConfig::max_waiting`] requests already waiting is refused at
 //! once ([`EngineError::QueueFull`]); one whose stream is dropped, or cancelled, stops at the
-//! next round and frees its cache; a failure in one sequence ends that request with its error
-//! and leaves the others running.
+//! next round and frees its place; a failure in one prompt ends that request with its error
+//! and leaves the others running (a failed batched step ends the sequences in it and starts a
+//! fresh cache for the next).
 
 use crate::{
     error::{BackendError, RequestError},
@@ -25,6 +31,9 @@ use crate::{
     stop_text::StopText,
     Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
 };
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_gemma_kernels::{Draws, SamplingParams};
+use burn_gemma_model::StepInputs;
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
@@ -39,7 +48,7 @@ use std::{
 /// How many requests an [`Engine`] serves at once and keeps waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// Sequences generating at once (each holds a KV cache).
+    /// Sequences generating at once: the batched KV cache holds this many.
     pub max_running: NonZeroUsize,
     /// Requests waiting for a place among the running; one more is refused.
     pub max_waiting: usize,
@@ -48,6 +57,10 @@ pub struct EngineConfig {
     /// first prompt chunk waiting runs whatever the budget, so prompts always advance; a long
     /// prompt delays the generating sequences by at most this many tokens' work per round.
     pub round_tokens: NonZeroUsize,
+    /// Positions (prompt and generated) each sequence holds, at most the model's context: the
+    /// KV cache is sized for `max_running` sequences of this many. A longer prompt is refused;
+    /// a sequence that fills its positions ends with [`StopReason::ContextFull`].
+    pub max_sequence_len: NonZeroUsize,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +69,7 @@ impl Default for EngineConfig {
             max_running: NonZeroUsize::new(16).unwrap_or(NonZeroUsize::MIN),
             max_waiting: 256,
             round_tokens: NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN),
+            max_sequence_len: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
         }
     }
 }
@@ -126,8 +140,14 @@ pub struct EngineMetrics {
     pub requests_refused: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
-    /// Bytes of KV cache allocated by the running sequences.
+    /// Bytes of KV cache allocated: the batched cache and the prompt caches.
     pub kv_cache_bytes: AtomicU64,
+    /// Sequences of the batched KV cache in use (generating), of `max_running`.
+    pub kv_sequences_in_use: AtomicUsize,
+    /// Batched decode steps run, and the sequences they stepped, summed: their ratio is the
+    /// mean batch.
+    pub decode_steps: AtomicU64,
+    pub decode_rows: AtomicU64,
     /// Requests that got their first token, and the microseconds from submission to it, summed
     /// (waiting included): their ratio is the mean time to first token.
     pub first_tokens: AtomicU64,
@@ -205,6 +225,8 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     vocab: usize,
     max_context: usize,
+    /// Positions per sequence.
+    capacity: usize,
     accepting: Arc<AtomicBool>,
 }
 
@@ -224,8 +246,12 @@ impl Engine {
         let vocab = model.config().vocab_size;
         let default_stops = default_stop_tokens(model.config(), &tokenizer);
         let max_context = model.config().max_position_embeddings;
+        let capacity = config.max_sequence_len.get().min(max_context);
+        // The batched cache, allocated here so that one the device cannot hold fails at once.
+        let rows = model.new_cache(config.max_running.get(), capacity)?;
         let tokenizer = Arc::new(tokenizer);
         let metrics = Arc::new(EngineMetrics::default());
+        metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
         let (commands, inbox) = mpsc::channel();
         let worker = Worker {
             model,
@@ -235,6 +261,10 @@ impl Engine {
             metrics: Arc::clone(&metrics),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            rows,
+            generating: 0,
+            spare: Vec::new(),
+            broken: None,
             draining: false,
         };
         let worker = std::thread::Builder::new()
@@ -249,6 +279,7 @@ impl Engine {
             tokenizer,
             vocab,
             max_context,
+            capacity,
             accepting: Arc::new(AtomicBool::new(true)),
         })
     }
@@ -275,7 +306,7 @@ impl Engine {
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(EngineError::ShutDown);
         }
-        check(&request, self.vocab, self.max_context)?;
+        check(&request, self.vocab, self.max_context, self.capacity)?;
         // Its settings checked here, with the other checks.
         let sampler = Sampler::new(request.generation.sampling.clone())?;
         // Checked and counted in one step, so that racing submits cannot both take the last place.
@@ -322,31 +353,43 @@ impl Drop for Engine {
 }
 
 /// The checks [`Engine::submit`] makes before queueing.
-fn check(request: &Request, vocab: usize, max_context: usize) -> Result<(), Error> {
+fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -> Result<(), Error> {
     let generation = &request.generation;
     check_input(&request.input, generation, vocab)?;
     if let Some(index) = request.stop_strings.iter().position(String::is_empty) {
         return Err(RequestError::EmptyStopString { index }.into());
     }
-    let needed = request.input.len() + generation.max_new_tokens;
-    if request.input.len() + 1 > max_context {
+    let prompt = request.input.len();
+    if prompt + 1 > max_context {
+        let new = generation.max_new_tokens;
         return Err(RequestError::ContextOverflow {
             context: 0,
-            prompt: request.input.len(),
-            new: generation.max_new_tokens,
-            needed,
+            prompt,
+            new,
+            needed: prompt + new,
             limit: max_context,
         }
         .into());
     }
+    if prompt + 1 > capacity {
+        return Err(RequestError::SequenceTooLong { prompt, limit: capacity }.into());
+    }
     Ok(())
+}
+
+/// Where a running sequence's keys and values are.
+enum Place<B: GemmaBackend> {
+    /// Its prompt runs in a cache of its own.
+    Prompt(KvCache<B>),
+    /// Generating: sequence `row` of the batched cache.
+    Row(usize),
 }
 
 /// A running request.
 struct Sequence<B: GemmaBackend> {
     submitted: Submitted,
-    cache: KvCache<B>,
-    /// Prompt and generated tokens so far.
+    place: Place<B>,
+    /// Prompt and generated tokens in the cache so far.
     context: Vec<u32>,
     /// What the next step feeds the model: the prompt first, then the last token.
     input: Vec<u32>,
@@ -355,19 +398,31 @@ struct Sequence<B: GemmaBackend> {
     utf8: Utf8Stream,
     stop_text: StopText,
     first_token: Option<Duration>,
+    /// Positions its cache holds.
+    capacity: usize,
 }
 
 impl<B: GemmaBackend> Sequence<B> {
-    /// Whether its prompt is still being run (no token sampled yet).
-    fn in_prompt(&self) -> bool {
-        self.generated == 0
+    /// The batched cache's sequence it generates in, once its prompt is done.
+    fn row(&self) -> Option<usize> {
+        match self.place {
+            Place::Row(row) => Some(row),
+            Place::Prompt(_) => None,
+        }
     }
 
-    /// Tokens its next step runs: the next prompt chunk, or the last token.
+    /// Tokens its next prompt step runs: the next chunk.
     fn next_chunk(&self) -> usize {
         self.input.len().min(self.submitted.request.generation.prefill_chunk.get())
     }
+
+    fn cancelled(&self) -> bool {
+        self.submitted.cancel.load(Ordering::SeqCst)
+    }
 }
+
+/// Caches of one sequence kept for the next prompts: a few, as prompts run one chunk at a time.
+const SPARE_PROMPT_CACHES: usize = 4;
 
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
@@ -378,6 +433,14 @@ struct Worker<B: GemmaBackend> {
     metrics: Arc<EngineMetrics>,
     waiting: VecDeque<Submitted>,
     running: Vec<Sequence<B>>,
+    /// The generating sequences' keys and values: its first `generating` sequences.
+    rows: KvCache<B>,
+    generating: usize,
+    /// Prompt caches of finished prompts, reset, for the next.
+    spare: Vec<KvCache<B>>,
+    /// Why the batched cache can no longer be trusted (a sequence could not be moved in it):
+    /// the generating sequences end with this at the next round.
+    broken: Option<String>,
     draining: bool,
 }
 
@@ -414,20 +477,18 @@ impl<B: GemmaBackend> Worker<B> {
         }
     }
 
-    /// Moves waiting requests to the running while there is room: each gets its cache and its
-    /// first token.
+    /// Moves waiting requests to the running while there is room: each gets a prompt cache.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running.get() {
             let Some(submitted) = self.waiting.pop_front() else { break };
             self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-            if submitted.cancel.load(Ordering::SeqCst) {
+            if submitted.cancelled() {
                 self.finish_cancelled(submitted);
                 continue;
             }
             match self.start(submitted) {
                 Ok(sequence) => {
                     self.metrics.running.fetch_add(1, Ordering::SeqCst);
-                    self.metrics.kv_cache_bytes.fetch_add(sequence.cache.device_bytes() as u64, Ordering::SeqCst);
                     self.metrics.prompt_tokens.fetch_add(sequence.input.len() as u64, Ordering::Relaxed);
                     self.running.push(sequence);
                 }
@@ -440,73 +501,169 @@ impl<B: GemmaBackend> Worker<B> {
         }
     }
 
-    /// A sequence for `submitted`: its cache sized for the prompt and budget, its stop tokens.
-    fn start(&self, submitted: Submitted) -> Result<Sequence<B>, Box<(Submitted, Error)>> {
-        let generation = &submitted.request.generation;
-        let capacity = (submitted.request.input.len() + generation.max_new_tokens)
-            .min(self.model.config().max_position_embeddings);
-        let cache = match self.model.new_cache(1, capacity) {
-            Ok(cache) => cache,
-            Err(e) => return Err(Box::new((submitted, e.into()))),
+    /// A sequence for `submitted`: a prompt cache (a spare one where there is one), its stop
+    /// tokens.
+    fn start(&mut self, submitted: Submitted) -> Result<Sequence<B>, Box<(Submitted, Error)>> {
+        let cache = match self.spare.pop() {
+            Some(cache) => cache,
+            None => match self.model.new_cache(1, self.rows.capacity()) {
+                Ok(cache) => {
+                    self.metrics.kv_cache_bytes.fetch_add(cache.device_bytes() as u64, Ordering::SeqCst);
+                    cache
+                }
+                Err(e) => return Err(Box::new((submitted, e.into()))),
+            },
         };
+        let generation = &submitted.request.generation;
         let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
         Ok(Sequence {
-            cache,
-            context: Vec::with_capacity(capacity),
+            place: Place::Prompt(cache),
+            context: Vec::with_capacity(submitted.request.input.len() + generation.max_new_tokens),
             input: submitted.request.input.clone(),
             stops,
             generated: 0,
             utf8: Utf8Stream::default(),
             stop_text: StopText::new(submitted.request.stop_strings.clone()),
             first_token: None,
+            capacity: self.rows.capacity(),
             submitted,
         })
     }
 
-    /// One token for every generating sequence, then prompt chunks within the round's budget
-    /// ([`EngineConfig::round_tokens`]); the finished leave.
+    /// One token for every generating sequence in one batched step, then prompt chunks within
+    /// the round's budget ([`EngineConfig::round_tokens`]); the finished leave.
     fn round(&mut self) {
         let mut budget = self.config.round_tokens.get();
-        for prompts in [false, true] {
-            let mut chunk_ran = false;
-            let mut i = 0;
-            while i < self.running.len() {
-                let sequence = &self.running[i];
-                let tokens = sequence.next_chunk();
-                if sequence.in_prompt() != prompts || (prompts && chunk_ran && tokens > budget) {
-                    i += 1;
-                    continue;
-                }
-                budget = budget.saturating_sub(tokens);
-                chunk_ran |= prompts;
-                match self.advance(i) {
-                    Ok(Stepped::Continue) => i += 1,
-                    Ok(Stepped::Finished(reason)) => self.conclude(i, Ok(reason)),
-                    Err(e) => self.conclude(i, Err(e)),
-                }
+        self.leave_cancelled();
+        if let Some(reason) = self.broken.clone() {
+            self.fail_generating(reason);
+        }
+        if self.generating > 0 {
+            budget = budget.saturating_sub(self.generating);
+            self.generate();
+        }
+        let mut chunk_ran = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let sequence = &self.running[i];
+            let tokens = sequence.next_chunk();
+            if sequence.row().is_some() || (chunk_ran && tokens > budget) {
+                i += 1;
+                continue;
+            }
+            budget = budget.saturating_sub(tokens);
+            chunk_ran = true;
+            match self.advance_prompt(i) {
+                Ok(Stepped::Continue) => i += 1,
+                Ok(Stepped::Finished(reason)) => self.conclude(i, Ok(reason)),
+                Err(e) => self.conclude(i, Err(e)),
             }
         }
     }
 
-    /// Runs running sequence `i`'s next step, or ends it where it was cancelled. A panic in the
-    /// backend (the GPU runtimes panic on some device failures) ends this request with an
-    /// error; the others keep their own caches.
-    fn advance(&mut self, i: usize) -> Result<Stepped, Error> {
-        let sequence = &mut self.running[i];
-        if sequence.submitted.cancel.load(Ordering::SeqCst) {
-            return Ok(Stepped::Finished(StopReason::Interrupted));
+    /// Ends the cancelled sequences.
+    fn leave_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                self.conclude(i, Ok(StopReason::Interrupted));
+            } else {
+                i += 1;
+            }
         }
+    }
+
+    /// Runs running sequence `i`'s next prompt chunk; after its last, samples its first token
+    /// and moves it to the batched cache. A panic in the backend (the GPU runtimes panic on
+    /// some device failures) ends this request with an error.
+    fn advance_prompt(&mut self, i: usize) -> Result<Stepped, Error> {
         let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(model, tokenizer, sequence, metrics)))
-            .unwrap_or_else(|panic| {
-                Err(BackendError::Panicked { what: "a generation step", message: panic_message(&*panic) }.into())
-            })
+        let sequence = &mut self.running[i];
+        let stepped = catch_panic("a prompt step", || prompt_step(model, tokenizer, sequence, metrics))?;
+        if matches!(stepped, Stepped::Continue) && sequence.input.len() == 1 && sequence.generated > 0 {
+            // Its first token is out: its keys and values join the generating sequences'.
+            let row = self.generating;
+            if let Place::Prompt(cache) = &sequence.place {
+                self.rows.copy_sequence(row, cache, 0)?;
+            }
+            if let Place::Prompt(cache) = std::mem::replace(&mut sequence.place, Place::Row(row)) {
+                self.keep_spare(cache);
+            }
+            self.generating += 1;
+            self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+        }
+        Ok(stepped)
+    }
+
+    /// One batched decode step over the generating sequences, each at its own position, then
+    /// each one's token. A failed step ends every sequence in it and starts a fresh cache.
+    fn generate(&mut self) {
+        let mut order: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].row().is_some()).collect();
+        order.sort_by_key(|&i| self.running[i].row());
+        // The token each feeds is in its context from here on (its penalty's history).
+        for &i in &order {
+            let sequence = &mut self.running[i];
+            sequence.context.push(sequence.input[0]);
+        }
+        let model = &self.model;
+        let (rows, running) = (&mut self.rows, &mut self.running);
+        let tokens = catch_panic("a batched decode step", || decode_rows(model, rows, running, &order));
+        self.metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+        self.metrics.decode_rows.fetch_add(order.len() as u64, Ordering::Relaxed);
+        let tokens = match tokens {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                self.fail_generating(e.to_string());
+                return;
+            }
+        };
+        // Each sequence's token; the finished leave afterwards, from the last row back, so that
+        // the rows still to move are never the ones that left.
+        let mut finished = Vec::new();
+        for (&i, token) in order.iter().zip(tokens) {
+            let sequence = &mut self.running[i];
+            let outcome = checked_token(token, self.model.config().vocab_size, sequence.generated)
+                .map(|token| emit(&self.tokenizer, sequence, token, &self.metrics));
+            if !matches!(outcome, Ok(Stepped::Continue)) {
+                finished.push((i, outcome));
+            }
+        }
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, outcome) in finished {
+            match outcome {
+                Ok(Stepped::Finished(reason)) => self.conclude(i, Ok(reason)),
+                Ok(Stepped::Continue) => {}
+                Err(e) => self.conclude(i, Err(e)),
+            }
+        }
+    }
+
+    /// Ends every generating sequence with `reason` (a batched step failed) and replaces the
+    /// batched cache, whose stores the failure may have lost.
+    fn fail_generating(&mut self, reason: String) {
+        // No sequence is moved in a cache about to be replaced.
+        self.broken = Some(reason.clone());
+        let mut i = self.running.len();
+        while i > 0 {
+            i -= 1;
+            if self.running[i].row().is_some() {
+                let e = BackendError::Failed { what: "a batched decode step", reason: reason.clone() };
+                self.conclude(i, Err(e.into()));
+            }
+        }
+        self.generating = 0;
+        self.metrics.kv_sequences_in_use.store(0, Ordering::SeqCst);
+        if let Ok(fresh) = self.model.new_cache(self.rows.batch(), self.rows.capacity()) {
+            self.rows = fresh;
+            self.broken = None;
+        }
     }
 
     /// Takes running sequence `i` out, finished with `reason` or failed, and tells its stream.
+    /// A generating sequence's row goes to the last generating sequence.
     fn conclude(&mut self, i: usize, outcome: Result<StopReason, Error>) {
         let mut sequence = self.running.remove(i);
-        self.retire(&sequence);
+        self.retire(&mut sequence);
         let event = match outcome {
             Ok(reason) => {
                 self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
@@ -530,9 +687,36 @@ impl<B: GemmaBackend> Worker<B> {
         let _ = sequence.submitted.events.send(event);
     }
 
-    fn retire(&self, sequence: &Sequence<B>) {
+    /// Frees what `sequence` held: its prompt cache goes to the spares, its row to the last
+    /// generating sequence.
+    fn retire(&mut self, sequence: &mut Sequence<B>) {
         self.metrics.running.fetch_sub(1, Ordering::SeqCst);
-        self.metrics.kv_cache_bytes.fetch_sub(sequence.cache.device_bytes() as u64, Ordering::SeqCst);
+        match std::mem::replace(&mut sequence.place, Place::Row(usize::MAX)) {
+            Place::Prompt(cache) => self.keep_spare(cache),
+            Place::Row(row) => {
+                self.generating -= 1;
+                self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+                let last = self.generating;
+                if row != last && self.broken.is_none() {
+                    if let Err(e) = self.rows.move_sequence(last, row) {
+                        self.broken = Some(e.to_string());
+                    }
+                    if let Some(other) = self.running.iter_mut().find(|s| s.row() == Some(last)) {
+                        other.place = Place::Row(row);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps a prompt cache for the next prompt, or frees it where enough are kept.
+    fn keep_spare(&mut self, mut cache: KvCache<B>) {
+        if self.spare.len() < SPARE_PROMPT_CACHES {
+            cache.reset();
+            self.spare.push(cache);
+        } else {
+            self.metrics.kv_cache_bytes.fetch_sub(cache.device_bytes() as u64, Ordering::SeqCst);
+        }
     }
 
     fn finish_cancelled(&self, submitted: Submitted) {
@@ -550,7 +734,7 @@ impl<B: GemmaBackend> Worker<B> {
     /// Ends every request with [`StopReason::Interrupted`].
     fn abort(&mut self) {
         for sequence in std::mem::take(&mut self.running) {
-            self.retire(&sequence);
+            self.metrics.running.fetch_sub(1, Ordering::SeqCst);
             self.finish_cancelled(sequence.submitted);
         }
         for submitted in std::mem::take(&mut self.waiting) {
@@ -558,6 +742,19 @@ impl<B: GemmaBackend> Worker<B> {
             self.finish_cancelled(submitted);
         }
     }
+}
+
+impl Submitted {
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst)
+    }
+}
+
+/// Runs `f`, turning a panic in the backend (the GPU runtimes panic on some device failures)
+/// into an error naming `what`.
+fn catch_panic<T>(what: &'static str, f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|panic| Err(BackendError::Panicked { what, message: panic_message(&*panic) }.into()))
 }
 
 /// The message a panic carried, where it carried text.
@@ -569,30 +766,103 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// Runs a sequence's pending input and samples its next token, which goes to its stream.
-fn step<B: GemmaBackend>(
+/// Runs a sequence's next prompt chunk; after the last, samples its first token, which goes to
+/// its stream.
+fn prompt_step<B: GemmaBackend>(
     model: &Gemma<B>,
     tokenizer: &Tokenizer,
     sequence: &mut Sequence<B>,
     metrics: &EngineMetrics,
 ) -> Result<Stepped, Error> {
-    let generation = &sequence.submitted.request.generation;
-    let device = model.device();
     let chunk = sequence.next_chunk();
+    let prefill_chunk = sequence.submitted.request.generation.prefill_chunk;
+    let Place::Prompt(cache) = &mut sequence.place else {
+        return Ok(Stepped::Continue);
+    };
+    let device = model.device();
     if chunk < sequence.input.len() {
         // A prompt chunk before its last: fills the cache, samples nothing (the chunks fall
         // where the plain generator's do, so the cache holds the same values).
         let filling: Vec<u32> = sequence.input.drain(..chunk).collect();
-        model.forward_last(token_tensor(&filling, &device), &mut sequence.cache)?;
+        model.forward_last(token_tensor(&filling, &device), cache)?;
         sequence.context.extend_from_slice(&filling);
         return Ok(Stepped::Continue);
     }
-    let logits = prefill(model, &mut sequence.cache, &sequence.input, generation.prefill_chunk, &device)?;
+    let logits = prefill(model, cache, &sequence.input, prefill_chunk, &device)?;
     sequence.context.extend_from_slice(&sequence.input);
     let sampler = &mut sequence.submitted.sampler;
     let draws = sampler.draws(1);
     let token = first_sampled(sampler.sample_with_draws(logits, &sequence.context, &draws)?)?;
     let token = checked_token(token, model.config().vocab_size, sequence.generated)?;
+    Ok(emit(tokenizer, sequence, token, metrics))
+}
+
+/// One decode step of the generating sequences `order` (indices into `running`, in the order
+/// of their rows, which are the first rows of `rows`): each feeds its last token at its own
+/// position; the sampled ids come back in the same order.
+fn decode_rows<B: GemmaBackend>(
+    model: &Gemma<B>,
+    rows: &mut KvCache<B>,
+    running: &mut [Sequence<B>],
+    order: &[usize],
+) -> Result<Vec<i64>, Error> {
+    let ids: Vec<u32> = order.iter().map(|&i| running[i].input[0]).collect();
+    // The fed token is the last of the context.
+    let positions: Vec<usize> = order.iter().map(|&i| running[i].context.len() - 1).collect();
+    let device = model.device();
+    let inputs = StepInputs::sequences(&ids, &positions, &device)?;
+    let logits = model.decode_logits(&inputs, rows)?;
+    let mut sampled = vec![0i64; order.len()];
+    // Sequences that sample alike share one sampling launch (and one read back); those with a
+    // repetition penalty, which depends on their own history, sample alone.
+    let mut groups: Vec<(SamplingParams, Vec<usize>)> = Vec::new();
+    for (r, &i) in order.iter().enumerate() {
+        let sampler = &mut running[i].submitted.sampler;
+        if sampler.penalizes() {
+            let draws = sampler.draws(1);
+            let row = logits.clone().slice([r..r + 1, 0..model.config().vocab_size]);
+            sampled[r] = first_sampled(sampler.sample_with_draws(row, &running[i].context, &draws)?)?;
+            continue;
+        }
+        let params = sampler.params();
+        match groups.iter_mut().find(|(p, _)| *p == params) {
+            Some((_, members)) => members.push(r),
+            None => groups.push((params, vec![r])),
+        }
+    }
+    for (params, members) in groups {
+        let draws: Vec<f32> = members.iter().flat_map(|&r| running[order[r]].submitted.sampler.draws(1)).collect();
+        let group = if members.len() == order.len() {
+            logits.clone()
+        } else {
+            let index: Vec<i64> = members.iter().map(|&r| r as i64).collect();
+            let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [members.len()]), &device);
+            logits.clone().select(0, index)
+        };
+        let ids = B::sample(group, &params, Draws::Host(&draws)).map_err(burn_gemma_model::ModelError::from)?;
+        for (&r, id) in members.iter().zip(read_ids(ids)?) {
+            sampled[r] = id;
+        }
+    }
+    Ok(sampled)
+}
+
+/// Sampled ids read back.
+fn read_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec<i64>, BackendError> {
+    let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
+    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
+    ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
+}
+
+/// A sampled `token` of `sequence`: counted, checked against its stops, its text sent to its
+/// stream; whether the sequence goes on (its next input is then the token).
+fn emit<B: GemmaBackend>(
+    tokenizer: &Tokenizer,
+    sequence: &mut Sequence<B>,
+    token: u32,
+    metrics: &EngineMetrics,
+) -> Stepped {
+    let generation = &sequence.submitted.request.generation;
     if sequence.first_token.is_none() {
         let elapsed = sequence.submitted.submitted.elapsed();
         sequence.first_token = Some(elapsed);
@@ -602,23 +872,23 @@ fn step<B: GemmaBackend>(
     sequence.generated += 1;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
     if sequence.stops.contains(&token) {
-        return Ok(Stepped::Finished(StopReason::StopToken(token)));
+        return Stepped::Finished(StopReason::StopToken(token));
     }
     let text = sequence.utf8.push(tokenizer.token_bytes(token));
     let pushed = sequence.stop_text.push(&text);
     if sequence.submitted.events.send(Ok(Event::Token(Token { id: token, text: pushed.text }))).is_err() {
         // Nobody listens any more.
-        return Ok(Stepped::Finished(StopReason::Interrupted));
+        return Stepped::Finished(StopReason::Interrupted);
     }
     if let Some(index) = pushed.stopped {
-        return Ok(Stepped::Finished(StopReason::StopString(index)));
+        return Stepped::Finished(StopReason::StopString(index));
     }
     if sequence.generated >= generation.max_new_tokens {
-        return Ok(Stepped::Finished(StopReason::MaxTokens));
+        return Stepped::Finished(StopReason::MaxTokens);
     }
-    if sequence.context.len() + 1 > sequence.cache.capacity() {
-        return Ok(Stepped::Finished(StopReason::ContextFull));
+    if sequence.context.len() + 1 > sequence.capacity {
+        return Stepped::Finished(StopReason::ContextFull);
     }
     sequence.input = vec![token];
-    Ok(Stepped::Continue)
+    Stepped::Continue
 }

@@ -141,6 +141,12 @@ pub enum RequestError {
          context of {limit} tokens"
     )]
     ContextOverflow { context: usize, prompt: usize, new: usize, needed: usize, limit: usize },
+    /// A prompt longer than an engine's sequences hold (`EngineConfig::max_sequence_len`).
+    #[error(
+        "{prompt} prompt tokens leave no room for a new token in the engine's sequences of {limit} positions \
+         (its max_sequence_len)"
+    )]
+    SequenceTooLong { prompt: usize, limit: usize },
     /// `CudaGraph::On` with a repetition penalty (which runs eagerly).
     #[error(
         "--cuda-graph on cannot apply a repetition penalty (it runs eagerly): use --repeat-penalty 1 or \
@@ -187,6 +193,9 @@ pub enum BackendError {
     /// The backend panicked during an operation (caught where it would end other work).
     #[error("the backend panicked during {what}: {message}")]
     Panicked { what: &'static str, message: String },
+    /// An operation shared by several requests failed (each of them gets this error).
+    #[error("{what} failed: {reason}")]
+    Failed { what: &'static str, reason: String },
     /// The operating system refused a worker thread.
     #[error("cannot start the {what} thread: {reason}")]
     Thread { what: &'static str, reason: String },

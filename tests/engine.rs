@@ -9,14 +9,18 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray,
     engine::{Engine, EngineConfig, EngineError, Event, Request},
-    Checkpoint, Error, Gemma, GenerationConfig, Generator, LoadOptions, SamplingConfig, StopReason,
+    Checkpoint, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, SamplingConfig, StopReason,
 };
 use std::num::NonZeroUsize;
 
 const FIXTURES: [&str; 3] = ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma4-moe"];
 
 fn model(fixture: &str) -> Gemma<NdArray> {
-    let options = LoadOptions::<NdArray>::new().dtype(DType::F32);
+    model_on::<NdArray>(fixture, &Default::default())
+}
+
+fn model_on<B: GemmaBackend>(fixture: &str, device: &B::Device) -> Gemma<B> {
+    let options = LoadOptions::<B>::new().device(device.clone()).dtype(DType::F32);
     Checkpoint::open(common::fixtures().join(fixture)).expect("open").load(options).expect("load").model
 }
 
@@ -59,8 +63,11 @@ fn requests(input: &[u32], prefill_chunk: NonZeroUsize) -> Vec<Request> {
 }
 
 /// Each request alone through the plain [`Generator`].
-fn alone(fixture: &str, requests: &[Request]) -> Vec<(Vec<u32>, StopReason)> {
-    let mut generator = Generator::new(model(fixture), common::tiny_tokenizer()).expect("generator");
+fn alone<B: GemmaBackend>(fixture: &str, requests: &[Request], device: &B::Device) -> Vec<(Vec<u32>, StopReason)>
+where
+    Gemma<B>: Send + 'static,
+{
+    let mut generator = Generator::new(model_on::<B>(fixture, device), common::tiny_tokenizer()).expect("generator");
     requests
         .iter()
         .map(|r| {
@@ -96,19 +103,23 @@ fn collect(stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) 
 }
 
 /// Seven requests through an engine running three at once against each alone, with
-/// `prefill_chunk` and the engine's `round_tokens`.
-fn many_requests_match_alone(prefill_chunk: usize, round_tokens: usize) {
+/// `prefill_chunk` and the engine's `round_tokens`, on backend `B`.
+fn many_requests_match_alone<B: GemmaBackend>(prefill_chunk: usize, round_tokens: usize, device: &B::Device)
+where
+    Gemma<B>: Send + 'static,
+{
     let prefill_chunk = NonZeroUsize::new(prefill_chunk).unwrap();
     for fixture in FIXTURES {
         let requests = requests(&input(fixture), prefill_chunk);
-        let expected = alone(fixture, &requests);
+        let expected = alone::<B>(fixture, &requests, device);
         // Three run at once, so four wait and join as others leave.
         let config = EngineConfig {
             max_running: NonZeroUsize::new(3).unwrap(),
             max_waiting: 16,
             round_tokens: NonZeroUsize::new(round_tokens).unwrap(),
+            ..EngineConfig::default()
         };
-        let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+        let engine = Engine::new(model_on::<B>(fixture, device), common::tiny_tokenizer(), config).expect("engine");
         let got: Vec<(Vec<u32>, StopReason)> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
                 .iter()
@@ -135,7 +146,12 @@ fn many_requests_match_alone(prefill_chunk: usize, round_tokens: usize) {
         let metrics = engine.metrics();
         assert_eq!(metrics.running.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(metrics.waiting.load(std::sync::atomic::Ordering::SeqCst), 0);
-        assert_eq!(metrics.kv_cache_bytes.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(metrics.kv_sequences_in_use.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // Some decode steps ran several requests at once.
+        let steps = metrics.decode_steps.load(std::sync::atomic::Ordering::SeqCst);
+        let rows = metrics.decode_rows.load(std::sync::atomic::Ordering::SeqCst);
+        println!("{fixture}: {steps} decode steps of {:.2} sequences on average", rows as f64 / steps.max(1) as f64);
+        assert!(rows > steps, "{fixture}: {rows} sequences in {steps} decode steps");
         assert_eq!(metrics.requests_finished.load(std::sync::atomic::Ordering::SeqCst), requests.len() as u64);
         engine.shutdown();
     }
@@ -143,14 +159,28 @@ fn many_requests_match_alone(prefill_chunk: usize, round_tokens: usize) {
 
 #[test]
 fn many_requests_at_once_match_each_alone() {
-    many_requests_match_alone(2048, 2048);
+    many_requests_match_alone::<NdArray>(2048, 2048, &Default::default());
+}
+
+/// The batched step's kernels (a position per sequence in the KV append and decode attention)
+/// on a GPU backend, against the plain generator on the same backend.
+#[cfg(feature = "wgpu")]
+#[test]
+fn many_requests_at_once_match_each_alone_on_wgpu() {
+    many_requests_match_alone::<burn_gemma::backends::Wgpu>(7, 9, &Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn many_requests_at_once_match_each_alone_on_cuda() {
+    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, &Default::default());
 }
 
 /// Prompts in chunks of 7 under a budget of 9 tokens a round: prompts advance a chunk or so per
 /// round between the others' tokens, and every request still gets its tokens alone.
 #[test]
 fn prompt_chunks_interleaved_with_generation_match_each_alone() {
-    many_requests_match_alone(7, 9);
+    many_requests_match_alone::<NdArray>(7, 9, &Default::default());
 }
 
 /// A stop string cuts a request's text before it: the token events and the finish's held text

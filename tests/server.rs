@@ -337,8 +337,12 @@ async fn two_hundred_requests_at_32_concurrent_are_all_answered_once() {
     let metrics = running.server.engine().metrics();
     assert_eq!(metrics.running.load(Ordering::SeqCst), 0);
     assert_eq!(metrics.waiting.load(Ordering::SeqCst), 0);
-    assert_eq!(metrics.kv_cache_bytes.load(Ordering::SeqCst), 0);
+    assert_eq!(metrics.kv_sequences_in_use.load(Ordering::SeqCst), 0);
     assert_eq!(metrics.requests_finished.load(Ordering::SeqCst), 200);
+    // Decode steps ran several requests at once.
+    let (steps, rows) = (metrics.decode_steps.load(Ordering::SeqCst), metrics.decode_rows.load(Ordering::SeqCst));
+    println!("{steps} decode steps of {:.2} sequences on average", rows as f64 / steps.max(1) as f64);
+    assert!(rows > steps, "{rows} sequences in {steps} decode steps");
     assert_eq!(metrics.requests_failed.load(Ordering::SeqCst), 0);
     let text = reqwest::get(format!("{}/metrics", running.base)).await.unwrap().text().await.unwrap();
     assert!(text.contains("burn_gemma_requests_finished_total 200"), "{text}");

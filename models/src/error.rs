@@ -53,6 +53,10 @@ pub enum ModelError {
     /// store was being written); make a new cache.
     #[error("the KV cache lost a layer's store when an earlier step failed; make a new cache")]
     CacheLost,
+    /// A sequence copied between KV caches (or within one) that do not hold it alike, or to a
+    /// sequence the cache does not have.
+    #[error("cannot copy a KV cache sequence: {0}")]
+    CacheMismatch(String),
     /// Decode could not be recorded or replayed as a CUDA graph.
     #[error(transparent)]
     Graph(#[from] burn_gemma_kernels::graph::GraphError),

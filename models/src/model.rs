@@ -25,9 +25,9 @@ use burn_gemma_kernels::{Draws, GemmaBackend, KvFormat, SamplingParams, StepPosi
 /// replayed step reads them there after the host rewrote them.
 #[derive(Debug, Clone)]
 pub struct StepInputs<B: GemmaBackend> {
-    /// `[1]` (int): the position of the step.
+    /// `[1]` (int): the position of every sequence; or `[batch]`: each sequence's own.
     pub position: Tensor<B, 1, Int>,
-    /// `[batch, 1]` (int): each sequence's token at that position.
+    /// `[batch, 1]` (int): each sequence's token at its position.
     pub ids: Tensor<B, 2, Int>,
     /// `[batch]` (f32): the uniform draw each sequence samples with (greedy reads none).
     pub draws: Tensor<B, 1>,
@@ -36,7 +36,7 @@ pub struct StepInputs<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> StepInputs<B> {
-    /// Zeroed buffers for `batch` sequences, serving positions up to `bound`.
+    /// Zeroed buffers for `batch` sequences at one position, serving positions up to `bound`.
     pub fn zeros(batch: usize, bound: usize, device: &B::Device) -> Self {
         Self {
             position: Tensor::zeros([1], device),
@@ -44,6 +44,28 @@ impl<B: GemmaBackend> StepInputs<B> {
             draws: Tensor::zeros([batch], (device, DType::F32)),
             bound,
         }
+    }
+
+    /// Sequences stepping at positions of their own: `ids[b]` at `positions[b]` (many requests
+    /// served at once). The bound is the largest position; nothing is sampled on the device.
+    pub fn sequences(ids: &[u32], positions: &[usize], device: &B::Device) -> Result<Self, ModelError> {
+        if ids.len() != positions.len() || ids.is_empty() {
+            return Err(ModelError::InvalidInput(format!(
+                "a decode step over {} tokens at {} positions",
+                ids.len(),
+                positions.len()
+            )));
+        }
+        let batch = ids.len();
+        let ints = |v: Vec<i64>, shape: Vec<usize>| burn::tensor::TensorData::new(v, shape);
+        let ids = ints(ids.iter().map(|&t| i64::from(t)).collect(), vec![batch, 1]);
+        let own = ints(positions.iter().map(|&p| p as i64).collect(), vec![batch]);
+        Ok(Self {
+            position: Tensor::from_data(own, device),
+            ids: Tensor::from_data(ids, device),
+            draws: Tensor::zeros([batch], (device, DType::F32)),
+            bound: positions.iter().copied().max().unwrap_or(0),
+        })
     }
 }
 
@@ -263,10 +285,22 @@ impl<B: GemmaBackend> Gemma<B> {
         cache: &mut KvCache<B>,
         sampling: &SamplingParams,
     ) -> Result<(Tensor<B, 1, Int>, Tensor<B, 2>), ModelError> {
+        let logits = self.decode_logits(inputs, cache)?;
+        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()))?;
+        Ok((ids, logits))
+    }
+
+    /// [`Gemma::decode_step`] without the sampling: the logits `[batch, vocab]` in the
+    /// activation dtype (capped where the config has a final softcap). The `batch` sequences
+    /// are the first of `cache`'s, each at its own position where `inputs.position` holds one
+    /// per sequence ([`StepInputs::sequences`]).
+    pub fn decode_logits(&self, inputs: &StepInputs<B>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
         let [batch, seq] = inputs.ids.dims();
-        if seq != 1 || batch != cache.batch() {
+        let positions = inputs.position.dims()[0];
+        if seq != 1 || batch == 0 || batch > cache.batch() || (positions != 1 && positions != batch) {
             return Err(ModelError::InvalidInput(format!(
-                "a decode step takes one token per sequence of the cache's batch ({}), got [{batch}, {seq}]",
+                "a decode step takes one token per sequence, for at most the cache's {} sequences, at one \
+                 position or one per sequence; got tokens [{batch}, {seq}] at {positions} positions",
                 cache.batch()
             )));
         }
@@ -277,12 +311,10 @@ impl<B: GemmaBackend> Gemma<B> {
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
         let hidden = self.layers_forward(inputs.ids.clone(), cache, &position)?;
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
-        let logits = match self.config.final_logit_softcapping {
+        Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
-        };
-        let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()))?;
-        Ok((ids, logits))
+        })
     }
 
     /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.

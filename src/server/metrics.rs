@@ -19,7 +19,7 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 13] = [
+    let metrics: [(&str, &str, &str, f64); 16] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -30,8 +30,26 @@ fn render(server: &Server) -> String {
         (
             "burn_gemma_kv_cache_bytes",
             "gauge",
-            "KV cache bytes held by the running requests.",
+            "KV cache bytes allocated (the batched cache and the prompt caches).",
             m.kv_cache_bytes.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_kv_sequences_in_use",
+            "gauge",
+            "Sequences of the batched KV cache held by generating requests.",
+            m.kv_sequences_in_use.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_decode_steps_total",
+            "counter",
+            "Batched decode steps run.",
+            m.decode_steps.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_decode_sequences_total",
+            "counter",
+            "Sequences stepped by the batched decode steps (over the steps: the mean batch).",
+            m.decode_rows.load(Ordering::Relaxed) as f64,
         ),
         (
             "burn_gemma_requests_finished_total",

@@ -472,7 +472,8 @@ mod gpu {
         seed::<B>(device, "decode_per_sequence");
         let normal = Distribution::Normal(0.0, 1.0);
         // (store batch, q heads, kv heads, slots, dim, positions, window, bound)
-        let cases: [(usize, usize, usize, usize, usize, &[usize], Option<usize>, usize); 5] = [
+        type Case = (usize, usize, usize, usize, usize, &'static [usize], Option<usize>, usize);
+        let cases: [Case; 5] = [
             (4, 4, 1, 300, 256, &[0, 299, 17], None, 511),
             (3, 8, 2, 8, 64, &[3, 21, 7], Some(8), 255),
             (2, 2, 2, 33, 128, &[40, 1], Some(33), 4095),

@@ -35,6 +35,20 @@ impl<B: Backend> Int8Kv<B> {
         }
     }
 
+    /// Sequences `rows` copied into buffers of their own (see [`crate::KvStore::copy_rows`]).
+    pub fn copy_rows(&self, rows: std::ops::Range<usize>) -> Self {
+        let [_, h, slots, d] = self.shape;
+        let [_, ch, cs, cw] = self.codes.dims();
+        let n = rows.len();
+        let codes = Tensor::<B, 4, Int>::zeros([n, ch, cs, cw], (&self.codes.device(), self.codes.dtype()));
+        let scales = Tensor::<B, 3>::zeros([n, h, slots], (&self.scales.device(), self.scales.dtype()));
+        Self {
+            codes: codes.slice_assign(s![.., .., .., ..], self.codes.clone().slice(s![rows.clone(), .., .., ..])),
+            scales: scales.slice_assign(s![.., .., ..], self.scales.clone().slice(s![rows, .., ..])),
+            shape: [n, h, slots, d],
+        }
+    }
+
     /// Sequences `at..` replaced by `rows` (same heads, slots, head size and code layout).
     pub(crate) fn assign_rows(self, at: usize, rows: Self) -> Self {
         let n = rows.shape[0];

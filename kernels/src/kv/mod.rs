@@ -93,30 +93,49 @@ impl<B: Backend> KvStore<B> {
         }
     }
 
-    /// The store with sequences `at..at + n` replaced by `rows` (`n` sequences of the same
-    /// heads, slots, head size and format, as [`KvStore::rows`] returns them). Fails, returning
-    /// the store unchanged with the reason, where `rows` does not fit.
-    pub fn assign_rows(self, at: usize, rows: Self) -> Result<Self, (Self, StoreMismatch)> {
+    /// Sequences `rows` copied into buffers of their own (unlike [`KvStore::rows`], whose
+    /// slices share the store's: writing the store while they live would copy all of it).
+    pub fn copy_rows(&self, rows: Range<usize>) -> Self {
+        let fresh = |t: &Tensor<B, 4>| {
+            let mut shape = t.dims();
+            shape[0] = rows.len();
+            Tensor::zeros(shape, (&t.device(), t.dtype()))
+                .slice_assign(s![.., .., .., ..], t.clone().slice(s![rows.clone(), .., .., ..]))
+        };
+        match self {
+            Self::Dense { keys, values } => Self::Dense { keys: fresh(keys), values: fresh(values) },
+            Self::Int8 { keys, values } => {
+                Self::Int8 { keys: keys.copy_rows(rows.clone()), values: values.copy_rows(rows) }
+            }
+        }
+    }
+
+    /// Whether `rows` (`n` sequences, as [`KvStore::rows`] returns them) can replace sequences
+    /// `at..at + n` of this store: the same heads, slots, head size and format, within its
+    /// sequences.
+    pub fn check_rows(&self, at: usize, rows: &Self) -> Result<(), StoreMismatch> {
         let (store, given) = (self.shape(), rows.shape());
         let mismatch = |why: &'static str| StoreMismatch { store, rows: given, at, why };
         if given[1..] != store[1..] || at + given[0] > store[0] {
-            return Err((self, mismatch("its shape does not fit")));
+            return Err(mismatch("its shape does not fit"));
         }
-        match (&self, &rows) {
-            (Self::Dense { keys, .. }, Self::Dense { keys: k, .. }) if keys.dtype() == k.dtype() => {}
-            (Self::Int8 { keys, .. }, Self::Int8 { keys: k, .. }) if keys.codes.dtype() == k.codes.dtype() => {}
-            _ => return Err((self, mismatch("its format differs"))),
+        match (self, rows) {
+            (Self::Dense { keys, .. }, Self::Dense { keys: k, .. }) if keys.dtype() == k.dtype() => Ok(()),
+            (Self::Int8 { keys, .. }, Self::Int8 { keys: k, .. }) if keys.codes.dtype() == k.codes.dtype() => Ok(()),
+            _ => Err(mismatch("its format differs")),
         }
-        Ok(self.replace_rows(at, rows))
     }
 
-    /// [`KvStore::assign_rows`] for rows known to fit (taken from a store of the same shape and
-    /// format).
-    pub(crate) fn replace_rows(self, at: usize, rows: Self) -> Self {
+    /// The store with sequences `at..at + n` replaced by `rows`, which must fit
+    /// ([`KvStore::check_rows`]; rows that do not are not written).
+    pub fn replace_rows(self, at: usize, rows: Self) -> Self {
+        if self.check_rows(at, &rows).is_err() {
+            return self;
+        }
         match (self, rows) {
             (Self::Dense { keys, values }, Self::Dense { keys: k, values: v }) => {
                 let range = s![at..at + k.dims()[0], .., .., ..];
-                Self::Dense { keys: keys.slice_assign(range.clone(), k), values: values.slice_assign(range, v) }
+                Self::Dense { keys: keys.slice_assign(range, k), values: values.slice_assign(range, v) }
             }
             (Self::Int8 { keys, values }, Self::Int8 { keys: k, values: v }) => {
                 Self::Int8 { keys: keys.assign_rows(at, k), values: values.assign_rows(at, v) }
@@ -136,7 +155,7 @@ impl<B: Backend> KvStore<B> {
     }
 }
 
-/// Why [`KvStore::assign_rows`] refused rows.
+/// Why [`KvStore::check_rows`] refused rows.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("rows {rows:?} cannot go into a store of {store:?} at sequence {at}: {why}")]
 pub struct StoreMismatch {

@@ -205,6 +205,18 @@ impl<B: GemmaBackend> LayerCache<B> {
         self.store.as_ref().map_or(0, KvStore::device_bytes)
     }
 
+    /// Sequence `at` of the store replaced by `rows` (one sequence of a store of the same shape
+    /// and format). A mismatch leaves the store as it was.
+    fn assign_sequence(&mut self, at: usize, rows: KvStore<B>) -> Result<(), ModelError> {
+        let store = self.store.take().ok_or(ModelError::CacheLost)?;
+        let checked = store.check_rows(at, &rows);
+        self.store = Some(match checked {
+            Ok(()) => store.replace_rows(at, rows),
+            Err(_) => store,
+        });
+        checked.map_err(|mismatch| ModelError::CacheMismatch(mismatch.to_string()))
+    }
+
     /// Every slot of the store, in f32.
     fn stored(&self) -> Result<StoredRows<B>, ModelError> {
         let store = self.store.as_ref().ok_or(ModelError::CacheLost)?;
@@ -393,6 +405,60 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Bytes the keys and values occupy on the device.
     pub fn device_bytes(&self) -> usize {
         self.layers.iter().map(LayerCache::device_bytes).sum()
+    }
+
+    /// Makes sequence `to` of this cache hold what sequence `from_sequence` of `from` holds, in
+    /// every layer: a sequence run on its own (its prompt in a cache of one sequence) joins
+    /// the sequences that step together ([`crate::Gemma::decode_logits`]). Both caches must be
+    /// made for the same model, capacity and format. The length is not changed: the caller
+    /// keeps each sequence's position.
+    pub fn copy_sequence(&mut self, to: usize, from: &KvCache<B>, from_sequence: usize) -> Result<(), ModelError> {
+        self.check_sequences(to, from, from_sequence)?;
+        for (layer, source) in self.layers.iter_mut().zip(&from.layers) {
+            let rows = source.store.as_ref().ok_or(ModelError::CacheLost)?.rows(from_sequence..from_sequence + 1);
+            layer.assign_sequence(to, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Makes sequence `to` hold what sequence `from` holds (when `from` leaves the sequences
+    /// that step together, the last one takes its place).
+    pub fn move_sequence(&mut self, from: usize, to: usize) -> Result<(), ModelError> {
+        if from.max(to) >= self.batch {
+            return Err(ModelError::CacheMismatch(format!(
+                "sequence {} of a cache of {} sequences",
+                from.max(to),
+                self.batch
+            )));
+        }
+        if from == to {
+            return Ok(());
+        }
+        for layer in &mut self.layers {
+            let rows = layer.store.as_ref().ok_or(ModelError::CacheLost)?.copy_rows(from..from + 1);
+            layer.assign_sequence(to, rows)?;
+        }
+        Ok(())
+    }
+
+    fn check_sequences(&self, to: usize, from: &KvCache<B>, from_sequence: usize) -> Result<(), ModelError> {
+        let fail = |why: String| Err(ModelError::CacheMismatch(why));
+        if to >= self.batch || from_sequence >= from.batch {
+            return fail(format!(
+                "sequence {from_sequence} of a cache of {} into sequence {to} of a cache of {}",
+                from.batch, self.batch
+            ));
+        }
+        if self.layer_of != from.layer_of || self.capacity != from.capacity {
+            return fail(format!(
+                "a cache of {} layers and {} positions into one of {} layers and {} positions",
+                from.layer_of.len(),
+                from.capacity,
+                self.layer_of.len(),
+                self.capacity
+            ));
+        }
+        Ok(())
     }
 
     /// What every layer with keys of its own stores now, in f32 (an int8 store's codes times
