@@ -1,0 +1,198 @@
+//! Throughput of the [`Engine`] with many requests at once, `llama-batched-bench` style: for each
+//! count of streams `N`, `N` requests of `--prompt-len` random tokens are submitted together, each
+//! generating `--gen` tokens greedily.
+//!
+//! ```text
+//! cargo run --release --features cuda --example serve_bench -- \
+//!     --model model.gguf --backend cuda --dtype bf16 --streams 1,8,32,64 --prompt-len 512 --gen 128
+//! ```
+//!
+//! Per count it prints the time to first token (median and largest), the decode throughput while
+//! all `N` generate (tokens generated between the last first token and the last token, over that
+//! time: `S_TG` in `llama-batched-bench`'s terms), its share per stream, and the whole run's
+//! throughput (prompt and generated tokens over the wall time); a JSON line each. Medians over
+//! `--reps` after a warm-up run.
+
+#[path = "cli/backend_args.rs"]
+mod backend_args;
+
+use backend_args::BackendArgs;
+use burn_gemma::{
+    backends::{dispatch, BackendTask},
+    engine::{Engine, EngineConfig, Event, Request},
+    Checkpoint, GemmaBackend, GenerationConfig, LoadOptions,
+};
+use clap::Parser;
+use std::num::NonZeroUsize;
+use std::time::{Duration, Instant};
+
+/// The program's errors: the library's, or a message about its command line.
+type CliError = Box<dyn std::error::Error>;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// GGUF file or HF directory (its tokenizer is used).
+    #[arg(long)]
+    model: String,
+    /// Counts of requests submitted together, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    streams: Vec<NonZeroUsize>,
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Tokens a round of the engine runs (see `EngineConfig::round_tokens`).
+    #[arg(long, default_value_t = NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN))]
+    round_tokens: NonZeroUsize,
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
+/// What one request saw: when its first and last tokens came (from submission), how many.
+struct Seen {
+    first: Duration,
+    last: Duration,
+    tokens: usize,
+}
+
+/// One run of `n` requests.
+struct Run {
+    wall: Duration,
+    ttft: Vec<f64>,
+    /// Tokens per second while all `n` generate.
+    decode: f64,
+    generated: usize,
+}
+
+fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, CliError> {
+    let vocab = engine.tokenizer().vocab_size() as u64;
+    let mut state = seed;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        // Past the first 1000 ids: no special tokens.
+        (1000 + state % (vocab - 1000)) as u32
+    };
+    let generation = GenerationConfig { max_new_tokens: args.gen, ..GenerationConfig::default() };
+    let requests: Vec<Request> =
+        (0..n).map(|_| Request::new((0..args.prompt_len).map(|_| next()).collect(), generation.clone())).collect();
+    let start = Instant::now();
+    let streams = requests.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<_>, _>>()?;
+    let seen: Vec<Result<Seen, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .into_iter()
+            .map(|stream| {
+                scope.spawn(move || {
+                    let (mut first, mut last, mut tokens) = (None, Duration::ZERO, 0);
+                    for event in stream {
+                        match event.map_err(|e| e.to_string())? {
+                            Event::Token(_) => {
+                                last = start.elapsed();
+                                first.get_or_insert(last);
+                                tokens += 1;
+                            }
+                            Event::Done(_) => break,
+                        }
+                    }
+                    Ok(Seen { first: first.unwrap_or(last), last, tokens })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a request thread panicked".into()))).collect()
+    });
+    let wall = start.elapsed();
+    let seen = seen.into_iter().collect::<Result<Vec<_>, _>>()?;
+    // The window where every request generates: from the last first token to the first request
+    // done, tokens counted from each request's timeline (one token per step, evenly spaced).
+    let all_started = seen.iter().map(|s| s.first).max().unwrap_or_default();
+    let first_done = seen.iter().map(|s| s.last).min().unwrap_or_default();
+    let window = first_done.saturating_sub(all_started).as_secs_f64();
+    let in_window: f64 = seen
+        .iter()
+        .map(|s| {
+            let span = s.last.saturating_sub(s.first).as_secs_f64();
+            if span <= 0.0 {
+                return 0.0;
+            }
+            (s.tokens.saturating_sub(1)) as f64 * window / span
+        })
+        .sum();
+    Ok(Run {
+        wall,
+        ttft: seen.iter().map(|s| s.first.as_secs_f64()).collect(),
+        decode: if window > 0.0 { in_window / window } else { 0.0 },
+        generated: seen.iter().map(|s| s.tokens).sum(),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+impl BackendTask for Args {
+    type Output = Result<(), CliError>;
+
+    fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
+        let (weights, dtype, kv_cache) = self.backend.formats(name)?;
+        let checkpoint = Checkpoint::open(&self.model)?;
+        let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights).kv_cache(kv_cache);
+        let model = checkpoint.load(options)?.model;
+        let tokenizer = checkpoint.tokenizer()?;
+        drop(checkpoint);
+        let most = self.streams.iter().map(|n| n.get()).max().unwrap_or(1);
+        let config = EngineConfig {
+            max_running: NonZeroUsize::new(most).unwrap_or(NonZeroUsize::MIN),
+            max_waiting: most,
+            round_tokens: self.round_tokens,
+            max_sequence_len: NonZeroUsize::new(self.prompt_len + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
+        };
+        let engine = Engine::new(model, tokenizer, config)?;
+        eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
+        for &n in &self.streams {
+            let n = n.get();
+            run_once(&engine, n, &self, 1)?; // warm-up: kernels compiled, buffers pooled
+            let runs = (0..self.reps).map(|r| run_once(&engine, n, &self, 2 + r as u64)).collect::<Result<Vec<_>, _>>()?;
+            let ttft = median(runs.iter().map(|r| median(r.ttft.clone())).collect());
+            let ttft_max = median(runs.iter().map(|r| r.ttft.iter().copied().fold(0.0, f64::max)).collect());
+            let decode = median(runs.iter().map(|r| r.decode).collect());
+            let total = median(
+                runs.iter().map(|r| (n * self.prompt_len + r.generated) as f64 / r.wall.as_secs_f64()).collect(),
+            );
+            let generated = median(runs.iter().map(|r| r.generated as f64).collect());
+            let m = engine.metrics();
+            let (steps, rows) = (
+                m.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
+                m.decode_rows.load(std::sync::atomic::Ordering::Relaxed),
+            );
+            println!(
+                "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
+                 stream; whole run {total:.1} tok/s; {generated} tokens generated",
+                ttft * 1e3,
+                ttft_max * 1e3,
+                decode / n as f64,
+            );
+            println!(
+                "JSON {{\"streams\":{n},\"prompt\":{},\"gen\":{},\"ttft_median_s\":{ttft:.4},\"ttft_max_s\":{ttft_max:.4},\
+                 \"decode_tok_s\":{decode:.1},\"decode_per_stream\":{:.1},\"total_tok_s\":{total:.1},\
+                 \"generated\":{generated},\"mean_batch_so_far\":{:.2}}}",
+                self.prompt_len,
+                self.gen,
+                decode / n as f64,
+                rows as f64 / steps.max(1) as f64
+            );
+        }
+        engine.shutdown();
+        Ok(())
+    }
+}
+
+fn main() -> Result<(), CliError> {
+    let args = Args::parse();
+    let kind = args.backend.check()?;
+    args.backend.start_threads()?;
+    dispatch(kind, args, &mut |note| eprintln!("{note}"))?
+}
