@@ -12,6 +12,10 @@
 //! time: `S_TG` in `llama-batched-bench`'s terms), its share per stream, and the whole run's
 //! throughput (prompt and generated tokens over the wall time); a JSON line each. Medians over
 //! `--reps` after a warm-up run.
+//!
+//! `--step-only` times the model's batched decode step alone instead (no engine, no sampling):
+//! `N` sequences at position `--prompt-len`, the step's logits read back (the device
+//! synchronized) each time; the median of 20 steps after 3.
 
 #[path = "cli/backend_args.rs"]
 mod backend_args;
@@ -20,8 +24,9 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     engine::{Engine, EngineConfig, Event, Request},
-    Checkpoint, GemmaBackend, GenerationConfig, LoadOptions,
+    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions,
 };
+use burn_gemma_model::StepInputs;
 use clap::Parser;
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
@@ -46,8 +51,31 @@ struct Args {
     /// Tokens a round of the engine runs (see `EngineConfig::round_tokens`).
     #[arg(long, default_value_t = NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN))]
     round_tokens: NonZeroUsize,
+    /// Time the batched decode step alone (see the module's docs).
+    #[arg(long)]
+    step_only: bool,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// Median milliseconds of one decode step over `n` sequences at `position` (logits read back).
+fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize) -> Result<f64, CliError> {
+    let mut cache = model.new_cache(n, position + 2)?;
+    let ids: Vec<u32> = (0..n).map(|i| 1000 + 17 * i as u32).collect();
+    let positions = vec![position; n];
+    let device = model.device();
+    let mut times = Vec::new();
+    for rep in 0..23 {
+        let start = Instant::now();
+        let inputs = StepInputs::sequences(&ids, &positions, &device)?;
+        let logits = model.decode_logits(&inputs, &mut cache)?;
+        let corner = logits.slice([0..1, 0..1]).into_data();
+        std::hint::black_box(corner);
+        if rep >= 3 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(median(times))
 }
 
 /// What one request saw: when its first and last tokens came (from submission), how many.
@@ -143,6 +171,14 @@ impl BackendTask for Args {
         let model = checkpoint.load(options)?.model;
         let tokenizer = checkpoint.tokenizer()?;
         drop(checkpoint);
+        if self.step_only {
+            eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
+            for &n in &self.streams {
+                let ms = step_ms(&model, n.get(), self.prompt_len)?;
+                println!("step {:>3} sequences: {ms:.2} ms, {:.1} tok/s", n.get(), n.get() as f64 * 1e3 / ms);
+            }
+            return Ok(());
+        }
         let most = self.streams.iter().map(|n| n.get()).max().unwrap_or(1);
         let config = EngineConfig {
             max_running: NonZeroUsize::new(most).unwrap_or(NonZeroUsize::MIN),
@@ -155,7 +191,8 @@ impl BackendTask for Args {
         for &n in &self.streams {
             let n = n.get();
             run_once(&engine, n, &self, 1)?; // warm-up: kernels compiled, buffers pooled
-            let runs = (0..self.reps).map(|r| run_once(&engine, n, &self, 2 + r as u64)).collect::<Result<Vec<_>, _>>()?;
+            let runs =
+                (0..self.reps).map(|r| run_once(&engine, n, &self, 2 + r as u64)).collect::<Result<Vec<_>, _>>()?;
             let ttft = median(runs.iter().map(|r| median(r.ttft.clone())).collect());
             let ttft_max = median(runs.iter().map(|r| r.ttft.iter().copied().fold(0.0, f64::max)).collect());
             let decode = median(runs.iter().map(|r| r.decode).collect());

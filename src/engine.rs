@@ -806,12 +806,20 @@ fn decode_rows<B: GemmaBackend>(
     running: &mut [Sequence<B>],
     order: &[usize],
 ) -> Result<Vec<i64>, Error> {
-    let ids: Vec<u32> = order.iter().map(|&i| running[i].input[0]).collect();
+    let mut ids: Vec<u32> = order.iter().map(|&i| running[i].input[0]).collect();
     // The fed token is the last of the context.
-    let positions: Vec<usize> = order.iter().map(|&i| running[i].context.len() - 1).collect();
+    let mut positions: Vec<usize> = order.iter().map(|&i| running[i].context.len() - 1).collect();
+    // The step runs a bucket of rows (see [`step_rows`]); the rows past the generating ones are
+    // free sequences of the cache, stepped at position 0 and their logits ignored (a sequence
+    // that later takes one gets all of its slots copied in).
+    let n = order.len();
+    let bucket = step_rows(n, rows.batch());
+    ids.resize(bucket, ids.first().copied().unwrap_or(0));
+    positions.resize(bucket, 0);
     let device = model.device();
     let inputs = StepInputs::sequences(&ids, &positions, &device)?;
     let logits = model.decode_logits(&inputs, rows)?;
+    let logits = if bucket > n { logits.slice([0..n, 0..model.config().vocab_size]) } else { logits };
     let mut sampled = vec![0i64; order.len()];
     // Sequences that sample alike share one sampling launch (and one read back); those with a
     // repetition penalty, which depends on their own history, sample alone.
@@ -845,6 +853,15 @@ fn decode_rows<B: GemmaBackend>(
         }
     }
     Ok(sampled)
+}
+
+/// Rows a batched step over `n` generating sequences runs: `n` rounded up to a power of two,
+/// at most the cache's `batch`. The matrix products take a handful of row counts well (the
+/// quantized GEMV up to 8 rows, the GEMM at 16, 32 and 64) and some very badly (on an H200, 9
+/// rows of Gemma 3 4B took 125 ms a step against 14 ms for 16: `docs/gpu-runs/2026-11-26-batched`),
+/// and a bounded set of shapes is what recorded steps (CUDA graphs) will need.
+fn step_rows(n: usize, batch: usize) -> usize {
+    n.next_power_of_two().min(batch).max(n)
 }
 
 /// Sampled ids read back.
@@ -891,4 +908,19 @@ fn emit<B: GemmaBackend>(
     }
     sequence.input = vec![token];
     Stepped::Continue
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_rows;
+
+    #[test]
+    fn steps_run_power_of_two_rows_within_the_cache() {
+        // (generating, cache's sequences) -> rows stepped
+        for (n, batch, rows) in
+            [(1, 16, 1), (3, 16, 4), (8, 16, 8), (9, 16, 16), (9, 12, 12), (12, 12, 12), (33, 64, 64)]
+        {
+            assert_eq!(step_rows(n, batch), rows, "{n} of {batch}");
+        }
+    }
 }
