@@ -410,6 +410,31 @@ mod gpu {
         }
     }
 
+    /// A store of `shape` in `format` with every slot random, `[q_batch, q_heads, 1, dim]`
+    /// random queries, and decode options with `window` (the mask offsets follow from the
+    /// position).
+    fn decode_inputs<B: GemmaBackend>(
+        shape: [usize; 4],
+        format: crate::KvFormat,
+        [q_batch, q_heads]: [usize; 2],
+        window: Option<usize>,
+        dtype: DType,
+        device: &B::Device,
+    ) -> (crate::KvStore<B>, Tensor<B, 4>, AttentionOptions) {
+        let normal = Distribution::Normal(0.0, 1.0);
+        let rows = || Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
+        let store = B::kv_write(B::kv_zeros(shape, format, device), rows(), rows(), 0);
+        let dim = shape[3];
+        let q = Tensor::<B, 4>::random([q_batch, q_heads, 1, dim], normal, device).cast(dtype);
+        let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
+        (store, q, AttentionOptions { mask, scale: 1.0 / (dim as f64).sqrt(), softcap: None })
+    }
+
+    /// A tensor's values on the host in f32.
+    fn host<B: GemmaBackend>(t: Tensor<B, 4>) -> Vec<f32> {
+        t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
+    }
+
     /// One decode query over a whole store at a position given on the host and read on the
     /// device ([`KvView::Decode`]): full stores and rings that wrapped, dense and int8, bounds
     /// far past the position (the device form sizes its splits for the bound), against f64
@@ -417,7 +442,6 @@ mod gpu {
     pub fn decode_at_position<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         use crate::{KvFormat, StepPosition};
         seed::<B>(device, "decode_at_position");
-        let normal = Distribution::Normal(0.0, 1.0);
         // (batch, q heads, kv heads, slots, dim, position, window, bound)
         let cases = [
             (1, 4, 1, 600, 256, 0, None, 1023),
@@ -432,16 +456,10 @@ mod gpu {
                 if format == KvFormat::Int8 && dim % 4 != 0 {
                     continue;
                 }
-                let shape = [batch, hkv, slots, dim];
-                let rows = || Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
-                let store = B::kv_write(B::kv_zeros(shape, format, device), rows(), rows(), 0);
-                let q = Tensor::<B, 4>::random([batch, hq, 1, dim], normal, device).cast(dtype);
-                let scale = 1.0 / (dim as f64).sqrt();
-                let options =
-                    AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale, softcap: None };
+                let (store, q, options) =
+                    decode_inputs::<B>([batch, hkv, slots, dim], format, [batch, hq], window, dtype, device);
                 let (visible, mask) = crate::step::decode_visible(position, slots, window);
                 let (k, v) = B::kv_read(&store, 0..visible, DType::F32);
-                let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
                 let exact = AttentionOptions { mask, ..options };
                 let expected =
                     super::naive(&host(q.clone()), &host(k), &host(v), [batch, hq, hkv, 1, visible, dim], &exact);
@@ -470,7 +488,6 @@ mod gpu {
     pub fn decode_per_sequence<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         use crate::{KvFormat, StepPosition};
         seed::<B>(device, "decode_per_sequence");
-        let normal = Distribution::Normal(0.0, 1.0);
         // (store batch, q heads, kv heads, slots, dim, positions, window, bound)
         type Case = (usize, usize, usize, usize, usize, &'static [usize], Option<usize>, usize);
         let cases: [Case; 5] = [
@@ -487,14 +504,8 @@ mod gpu {
                 if format == KvFormat::Int8 && dim % 4 != 0 {
                     continue;
                 }
-                let shape = [store_batch, hkv, slots, dim];
-                let rows = || Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
-                let store = B::kv_write(B::kv_zeros(shape, format, device), rows(), rows(), 0);
-                let q = Tensor::<B, 4>::random([batch, hq, 1, dim], normal, device).cast(dtype);
-                let scale = 1.0 / (dim as f64).sqrt();
-                let options =
-                    AttentionOptions { mask: AttentionMask { q_offset: 0, k_offset: 0, window }, scale, softcap: None };
-                let host = |t: Tensor<B, 4>| t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32");
+                let (store, q, options) =
+                    decode_inputs::<B>([store_batch, hkv, slots, dim], format, [batch, hq], window, dtype, device);
                 let mut expected = Vec::new();
                 for (b, &position) in positions.iter().enumerate() {
                     let (visible, mask) = crate::step::decode_visible(position, slots, window);
