@@ -24,9 +24,9 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     engine::{Engine, EngineConfig, Event, Request},
-    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions,
+    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions, StepInputs,
 };
-use burn_gemma_model::StepInputs;
+
 use clap::Parser;
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};

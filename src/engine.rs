@@ -29,11 +29,11 @@ use crate::{
     },
     sampling::Sampler,
     stop_text::StopText,
-    Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StopReason, Token, Tokenizer,
+    Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StepInputs, StopReason, Token, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
-use burn_gemma_model::StepInputs;
+
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
