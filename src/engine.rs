@@ -24,8 +24,8 @@
 use crate::{
     error::{BackendError, RequestError},
     generation::{
-        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, token_tensor,
-        Utf8Stream,
+        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, sampled_ids,
+        token_tensor, Utf8Stream,
     },
     sampling::Sampler,
     stop_text::StopText,
@@ -415,10 +415,6 @@ impl<B: GemmaBackend> Sequence<B> {
     fn next_chunk(&self) -> usize {
         self.input.len().min(self.submitted.request.generation.prefill_chunk.get())
     }
-
-    fn cancelled(&self) -> bool {
-        self.submitted.cancel.load(Ordering::SeqCst)
-    }
 }
 
 /// Caches of one sequence kept for the next prompts: a few, as prompts run one chunk at a time.
@@ -565,7 +561,7 @@ impl<B: GemmaBackend> Worker<B> {
     fn leave_cancelled(&mut self) {
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].cancelled() {
+            if self.running[i].submitted.cancelled() {
                 self.conclude(i, Ok(StopReason::Interrupted));
             } else {
                 i += 1;
@@ -580,18 +576,20 @@ impl<B: GemmaBackend> Worker<B> {
         let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
         let sequence = &mut self.running[i];
         let stepped = catch_panic("a prompt step", || prompt_step(model, tokenizer, sequence, metrics))?;
-        if matches!(stepped, Stepped::Continue) && sequence.input.len() == 1 && sequence.generated > 0 {
-            // Its first token is out: its keys and values join the generating sequences'.
-            let row = self.generating;
-            if let Place::Prompt(cache) = &sequence.place {
-                self.rows.copy_sequence(row, cache, 0)?;
-            }
-            if let Place::Prompt(cache) = std::mem::replace(&mut sequence.place, Place::Row(row)) {
-                self.keep_spare(cache);
-            }
-            self.generating += 1;
-            self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+        let first_token_out = sequence.generated > 0;
+        if !matches!(stepped, Stepped::Continue) || !first_token_out {
+            return Ok(stepped);
         }
+        // Its first token is out: its keys and values join the generating sequences'.
+        let row = self.generating;
+        if let Place::Prompt(cache) = &sequence.place {
+            self.rows.copy_sequence(row, cache, 0)?;
+        }
+        if let Place::Prompt(cache) = std::mem::replace(&mut sequence.place, Place::Row(row)) {
+            self.keep_spare(cache);
+        }
+        self.generating += 1;
+        self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
         Ok(stepped)
     }
 
@@ -790,9 +788,7 @@ fn prompt_step<B: GemmaBackend>(
     }
     let logits = prefill(model, cache, &sequence.input, prefill_chunk, &device)?;
     sequence.context.extend_from_slice(&sequence.input);
-    let sampler = &mut sequence.submitted.sampler;
-    let draws = sampler.draws(1);
-    let token = first_sampled(sampler.sample_with_draws(logits, &sequence.context, &draws)?)?;
+    let token = sample_alone(&mut sequence.submitted.sampler, logits, &sequence.context)?;
     let token = checked_token(token, model.config().vocab_size, sequence.generated)?;
     Ok(emit(tokenizer, sequence, token, metrics))
 }
@@ -827,9 +823,8 @@ fn decode_rows<B: GemmaBackend>(
     for (r, &i) in order.iter().enumerate() {
         let sampler = &mut running[i].submitted.sampler;
         if sampler.penalizes() {
-            let draws = sampler.draws(1);
             let row = logits.clone().slice([r..r + 1, 0..model.config().vocab_size]);
-            sampled[r] = first_sampled(sampler.sample_with_draws(row, &running[i].context, &draws)?)?;
+            sampled[r] = sample_alone(sampler, row, &running[i].context)?;
             continue;
         }
         let params = sampler.params();
@@ -848,7 +843,7 @@ fn decode_rows<B: GemmaBackend>(
             logits.clone().select(0, index)
         };
         let ids = B::sample(group, &params, Draws::Host(&draws)).map_err(burn_gemma_model::ModelError::from)?;
-        for (&r, id) in members.iter().zip(read_ids(ids)?) {
+        for (&r, id) in members.iter().zip(sampled_ids(ids)?) {
             sampled[r] = id;
         }
     }
@@ -864,11 +859,11 @@ fn step_rows(n: usize, batch: usize) -> usize {
     n.next_power_of_two().min(batch).max(n)
 }
 
-/// Sampled ids read back.
-fn read_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec<i64>, BackendError> {
-    let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
-    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-    ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
+/// One sequence's next token from its logits (`[1, vocab]`) and `history` (a repetition
+/// penalty reads it), with the sampler's next draw.
+fn sample_alone<B: GemmaBackend>(sampler: &mut Sampler, logits: Tensor<B, 2>, history: &[u32]) -> Result<i64, Error> {
+    let draws = sampler.draws(1);
+    Ok(first_sampled(sampler.sample_with_draws(logits, history, &draws)?)?)
 }
 
 /// A sampled `token` of `sequence`: counted, checked against its stops, its text sent to its

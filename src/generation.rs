@@ -766,10 +766,17 @@ pub(crate) fn checked_token(token: i64, vocab: usize, step: usize) -> Result<u32
 
 /// The first id of a sampled batch, read back to the host.
 pub(crate) fn first_sampled<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<i64, BackendError> {
-    let read = |reason: String| BackendError::ReadBack { what: "the sampled token", reason };
+    sampled_ids(ids)?
+        .first()
+        .copied()
+        .ok_or_else(|| BackendError::ReadBack { what: "the sampled token", reason: "no id came back".into() })
+}
+
+/// Every sampled id, read back.
+pub(crate) fn sampled_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec<i64>, BackendError> {
+    let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
     let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-    let ids = ids.as_slice::<i64>().map_err(|e| read(format!("{e:?}")))?;
-    ids.first().copied().ok_or_else(|| read("no id came back".into()))
+    ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
 }
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's

@@ -285,14 +285,8 @@ where
                 if device.per_sequence() && !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
                     // Positions of their own, and a shape only the one-mask kernels take: one
                     // sequence at a time, at its position read back.
-                    let batch = q.meta.shape()[0];
-                    let q: Tensor<Self, 4> = cube::tensor(q);
-                    let rows = device.resolve_rows(batch)?.into_iter().enumerate().map(|(b, p)| {
-                        let rows = store.rows(b..b + 1);
-                        let view = KvView::Decode { store: &rows, position: StepPosition::Host(p) };
-                        Self::grouped_attention(q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]), view, options)
-                    });
-                    return Ok(Tensor::cat(rows.collect::<Result<Vec<_>, _>>()?, 0));
+                    let positions = device.resolve_rows(q.meta.shape()[0])?;
+                    return crate::attention::decode_each_sequence(cube::tensor(q), store, &positions, options);
                 }
                 Ok(cube::tensor(attention(q, kv, options, Some(position(&device)))?))
             }

@@ -80,7 +80,7 @@ pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
 pub use step::StepPosition;
 
-use burn::tensor::{backend::Backend, s, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use std::ops::Range;
 
 /// What a device can still allocate, where the backend can tell.
@@ -305,12 +305,7 @@ pub trait GemmaBackend: ReservedMemory {
                 let positions = position.resolve_rows(batch)?;
                 if batch > 0 && (batch != store.shape()[0] || positions.windows(2).any(|w| w[0] != w[1])) {
                     // Sequences at positions of their own (or fewer than the store's): one at a time.
-                    let rows = positions.iter().enumerate().map(|(b, &p)| {
-                        let rows = store.rows(b..b + 1);
-                        let view = KvView::Decode { store: &rows, position: StepPosition::Host(p) };
-                        Self::grouped_attention(q.clone().slice(s![b..b + 1, .., .., ..]), view, options)
-                    });
-                    return Ok(Tensor::cat(rows.collect::<Result<Vec<_>, _>>()?, 0));
+                    return attention::decode_each_sequence(q, store, &positions, options);
                 }
                 let p = positions.first().copied().unwrap_or(0);
                 let (visible, mask) = step::decode_visible(p, store.shape()[2], options.mask.window);

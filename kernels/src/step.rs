@@ -33,14 +33,11 @@ impl<B: Backend> StepPosition<B> {
     /// replay: recording is marked as failed). Fails when the read fails, the buffer holds a
     /// negative position, or it holds positions of their own for several sequences.
     pub fn resolve(&self) -> Result<usize, ReadBackError> {
-        if let Self::Device { values, .. } = self {
-            if values.dims()[0] > 1 {
-                let reason = format!("the buffer holds {} positions, one per sequence, not one", values.dims()[0]);
-                return Err(ReadBackError { what: "the step's position", reason });
-            }
+        let fail = |reason: &str| ReadBackError { what: "the step's position", reason: reason.into() };
+        if self.per_sequence() {
+            return Err(fail("the buffer holds a position per sequence, not one for the batch"));
         }
-        let rows = self.resolve_rows(1)?;
-        rows.first().copied().ok_or_else(|| ReadBackError { what: "the step's position", reason: "no position".into() })
+        self.resolve_rows(1)?.first().copied().ok_or_else(|| fail("no position"))
     }
 
     /// Whether the sequences of the batch step at positions of their own.

@@ -86,6 +86,26 @@ pub fn reference<B: Backend>(
     probs.matmul(v).reshape([batch, q_heads, q_len, head_dim])
 }
 
+/// Decode attention one sequence at a time, sequence `b` at `positions[b]` over its own rows of
+/// `store` ([`KvView::Decode`] at a host position): for sequences at positions of their own
+/// where one launch cannot serve them all (the references, and head sizes without a decode
+/// kernel).
+///
+/// - `q`: `[positions.len(), q_heads, 1, head_dim]`; returns the same shape.
+pub(crate) fn decode_each_sequence<B: crate::GemmaBackend>(
+    q: Tensor<B, 4>,
+    store: &crate::KvStore<B>,
+    positions: &[usize],
+    options: &AttentionOptions,
+) -> Result<Tensor<B, 4>, crate::ReadBackError> {
+    let rows = positions.iter().enumerate().map(|(b, &p)| {
+        let rows = store.rows(b..b + 1);
+        let view = crate::KvView::Decode { store: &rows, position: crate::StepPosition::Host(p) };
+        B::grouped_attention(q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]), view, options)
+    });
+    Ok(Tensor::cat(rows.collect::<Result<Vec<_>, _>>()?, 0))
+}
+
 /// Largest head size the kernels take: the tiled kernel stages a key and a value row (f32) per
 /// key of its tile in shared memory (about 17 KiB at one key per tile for this size).
 pub const MAX_HEAD_DIM: usize = 2048;
