@@ -28,6 +28,8 @@ use std::time::Instant;
 /// The program's errors: the library's, or a message about its command line.
 type CliError = Box<dyn std::error::Error>;
 
+#[path = "kernel_bench/batched.rs"]
+mod batched;
 #[path = "kernel_bench/decode.rs"]
 mod decode;
 #[path = "kernel_bench/experts.rs"]
@@ -82,6 +84,10 @@ enum Section {
     /// A 26B-A4B experts layer by each path, at the token counts of `--rows` (CUDA and wgpu
     /// only; not part of `all`).
     Experts,
+    /// The products of a batched decode step at the row counts of `--rows`, and with
+    /// `--gemm-kernels all` every tiling of the quantized mma kernel (CUDA only; not part of
+    /// `all`).
+    Batched,
 }
 
 struct Bench {
@@ -400,6 +406,30 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliE
     }
 }
 
+/// `--section batched` on CUDA (the quantized mma kernel needs cooperative matrices).
+fn batched_section(kind: BackendKind, settings: batched::Settings) -> Result<(), CliError> {
+    println!(
+        "dtype {:?}, per call: medians of {} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n",
+        settings.dtype, settings.reps
+    );
+    match kind {
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            use cubecl::Runtime;
+            let device = burn::backend::cuda::CudaDevice::new(0);
+            let client = cubecl::cuda::CudaRuntime::client(&device);
+            let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(132, |s| s as usize);
+            batched::section::<burn_gemma::backends::Cuda>(
+                &device,
+                &batched::Settings { sms, ..settings },
+                burn_gemma_kernels::quant::mma::project_with,
+            );
+            Ok(())
+        }
+        _ => Err(CliError::from("--section batched runs on --backend cuda")),
+    }
+}
+
 /// `--section experts` on a CubeCL backend (the paths are the CubeCL backends').
 fn experts_section(kind: BackendKind, dtype: DType, reps: usize, rows: &[usize]) -> Result<(), CliError> {
     println!("dtype {dtype:?}, per call: medians of {reps} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n");
@@ -440,6 +470,18 @@ fn main() -> Result<(), CliError> {
     };
     if args.section == Section::Experts {
         return experts_section(kind, dtype, args.reps.max(1), &rows()?);
+    }
+    if args.section == Section::Batched {
+        let rows = if args.rows == "512,4096" { vec![1, 4, 8, 9, 16, 32, 64] } else { rows()? };
+        let settings = batched::Settings {
+            dtype,
+            reps: args.reps.max(1),
+            rows,
+            models,
+            all: args.gemm_kernels == GemmKernels::All,
+            sms: 0,
+        };
+        return batched_section(kind, settings);
     }
     if args.section == Section::Gemm {
         let rows = rows()?;

@@ -8,8 +8,9 @@
 //! ```
 //!
 //! Per count it prints the time to first token (median and largest), the decode throughput while
-//! all `N` generate (tokens generated between the last first token and the last token, over that
-//! time: `S_TG` in `llama-batched-bench`'s terms), its share per stream, and the whole run's
+//! all `N` generate (the tokens that arrived between the last request's first token and the
+//! first request's last, over that time: `S_TG` in `llama-batched-bench`'s terms, which
+//! decodes once every prompt is in), its share per stream, and the whole run's
 //! throughput (prompt and generated tokens over the wall time); a JSON line each. Medians over
 //! `--reps` after a warm-up run.
 //!
@@ -82,7 +83,8 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize) -> Resu
 struct Seen {
     first: Duration,
     last: Duration,
-    tokens: usize,
+    /// When each token arrived.
+    times: Vec<Duration>,
 }
 
 /// One run of `n` requests.
@@ -114,18 +116,16 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
             .into_iter()
             .map(|stream| {
                 scope.spawn(move || {
-                    let (mut first, mut last, mut tokens) = (None, Duration::ZERO, 0);
+                    let mut times = Vec::new();
                     for event in stream {
                         match event.map_err(|e| e.to_string())? {
-                            Event::Token(_) => {
-                                last = start.elapsed();
-                                first.get_or_insert(last);
-                                tokens += 1;
-                            }
+                            Event::Token(_) => times.push(start.elapsed()),
                             Event::Done(_) => break,
                         }
                     }
-                    Ok(Seen { first: first.unwrap_or(last), last, tokens })
+                    let first = times.first().copied().unwrap_or_default();
+                    let last = times.last().copied().unwrap_or_default();
+                    Ok(Seen { first, last, times })
                 })
             })
             .collect();
@@ -134,25 +134,16 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
     let wall = start.elapsed();
     let seen = seen.into_iter().collect::<Result<Vec<_>, _>>()?;
     // The window where every request generates: from the last first token to the first request
-    // done, tokens counted from each request's timeline (one token per step, evenly spaced).
+    // done; the tokens that arrived inside it, over its length.
     let all_started = seen.iter().map(|s| s.first).max().unwrap_or_default();
     let first_done = seen.iter().map(|s| s.last).min().unwrap_or_default();
     let window = first_done.saturating_sub(all_started).as_secs_f64();
-    let in_window: f64 = seen
-        .iter()
-        .map(|s| {
-            let span = s.last.saturating_sub(s.first).as_secs_f64();
-            if span <= 0.0 {
-                return 0.0;
-            }
-            (s.tokens.saturating_sub(1)) as f64 * window / span
-        })
-        .sum();
+    let in_window = seen.iter().flat_map(|s| &s.times).filter(|&&t| t > all_started && t <= first_done).count() as f64;
     Ok(Run {
         wall,
         ttft: seen.iter().map(|s| s.first.as_secs_f64()).collect(),
         decode: if window > 0.0 { in_window / window } else { 0.0 },
-        generated: seen.iter().map(|s| s.tokens).sum(),
+        generated: seen.iter().map(|s| s.times.len()).sum(),
     })
 }
 
@@ -191,6 +182,11 @@ impl BackendTask for Args {
         for &n in &self.streams {
             let n = n.get();
             run_once(&engine, n, &self, 1)?; // warm-up: kernels compiled, buffers pooled
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            let before = {
+                let m = engine.metrics();
+                [load(&m.decode_steps), load(&m.decode_micros), load(&m.prompt_micros)]
+            };
             let runs =
                 (0..self.reps).map(|r| run_once(&engine, n, &self, 2 + r as u64)).collect::<Result<Vec<_>, _>>()?;
             let ttft = median(runs.iter().map(|r| median(r.ttft.clone())).collect());
@@ -205,9 +201,13 @@ impl BackendTask for Args {
                 m.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
                 m.decode_rows.load(std::sync::atomic::Ordering::Relaxed),
             );
+            let after = [load(&m.decode_steps), load(&m.decode_micros), load(&m.prompt_micros)];
+            let step_ms = (after[1] - before[1]) as f64 / 1e3 / (after[0] - before[0]).max(1) as f64;
+            let prompt_s = (after[2] - before[2]) as f64 / 1e6 / self.reps.max(1) as f64;
             println!(
                 "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
-                 stream; whole run {total:.1} tok/s; {generated} tokens generated",
+                 stream; whole run {total:.1} tok/s; {generated} tokens generated; engine: {step_ms:.2} ms per \
+                 decode step, {prompt_s:.2} s of prompts per run",
                 ttft * 1e3,
                 ttft_max * 1e3,
                 decode / n as f64,

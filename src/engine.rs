@@ -148,6 +148,10 @@ pub struct EngineMetrics {
     /// mean batch.
     pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
+    /// Microseconds spent in batched decode steps (the step, sampling, the tokens read back),
+    /// and in prompt chunks (their first tokens included), summed.
+    pub decode_micros: AtomicU64,
+    pub prompt_micros: AtomicU64,
     /// Requests that got their first token, and the microseconds from submission to it, summed
     /// (waiting included): their ratio is the mean time to first token.
     pub first_tokens: AtomicU64,
@@ -549,7 +553,10 @@ impl<B: GemmaBackend> Worker<B> {
             }
             budget = budget.saturating_sub(tokens);
             chunk_ran = true;
-            match self.advance_prompt(i) {
+            let started = std::time::Instant::now();
+            let stepped = self.advance_prompt(i);
+            self.metrics.prompt_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+            match stepped {
                 Ok(Stepped::Continue) => i += 1,
                 Ok(Stepped::Finished(reason)) => self.conclude(i, Ok(reason)),
                 Err(e) => self.conclude(i, Err(e)),
@@ -605,7 +612,9 @@ impl<B: GemmaBackend> Worker<B> {
         }
         let model = &self.model;
         let (rows, running) = (&mut self.rows, &mut self.running);
+        let started = std::time::Instant::now();
         let tokens = catch_panic("a batched decode step", || decode_rows(model, rows, running, &order));
+        self.metrics.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.metrics.decode_rows.fetch_add(order.len() as u64, Ordering::Relaxed);
         let tokens = match tokens {

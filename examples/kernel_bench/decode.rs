@@ -18,13 +18,13 @@ const GRAPH_CALLS: usize = 16;
 const COLD_BYTES: usize = 256 << 20;
 
 /// Copies of an operand of `bytes` to cycle through (at most [`GRAPH_CALLS`]).
-fn copies_for(bytes: usize) -> usize {
+pub(super) fn copies_for(bytes: usize) -> usize {
     COLD_BYTES.div_ceil(bytes.max(1)).clamp(1, GRAPH_CALLS)
 }
 
 /// How a kernel was timed.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Clock {
+pub(super) enum Clock {
     /// CUDA events around a replayed graph of [`GRAPH_CALLS`] calls.
     Graph,
     /// The host around synchronized batches (launch cost included).
@@ -32,7 +32,7 @@ enum Clock {
 }
 
 /// Times decode kernels on one device, by graph replay where the backend records.
-struct Timer<'a, B: GemmaBackend> {
+pub(super) struct Timer<'a, B: GemmaBackend> {
     device: &'a B::Device,
     reps: usize,
     copy_gbs: f64,
@@ -44,13 +44,23 @@ struct Timer<'a, B: GemmaBackend> {
 }
 
 impl<'a, B: GemmaBackend> Timer<'a, B> {
-    /// Median seconds per call of `f` (given the call's index).
-    fn time<T>(&mut self, mut f: impl FnMut(usize) -> T) -> (f64, Clock) {
+    /// A timer of `reps` samples (no copy bandwidth: for [`Timer::time`] alone).
+    pub(super) fn new(device: &'a B::Device, reps: usize) -> Self {
+        Self { device, reps, copy_gbs: 0.0, no_graph: None, totals: Vec::new() }
+    }
+
+    /// Tries graph timing again after a call that could not be recorded (a prefill product).
+    pub(super) fn retry_graphs(&mut self) {
+        self.no_graph = None;
+    }
+
+    /// Median seconds per call of `f` (given the call's index), and whether the GPU timed it.
+    pub(super) fn time<T>(&mut self, mut f: impl FnMut(usize) -> T) -> (f64, Clock) {
         if self.no_graph.is_none() {
             match self.graph_time(&mut f) {
                 Ok(s) => return (s, Clock::Graph),
                 Err(e) => {
-                    println!("\n(graph timing unavailable: {e}; host timing from here)\n");
+                    println!("\n(graph timing unavailable: {e}; host timing)\n");
                     self.no_graph = Some(e.to_string());
                 }
             }

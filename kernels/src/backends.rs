@@ -50,7 +50,12 @@ where
     /// prefill GEMM on the matrix units ([`crate::gemm`]; quantized weights dequantized into a
     /// transient dense matrix first), then one GELU kernel over the interleaved product.
     fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
-        let gemv_rows = x.dims()[0] <= crate::linear::GEMV_MAX_ROWS;
+        let [rows, cols] = x.dims();
+        let gemv_rows = rows <= crate::linear::GEMV_MAX_ROWS;
+        // A few rows to a few dozen of quantized weights: each block read once, multiplied on
+        // the matrix units.
+        let mma_rows = rows >= crate::quant::mma::MMA_MIN_ROWS
+            && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols);
         let gemv_ready = |w: &Matrix<Self>| match w {
             Matrix::Dense(w) => x.dtype() == w.val().dtype(),
             Matrix::Quantized(_) => true,
@@ -60,8 +65,33 @@ where
             Matrix::Dense(w) if gemv_rows && gemv_ready(weight) => {
                 return cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(w.val()), epilogue));
             }
+            Matrix::Quantized(w) if mma_rows => {
+                return cube::tensor(crate::quant::mma::product(cube::float(x), &packed(w), epilogue));
+            }
             Matrix::Quantized(w) if gemv_rows => {
                 return cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(w), epilogue));
+            }
+            // Each quantized block's product writes its own columns of one output.
+            Matrix::Stacked(parts) if mma_rows && parts.iter().all(|p| matches!(p, Block::Quantized(_))) => {
+                let x = cube::float(x);
+                let out = crate::cube::empty(&x, [rows, weight.dims()[0]], x.dtype);
+                let sms = crate::quant::mma::multiprocessors(&x.client);
+                let mut offset = 0;
+                for part in parts {
+                    if let Block::Quantized(w) = part {
+                        let tiling = crate::quant::mma::MmaTiling::choose(rows, w.shape[0], cols, sms);
+                        crate::quant::mma::product_into(
+                            x.clone(),
+                            &packed(w),
+                            Epilogue::Identity,
+                            &out,
+                            offset,
+                            tiling,
+                        );
+                    }
+                    offset += part.matrix().dims()[0];
+                }
+                cube::tensor(out)
             }
             // Each block's GEMV writes its own columns of one output.
             Matrix::Stacked(parts) if gemv_rows && parts.iter().all(|p| gemv_ready(&p.matrix())) => {

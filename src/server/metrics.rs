@@ -52,6 +52,18 @@ fn render(server: &Server) -> String {
             m.decode_rows.load(Ordering::Relaxed) as f64,
         ),
         (
+            "burn_gemma_decode_seconds_total",
+            "counter",
+            "Seconds spent in batched decode steps (the step, sampling, the tokens read back).",
+            m.decode_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        ),
+        (
+            "burn_gemma_prompt_seconds_total",
+            "counter",
+            "Seconds spent running prompt chunks (their first tokens included).",
+            m.prompt_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        ),
+        (
             "burn_gemma_requests_finished_total",
             "counter",
             "Requests that ended (done, stopped or cancelled).",

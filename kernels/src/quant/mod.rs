@@ -22,6 +22,7 @@ pub mod device;
 pub mod embedding;
 pub mod gemv;
 pub mod ggml;
+pub mod mma;
 
 #[cfg(test)]
 pub(crate) mod check;
