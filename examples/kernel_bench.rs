@@ -28,6 +28,7 @@ use std::time::Instant;
 /// The program's errors: the library's, or a message about its command line.
 type CliError = Box<dyn std::error::Error>;
 
+#[cfg(feature = "cuda")]
 #[path = "kernel_bench/batched.rs"]
 mod batched;
 #[path = "kernel_bench/decode.rs"]
@@ -406,12 +407,13 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliE
     }
 }
 
-/// `--section batched` on CUDA (the quantized mma kernel needs cooperative matrices).
-fn batched_section(kind: BackendKind, settings: batched::Settings) -> Result<(), CliError> {
-    println!(
-        "dtype {:?}, per call: medians of {} samples of {BATCH} calls issued back to back, then synchronized, after warm-up\n",
-        settings.dtype, settings.reps
-    );
+/// `--section batched` on CUDA (the quantized mma kernel needs cooperative matrices): `dtype`,
+/// `reps`, the row counts, the models, and whether every tiling is timed too.
+fn batched_section(
+    kind: BackendKind,
+    (dtype, reps, rows, models, all): (DType, usize, Vec<usize>, Vec<String>, bool),
+) -> Result<(), CliError> {
+    println!("dtype {dtype:?}, per call: medians of {reps} samples, by CUDA graph replay where the calls record\n");
     match kind {
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
@@ -419,14 +421,18 @@ fn batched_section(kind: BackendKind, settings: batched::Settings) -> Result<(),
             let device = burn::backend::cuda::CudaDevice::new(0);
             let client = cubecl::cuda::CudaRuntime::client(&device);
             let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(132, |s| s as usize);
+            let settings = batched::Settings { dtype, reps, rows, models, all, sms };
             batched::section::<burn_gemma::backends::Cuda>(
                 &device,
-                &batched::Settings { sms, ..settings },
+                &settings,
                 burn_gemma_kernels::quant::mma::project_with,
             );
             Ok(())
         }
-        _ => Err(CliError::from("--section batched runs on --backend cuda")),
+        _ => {
+            let _ = (dtype, reps, rows, models, all);
+            Err(CliError::from("--section batched runs on --backend cuda"))
+        }
     }
 }
 
@@ -472,16 +478,9 @@ fn main() -> Result<(), CliError> {
         return experts_section(kind, dtype, args.reps.max(1), &rows()?);
     }
     if args.section == Section::Batched {
-        let rows = if args.rows == "512,4096" { vec![1, 4, 8, 9, 16, 32, 64] } else { rows()? };
-        let settings = batched::Settings {
-            dtype,
-            reps: args.reps.max(1),
-            rows,
-            models,
-            all: args.gemm_kernels == GemmKernels::All,
-            sms: 0,
-        };
-        return batched_section(kind, settings);
+        let rows = if args.rows == "512,4096" { vec![1, 2, 3, 4, 8, 16, 32, 64] } else { rows()? };
+        let all = args.gemm_kernels == GemmKernels::All;
+        return batched_section(kind, (dtype, args.reps.max(1), rows, models, all));
     }
     if args.section == Section::Gemm {
         let rows = rows()?;

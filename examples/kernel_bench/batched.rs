@@ -39,7 +39,7 @@ pub struct Settings {
     pub models: Vec<String>,
     /// Also every tiling of the quantized mma kernel.
     pub all: bool,
-    /// The device's multiprocessors (for the tilings' splits; set by the CUDA launcher).
+    /// The device's multiprocessors (for the tilings' splits).
     pub sms: usize,
 }
 

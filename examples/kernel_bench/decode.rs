@@ -45,11 +45,13 @@ pub(super) struct Timer<'a, B: GemmaBackend> {
 
 impl<'a, B: GemmaBackend> Timer<'a, B> {
     /// A timer of `reps` samples (no copy bandwidth: for [`Timer::time`] alone).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn new(device: &'a B::Device, reps: usize) -> Self {
         Self { device, reps, copy_gbs: 0.0, no_graph: None, totals: Vec::new() }
     }
 
     /// Tries graph timing again after a call that could not be recorded (a prefill product).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn retry_graphs(&mut self) {
         self.no_graph = None;
     }
