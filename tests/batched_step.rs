@@ -1,0 +1,94 @@
+//! A batched decode step over many sequences at different positions against each sequence
+//! stepped alone, on a CUDA device, for a random Gemma 3 1B-shaped model in bf16 with dense, Q8
+//! and Q4 weights: 5, 16 and 40 sequences (the quantized products of 3 to 64 rows run on the
+//! matrix units, one row on the matrix-vector kernel: different kernels, different rounding).
+//!
+//! The bound comes from a reference: each sequence alone in f32 (same weights, same blocks).
+//! Were the batched step as accurate as the step alone, the triangle inequality would bound
+//! their difference by twice the alone step's distance from f32; the test asserts that bound.
+#![cfg(feature = "cuda")]
+
+use burn::tensor::{DType, Tensor};
+use burn_gemma::backends::Cuda;
+use burn_gemma::generation::token_tensor;
+use burn_gemma::{Gemma, GemmaConfig, ModelOptions, StepInputs, WeightFormat};
+use burn_gemma_kernels::QuantFormat;
+use burn_gemma_model::RandomWeights;
+
+type B = Cuda;
+
+fn host(t: Tensor<B, 2>) -> Vec<f32> {
+    t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32 logits")
+}
+
+/// Sequence `i`'s prompt: its own tokens, `3 + 13 * i` of them (positions 2 to 509).
+fn prompt(i: usize) -> Vec<u32> {
+    (0..3 + 13 * i).map(|j| ((i * 7919 + j * 104_729) % 262_000) as u32 + 2).collect()
+}
+
+/// The logits of each sequence's next step alone (batch 1), in `dtype`.
+fn alone(model: &Gemma<B>, n: usize, capacity: usize) -> Vec<Vec<f32>> {
+    let d = model.device();
+    (0..n)
+        .map(|i| {
+            let p = prompt(i);
+            let mut cache = model.new_cache(1, capacity).expect("cache");
+            model.forward_last(token_tensor::<B>(&p[..p.len() - 1], &d), &mut cache).expect("prompt");
+            host(model.forward_last(token_tensor::<B>(&p[p.len() - 1..], &d), &mut cache).expect("step"))
+        })
+        .collect()
+}
+
+/// The logits of one batched step over the `n` sequences (each prompt but its last token run
+/// alone, then copied into sequence `i` of one cache).
+fn batched(model: &Gemma<B>, n: usize, capacity: usize) -> Vec<Vec<f32>> {
+    let d = model.device();
+    let mut rows = model.new_cache(n, capacity).expect("batched cache");
+    let (mut ids, mut positions) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let p = prompt(i);
+        let mut cache = model.new_cache(1, capacity).expect("cache");
+        model.forward_last(token_tensor::<B>(&p[..p.len() - 1], &d), &mut cache).expect("prompt");
+        rows.copy_sequence(i, &cache, 0).expect("copy into the batched cache");
+        ids.push(p[p.len() - 1]);
+        positions.push(p.len() - 1);
+    }
+    let inputs = StepInputs::sequences(&ids, &positions, &d).expect("inputs");
+    let logits = host(model.decode_logits(&inputs, &mut rows).expect("batched step"));
+    let vocab = model.config().vocab_size;
+    logits.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn random_1b_batched_step_matches_each_alone() {
+    let d = burn::backend::cuda::CudaDevice::new(0);
+    let config = GemmaConfig::preset("gemma3-1b").expect("preset");
+    let formats = [
+        ("bf16", WeightFormat::Dense),
+        ("q8", WeightFormat::Quantized(QuantFormat::Q8)),
+        ("q4", WeightFormat::Quantized(QuantFormat::Q4)),
+    ];
+    let most = 40;
+    let capacity = prompt(most - 1).len() + 1;
+    for (name, weights) in formats {
+        let load = |dtype| {
+            let options = ModelOptions { dtype, weights, kv_cache: None };
+            Gemma::<B>::load(config.clone(), &mut RandomWeights::new(5), &options, &d).expect("random 1B")
+        };
+        let reference = alone(&load(DType::F32), most, capacity);
+        let model = load(DType::BF16);
+        let single = alone(&model, most, capacity);
+        for n in [5, 16, most] {
+            let got = batched(&model, n, capacity);
+            assert!(got.iter().flatten().all(|v| v.is_finite()), "1B {name}, {n} sequences: non-finite logits");
+            let bound = 2.0 * max_diff(&single[..n], &reference[..n]);
+            let diff = max_diff(&got, &single[..n]);
+            println!("1B {name}, {n} sequences: batched vs alone {diff:.4}, bound (2 x alone vs f32) {bound:.4}");
+            assert!(diff <= bound, "1B {name}, {n} sequences: batched vs alone {diff} > {bound}");
+        }
+    }
+}
