@@ -165,93 +165,102 @@ pub fn applies<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize
     units && (1..=MMA_MAX_ROWS).contains(&m) && k.is_multiple_of(64)
 }
 
-/// Loads this unit's share of stage `stage`: `per_unit` code vectors (row `i / row_vecs`,
-/// vector `i % row_vecs` of the stage, `i = unit + j * units`) with their scale and offset,
-/// and `x_per_unit` activation vectors (zeros past row `m`).
-#[allow(clippy::too_many_arguments)]
+/// What one stage moves, per cube and per unit (comptime).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct StageShape {
+    /// Columns of `k` per stage.
+    bk: usize,
+    /// Code vectors and activation vectors each unit loads per stage.
+    per_unit: usize,
+    x_per_unit: usize,
+    /// Units per cube.
+    units: usize,
+    /// Shared-memory row pitch, in vectors of [`VEC`].
+    pitch: usize,
+    q4: bool,
+}
+
+/// One stage in a unit's registers: its code vectors with their scale and offset (0 for Q8),
+/// and its activation vectors.
+#[derive(CubeType)]
+struct Loaded<F: Float, NW: Size, NX: Size> {
+    codes: Array<Vector<u32, NW>>,
+    scales: Array<f32>,
+    offsets: Array<f32>,
+    x: Array<Vector<F, NX>>,
+}
+
+/// Loads this unit's share of stage `stage` into `into`: code vector `i = unit + j * units`
+/// is vector `i % stage_vecs` of row `n0 + i / stage_vecs` (rows past the matrix read its last
+/// row), and likewise the activations (zeros past row `m`).
 #[cube]
 fn load_stage<F: Float, S: Float, NW: Size, NX: Size>(
     x: &Array<Vector<F, NX>>,
     codes: &Array<Vector<u32, NW>>,
     scales: &Array<S>,
     offsets: &Array<S>,
-    cw: &mut Array<Vector<u32, NW>>,
-    sc: &mut Array<f32>,
-    of: &mut Array<f32>,
-    xv: &mut Array<Vector<F, NX>>,
+    into: &mut Loaded<F, NW, NX>,
     stage: usize,
     n0: usize,
     dims: Dims,
-    #[comptime] bk: usize,
-    #[comptime] per_unit: usize,
-    #[comptime] x_per_unit: usize,
-    #[comptime] units: usize,
-    #[comptime] q4: bool,
+    #[comptime] shape: StageShape,
 ) {
-    let per_word = comptime!(if q4 { 8usize } else { 4usize });
+    let per_word = comptime!(if shape.q4 { 8usize } else { 4usize });
     let nw = codes.vector_size();
-    let stage_vecs = comptime!(bk / (nw * per_word));
-    let x_vecs = comptime!(bk / VEC);
+    let stage_vecs = comptime!(shape.bk / (nw * per_word));
+    let x_vecs = comptime!(shape.bk / VEC);
     let unit = UNIT_POS_X as usize;
     let row_vecs = dims.words as usize / nw;
     let k_vecs = dims.k as usize / VEC;
     #[unroll]
-    for j in 0..per_unit {
-        let i = unit + j * units;
+    for j in 0..shape.per_unit {
+        let i = unit + j * shape.units;
         let row = min(n0 + i / stage_vecs, dims.n_out as usize - 1);
         let v = stage * stage_vecs + i % stage_vecs;
-        cw[j] = codes[row * row_vecs + v];
+        into.codes[j] = codes[row * row_vecs + v];
         let block = row * dims.blocks as usize + (v * comptime!(nw * per_word)) / 32;
-        sc[j] = f32::cast_from(scales[block]);
-        if q4 {
-            of[j] = f32::cast_from(offsets[block]);
+        into.scales[j] = f32::cast_from(scales[block]);
+        if shape.q4 {
+            into.offsets[j] = f32::cast_from(offsets[block]);
         } else {
-            of[j] = 0.0f32;
+            into.offsets[j] = 0.0f32;
         }
     }
     #[unroll]
-    for j in 0..x_per_unit {
-        let i = unit + j * units;
+    for j in 0..shape.x_per_unit {
+        let i = unit + j * shape.units;
         let r = i / x_vecs;
         if r < dims.m as usize {
-            xv[j] = x[r * k_vecs + stage * x_vecs + i % x_vecs];
+            into.x[j] = x[r * k_vecs + stage * x_vecs + i % x_vecs];
         } else {
-            xv[j] = Vector::<F, NX>::new(F::from_int(0));
+            into.x[j] = Vector::<F, NX>::new(F::from_int(0));
         }
     }
 }
 
 /// Writes the loaded stage into shared buffer `buffer`: the codes dequantized exactly as
 /// [`super::device::dequantize`] does (`scale * q + offset`, rounded to `F`), the activations
-/// as loaded; rows of `bk + PAD` values (`pitch` vectors).
-#[allow(clippy::too_many_arguments)]
+/// as loaded; rows of `bk + PAD` values.
 #[cube]
 fn store_stage<F: Float, NW: Size, NX: Size>(
-    cw: &Array<Vector<u32, NW>>,
-    sc: &Array<f32>,
-    of: &Array<f32>,
-    xv: &Array<Vector<F, NX>>,
+    from: &Loaded<F, NW, NX>,
     w_tile: &mut SharedMemory<Vector<F, NX>>,
     x_tile: &mut SharedMemory<Vector<F, NX>>,
     buffer: usize,
-    #[comptime] bk: usize,
-    #[comptime] per_unit: usize,
-    #[comptime] x_per_unit: usize,
-    #[comptime] units: usize,
-    #[comptime] pitch: usize,
-    #[comptime] q4: bool,
+    #[comptime] shape: StageShape,
 ) {
-    let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    let nw = cw.vector_size();
+    let per_word = comptime!(if shape.q4 { 8usize } else { 4usize });
+    let nw = from.codes.vector_size();
     let per_vec = comptime!(nw * per_word);
-    let stage_vecs = comptime!(bk / per_vec);
-    let x_vecs = comptime!(bk / VEC);
+    let stage_vecs = comptime!(shape.bk / per_vec);
+    let x_vecs = comptime!(shape.bk / VEC);
+    let pitch = comptime!(shape.pitch);
     let unit = UNIT_POS_X as usize;
-    let w_at = buffer * comptime!(units * per_unit / stage_vecs * pitch);
-    let x_at = buffer * comptime!(units * x_per_unit / x_vecs * pitch);
+    let w_at = buffer * comptime!(shape.units * shape.per_unit / stage_vecs * shape.pitch);
+    let x_at = buffer * comptime!(shape.units * shape.x_per_unit / x_vecs * shape.pitch);
     #[unroll]
-    for j in 0..per_unit {
-        let i = unit + j * units;
+    for j in 0..shape.per_unit {
+        let i = unit + j * shape.units;
         let at = w_at + (i / stage_vecs) * pitch + (i % stage_vecs) * comptime!(per_vec / VEC);
         #[unroll]
         for h in 0..comptime!(per_vec / VEC) {
@@ -259,16 +268,16 @@ fn store_stage<F: Float, NW: Size, NX: Size>(
             #[unroll]
             for e in 0..VEC {
                 let c = comptime!(h * VEC + e);
-                let word = cw[j][comptime!(c / per_word)];
-                v[e] = F::cast_from(code(word, comptime!(c % per_word), q4) * sc[j] + of[j]);
+                let word = from.codes[j][comptime!(c / per_word)];
+                v[e] = F::cast_from(code(word, comptime!(c % per_word), shape.q4) * from.scales[j] + from.offsets[j]);
             }
             w_tile[at + h] = v;
         }
     }
     #[unroll]
-    for j in 0..x_per_unit {
-        let i = unit + j * units;
-        x_tile[x_at + (i / x_vecs) * pitch + i % x_vecs] = xv[j];
+    for j in 0..shape.x_per_unit {
+        let i = unit + j * shape.units;
+        x_tile[x_at + (i / x_vecs) * pitch + i % x_vecs] = from.x[j];
     }
 }
 
@@ -332,10 +341,13 @@ fn mma_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     let first = split * stages / splits;
     let last = (split + 1) * stages / splits;
 
-    let mut cw = Array::<Vector<u32, NW>>::new(per_unit);
-    let mut sc = Array::<f32>::new(per_unit);
-    let mut of = Array::<f32>::new(per_unit);
-    let mut xv = Array::<Vector<F, NX>>::new(x_per_unit);
+    let shape = comptime!(StageShape { bk, per_unit, x_per_unit, units, pitch, q4 });
+    let mut loaded = Loaded::<F, NW, NX> {
+        codes: Array::new(per_unit),
+        scales: Array::new(per_unit),
+        offsets: Array::new(per_unit),
+        x: Array::new(x_per_unit),
+    };
     let mut accs = Sequence::<cmma::Matrix<f32>>::new();
     #[unroll]
     for _ in 0..comptime!(mt * nt) {
@@ -350,45 +362,11 @@ fn mma_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     }
 
     if first < last {
-        load_stage::<F, S, NW, NX>(
-            x, codes, scales, offsets, &mut cw, &mut sc, &mut of, &mut xv, first, n0, dims, bk, per_unit, x_per_unit,
-            units, q4,
-        );
-        store_stage::<F, NW, NX>(
-            &cw,
-            &sc,
-            &of,
-            &xv,
-            &mut w_tile,
-            &mut x_tile,
-            0,
-            bk,
-            per_unit,
-            x_per_unit,
-            units,
-            pitch,
-            q4,
-        );
+        load_stage::<F, S, NW, NX>(x, codes, scales, offsets, &mut loaded, first, n0, dims, shape);
+        store_stage::<F, NW, NX>(&loaded, &mut w_tile, &mut x_tile, 0, shape);
         sync_cube();
         if first + 1 < last {
-            load_stage::<F, S, NW, NX>(
-                x,
-                codes,
-                scales,
-                offsets,
-                &mut cw,
-                &mut sc,
-                &mut of,
-                &mut xv,
-                first + 1,
-                n0,
-                dims,
-                bk,
-                per_unit,
-                x_per_unit,
-                units,
-                q4,
-            );
+            load_stage::<F, S, NW, NX>(x, codes, scales, offsets, &mut loaded, first + 1, n0, dims, shape);
         }
     }
     let mut stage = first;
@@ -434,43 +412,12 @@ fn mma_kernel<F: Float, S: Float, NW: Size, NX: Size>(
             }
         }
         if stage + 1 < last {
-            store_stage::<F, NW, NX>(
-                &cw,
-                &sc,
-                &of,
-                &xv,
-                &mut w_tile,
-                &mut x_tile,
-                1 - buffer,
-                bk,
-                per_unit,
-                x_per_unit,
-                units,
-                pitch,
-                q4,
-            );
+            store_stage::<F, NW, NX>(&loaded, &mut w_tile, &mut x_tile, 1 - buffer, shape);
         }
         // Stage `s + 1` is in its buffer, and every plane is done with buffer `s % 2`.
         sync_cube();
         if stage + 2 < last {
-            load_stage::<F, S, NW, NX>(
-                x,
-                codes,
-                scales,
-                offsets,
-                &mut cw,
-                &mut sc,
-                &mut of,
-                &mut xv,
-                stage + 2,
-                n0,
-                dims,
-                bk,
-                per_unit,
-                x_per_unit,
-                units,
-                q4,
-            );
+            load_stage::<F, S, NW, NX>(x, codes, scales, offsets, &mut loaded, stage + 2, n0, dims, shape);
         }
         stage += 1;
     }
@@ -541,9 +488,9 @@ fn reduce_kernel<F: Float>(
 ///
 /// # Panics
 ///
-/// If [`applies`] is false for `x`, or `tiling` does not fit the shape: the backends ask
-/// [`applies`] first and take [`MmaTiling::choose`].
-pub fn product_into<R: CubeRuntime>(
+/// If `tiling` does not fit the shape: the backends ask [`applies`] first and take
+/// [`MmaTiling::choose`]; [`project_with`] checks both and returns an error instead.
+pub(crate) fn product_into<R: CubeRuntime>(
     x: CubeTensor<R>,
     w: &Packed<R>,
     epilogue: Epilogue,
@@ -605,7 +552,7 @@ pub fn product_into<R: CubeRuntime>(
 
 /// [`product_into`] a new `[m, n]` (`[m, n / 2]` for [`Epilogue::GeluPairs`]) output, with
 /// the tiling [`MmaTiling::choose`] picks for the device.
-pub fn product<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue) -> CubeTensor<R> {
+pub(crate) fn product<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue) -> CubeTensor<R> {
     let [m, k] = [x.meta.shape()[0], x.meta.shape()[1]];
     let n_out = w.codes.meta.shape()[0];
     let width = if epilogue == Epilogue::GeluPairs { n_out / 2 } else { n_out };
