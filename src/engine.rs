@@ -860,9 +860,9 @@ fn decode_rows<B: GemmaBackend>(
 }
 
 /// Rows a batched step over `n` generating sequences runs: `n` rounded up to a power of two,
-/// at most the cache's `batch`. The matrix products take a handful of row counts well (the
-/// quantized GEMV up to 8 rows, the GEMM at 16, 32 and 64) and some very badly (on an H200, 9
-/// rows of Gemma 3 4B took 125 ms a step against 14 ms for 16: `docs/gpu-runs/2026-11-26-batched`),
+/// at most the cache's `batch`. Dense weights' prefill GEMM takes some row counts very badly
+/// (on an H200, 9 rows of Gemma 3 4B's output projection took 3.4 ms against 0.05 ms for 16:
+/// `docs/gpu-runs/2026-11-26-mma` call 2; quantized weights take any count from 3 to 64 alike),
 /// and a bounded set of shapes is what recorded steps (CUDA graphs) will need.
 fn step_rows(n: usize, batch: usize) -> usize {
     n.next_power_of_two().min(batch).max(n)

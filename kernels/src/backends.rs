@@ -45,10 +45,13 @@ where
         })
     }
 
-    /// Decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector kernels, the
-    /// epilogue inside them (one launch, the GELU halving what is written); larger ones to the
-    /// prefill GEMM on the matrix units ([`crate::gemm`]; quantized weights dequantized into a
-    /// transient dense matrix first), then one GELU kernel over the interleaved product.
+    /// Quantized weights with 3 to 64 rows in f16/bf16 on CUDA with cooperative matrices go
+    /// to the quantized mma kernel ([`crate::quant::mma`], the epilogue in its reduction);
+    /// otherwise decode-sized inputs (at most `GEMV_MAX_ROWS` rows) go to the matrix-vector
+    /// kernels, the epilogue inside them (one launch, the GELU halving what is written); larger
+    /// ones to the prefill GEMM on the matrix units ([`crate::gemm`]; quantized weights
+    /// dequantized into a transient dense matrix first), then one GELU kernel over the
+    /// interleaved product.
     fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
         let [rows, cols] = x.dims();
         let gemv_rows = rows <= crate::linear::GEMV_MAX_ROWS;

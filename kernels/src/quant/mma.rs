@@ -23,9 +23,9 @@
 //! to `F` and applies the epilogue (as the matrix-vector kernel rounds gate and up to `F`
 //! before `gelu_tanh(gate) * up`).
 //!
-//! Only where the runtime has 16 x 16 x 16 cooperative matrices for `F` with an f32 accumulator
-//! ([`applies`]): CUDA and HIP in f16/bf16 (lavapipe has none: its products stay on the other
-//! paths).
+//! Only on CUDA, in f16/bf16, where the device has 16 x 16 x 16 cooperative matrices for `F`
+//! with an f32 accumulator ([`applies`]); other runtimes (Vulkan and HIP also have them, but the
+//! kernel has not been checked there; lavapipe has none) keep the other paths.
 
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
@@ -146,9 +146,13 @@ impl MmaTiling {
 }
 
 /// Whether [`product_into`] takes `m` activation rows in `dtype` of a quantized matrix `k`
-/// wide on `client`: 16-bit floats multiplied on 16 x 16 x 16 cooperative matrices with an f32
-/// accumulator, at most [`MMA_MAX_ROWS`] rows, `k` a multiple of 64.
+/// wide on `client`: the CUDA runtime (the only one its tests have run on), 16-bit floats
+/// multiplied on 16 x 16 x 16 cooperative matrices with an f32 accumulator, at most
+/// [`MMA_MAX_ROWS`] rows, `k` a multiple of 64.
 pub fn applies<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize, k: usize) -> bool {
+    if !tested_runtime::<R>() {
+        return false;
+    }
     let elem: StorageType = match dtype {
         DType::BF16 => ElemType::Float(FloatKind::BF16).into(),
         DType::F16 => ElemType::Float(FloatKind::F16).into(),
@@ -188,6 +192,20 @@ struct Loaded<F: Float, NW: Size, NX: Size> {
     scales: Array<f32>,
     offsets: Array<f32>,
     x: Array<Vector<F, NX>>,
+}
+
+/// Whether `R` is a runtime the kernel's tests run on (CUDA). Vulkan and HIP report
+/// cooperative matrices too, but nothing here has checked the kernel on them: they keep the
+/// matrix-vector kernel and the prefill GEMM.
+fn tested_runtime<R: CubeRuntime>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// Loads this unit's share of stage `stage` into `into`: code vector `i = unit + j * units`
