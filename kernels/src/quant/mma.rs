@@ -197,6 +197,7 @@ struct Loaded<F: Float, NW: Size, NX: Size> {
 /// Whether `R` is a runtime the kernel's tests run on (CUDA). Vulkan and HIP report
 /// cooperative matrices too, but nothing here has checked the kernel on them: they keep the
 /// matrix-vector kernel and the prefill GEMM.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
 fn tested_runtime<R: CubeRuntime>() -> bool {
     #[cfg(feature = "cuda")]
     {
