@@ -10,7 +10,8 @@
 //!
 //! 1. each unit loads its share of the stage's code vectors (16 bytes: one Q4 block, half a Q8
 //!    block) with their scales, and of the activations (16 bytes of `F`), into registers; the
-//!    loads of stage `s + 1` are issued before the products of stage `s`, so they overlap them;
+//!    shared tiles are double-buffered (one barrier per stage), and the loads of stage `s + 2`
+//!    are issued before the products of stage `s + 1`, so they overlap them;
 //! 2. the codes are dequantized exactly as [`super::device::dequantize`] does (`scale * q +
 //!    offset`, rounded to `F`) into a shared `[bn, bk]` tile, the activations copied into a shared
 //!    `[16 * mt, bk]` tile (zeros past the last row);
@@ -46,9 +47,10 @@ use cubecl::prelude::*;
 pub const MMA_MAX_ROWS: usize = 64;
 
 /// Fewest activation rows the backends multiply with this kernel rather than the quantized
-/// matrix-vector kernel: on the H200 it is faster from 3 rows on for Gemma 3 4B's products
-/// but the output projection (the same at 4 rows), and slower at 2 (graph replays,
-/// `docs/gpu-runs/2026-11-26-mma`).
+/// matrix-vector kernel. Its time hardly falls below 16 rows (one row tile), while the GEMV's
+/// grows with every row: on the H200 (graph replays, Gemma 3 4B's qkv, Q4,
+/// `docs/gpu-runs/2026-11-26-mma` calls 2-3) this kernel takes 12.5 us at 3 and 4 rows where the
+/// GEMV took 15.0 and 17.7 us, and the GEMV's 10.8 us at 2 rows is below it.
 pub const MMA_MIN_ROWS: usize = 3;
 
 /// Most shared memory a tiling may take per cube: two cubes fit a Hopper multiprocessor
