@@ -20,7 +20,7 @@
 //!
 //! When the matrix has too few features to keep every multiprocessor busy the columns are also
 //! split along `k` (`splits` cubes per column tile, the grid's y axis): each split writes its
-//! f32 partial sums to its own `[16 * mt, n]` slab, and [`reduce_kernel`] adds the slabs, rounds
+//! f32 partial sums to its own `[16 * mt, n]` slab, and `reduce_kernel` adds the slabs, rounds
 //! to `F` and applies the epilogue (as the matrix-vector kernel rounds gate and up to `F`
 //! before `gelu_tanh(gate) * up`).
 //!
@@ -147,7 +147,7 @@ impl MmaTiling {
     }
 }
 
-/// Whether [`product_into`] takes `m` activation rows in `dtype` of a quantized matrix `k`
+/// Whether this kernel takes `m` activation rows in `dtype` of a quantized matrix `k`
 /// wide on `client`: the CUDA runtime (the only one its tests have run on), 16-bit floats
 /// multiplied on 16 x 16 x 16 cooperative matrices with an f32 accumulator, at most
 /// [`MMA_MAX_ROWS`] rows, `k` a multiple of 64.
