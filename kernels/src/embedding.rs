@@ -7,7 +7,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 /// dequantizes only the rows asked for ([`quant::embed_reference`], or for GGUF blocks
 /// [`quant::ggml::embed_reference`]); a dense one (or one mixing
 /// dense and quantized blocks, which the loader never builds: the quantized blocks are then
-/// dequantized whole) gathers with [`reference`].
+/// dequantized whole) gathers with [`reference()`].
 pub fn table_reference<B: Backend>(
     table: &[Matrix<B>],
     ids: Tensor<B, 2, Int>,

@@ -10,13 +10,13 @@
 //! 1. [`super::gemv`]'s grouping kernel lists each expert's slots on the device; the counts are
 //!    read back (one small read per product: this path is for prompts, never recorded in a
 //!    decode graph) to size the batch: `span`, the most slots any expert has, rounded up to 16.
-//! 2. [`gather_kernel`] copies each expert's input rows into `[count, span, cols]` in the model
+//! 2. `gather_kernel` copies each expert's input rows into `[count, span, cols]` in the model
 //!    dtype, zeros past its last slot.
 //! 3. Per group of experts, the batched product `[g, span, cols] @ [g, cols, rows]` on the matrix
 //!    units; quantized experts are dequantized into a transient dense stack one group at a
 //!    time (at most [`GROUP_BYTES`], so a 26B-A4B layer never holds more than a quarter of a
 //!    GiB of dense experts).
-//! 4. [`scatter_kernel`] writes each valid row back to its slot: `gelu_tanh(gate) * up` for
+//! 4. `scatter_kernel` writes each valid row back to its slot: `gelu_tanh(gate) * up` for
 //!    [`ExpertProduct::GeluHalves`], the route weight times the row (f32, summed per token by
 //!    [`super::gemv`]'s combine kernel) for [`ExpertProduct::WeightedSum`].
 //!

@@ -8,7 +8,7 @@
 //!    runtime* (`Rec`, CUDA feature) instead of the tensor's runtime: its server stores each
 //!    launch's task, cube count and argument bytes, exactly as CubeCL built them, and runs
 //!    nothing. Outputs are still allocated by the real CUDA client, and the wrappers hand the
-//!    handles of every array argument to the recorder ([`arg`]), which keeps them alive: the
+//!    handles of every array argument to the recorder (`arg`), which keeps them alive: the
 //!    recorded pointers stay valid as long as the graph lives.
 //! 2. **Compile.** Each recorded task is compiled by CubeCL's own CUDA compiler with the options
 //!    CubeCL uses for the device, then by NVRTC (PTX cached on disk by source hash).

@@ -4,7 +4,7 @@
 //! A [`KvStore`] is typed once, when the cache is built ([`crate::GemmaBackend::kv_zeros`]):
 //! dense in a float dtype, or int8 codes with a scale per position ([`int8`]). Writing rows
 //! ([`crate::GemmaBackend::kv_write`]), reading them back ([`crate::GemmaBackend::kv_read`]) and
-//! attending over them ([`KvStore::view`] into [`crate::GemmaBackend::attention`]) take the store
+//! attending over them ([`KvStore::view`] into [`crate::GemmaBackend::grouped_attention`]) take the store
 //! whatever its format, so callers never match on it.
 
 pub mod dense;

@@ -3,14 +3,14 @@
 //! candle's own quantized matmul walks the activation rows in the outer loop, so a prompt of
 //! `m` rows reads the whole weight matrix `m` times from memory. Here the activations are
 //! quantized once (to the block type the weight's dot product reads: Q8_0, Q8_1 or Q8_K), and
-//! the output columns are split into groups of [`COLUMNS`] weight rows that the threads take in
+//! the output columns are split into groups of `COLUMNS` weight rows that the threads take in
 //! turn: a group's rows (a few KiB) stay in cache while every activation row is multiplied with
 //! them, so the weights are read from memory once per product whatever `m` is. Each dot product
 //! is candle's (`GgmlType::vec_dot`: AVX2 or NEON where candle has it for the type), so the
 //! result equals candle's matmul exactly (tested).
 //!
 //! Products of [`DENSE_ROWS`] activation rows or more (prompts) run in f32 instead, over the
-//! weights dequantized chunk by chunk ([`dense_product`]), with candle's f32 GEMM.
+//! weights dequantized chunk by chunk (`dense_product`), with candle's f32 GEMM.
 
 use candle_core::quantized::{
     k_quants::{
@@ -26,7 +26,7 @@ use std::borrow::Cow;
 const COLUMNS: usize = 16;
 
 /// From this many activation rows on, products run in f32 over the weights dequantized
-/// ([`dense_product`]): a prompt's products are bound by arithmetic, where candle's f32 GEMM
+/// (`dense_product`): a prompt's products are bound by arithmetic, where candle's f32 GEMM
 /// (register-blocked, AVX-512 where the CPU has it) outruns one integer dot product per pair
 /// of rows; decode's few rows are bound by the bytes read, where the blocks win.
 pub const DENSE_ROWS: usize = 16;
