@@ -49,7 +49,7 @@ impl std::fmt::Display for CudaGraph {
 const MIN_BOUND: usize = 256;
 
 /// The bound of the bucket holding `position` in a cache of `capacity` positions: one less
-/// than a power of two of at least [`MIN_BOUND`], at most the last position.
+/// than a power of two of at least `MIN_BOUND`, at most the last position.
 pub fn bucket_bound(position: usize, capacity: usize) -> usize {
     (position + 1).next_power_of_two().max(MIN_BOUND).min(capacity.max(1)) - 1
 }

@@ -24,7 +24,7 @@ pub(crate) fn embed_scale(width: usize, dtype: DType) -> f64 {
 }
 
 /// The `[vocab, hidden]` embedding table, also the tied lm_head, in row blocks of at most
-/// [`ReservedMemory::max_buffer_bytes`] (GPU APIs cap the size of one buffer); quantized at least to Q8 (the
+/// [`burn_gemma_kernels::ReservedMemory::max_buffer_bytes`] (GPU APIs cap the size of one buffer); quantized at least to Q8 (the
 /// table feeds both ends of the model), or dense.
 #[derive(Module, Debug)]
 pub struct Embedding<B: GemmaBackend> {

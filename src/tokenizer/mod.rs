@@ -1,9 +1,9 @@
 //! Gemma tokenizers: `tokenizer.json` through the `tokenizers` crate, or the vocabulary embedded
-//! in a GGUF file: SentencePiece-style BPE by piece scores (Gemma 1-3, [`spm`]) or Gemma 4's BPE
-//! by merge ranks ([`bpe`]), both with byte fallback.
+//! in a GGUF file: SentencePiece-style BPE by piece scores (Gemma 1-3, `spm`) or Gemma 4's BPE
+//! by merge ranks (`bpe`), both with byte fallback.
 //!
 //! Special tokens (GGUF control and user-defined types, e.g. `<start_of_turn>`, `<|tool_call>`,
-//! runs of newlines) are matched in the text as single tokens ([`specials`]), as Hugging Face
+//! runs of newlines) are matched in the text as single tokens (`specials`), as Hugging Face
 //! tokenizers and llama.cpp do.
 
 mod bpe;
