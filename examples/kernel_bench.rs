@@ -407,32 +407,27 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliE
     }
 }
 
-/// `--section batched` on CUDA (the quantized mma kernel needs cooperative matrices): `dtype`,
-/// `reps`, the row counts, the models, and whether every tiling is timed too.
-fn batched_section(
-    kind: BackendKind,
-    (dtype, reps, rows, models, all): (DType, usize, Vec<usize>, Vec<String>, bool),
-) -> Result<(), CliError> {
-    println!("dtype {dtype:?}, per call: medians of {reps} samples, by CUDA graph replay where the calls record\n");
+/// `--section batched` on CUDA (the quantized mma kernel runs there only).
+fn batched_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliError> {
+    println!(
+        "dtype {:?}, per call: medians of {} samples, by CUDA graph replay where the calls record\n",
+        settings.dtype, settings.reps
+    );
     match kind {
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             use cubecl::Runtime;
             let device = burn::backend::cuda::CudaDevice::new(0);
-            let client = cubecl::cuda::CudaRuntime::client(&device);
-            let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(132, |s| s as usize);
-            let settings = batched::Settings { dtype, reps, rows, models, all, sms };
+            let sms = burn_gemma_kernels::quant::mma::multiprocessors(&cubecl::cuda::CudaRuntime::client(&device));
             batched::section::<burn_gemma::backends::Cuda>(
                 &device,
-                &settings,
+                settings,
+                sms,
                 burn_gemma_kernels::quant::mma::project_with,
             );
             Ok(())
         }
-        _ => {
-            let _ = (dtype, reps, rows, models, all);
-            Err(CliError::from("--section batched runs on --backend cuda"))
-        }
+        _ => Err(CliError::from("--section batched runs on --backend cuda")),
     }
 }
 
@@ -477,16 +472,14 @@ fn main() -> Result<(), CliError> {
     if args.section == Section::Experts {
         return experts_section(kind, dtype, args.reps.max(1), &rows()?);
     }
+    let all = args.gemm_kernels == GemmKernels::All;
     if args.section == Section::Batched {
         let rows = if args.rows == "512,4096" { vec![1, 2, 3, 4, 8, 16, 32, 64] } else { rows()? };
-        let all = args.gemm_kernels == GemmKernels::All;
-        return batched_section(kind, (dtype, args.reps.max(1), rows, models, all));
+        return batched_section(kind, &gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all });
     }
     if args.section == Section::Gemm {
         let rows = rows()?;
-        let settings =
-            gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all: args.gemm_kernels == GemmKernels::All };
-        return gemm_section(kind, &settings);
+        return gemm_section(kind, &gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all });
     }
     dispatch(kind, Bench { dtype, reps: args.reps.max(1), section: args.section, models }, &mut |note| {
         eprintln!("{note}")

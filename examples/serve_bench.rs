@@ -79,12 +79,19 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize) -> Resu
     Ok(median(times))
 }
 
-/// What one request saw: when its first and last tokens came (from submission), how many.
+/// What one request saw: when each of its tokens came (from submission).
 struct Seen {
-    first: Duration,
-    last: Duration,
-    /// When each token arrived.
     times: Vec<Duration>,
+}
+
+impl Seen {
+    fn first(&self) -> Duration {
+        self.times.first().copied().unwrap_or_default()
+    }
+
+    fn last(&self) -> Duration {
+        self.times.last().copied().unwrap_or_default()
+    }
 }
 
 /// One run of `n` requests.
@@ -123,9 +130,7 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
                             Event::Done(_) => break,
                         }
                     }
-                    let first = times.first().copied().unwrap_or_default();
-                    let last = times.last().copied().unwrap_or_default();
-                    Ok(Seen { first, last, times })
+                    Ok(Seen { times })
                 })
             })
             .collect();
@@ -135,13 +140,13 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
     let seen = seen.into_iter().collect::<Result<Vec<_>, _>>()?;
     // The window where every request generates: from the last first token to the first request
     // done; the tokens that arrived inside it, over its length.
-    let all_started = seen.iter().map(|s| s.first).max().unwrap_or_default();
-    let first_done = seen.iter().map(|s| s.last).min().unwrap_or_default();
+    let all_started = seen.iter().map(Seen::first).max().unwrap_or_default();
+    let first_done = seen.iter().map(Seen::last).min().unwrap_or_default();
     let window = first_done.saturating_sub(all_started).as_secs_f64();
     let in_window = seen.iter().flat_map(|s| &s.times).filter(|&&t| t > all_started && t <= first_done).count() as f64;
     Ok(Run {
         wall,
-        ttft: seen.iter().map(|s| s.first.as_secs_f64()).collect(),
+        ttft: seen.iter().map(|s| s.first().as_secs_f64()).collect(),
         decode: if window > 0.0 { in_window / window } else { 0.0 },
         generated: seen.iter().map(|s| s.times.len()).sum(),
     })

@@ -11,7 +11,7 @@
 use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Gemma, GemmaConfig, ModelOptions, StepInputs, WeightFormat};
+use burn_gemma::{Gemma, GemmaConfig, KvCache, ModelOptions, StepInputs, WeightFormat};
 use burn_gemma_kernels::QuantFormat;
 use burn_gemma_model::RandomWeights;
 
@@ -26,30 +26,40 @@ fn prompt(i: usize) -> Vec<u32> {
     (0..3 + 13 * i).map(|j| ((i * 7919 + j * 104_729) % 262_000) as u32 + 2).collect()
 }
 
-/// The logits of each sequence's next step alone (batch 1), in `dtype`.
-fn alone(model: &Gemma<B>, n: usize, capacity: usize) -> Vec<Vec<f32>> {
+/// Each sequence's prompt but its last token, run alone into a cache of its own.
+fn prompts(model: &Gemma<B>, n: usize, capacity: usize) -> Vec<KvCache<B>> {
     let d = model.device();
     (0..n)
         .map(|i| {
             let p = prompt(i);
             let mut cache = model.new_cache(1, capacity).expect("cache");
             model.forward_last(token_tensor::<B>(&p[..p.len() - 1], &d), &mut cache).expect("prompt");
-            host(model.forward_last(token_tensor::<B>(&p[p.len() - 1..], &d), &mut cache).expect("step"))
+            cache
         })
         .collect()
 }
 
-/// The logits of one batched step over the `n` sequences (each prompt but its last token run
-/// alone, then copied into sequence `i` of one cache).
-fn batched(model: &Gemma<B>, n: usize, capacity: usize) -> Vec<Vec<f32>> {
+/// The logits of each sequence's next step alone (batch 1), stepping its own cache.
+fn alone(model: &Gemma<B>, caches: &mut [KvCache<B>]) -> Vec<Vec<f32>> {
+    let d = model.device();
+    caches
+        .iter_mut()
+        .enumerate()
+        .map(|(i, cache)| {
+            let p = prompt(i);
+            host(model.forward_last(token_tensor::<B>(&p[p.len() - 1..], &d), cache).expect("step"))
+        })
+        .collect()
+}
+
+/// The logits of one batched step over the first `n` sequences, their caches copied into one.
+fn batched(model: &Gemma<B>, caches: &[KvCache<B>], n: usize, capacity: usize) -> Vec<Vec<f32>> {
     let d = model.device();
     let mut rows = model.new_cache(n, capacity).expect("batched cache");
     let (mut ids, mut positions) = (Vec::new(), Vec::new());
-    for i in 0..n {
+    for (i, cache) in caches[..n].iter().enumerate() {
         let p = prompt(i);
-        let mut cache = model.new_cache(1, capacity).expect("cache");
-        model.forward_last(token_tensor::<B>(&p[..p.len() - 1], &d), &mut cache).expect("prompt");
-        rows.copy_sequence(i, &cache, 0).expect("copy into the batched cache");
+        rows.copy_sequence(i, cache, 0).expect("copy into the batched cache");
         ids.push(p[p.len() - 1]);
         positions.push(p.len() - 1);
     }
@@ -79,11 +89,16 @@ fn random_1b_batched_step_matches_each_alone() {
             let options = ModelOptions { dtype, weights, kv_cache: None };
             Gemma::<B>::load(config.clone(), &mut RandomWeights::new(5), &options, &d).expect("random 1B")
         };
-        let reference = alone(&load(DType::F32), most, capacity);
+        let reference = {
+            let model = load(DType::F32);
+            alone(&model, &mut prompts(&model, most, capacity))
+        };
         let model = load(DType::BF16);
-        let single = alone(&model, most, capacity);
-        for n in [5, 16, most] {
-            let got = batched(&model, n, capacity);
+        // The prompts run once: the batched steps copy their caches, then each steps alone.
+        let mut caches = prompts(&model, most, capacity);
+        let steps: Vec<_> = [5, 16, most].into_iter().map(|n| (n, batched(&model, &caches, n, capacity))).collect();
+        let single = alone(&model, &mut caches);
+        for (n, got) in steps {
             assert!(got.iter().flatten().all(|v| v.is_finite()), "1B {name}, {n} sequences: non-finite logits");
             let bound = 2.0 * max_diff(&single[..n], &reference[..n]);
             let diff = max_diff(&got, &single[..n]);

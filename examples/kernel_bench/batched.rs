@@ -7,6 +7,7 @@
 //! through copies of the matrix so that the weights come from device memory.
 
 use super::decode::{copies_for, Clock, Timer};
+use super::gemm::Settings;
 use super::random;
 use burn::tensor::{DType, Tensor};
 use burn_gemma::GemmaBackend;
@@ -31,32 +32,10 @@ const SHAPES: &[(&str, &str, usize, usize)] = &[
 /// The quantized mma kernel with a given tiling (`burn_gemma_kernels::quant::mma::project_with`).
 pub type WithTiling<B> = fn(Tensor<B, 2>, &QuantizedMatrix<B>, Epilogue, MmaTiling) -> Result<Tensor<B, 2>, MmaError>;
 
-/// What the section measures.
-pub struct Settings {
-    pub dtype: DType,
-    pub reps: usize,
-    pub rows: Vec<usize>,
-    pub models: Vec<String>,
-    /// Also every tiling of the quantized mma kernel.
-    pub all: bool,
-    /// The device's multiprocessors (for the tilings' splits).
-    pub sms: usize,
-}
-
-/// Bytes a matrix of `n x k` weights occupies on the device in `format` (codes, f16 scales and
-/// Q4's f16 offsets per block of 32), or in `dense` bytes per weight.
-fn weight_bytes(n: usize, k: usize, format: Option<QuantFormat>, dense: usize) -> f64 {
-    let w = (n * k) as f64;
-    match format {
-        None => w * dense as f64,
-        Some(QuantFormat::Q8) => w * (1.0 + 2.0 / 32.0),
-        Some(QuantFormat::Q4) => w * (0.5 + 4.0 / 32.0),
-    }
-}
-
-/// One table row per (shape, rows, weights), then per tiling with `all`.
-pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings, with_tiling: WithTiling<B>) {
-    let Settings { dtype: dt, reps, ref rows, ref models, all, sms } = *settings;
+/// One table row per (shape, rows, weights), then per tiling with `settings.all`; `sms`: the
+/// device's multiprocessors (for the tilings' splits).
+pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings, sms: usize, with_tiling: WithTiling<B>) {
+    let Settings { dtype: dt, reps, ref rows, ref models, all } = *settings;
     let mut timer = Timer::<B>::new(d, reps);
     println!("| model | product | m x n x k | weights | path | us | weight GB/s |");
     println!("|---|---|---|---|---|---:|---:|");
@@ -66,25 +45,25 @@ pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings, with_tiling:
         let dense = w.cast(dt);
         let mut weights = Vec::new();
         for format in [None, Some(QuantFormat::Q8), Some(QuantFormat::Q4)] {
-            let copies = copies_for(weight_bytes(n, k, format, dt.size()) as usize);
-            let upload = || match format {
-                None => Some(crate::upload(HostMatrix::Dense(dense.clone()), d)),
-                Some(f) => {
-                    HostQuantized::quantize(&host, n, k, f).ok().map(|q| crate::upload(HostMatrix::Quantized(q), d))
-                }
+            let matrix = match format {
+                None => HostMatrix::Dense(dense.clone()),
+                Some(f) => match HostQuantized::quantize(&host, n, k, f) {
+                    Ok(q) => HostMatrix::Quantized(q),
+                    Err(_) => continue,
+                },
             };
-            let matrices: Option<Vec<Matrix<B>>> = (0..copies).map(|_| upload()).collect();
-            if let Some(matrices) = matrices {
-                weights.push((format, matrices));
-            }
+            let first = crate::upload(matrix.clone(), d);
+            let bytes = first.device_bytes() as f64;
+            let mut copies = vec![first];
+            copies.extend((1..copies_for(bytes as usize)).map(|_| crate::upload(matrix.clone(), d)));
+            weights.push((format, bytes, copies));
         }
         drop((host, dense));
         for &m in rows {
             let x = random::<B>(vec![m * k], dt, d).reshape([m, k]);
             let shape = format!("{m} x {n} x {k}");
-            for (format, matrices) in &weights {
+            for (format, bytes, matrices) in &weights {
                 let label = format.map_or("dense".to_string(), |f| f.to_string());
-                let bytes = weight_bytes(n, k, *format, dt.size());
                 let row = |path: &str, s: f64, clock: Clock| {
                     let host = if clock == Clock::Host { " (host)" } else { "" };
                     println!(
@@ -93,7 +72,6 @@ pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings, with_tiling:
                         bytes / s / 1e9
                     );
                 };
-                timer.retry_graphs();
                 let (s, clock) =
                     timer.time(|i| B::project(x.clone(), &matrices[i % matrices.len()], Epilogue::Identity));
                 row("project", s, clock);

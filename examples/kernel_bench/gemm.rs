@@ -34,7 +34,8 @@ pub struct Settings {
     pub rows: Vec<usize>,
     /// Models whose products are timed (`SHAPES`' first column).
     pub models: Vec<String>,
-    /// Also every CubeCL kernel candidate on its own.
+    /// Also every CubeCL kernel candidate on its own (the batched section: every tiling of the
+    /// quantized mma kernel).
     pub all: bool,
 }
 

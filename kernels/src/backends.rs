@@ -1,14 +1,14 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, matrix::Block, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue,
-    ExpertProduct, ExpertWeights, Experts, GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView,
-    Matrix, QkvLayout, QuantError, QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, Routes, SamplingParams,
+    cube, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue, ExpertProduct,
+    ExpertWeights, Experts, GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix,
+    QkvLayout, QuantError, QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, Routes, SamplingParams,
     StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use std::ops::Range;
 
 /// Every CubeCL runtime (CUDA, ROCm/HIP, wgpu) shares one implementation: the kernels in each
@@ -59,65 +59,42 @@ where
         // the matrix units.
         let mma_rows = rows >= crate::quant::mma::MMA_MIN_ROWS
             && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols);
-        let gemv_ready = |w: &Matrix<Self>| match w {
-            Matrix::Dense(w) => x.dtype() == w.val().dtype(),
-            Matrix::Quantized(_) => true,
+        // Matrices whose product a kernel writes straight into columns of an output (the
+        // quantized mma kernel, the matrix-vector kernels), epilogue included.
+        let direct = |w: &Matrix<Self>| match w {
+            Matrix::Dense(w) => gemv_rows && x.dtype() == w.val().dtype(),
+            Matrix::Quantized(_) => mma_rows || gemv_rows,
             Matrix::Stacked(_) | Matrix::Ggml(_) => false,
         };
+        let into_columns = |x: &CubeTensor<R>, w: &Matrix<Self>, epilogue: Epilogue, out: &CubeTensor<R>, at: usize| {
+            match w {
+                Matrix::Dense(w) => {
+                    crate::linear::kernel::gemv_into(x.clone(), cube::float(w.val()), epilogue, out, at)
+                }
+                Matrix::Quantized(w) if mma_rows => {
+                    crate::quant::mma::product_into(x.clone(), &packed(w), epilogue, out, at)
+                }
+                Matrix::Quantized(w) => crate::quant::kernel::gemv_into(x.clone(), &packed(w), epilogue, out, at),
+                // Not direct: the callers' guards keep these out.
+                Matrix::Stacked(_) | Matrix::Ggml(_) => {}
+            }
+        };
         let product = match weight {
-            Matrix::Dense(w) if gemv_rows && gemv_ready(weight) => {
-                return cube::tensor(crate::linear::kernel::gemv(cube::float(x), cube::float(w.val()), epilogue));
+            Matrix::Dense(_) | Matrix::Quantized(_) if direct(weight) => {
+                let x = cube::float(x);
+                let out = crate::cube::empty(&x, [rows, epilogue.out_width(weight.dims()[0])], x.dtype);
+                into_columns(&x, weight, epilogue, &out, 0);
+                return cube::tensor(out);
             }
-            Matrix::Quantized(w) if mma_rows => {
-                return cube::tensor(crate::quant::mma::product(cube::float(x), &packed(w), epilogue));
-            }
-            Matrix::Quantized(w) if gemv_rows => {
-                return cube::tensor(crate::quant::kernel::gemv(cube::float(x), &packed(w), epilogue));
-            }
-            // Each quantized block's product writes its own columns of one output.
-            Matrix::Stacked(parts) if mma_rows && parts.iter().all(|p| matches!(p, Block::Quantized(_))) => {
+            // Each block's product writes its own columns of one output.
+            Matrix::Stacked(parts) if parts.iter().all(|p| direct(&p.matrix())) => {
                 let x = cube::float(x);
                 let out = crate::cube::empty(&x, [rows, weight.dims()[0]], x.dtype);
-                let sms = crate::quant::mma::multiprocessors(&x.client);
                 let mut offset = 0;
                 for part in parts {
-                    if let Block::Quantized(w) = part {
-                        let tiling = crate::quant::mma::MmaTiling::choose(rows, w.shape[0], cols, sms);
-                        crate::quant::mma::product_into(
-                            x.clone(),
-                            &packed(w),
-                            Epilogue::Identity,
-                            &out,
-                            offset,
-                            tiling,
-                        );
-                    }
-                    offset += part.matrix().dims()[0];
-                }
-                cube::tensor(out)
-            }
-            // Each block's GEMV writes its own columns of one output.
-            Matrix::Stacked(parts) if gemv_rows && parts.iter().all(|p| gemv_ready(&p.matrix())) => {
-                let x = cube::float(x);
-                let [n, width] = [x.meta.shape()[0], weight.dims()[0]];
-                let out = crate::cube::empty(&x, [n, width], x.dtype);
-                let mut offset = 0;
-                for part in parts {
-                    match part {
-                        Block::Dense(w) => crate::linear::kernel::gemv_into(
-                            x.clone(),
-                            cube::float(w.val()),
-                            Epilogue::Identity,
-                            &out,
-                            offset,
-                        ),
-                        Block::Quantized(w) => {
-                            crate::quant::kernel::gemv_into(x.clone(), &packed(w), Epilogue::Identity, &out, offset)
-                        }
-                        // Not GEMV-ready: the arm's guard keeps these out.
-                        Block::Ggml(_) => {}
-                    }
-                    offset += part.matrix().dims()[0];
+                    let part = part.matrix();
+                    into_columns(&x, &part, Epilogue::Identity, &out, offset);
+                    offset += part.dims()[0];
                 }
                 cube::tensor(out)
             }

@@ -21,7 +21,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// shared-memory tree.
 #[allow(clippy::manual_div_ceil)]
 pub(crate) mod kernel {
-    use crate::cube::{cube_index, empty, grid, load_vector_size, planes_of_32};
+    use crate::cube::{cube_index, grid, load_vector_size, planes_of_32};
     use crate::gelu::kernel::gelu_mul_f32;
     use crate::graph::{arg, launch};
     use crate::Epilogue;
@@ -187,19 +187,9 @@ pub(crate) mod kernel {
     }
 
     /// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`; `w`: contiguous `[out, in]`, same
-    /// dtype. Returns `[n, out]`, or for [`Epilogue::GeluPairs`] (gate and up rows interleaved,
-    /// `out` a multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`.
-    pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>, epilogue: Epilogue) -> CubeTensor<R> {
-        let pairs = epilogue == Epilogue::GeluPairs;
-        let n = x.meta.shape()[0];
-        let out_features = w.meta.shape()[0];
-        let width = if pairs { out_features / 2 } else { out_features };
-        let out = empty(&x, [n, width], x.dtype);
-        gemv_into(x, w, epilogue, &out, 0);
-        out
-    }
-
-    /// [`gemv`] written into columns `offset..` of `out` (`[n, wider]`, contiguous).
+    /// dtype. Writes `[n, out]`, or for [`Epilogue::GeluPairs`] (gate and up rows interleaved,
+    /// `out` a multiple of `ROWS`) `gelu_tanh(gate) * up`, `[n, out / 2]`, into columns
+    /// `offset..` of `out` (`[n, wider]`, contiguous).
     pub fn gemv_into<R: CubeRuntime>(
         x: CubeTensor<R>,
         w: CubeTensor<R>,

@@ -126,6 +126,16 @@ pub enum Epilogue {
     GeluPairs,
 }
 
+impl Epilogue {
+    /// Columns of the output of a product by a matrix of `features` rows.
+    pub fn out_width(self, features: usize) -> usize {
+        match self {
+            Self::Identity => features,
+            Self::GeluPairs => features / 2,
+        }
+    }
+}
+
 /// Reference: `x [n, in] @ w^T -> [n, out]` in `x`'s dtype (a quantized matrix dequantized
 /// first; the reference code layout; GGUF blocks by candle's quantized product), then
 /// `epilogue`.

@@ -1,7 +1,7 @@
 //! The quantized matrix-vector kernel (decode: at most [`crate::linear::GEMV_MAX_ROWS`]
 //! activation rows).
 //!
-//! - `gemv`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
+//! - `gemv_into`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
 //!   Each cube owns `ROWS` output features, each plane of 32 units one, two or four of them; the
 //!   units stride over the rows in vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so
 //!   a plane reads 512 consecutive bytes of each row per step and every code byte once; each
@@ -16,7 +16,7 @@
 #![allow(clippy::manual_div_ceil)]
 
 use super::device::Packed;
-use crate::cube::{cube_index, empty, grid, planes_of_32};
+use crate::cube::{cube_index, grid, planes_of_32};
 use crate::graph::{arg, launch};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::Epilogue;
@@ -190,19 +190,10 @@ fn gemv_unroll(per_plane: usize, n: usize) -> usize {
     (4 / per_plane).max(1)
 }
 
-/// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Returns `[n, out]` in `x`'s dtype, or
+/// `x`: contiguous `[n, in]` with `n <= GEMV_MAX_ROWS`. Writes `[n, out]` in `x`'s dtype, or
 /// for [`Epilogue::GeluPairs`] (gate and up rows interleaved, `out` a multiple of `ROWS`)
-/// `gelu_tanh(gate) * up`, `[n, out / 2]`.
-pub fn gemv<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue) -> CubeTensor<R> {
-    let pairs = epilogue == Epilogue::GeluPairs;
-    let n = x.meta.shape()[0];
-    let out_features = w.codes.meta.shape()[0];
-    let out = empty(&x, [n, if pairs { out_features / 2 } else { out_features }], x.dtype);
-    gemv_into(x, w, epilogue, &out, 0);
-    out
-}
-
-/// [`gemv`] written into columns `offset..` of `out` (`[n, wider]`, contiguous).
+/// `gelu_tanh(gate) * up`, `[n, out / 2]`, into columns `offset..` of `out` (`[n, wider]`,
+/// contiguous).
 pub fn gemv_into<R: CubeRuntime>(
     x: CubeTensor<R>,
     w: &Packed<R>,

@@ -152,7 +152,7 @@ impl MmaTiling {
 /// multiplied on 16 x 16 x 16 cooperative matrices with an f32 accumulator, at most
 /// [`MMA_MAX_ROWS`] rows, `k` a multiple of 64.
 pub fn applies<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize, k: usize) -> bool {
-    if !tested_runtime::<R>() {
+    if !tested_runtime::<R>() || !(1..=MMA_MAX_ROWS).contains(&m) || !k.is_multiple_of(64) {
         return false;
     }
     let elem: StorageType = match dtype {
@@ -161,14 +161,13 @@ pub fn applies<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize
         _ => return false,
     };
     let f32: StorageType = ElemType::Float(FloatKind::F32).into();
-    let units = client
+    client
         .properties()
         .features
         .matmul
         .cmma
         .iter()
-        .any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32 && [c.m, c.n, c.k] == [16, 16, 16]);
-    units && (1..=MMA_MAX_ROWS).contains(&m) && k.is_multiple_of(64)
+        .any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32 && [c.m, c.n, c.k] == [16, 16, 16])
 }
 
 /// What one stage moves, per cube and per unit (comptime).
@@ -302,6 +301,20 @@ fn store_stage<F: Float, NW: Size, NX: Size>(
     }
 }
 
+/// The 16 x 16 fragment of a shared tile (rows `pitch` vectors apart) starting at vector `start`.
+#[cube]
+fn load_fragment<F: Float, NX: Size>(
+    tile: &SharedMemory<Vector<F, NX>>,
+    start: usize,
+    #[comptime] ident: cmma::MatrixIdent,
+    #[comptime] layout: cmma::MatrixLayout,
+    #[comptime] pitch: usize,
+) -> cmma::Matrix<F> {
+    let fragment = unsafe { cmma::Matrix::<F>::uninitialized(ident, TILE, TILE, TILE, layout) };
+    cmma::load(&fragment, &tile.slice(start, start + comptime!(TILE * pitch)), comptime!(pitch * VEC) as u32);
+    fragment
+}
+
 /// Sizes every launch passes.
 #[derive(CubeLaunch, CubeType, Clone, Copy)]
 struct Dims {
@@ -400,31 +413,19 @@ fn mma_kernel<F: Float, S: Float, NW: Size, NX: Size>(
             #[unroll]
             for t in 0..nt {
                 let start = w_at + (plane * nt + t) * comptime!(TILE * pitch) + comptime!(s * TILE / VEC);
-                let b = unsafe {
-                    cmma::Matrix::<F>::uninitialized(
-                        cmma::MatrixIdent::B,
-                        TILE,
-                        TILE,
-                        TILE,
-                        cmma::MatrixLayout::ColMajor,
-                    )
-                };
-                cmma::load(&b, &w_tile.slice(start, start + comptime!(TILE * pitch)), comptime!(pitch * VEC) as u32);
-                bs.push(b);
+                bs.push(load_fragment::<F, NX>(
+                    &w_tile,
+                    start,
+                    cmma::MatrixIdent::B,
+                    cmma::MatrixLayout::ColMajor,
+                    pitch,
+                ));
             }
             #[unroll]
             for i in 0..mt {
                 let start = x_at + comptime!(i * TILE * pitch + s * TILE / VEC);
-                let a = unsafe {
-                    cmma::Matrix::<F>::uninitialized(
-                        cmma::MatrixIdent::A,
-                        TILE,
-                        TILE,
-                        TILE,
-                        cmma::MatrixLayout::RowMajor,
-                    )
-                };
-                cmma::load(&a, &x_tile.slice(start, start + comptime!(TILE * pitch)), comptime!(pitch * VEC) as u32);
+                let a =
+                    load_fragment::<F, NX>(&x_tile, start, cmma::MatrixIdent::A, cmma::MatrixLayout::RowMajor, pitch);
                 #[unroll]
                 for t in 0..nt {
                     let acc = accs.index(comptime!(i * nt + t));
@@ -509,9 +510,9 @@ fn reduce_kernel<F: Float>(
 ///
 /// # Panics
 ///
-/// If `tiling` does not fit the shape: the backends ask [`applies`] first and take
-/// [`MmaTiling::choose`]; [`project_with`] checks both and returns an error instead.
-pub(crate) fn product_into<R: CubeRuntime>(
+/// If `tiling` does not fit the shape: [`product_into`] takes [`MmaTiling::choose`]'s, and
+/// [`project_with`] checks the one it is given and returns an error instead.
+pub(crate) fn product_into_tiled<R: CubeRuntime>(
     x: CubeTensor<R>,
     w: &Packed<R>,
     epilogue: Epilogue,
@@ -551,8 +552,7 @@ pub(crate) fn product_into<R: CubeRuntime>(
         q4,
         dtypes,
     ));
-    let pairs = epilogue == Epilogue::GeluPairs;
-    let width = if pairs { n_out / 2 } else { n_out };
+    let width = epilogue.out_width(n_out);
     let (count, dim) = elementwise(m * width, 256);
     launch!(reduce_kernel(
         &x.client,
@@ -566,21 +566,23 @@ pub(crate) fn product_into<R: CubeRuntime>(
         n_pad as u32,
         (rows * n_pad) as u32,
         tiling.splits as u32,
-        pairs,
+        epilogue == Epilogue::GeluPairs,
         x.dtype.into(),
     ));
 }
 
-/// [`product_into`] a new `[m, n]` (`[m, n / 2]` for [`Epilogue::GeluPairs`]) output, with
-/// the tiling [`MmaTiling::choose`] picks for the device.
-pub(crate) fn product<R: CubeRuntime>(x: CubeTensor<R>, w: &Packed<R>, epilogue: Epilogue) -> CubeTensor<R> {
+/// [`product_into_tiled`] with the tiling [`MmaTiling::choose`] picks for the device (the
+/// backends ask [`applies`] first).
+pub(crate) fn product_into<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    w: &Packed<R>,
+    epilogue: Epilogue,
+    out: &CubeTensor<R>,
+    offset: usize,
+) {
     let [m, k] = [x.meta.shape()[0], x.meta.shape()[1]];
-    let n_out = w.codes.meta.shape()[0];
-    let width = if epilogue == Epilogue::GeluPairs { n_out / 2 } else { n_out };
-    let out = empty(&x, [m, width], x.dtype);
-    let tiling = MmaTiling::choose(m, n_out, k, multiprocessors(&x.client));
-    product_into(x, w, epilogue, &out, 0, tiling);
-    out
+    let tiling = MmaTiling::choose(m, w.codes.meta.shape()[0], k, multiprocessors(&x.client));
+    product_into_tiled(x, w, epilogue, out, offset, tiling);
 }
 
 /// Why [`project_with`] refused a product.
@@ -619,15 +621,14 @@ where
         return Err(MmaError::Tiling { tiling, rows, cols });
     }
     let x = crate::cube::float(x);
-    let n_out = w.shape[0];
-    let width = if epilogue == Epilogue::GeluPairs { n_out / 2 } else { n_out };
-    let out = empty(&x, [rows, width], x.dtype);
-    product_into(x, &crate::backends::packed(w), epilogue, &out, 0, tiling);
+    let out = empty(&x, [rows, epilogue.out_width(w.shape[0])], x.dtype);
+    product_into_tiled(x, &crate::backends::packed(w), epilogue, &out, 0, tiling);
     Ok(crate::cube::tensor(out))
 }
 
-/// The device's multiprocessors (132 assumed where the runtime does not say).
-pub(crate) fn multiprocessors<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
+/// The device's multiprocessors (132 assumed where the runtime does not say), as
+/// [`MmaTiling::choose`] takes them.
+pub fn multiprocessors<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
     client.properties().hardware.num_streaming_multiprocessors.map_or(132, |s| s as usize)
 }
 
@@ -699,7 +700,7 @@ mod tests {
                     {
                         let x = crate::cube::float(x.clone());
                         let out = crate::cube::empty(&x, [m, width + 3], x.dtype);
-                        product_into(x, &packed(&w), epilogue, &out, 3, tiling);
+                        product_into_tiled(x, &packed(&w), epilogue, &out, 3, tiling);
                         let got: Tensor<Cuda, 2> = crate::cube::tensor(out);
                         let got = got.slice([0..m, 3..width + 3]);
                         let expected = Tensor::<Cuda, 2>::from_data(

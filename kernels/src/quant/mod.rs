@@ -36,7 +36,7 @@ use rayon::prelude::*;
 pub(crate) mod kernel {
     pub use super::device::{dequantize, dequantize_rows, Packed};
     pub use super::embedding::embed;
-    pub use super::gemv::{gemv, gemv_into};
+    pub use super::gemv::gemv_into;
 }
 
 /// Weights per quantization block.
