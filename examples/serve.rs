@@ -47,10 +47,14 @@ struct Args {
     /// Tokens a round of the engine runs: one per generating request, then prompt chunks.
     #[arg(long, default_value_t = NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN))]
     round_tokens: NonZeroUsize,
-    /// Positions (prompt and generated) each request may hold: the KV cache holds this many
-    /// for each of --max-running requests (at most the model's context).
+    /// Positions (prompt and generated) each request may hold (at most the model's context).
     #[arg(long, default_value_t = NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN))]
     max_sequence_len: NonZeroUsize,
+    /// KV positions over all running requests (per layer): requests hold KV blocks for their
+    /// prompt and max_tokens, and wait while the free blocks do not cover them. Default:
+    /// --max-running x --max-sequence-len, so that none waits.
+    #[arg(long)]
+    kv_positions: Option<NonZeroUsize>,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -81,6 +85,8 @@ impl BackendTask for Run {
             max_waiting: args.max_waiting,
             round_tokens: args.round_tokens,
             max_sequence_len: args.max_sequence_len,
+            kv_positions: args.kv_positions,
+            ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;
         let model_id = args.model_id.clone().unwrap_or_else(|| {

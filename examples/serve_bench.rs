@@ -181,6 +181,7 @@ impl BackendTask for Args {
             max_waiting: most,
             round_tokens: self.round_tokens,
             max_sequence_len: NonZeroUsize::new(self.prompt_len + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
+            ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;
         eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");

@@ -29,7 +29,8 @@ use crate::{
     },
     sampling::Sampler,
     stop_text::StopText,
-    Error, Gemma, GemmaBackend, GenerationConfig, KvCache, StepInputs, StopReason, Token, Tokenizer,
+    Error, Gemma, GemmaBackend, GenerationConfig, KvCache, ModelError, PagedLayout, Reservation, StepInputs,
+    StopReason, Token, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -57,10 +58,20 @@ pub struct EngineConfig {
     /// first prompt chunk waiting runs whatever the budget, so prompts always advance; a long
     /// prompt delays the generating sequences by at most this many tokens' work per round.
     pub round_tokens: NonZeroUsize,
-    /// Positions (prompt and generated) each sequence holds, at most the model's context: the
-    /// KV cache is sized for `max_running` sequences of this many. A longer prompt is refused;
-    /// a sequence that fills its positions ends with [`StopReason::ContextFull`].
+    /// Positions (prompt and generated) each sequence holds, at most the model's context. A
+    /// longer prompt is refused; a sequence that fills its positions ends with
+    /// [`StopReason::ContextFull`].
     pub max_sequence_len: NonZeroUsize,
+    /// Positions the KV cache holds over all the generating sequences (per layer; the
+    /// sliding-window layers hold at most a window per sequence). The cache is paged: each
+    /// sequence holds blocks for its prompt and the tokens it may generate, taken when it is
+    /// admitted and given back when it ends, and a request waits while the free blocks do not
+    /// cover it. `None`: `max_running * max_sequence_len`, so that no request ever waits for
+    /// blocks; less saves memory where requests are shorter than `max_sequence_len`.
+    pub kv_positions: Option<NonZeroUsize>,
+    /// Positions per KV block at most (a power of two; the cache takes the largest one up to
+    /// this that divides `max_sequence_len` and the sliding windows).
+    pub kv_block_size: NonZeroUsize,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +81,8 @@ impl Default for EngineConfig {
             max_waiting: 256,
             round_tokens: NonZeroUsize::new(2048).unwrap_or(NonZeroUsize::MIN),
             max_sequence_len: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
+            kv_positions: None,
+            kv_block_size: NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN),
         }
     }
 }
@@ -144,6 +157,10 @@ pub struct EngineMetrics {
     pub kv_cache_bytes: AtomicU64,
     /// Sequences of the batched KV cache in use (generating), of `max_running`.
     pub kv_sequences_in_use: AtomicUsize,
+    /// KV blocks held by the generating sequences, and in all (summed over the cache's pools:
+    /// the full-attention layers' and the sliding windows').
+    pub kv_blocks_in_use: AtomicUsize,
+    pub kv_blocks_total: AtomicUsize,
     /// Batched decode steps run, and the sequences they stepped, summed: their ratio is the
     /// mean batch.
     pub decode_steps: AtomicU64,
@@ -231,6 +248,8 @@ pub struct Engine {
     max_context: usize,
     /// Positions per sequence.
     capacity: usize,
+    /// Most positions one sequence can hold KV blocks for.
+    reservable: usize,
     accepting: Arc<AtomicBool>,
 }
 
@@ -252,10 +271,20 @@ impl Engine {
         let max_context = model.config().max_position_embeddings;
         let capacity = config.max_sequence_len.get().min(max_context);
         // The batched cache, allocated here so that one the device cannot hold fails at once.
-        let rows = model.new_cache(config.max_running.get(), capacity)?;
+        // Whole blocks: the cache holds the sequences' positions rounded up to a block.
+        let cache_capacity = capacity.next_multiple_of(config.kv_block_size.get());
+        let layout = PagedLayout {
+            sequences: config.max_running.get(),
+            capacity: cache_capacity,
+            block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
+            positions: config.kv_positions.map(NonZeroUsize::get),
+        };
+        let rows = model.new_paged_cache(layout)?;
+        let reservable = rows.reservable_positions().unwrap_or(capacity);
         let tokenizer = Arc::new(tokenizer);
         let metrics = Arc::new(EngineMetrics::default());
         metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
+        metrics.kv_blocks_total.store(rows.blocks_in_use().map_or(0, |(_, all)| all), Ordering::SeqCst);
         let (commands, inbox) = mpsc::channel();
         let worker = Worker {
             model,
@@ -266,6 +295,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             rows,
+            capacity,
             generating: 0,
             spare: Vec::new(),
             broken: None,
@@ -284,6 +314,7 @@ impl Engine {
             vocab,
             max_context,
             capacity,
+            reservable,
             accepting: Arc::new(AtomicBool::new(true)),
         })
     }
@@ -311,6 +342,10 @@ impl Engine {
             return Err(EngineError::ShutDown);
         }
         check(&request, self.vocab, self.max_context, self.capacity)?;
+        let needed = reserved_positions(&request, self.capacity);
+        if needed > self.reservable {
+            return Err(Error::from(RequestError::KvCacheTooSmall { needed, limit: self.reservable }).into());
+        }
         // Its settings checked here, with the other checks.
         let sampler = Sampler::new(request.generation.sampling.clone())?;
         // Checked and counted in one step, so that racing submits cannot both take the last place.
@@ -381,10 +416,16 @@ fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -
     Ok(())
 }
 
+/// KV positions a request's sequence holds blocks for: its prompt and the tokens it may
+/// generate, within the sequence's positions.
+fn reserved_positions(request: &Request, capacity: usize) -> usize {
+    (request.input.len() + request.generation.max_new_tokens).min(capacity)
+}
+
 /// Where a running sequence's keys and values are.
 enum Place<B: GemmaBackend> {
-    /// Its prompt runs in a cache of its own.
-    Prompt(KvCache<B>),
+    /// Its prompt runs in a cache of its own; the blocks of the batched cache it will hold.
+    Prompt(KvCache<B>, Reservation),
     /// Generating: sequence `row` of the batched cache.
     Row(usize),
 }
@@ -411,7 +452,7 @@ impl<B: GemmaBackend> Sequence<B> {
     fn row(&self) -> Option<usize> {
         match self.place {
             Place::Row(row) => Some(row),
-            Place::Prompt(_) => None,
+            Place::Prompt(..) => None,
         }
     }
 
@@ -435,6 +476,8 @@ struct Worker<B: GemmaBackend> {
     running: Vec<Sequence<B>>,
     /// The generating sequences' keys and values: its first `generating` sequences.
     rows: KvCache<B>,
+    /// Positions per sequence (the cache's capacity is this rounded up to a block).
+    capacity: usize,
     generating: usize,
     /// Prompt caches of finished prompts, reset, for the next.
     spare: Vec<KvCache<B>>,
@@ -478,22 +521,43 @@ impl<B: GemmaBackend> Worker<B> {
     }
 
     /// Moves waiting requests to the running while there is room: each gets a prompt cache.
+    ///
+    /// Each takes the KV blocks it will hold in the batched cache; the first waiting request
+    /// whose blocks are not free waits, and the ones behind it with it (in order of arrival),
+    /// until sequences leave.
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running.get() {
             let Some(submitted) = self.waiting.pop_front() else { break };
-            self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             if submitted.cancelled() {
+                self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
                 self.finish_cancelled(submitted);
                 continue;
             }
-            match self.start(submitted) {
+            let positions = reserved_positions(&submitted.request, self.capacity);
+            let reservation = match self.rows.reserve(positions) {
+                Ok(reservation) => reservation,
+                Err(ModelError::KvBlocks { .. }) if !self.running.is_empty() => {
+                    // Blocks come back as the running leave.
+                    self.waiting.push_front(submitted);
+                    break;
+                }
+                Err(e) => {
+                    self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = submitted.events.send(Err(EngineError::Generation(e.into())));
+                    continue;
+                }
+            };
+            self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+            match self.start(submitted, reservation) {
                 Ok(sequence) => {
                     self.metrics.running.fetch_add(1, Ordering::SeqCst);
                     self.metrics.prompt_tokens.fetch_add(sequence.input.len() as u64, Ordering::Relaxed);
                     self.running.push(sequence);
                 }
                 Err(failed) => {
-                    let (submitted, e) = *failed;
+                    let (submitted, reservation, e) = *failed;
+                    self.rows.release_reservation(reservation);
                     self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
                     let _ = submitted.events.send(Err(EngineError::Generation(e)));
                 }
@@ -503,7 +567,11 @@ impl<B: GemmaBackend> Worker<B> {
 
     /// A sequence for `submitted`: a prompt cache (a spare one where there is one), its stop
     /// tokens.
-    fn start(&mut self, submitted: Submitted) -> Result<Sequence<B>, Box<(Submitted, Error)>> {
+    fn start(
+        &mut self,
+        submitted: Submitted,
+        reservation: Reservation,
+    ) -> Result<Sequence<B>, Box<(Submitted, Reservation, Error)>> {
         let cache = match self.spare.pop() {
             Some(cache) => cache,
             None => match self.model.new_cache(1, self.rows.capacity()) {
@@ -511,13 +579,13 @@ impl<B: GemmaBackend> Worker<B> {
                     self.metrics.kv_cache_bytes.fetch_add(cache.device_bytes() as u64, Ordering::SeqCst);
                     cache
                 }
-                Err(e) => return Err(Box::new((submitted, e.into()))),
+                Err(e) => return Err(Box::new((submitted, reservation, e.into()))),
             },
         };
         let generation = &submitted.request.generation;
         let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
         Ok(Sequence {
-            place: Place::Prompt(cache),
+            place: Place::Prompt(cache, reservation),
             context: Vec::with_capacity(submitted.request.input.len() + generation.max_new_tokens),
             input: submitted.request.input.clone(),
             stops,
@@ -525,7 +593,7 @@ impl<B: GemmaBackend> Worker<B> {
             utf8: Utf8Stream::default(),
             stop_text: StopText::new(submitted.request.stop_strings.clone()),
             first_token: None,
-            capacity: self.rows.capacity(),
+            capacity: self.capacity,
             submitted,
         })
     }
@@ -587,16 +655,17 @@ impl<B: GemmaBackend> Worker<B> {
         if !matches!(stepped, Stepped::Continue) || !first_token_out {
             return Ok(stepped);
         }
-        // Its first token is out: its keys and values join the generating sequences'.
+        // Its first token is out: its keys and values join the generating sequences', in the
+        // blocks it reserved.
         let row = self.generating;
-        if let Place::Prompt(cache) = &sequence.place {
-            self.rows.copy_sequence(row, cache, 0)?;
-        }
-        if let Place::Prompt(cache) = std::mem::replace(&mut sequence.place, Place::Row(row)) {
-            self.keep_spare(cache);
-        }
+        let Place::Prompt(cache, reservation) = std::mem::replace(&mut sequence.place, Place::Row(row)) else {
+            return Ok(stepped);
+        };
+        let joined = self.rows.attach(row, reservation).and_then(|()| self.rows.copy_sequence(row, &cache, 0));
+        self.keep_spare(cache);
         self.generating += 1;
-        self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+        self.update_kv_metrics();
+        joined?;
         Ok(stepped)
     }
 
@@ -659,11 +728,39 @@ impl<B: GemmaBackend> Worker<B> {
             }
         }
         self.generating = 0;
-        self.metrics.kv_sequences_in_use.store(0, Ordering::SeqCst);
-        if let Ok(fresh) = self.model.new_cache(self.rows.batch(), self.rows.capacity()) {
+        if let Ok(fresh) = self.model.new_paged_cache(self.layout()) {
+            // The prompts running promised blocks of the old cache: promised again in the new.
+            let mut fresh = fresh;
+            for sequence in &mut self.running {
+                if let Place::Prompt(_, reservation) = &mut sequence.place {
+                    if let Ok(again) = fresh.reserve(reservation.positions()) {
+                        let old = std::mem::replace(reservation, again);
+                        self.rows.release_reservation(old);
+                    }
+                }
+            }
             self.rows = fresh;
             self.broken = None;
         }
+        self.update_kv_metrics();
+    }
+
+    /// The batched cache's layout (for a fresh one).
+    fn layout(&self) -> PagedLayout {
+        PagedLayout {
+            sequences: self.rows.batch(),
+            capacity: self.rows.capacity(),
+            block_size: self.rows.block_size().unwrap_or(1),
+            positions: self.config.kv_positions.map(NonZeroUsize::get),
+        }
+    }
+
+    /// The KV gauges: sequences generating and blocks held.
+    fn update_kv_metrics(&self) {
+        self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+        let (used, all) = self.rows.blocks_in_use().unwrap_or((0, 0));
+        self.metrics.kv_blocks_in_use.store(used, Ordering::SeqCst);
+        self.metrics.kv_blocks_total.store(all, Ordering::SeqCst);
     }
 
     /// Takes running sequence `i` out, finished with `reason` or failed, and tells its stream.
@@ -699,10 +796,13 @@ impl<B: GemmaBackend> Worker<B> {
     fn retire(&mut self, sequence: &mut Sequence<B>) {
         self.metrics.running.fetch_sub(1, Ordering::SeqCst);
         match std::mem::replace(&mut sequence.place, Place::Row(usize::MAX)) {
-            Place::Prompt(cache) => self.keep_spare(cache),
+            Place::Prompt(cache, reservation) => {
+                self.rows.release_reservation(reservation);
+                self.keep_spare(cache);
+            }
             Place::Row(row) => {
                 self.generating -= 1;
-                self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
+                self.rows.release(row);
                 let last = self.generating;
                 if row != last && self.broken.is_none() {
                     if let Err(e) = self.rows.move_sequence(last, row) {
@@ -712,6 +812,7 @@ impl<B: GemmaBackend> Worker<B> {
                         other.place = Place::Row(row);
                     }
                 }
+                self.update_kv_metrics();
             }
         }
     }
@@ -783,7 +884,7 @@ fn prompt_step<B: GemmaBackend>(
 ) -> Result<Stepped, Error> {
     let chunk = sequence.next_chunk();
     let prefill_chunk = sequence.submitted.request.generation.prefill_chunk;
-    let Place::Prompt(cache) = &mut sequence.place else {
+    let Place::Prompt(cache, _) = &mut sequence.place else {
         return Ok(Stepped::Continue);
     };
     let device = model.device();

@@ -147,6 +147,13 @@ pub enum RequestError {
          (its max_sequence_len)"
     )]
     SequenceTooLong { prompt: usize, limit: usize },
+    /// A request whose prompt and new tokens need more KV positions than an engine's cache
+    /// holds for one sequence (`EngineConfig::kv_positions`).
+    #[error(
+        "the prompt and max new tokens need {needed} KV positions, the engine's KV cache holds {limit} for one \
+         sequence (its kv_positions): ask for fewer new tokens"
+    )]
+    KvCacheTooSmall { needed: usize, limit: usize },
     /// `CudaGraph::On` with a repetition penalty (which runs eagerly).
     #[error(
         "--cuda-graph on cannot apply a repetition penalty (it runs eagerly): use --repeat-penalty 1 or \

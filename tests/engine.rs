@@ -103,9 +103,14 @@ fn collect(stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) 
 }
 
 /// Seven requests through an engine running three at once against each alone, with
-/// `prefill_chunk` and the engine's `round_tokens`, on backend `B`.
-fn many_requests_match_alone<B: GemmaBackend>(prefill_chunk: usize, round_tokens: usize, device: &B::Device)
-where
+/// `prefill_chunk` and the engine's `round_tokens` (and `kv_positions`, where given), on
+/// backend `B`.
+fn many_requests_match_alone<B: GemmaBackend>(
+    prefill_chunk: usize,
+    round_tokens: usize,
+    kv_positions: Option<usize>,
+    device: &B::Device,
+) where
     Gemma<B>: Send + 'static,
 {
     let prefill_chunk = NonZeroUsize::new(prefill_chunk).unwrap();
@@ -117,6 +122,7 @@ where
             max_running: NonZeroUsize::new(3).unwrap(),
             max_waiting: 16,
             round_tokens: NonZeroUsize::new(round_tokens).unwrap(),
+            kv_positions: kv_positions.and_then(NonZeroUsize::new),
             ..EngineConfig::default()
         };
         let engine = Engine::new(model_on::<B>(fixture, device), common::tiny_tokenizer(), config).expect("engine");
@@ -147,6 +153,9 @@ where
         assert_eq!(metrics.running.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(metrics.waiting.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(metrics.kv_sequences_in_use.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // Every KV block came back.
+        assert_eq!(metrics.kv_blocks_in_use.load(std::sync::atomic::Ordering::SeqCst), 0, "{fixture}: blocks held");
+        assert!(metrics.kv_blocks_total.load(std::sync::atomic::Ordering::SeqCst) > 0);
         // Some decode steps ran several requests at once.
         let steps = metrics.decode_steps.load(std::sync::atomic::Ordering::SeqCst);
         let rows = metrics.decode_rows.load(std::sync::atomic::Ordering::SeqCst);
@@ -159,7 +168,33 @@ where
 
 #[test]
 fn many_requests_at_once_match_each_alone() {
-    many_requests_match_alone::<NdArray>(2048, 2048, &Default::default());
+    many_requests_match_alone::<NdArray>(2048, 2048, None, &Default::default());
+}
+
+/// A KV cache of 100 positions over the running requests (of up to 77 positions each): a
+/// request waits for the blocks of those running to come back, in order, and each still gets
+/// its tokens alone.
+#[test]
+fn requests_wait_for_kv_blocks_and_match_each_alone() {
+    many_requests_match_alone::<NdArray>(7, 9, Some(100), &Default::default());
+}
+
+/// A request whose prompt and new tokens need more KV positions than the cache holds for one
+/// sequence is refused at once, naming the limit; the engine serves on.
+#[test]
+fn a_request_larger_than_the_kv_cache_is_refused() {
+    let fixture = FIXTURES[0];
+    let config = EngineConfig { kv_positions: NonZeroUsize::new(40), ..EngineConfig::default() };
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+    let prompt = input(fixture)[..10].to_vec();
+    let generation = |new| GenerationConfig { max_new_tokens: new, ..GenerationConfig::default() };
+    match engine.submit(Request::new(prompt.clone(), generation(100))) {
+        Err(EngineError::Generation(e)) => assert!(e.to_string().contains("KV positions"), "{e}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let (ids, _) = collect(engine.submit(Request::new(prompt, generation(5))).expect("a request that fits"));
+    assert!(!ids.is_empty());
+    engine.shutdown();
 }
 
 /// The batched step's kernels (a position per sequence in the KV append and decode attention)
@@ -167,20 +202,21 @@ fn many_requests_at_once_match_each_alone() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn many_requests_at_once_match_each_alone_on_wgpu() {
-    many_requests_match_alone::<burn_gemma::backends::Wgpu>(7, 9, &Default::default());
+    many_requests_match_alone::<burn_gemma::backends::Wgpu>(7, 9, Some(100), &Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn many_requests_at_once_match_each_alone_on_cuda() {
-    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, &Default::default());
+    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, None, &Default::default());
+    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, Some(100), &Default::default());
 }
 
 /// Prompts in chunks of 7 under a budget of 9 tokens a round: prompts advance a chunk or so per
 /// round between the others' tokens, and every request still gets its tokens alone.
 #[test]
 fn prompt_chunks_interleaved_with_generation_match_each_alone() {
-    many_requests_match_alone::<NdArray>(7, 9, &Default::default());
+    many_requests_match_alone::<NdArray>(7, 9, None, &Default::default());
 }
 
 /// A stop string cuts a request's text before it: the token events and the finish's held text

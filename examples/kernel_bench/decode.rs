@@ -294,6 +294,7 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
             rope: tables.clone(),
             position: StepPosition::Host(700),
             norm: norm.clone(),
+            blocks: None,
         };
         let store = B::kv_zeros([1, kv, slots, hd], format, d);
         let kv_bytes = if format == KvFormat::Int8 { (2 * kv * (hd + 4)) as f64 } else { (2 * kv * hd) as f64 * e };
@@ -340,8 +341,11 @@ fn model_rows<B: GemmaBackend>(t: &mut Timer<'_, B>, c: &GemmaConfig, dt: DType)
                 bytes + 2.0 * (heads * hd) as f64 * e,
                 per_token,
                 |i| {
-                    let view: KvView<'_, B> =
-                        KvView::Decode { store: &stores[i % copies], position: StepPosition::Host(depth - 1) };
+                    let view: KvView<'_, B> = KvView::Decode {
+                        store: &stores[i % copies],
+                        position: StepPosition::Host(depth - 1),
+                        blocks: None,
+                    };
                     B::grouped_attention(q.clone(), view, &options).expect("a host position reads nothing back")
                 },
             );

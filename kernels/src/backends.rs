@@ -221,6 +221,7 @@ where
             cos: cube::float(layout.rope.cos.clone().cast(DType::F32)),
             sin: cube::float(layout.rope.sin.clone().cast(DType::F32)),
             position: position(&layout.position),
+            blocks: layout.blocks.as_ref().map(table),
             norm: layout.norm.clone().map(|n| (cube::float(n.query), cube::float(n.key), n.eps, n.value)),
         };
         let qkv = cube::float(qkv);
@@ -270,11 +271,31 @@ where
         };
         let q = cube::float_strided(q);
         match kv {
-            KvView::Dense { keys, values } => Ok(cube::tensor(attention(q, dense(keys, values), options, None)?)),
+            KvView::Dense { keys, values } => Ok(cube::tensor(attention(q, dense(keys, values), options, None, None)?)),
             KvView::Int8 { keys, values, len } => {
-                Ok(cube::tensor(attention(q, int8(keys, values, len), options, None)?))
+                Ok(cube::tensor(attention(q, int8(keys, values, len), options, None, None)?))
             }
-            KvView::Decode { store, position: StepPosition::Host(p) } => {
+            KvView::Decode { store, position: position @ StepPosition::Device { .. }, blocks: Some(blocks) } => {
+                let kv = match store {
+                    KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
+                    KvStore::Int8 { keys, values } => int8(keys, values, store.shape()[2]),
+                };
+                if !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
+                    // A shape only the one-mask kernels take: the sequences' slots gathered.
+                    let own = crate::kv::paged::gather_reference(store, blocks, q.meta.shape()[0]);
+                    let view = KvView::Decode { store: &own, position, blocks: None };
+                    return Self::grouped_attention(cube::tensor(q), view, options);
+                }
+                let paged = Some(table(blocks));
+                Ok(cube::tensor(attention(q, kv, options, Some(self::position(&position)), paged)?))
+            }
+            KvView::Decode { store, position, blocks: Some(blocks) } => {
+                // A position on the host: the sequences' slots gathered.
+                let own = crate::kv::paged::gather_reference(store, blocks, q.meta.shape()[0]);
+                let view = KvView::Decode { store: &own, position, blocks: None };
+                Self::grouped_attention(cube::tensor(q), view, options)
+            }
+            KvView::Decode { store, position: StepPosition::Host(p), blocks: None } => {
                 let (visible, mask) = crate::step::decode_visible(p, store.shape()[2], options.mask.window);
                 let options = AttentionOptions { mask, ..*options };
                 let kv = match store {
@@ -284,9 +305,9 @@ where
                     }
                     KvStore::Int8 { keys, values } => int8(keys, values, visible),
                 };
-                Ok(cube::tensor(attention(q, kv, &options, None)?))
+                Ok(cube::tensor(attention(q, kv, &options, None, None)?))
             }
-            KvView::Decode { store, position: device @ StepPosition::Device { .. } } => {
+            KvView::Decode { store, position: device @ StepPosition::Device { .. }, blocks: None } => {
                 let slots = store.shape()[2];
                 let kv = match store {
                     KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
@@ -298,7 +319,7 @@ where
                     let positions = device.resolve_rows(q.meta.shape()[0])?;
                     return crate::attention::decode_each_sequence(cube::tensor(q), store, &positions, options);
                 }
-                Ok(cube::tensor(attention(q, kv, options, Some(position(&device)))?))
+                Ok(cube::tensor(attention(q, kv, options, Some(position(&device)), None)?))
             }
         }
     }
@@ -423,6 +444,17 @@ where
         };
         Ok(cube::int_tensor(crate::sampling::kernel::sample(logits, uniform, params, I::dtype())))
     }
+}
+
+/// A block table as the kernels take it.
+fn table<R, F, I, BT>(t: &crate::BlockTable<CubeBackend<R, F, I, BT>>) -> crate::kv::paged::kernel::Table<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    crate::kv::paged::kernel::Table { blocks: cube::int(t.blocks.clone()), width: t.width(), block_size: t.block_size }
 }
 
 /// A step position as the kernels take it.

@@ -48,7 +48,7 @@ mod cube;
 pub use attention::{AttentionMask, AttentionOptions};
 pub use experts::{ExpertProduct, ExpertWeights, Experts, Routes};
 pub use gelu::GateUpLayout;
-pub use kv::{Int8Kv, KvFormat, KvStore, KvView, StoreMismatch};
+pub use kv::{BlockTable, Int8Kv, KvFormat, KvStore, KvView, StoreMismatch};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
 pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
 /// A value that could not be read back from the device.
@@ -300,7 +300,11 @@ pub trait GemmaBackend: ReservedMemory {
                 let (keys, values) = Self::kv_read(&store, 0..len, q.dtype());
                 (keys, values, *options)
             }
-            KvView::Decode { store, position } => {
+            KvView::Decode { store, position, blocks: Some(table) } => {
+                let own = kv::paged::gather_reference(store, table, q.dims()[0]);
+                return Self::grouped_attention(q, KvView::Decode { store: &own, position, blocks: None }, options);
+            }
+            KvView::Decode { store, position, blocks: None } => {
                 let batch = q.dims()[0];
                 let positions = position.resolve_rows(batch)?;
                 if batch > 0 && (batch != store.shape()[0] || positions.windows(2).any(|w| w[0] != w[1])) {

@@ -6,7 +6,7 @@
 //! Unfused, this is two RoPE launches, two cache writes and the copies that split the
 //! projection; decode issues it once per layer and token, so the launches are what it costs.
 
-use crate::{rope, step, GemmaBackend, KvStore, RopeTables, StepPosition};
+use crate::{rope, step, BlockTable, GemmaBackend, KvStore, RopeTables, StepPosition};
 use burn::tensor::{backend::Backend, Tensor};
 
 /// Which rows follow the query heads in the joined projection, and what is appended.
@@ -56,6 +56,9 @@ pub struct QkvLayout<B: Backend> {
     pub position: StepPosition<B>,
     /// QK-norm (and value norm), where the layer has them.
     pub norm: Option<HeadNorms<B>>,
+    /// For a paged store: where each sequence's slots lie (the position then goes to logical
+    /// slot `position % table.slots()`, see [`crate::kv::paged`]).
+    pub blocks: Option<BlockTable<B>>,
 }
 
 impl<B: Backend> QkvLayout<B> {
@@ -90,6 +93,26 @@ pub fn reference<B: GemmaBackend>(
 ) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, width] = qkv.dims();
     let positions = layout.position.resolve_rows(batch)?;
+    if let (Some(table), true) = (&layout.blocks, batch > 0) {
+        // Paged: each sequence's slot in its block.
+        let rows = table.rows()?;
+        let mut store = store;
+        let mut queries = Vec::with_capacity(batch);
+        for (b, &position) in positions.iter().enumerate() {
+            let slot = step::slot(position, table.slots());
+            let fail = || crate::ReadBackError {
+                what: "a block table",
+                reason: format!("no block for slot {slot} of sequence {b}"),
+            };
+            let (block, _) = table.locate(&rows, b, slot).ok_or_else(fail)?;
+            let row = qkv.clone().slice([b..b + 1, 0..width]);
+            // One block's row: `position % block_size` is the slot in the block.
+            let (q, rows) = one_position(row, layout, position, store.rows(block..block + 1))?;
+            store = store.replace_rows(block, rows);
+            queries.push(q);
+        }
+        return Ok((Tensor::cat(queries, 0), store));
+    }
     if batch == 0 || (batch == store.shape()[0] && positions.windows(2).all(|w| w[0] == w[1])) {
         return one_position(qkv, layout, positions.first().copied().unwrap_or(0), store);
     }
@@ -150,6 +173,7 @@ pub(crate) mod kernel {
     use crate::cube::{cube_max, empty, pow2_ceil, Strides4};
     use crate::graph::{arg, launch};
     use crate::kv::int8::kernel::placed;
+    use crate::kv::paged::kernel::{args as table_args, store_row, store_slot, Table};
     use crate::rms_norm::kernel::row_inv_rms;
     use crate::step::kernel::Position;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -246,9 +270,12 @@ pub(crate) mod kernel {
         keys: &mut Array<C>,
         values: &mut Array<C>,
         step: &Array<u32>,
+        blocks: &Array<u32>,
         key_strides: Strides4,
         value_strides: Strides4,
         slots: u32,
+        table_width: u32,
+        block_size: u32,
         heads: u32,
         kv_heads: u32,
         row_width: u32,
@@ -260,6 +287,7 @@ pub(crate) mod kernel {
         #[comptime] norm: bool,
         #[comptime] value_norm: bool,
         #[comptime] position_on_device: bool,
+        #[comptime] paged: bool,
         #[define(F, W, C)] _dtypes: [StorageType; 3],
     ) {
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
@@ -270,6 +298,8 @@ pub(crate) mod kernel {
             position = step[b * position_stride as usize];
         }
         let slot = position % slots;
+        let row_b = store_row(blocks, b, slot as usize, table_width, block_size, paged);
+        let row_slot = store_slot(slot as usize, block_size, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -303,13 +333,13 @@ pub(crate) mod kernel {
                 p += CUBE_DIM_X as usize;
             }
         } else if kind == 1u32 {
-            let at = key_strides.at(b, r - heads, slot as usize, 0);
+            let at = key_strides.at(row_b, r - heads, row_slot, 0);
             while p < dim {
                 keys[at + p * key_strides.d] = C::cast_from(stage[p]);
                 p += CUBE_DIM_X as usize;
             }
         } else {
-            let at = value_strides.at(b, r - heads - kv_heads, slot as usize, 0);
+            let at = value_strides.at(row_b, r - heads - kv_heads, row_slot, 0);
             while p < dim {
                 values[at + p * value_strides.d] = C::cast_from(stage[p]);
                 p += CUBE_DIM_X as usize;
@@ -331,7 +361,11 @@ pub(crate) mod kernel {
         v_codes: &mut Array<u32>,
         v_scales: &mut Array<f32>,
         step: &Array<u32>,
+        blocks: &Array<u32>,
         slots: u32,
+        store_slots: u32,
+        table_width: u32,
+        block_size: u32,
         heads: u32,
         kv_heads: u32,
         row_width: u32,
@@ -343,6 +377,7 @@ pub(crate) mod kernel {
         #[comptime] norm: bool,
         #[comptime] value_norm: bool,
         #[comptime] position_on_device: bool,
+        #[comptime] paged: bool,
         #[define(F, W)] _dtypes: [StorageType; 2],
     ) {
         let (heads, kv_heads) = (heads as usize, kv_heads as usize);
@@ -353,6 +388,8 @@ pub(crate) mod kernel {
             position = step[b * position_stride as usize];
         }
         let slot = position % slots;
+        let row_b = store_row(blocks, b, slot as usize, table_width, block_size, paged);
+        let row_slot = store_slot(slot as usize, block_size, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -407,7 +444,7 @@ pub(crate) mod kernel {
                 head = r - heads - kv_heads;
             }
             let words = dim / 4;
-            let row = (b * kv_heads + head) * slots as usize + slot as usize;
+            let row = (row_b * kv_heads + head) * store_slots as usize + row_slot;
             let mut w = unit;
             while w < words {
                 let mut word = 0u32;
@@ -442,6 +479,8 @@ pub(crate) mod kernel {
         pub cos: CubeTensor<R>,
         pub sin: CubeTensor<R>,
         pub position: Position<R>,
+        /// Where each sequence's slots lie in a paged store.
+        pub blocks: Option<Table<R>>,
         /// Query and key weights, epsilon, and whether values are normalized.
         pub norm: Option<(CubeTensor<R>, CubeTensor<R>, f64, super::ValueNorm)>,
     }
@@ -494,6 +533,10 @@ pub(crate) mod kernel {
         let step = layout.position.buffer(cos);
         let on_device = layout.position.on_device();
         let position = layout.position.value();
+        let (blocks, table_width, block_size) = table_args(layout.blocks.as_ref(), cos);
+        let paged = layout.blocks.is_some();
+        // Logical slots per sequence: the table's in a paged store.
+        let slots = |store_slots: usize| layout.blocks.as_ref().map_or(store_slots, Table::slots) as u32;
         match store {
             Store::Dense { keys, values } => launch!(qkv_dense_kernel(
                 &client,
@@ -508,9 +551,12 @@ pub(crate) mod kernel {
                 arg(keys),
                 arg(values),
                 arg(&step),
+                arg(&blocks),
                 Strides4::launch(keys),
                 Strides4::launch(values),
-                keys.meta.shape()[2] as u32,
+                slots(keys.meta.shape()[2]),
+                table_width,
+                block_size,
                 heads as u32,
                 kv_heads as u32,
                 row_width as u32,
@@ -522,6 +568,7 @@ pub(crate) mod kernel {
                 has_norm,
                 value_norm,
                 on_device,
+                paged,
                 [f, w, keys.dtype.into()],
             )),
             Store::Int8 { k_codes, k_scales, v_codes, v_scales } => launch!(qkv_int8_kernel(
@@ -539,7 +586,11 @@ pub(crate) mod kernel {
                 arg(v_codes),
                 arg(v_scales),
                 arg(&step),
+                arg(&blocks),
+                slots(k_codes.meta.shape()[2]),
                 k_codes.meta.shape()[2] as u32,
+                table_width,
+                block_size,
                 heads as u32,
                 kv_heads as u32,
                 row_width as u32,
@@ -551,6 +602,7 @@ pub(crate) mod kernel {
                 has_norm,
                 value_norm,
                 on_device,
+                paged,
                 [f, w],
             )),
         }
@@ -597,12 +649,15 @@ mod gpu {
         /// A device position per sequence (`position + 3 b` for sequence `b`), the batch being
         /// the first sequences of a store with one more, which must stay as it was.
         PerSequence,
+        /// As `PerSequence`, into a paged store: the sequences' slots in shuffled blocks of a
+        /// pool with a spare block, which must stay as it was.
+        Paged,
     }
 
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
     /// first and last slot (rings that wrapped and stores that did not), batches of 1 to 3, the
-    /// position passed at launch, read from a device buffer, and read per sequence; the
-    /// untouched slots must stay as they were.
+    /// position passed at launch, read from a device buffer, read per sequence, and per
+    /// sequence into a paged store; the untouched slots must stay as they were.
     pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "qkv_rope_append");
         let cases = [
@@ -626,7 +681,7 @@ mod gpu {
             (Some(ValueNorm::Unweighted), KvRows::FromKeys, true),
             (Some(ValueNorm::Unweighted), KvRows::Shared, false),
         ];
-        let placements = [Placement::Host, Placement::Device, Placement::PerSequence];
+        let placements = [Placement::Host, Placement::Device, Placement::PerSequence, Placement::Paged];
         for ((batch, heads, kv_heads, dim, slots, position), placement) in
             cases.into_iter().flat_map(|case| placements.map(|p| (case, p)))
         {
@@ -638,13 +693,27 @@ mod gpu {
                     let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
                     StepPosition::Device { values, bound: position + 3 }
                 }
-                Placement::PerSequence => {
+                Placement::PerSequence | Placement::Paged => {
                     let own: Vec<i64> = (0..batch).map(|b| (position + 3 * b) as i64).collect();
                     let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
                     StepPosition::Device { values, bound: last + 2 }
                 }
             };
             let store_batch = if placement == Placement::PerSequence { batch + 1 } else { batch };
+            // Paged: blocks of the largest of 4, 3, 2 or 1 slots dividing `slots`, sequence
+            // `b`'s `i`-th at `(b * width + i) * 5 + 1` modulo the pool (one block spare).
+            let block = [4, 3, 2, 1].into_iter().find(|b| slots % b == 0).unwrap_or(1);
+            let width = slots / block;
+            let pool = batch * width + 1;
+            let stride = if pool % 5 == 0 { 1 } else { 5 };
+            let rows: Vec<Vec<u32>> = (0..batch)
+                .map(|b| (0..width).map(|i| (((b * width + i) * stride + 1) % pool) as u32).collect())
+                .collect();
+            let blocks = (placement == Placement::Paged).then(|| crate::BlockTable::from_rows(&rows, block, device));
+            let store_shape = match blocks {
+                Some(_) => [pool, kv_heads, block, dim],
+                None => [store_batch, kv_heads, slots, dim],
+            };
             let positions = last + 5;
             let partial = if dim == 512 { 0.25 } else { 1.0 };
             let frequencies =
@@ -662,11 +731,12 @@ mod gpu {
                     rope: RopeTables { cos: table(cos.clone()), sin: table(sin.clone()) },
                     position: step.clone(),
                     norm: norm.map(|value| HeadNorms { query: weight(), key: weight(), eps: 1e-6, value }),
+                    blocks: blocks.clone(),
                 };
                 let qkv =
                     Tensor::<B, 2>::random([batch, layout.width()], Distribution::Normal(0.0, 2.0), device).cast(dtype);
                 let format = if int8 { KvFormat::Int8 } else { KvFormat::Dense(dtype) };
-                let (store, reference_store) = stores::<B>(format, [store_batch, kv_heads, slots, dim], dtype, device);
+                let (store, reference_store) = stores::<B>(format, store_shape, dtype, device);
                 let (q, store) = B::qkv_rope_append(qkv.clone(), &layout, store).expect("the step position reads back");
                 let (q_ref, reference_store) = super::reference(qkv.cast(DType::F32), &layout, reference_store)
                     .expect("the step position reads back");

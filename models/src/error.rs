@@ -37,6 +37,9 @@ pub enum ModelError {
     /// The sequence does not fit in the KV cache.
     #[error("context overflow: {needed} positions needed but the KV cache holds {capacity}")]
     ContextOverflow { needed: usize, capacity: usize },
+    /// A paged KV cache has too few free blocks for a sequence now (others hold them).
+    #[error("the paged KV cache has {available} free blocks of {block_size} positions, {needed} needed")]
+    KvBlocks { needed: usize, available: usize, block_size: usize },
     /// The input is malformed (for example an empty batch or token ids past the vocabulary).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -22,7 +22,7 @@ pub mod projection;
 pub mod rope;
 pub mod weights;
 
-pub use attention::{KvCache, StoredRows};
+pub use attention::{KvCache, PagedLayout, Reservation, StoredRows};
 pub use burn_gemma_kernels::{KvFormat, Matrix};
 pub use config::{Architecture, GemmaConfig, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};

@@ -216,6 +216,11 @@ impl<B: GemmaBackend> Gemma<B> {
         KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
     }
 
+    /// A paged KV cache (see [`KvCache::paged`]) in this model's KV format.
+    pub fn new_paged_cache(&self, layout: crate::PagedLayout) -> Result<KvCache<B>, ModelError> {
+        KvCache::paged(&self.config, layout, self.kv_cache, &self.device())
+    }
+
     /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
     fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
         let [batch, seq] = ids.dims();
@@ -308,6 +313,7 @@ impl<B: GemmaBackend> Gemma<B> {
             return Err(ModelError::ContextOverflow { needed: inputs.bound + 1, capacity: cache.capacity() });
         }
         self.check_cache(cache)?;
+        cache.sync_blocks();
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
         let hidden = self.layers_forward(inputs.ids.clone(), cache, &position)?;
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));

@@ -40,6 +40,18 @@ fn render(server: &Server) -> String {
             m.kv_sequences_in_use.load(Ordering::Relaxed) as f64,
         ),
         (
+            "burn_gemma_kv_blocks_in_use",
+            "gauge",
+            "KV blocks held by generating requests (all the cache's pools).",
+            m.kv_blocks_in_use.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_kv_blocks_total",
+            "gauge",
+            "KV blocks in the batched cache (all its pools).",
+            m.kv_blocks_total.load(Ordering::Relaxed) as f64,
+        ),
+        (
             "burn_gemma_decode_steps_total",
             "counter",
             "Batched decode steps run.",

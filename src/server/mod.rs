@@ -121,6 +121,9 @@ fn refused(e: EngineError, input: &'static str) -> ApiError {
             ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None }
         }
         EngineError::Generation(Error::Sampling(s)) => openai::sampling_error(&s),
+        EngineError::Generation(e @ Error::Request(crate::error::RequestError::KvCacheTooSmall { .. })) => {
+            ApiError::invalid("max_tokens", e.to_string())
+        }
         EngineError::Generation(e @ Error::Request(_)) => ApiError::invalid(input, e.to_string()),
         EngineError::Generation(e) => {
             ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }

@@ -7,6 +7,7 @@ use super::merge::merge;
 use super::AttentionOptions;
 use crate::cube::{empty, load_vector_size, planes_of_32, tanh_f32, Strides4};
 use crate::graph::{arg, launch};
+use crate::kv::paged::kernel::{args as table_args, store_row, store_slot, Table};
 use crate::step::kernel::Position;
 use burn::tensor::DType;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -100,6 +101,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     v_codes: &Array<Vector<u32, NC>>,
     v_scales: &Array<f32>,
     step: &Array<u32>,
+    blocks: &Array<u32>,
     q_strides: Strides4,
     k_strides: Strides4,
     v_strides: Strides4,
@@ -111,12 +113,15 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     window: u32,
     scale: f32,
     cap: f32,
+    table_width: u32,
+    block_size: u32,
     #[comptime] tiling: DecodeTiling,
     #[comptime] has_window: bool,
     #[comptime] has_cap: bool,
     #[comptime] split: bool,
     #[comptime] int8: bool,
     #[comptime] position_on_device: bool,
+    #[comptime] paged: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     // A position read on the device (sequence `b`'s own where the buffer holds one per
@@ -235,8 +240,11 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
             #[unroll]
             for u in 0..kb {
                 let key = min(j0 + u, end - 1);
+                // The key's store row and slot there (its block in a paged store).
+                let row = store_row(blocks, b, key, table_width, block_size, paged);
+                let at = store_slot(key, block_size, paged);
                 if int8 {
-                    let slot = (b * kv_heads + kvh) * shape.slots + key;
+                    let slot = (row * kv_heads + kvh) * shape.slots + at;
                     k_sc[u] = k_scales[slot];
                     v_sc[u] = v_scales[slot];
                     let first = (slot * (dim / 4) + c0 / 4) / nc;
@@ -246,8 +254,8 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
                         v_words[u * c_vectors + w] = v_codes[first + w];
                     }
                 } else {
-                    let k_first = k_strides.at(b, kvh, key, c0) / n;
-                    let v_first = v_strides.at(b, kvh, key, c0) / n;
+                    let k_first = k_strides.at(row, kvh, at, c0) / n;
+                    let v_first = v_strides.at(row, kvh, at, c0) / n;
                     #[unroll]
                     for w in 0..k_vectors {
                         k_raw[u * k_vectors + w] = k[k_first + w];
@@ -450,10 +458,13 @@ pub(super) fn attention<R: CubeRuntime>(
     tiling: DecodeTiling,
     options: &AttentionOptions,
     position: Option<Position<R>>,
+    blocks: Option<Table<R>>,
 ) -> CubeTensor<R> {
     let AttentionOptions { mask, scale, softcap } = *options;
     let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
     let (kv_heads, k_len, slots) = kv.sizes();
+    // A paged store: the keys are each sequence's logical slots.
+    let k_len = blocks.as_ref().map_or(k_len, Table::slots);
     // Visible keys, as the kernel computes them, to size the splits.
     let span = match &position {
         Some(Position::Device { bound, .. }) => (bound + 1).min(k_len),
@@ -487,6 +498,7 @@ pub(super) fn attention<R: CubeRuntime>(
     let shape = ShapeSizes { batch, q_heads, q_len, kv_heads, slots };
     let on_device = matches!(position, Some(Position::Device { .. }));
     let step = position.as_ref().map_or_else(|| q.clone(), |p| p.buffer(&q));
+    let (table, table_width, block_size) = table_args(blocks.as_ref(), &q);
     launch!(decode_attention_kernel(
         &client,
         CubeCount::Static(splits as u32, (batch * kv_heads) as u32, 1),
@@ -504,6 +516,7 @@ pub(super) fn attention<R: CubeRuntime>(
         arg(&v_codes),
         arg(&v_scales),
         arg(&step),
+        arg(&table),
         Strides4::launch(&q),
         Strides4::launch(&k),
         Strides4::launch(&v),
@@ -515,12 +528,15 @@ pub(super) fn attention<R: CubeRuntime>(
         mask.window.unwrap_or(0) as u32,
         scale as f32,
         softcap.unwrap_or(1.0) as f32,
+        table_width,
+        block_size,
         tiling,
         mask.window.is_some(),
         softcap.is_some(),
         split,
         int8,
         on_device,
+        blocks.is_some(),
         dtype,
     ));
     if split {

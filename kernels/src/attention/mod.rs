@@ -100,7 +100,7 @@ pub(crate) fn decode_each_sequence<B: crate::GemmaBackend>(
 ) -> Result<Tensor<B, 4>, crate::ReadBackError> {
     let rows = positions.iter().enumerate().map(|(b, &p)| {
         let rows = store.rows(b..b + 1);
-        let view = crate::KvView::Decode { store: &rows, position: crate::StepPosition::Host(p) };
+        let view = crate::KvView::Decode { store: &rows, position: crate::StepPosition::Host(p), blocks: None };
         B::grouped_attention(q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]), view, options)
     });
     Ok(Tensor::cat(rows.collect::<Result<Vec<_>, _>>()?, 0))
@@ -132,6 +132,7 @@ mod tiled;
 pub(crate) mod kernel {
     use super::AttentionOptions;
     use crate::cube::empty;
+    pub use crate::kv::paged::kernel::Table;
     use crate::step::kernel::Position;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
@@ -143,7 +144,8 @@ pub(crate) mod kernel {
         pub q_heads: usize,
         pub q_len: usize,
         pub kv_heads: usize,
-        /// Slots per KV head of an int8 cache (unused for dense keys and values).
+        /// Slots per KV head of an int8 cache (unused for dense keys and values): per block
+        /// of a paged one.
         pub slots: usize,
     }
 
@@ -227,6 +229,7 @@ pub(crate) mod kernel {
         kv: Kv<R>,
         options: &AttentionOptions,
         position: Option<Position<R>>,
+        blocks: Option<Table<R>>,
     ) -> Result<CubeTensor<R>, crate::ReadBackError> {
         let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
         let out = empty(&q, [batch, q_heads, q_len, dim], q.dtype);
@@ -234,8 +237,18 @@ pub(crate) mod kernel {
             return Ok(out);
         }
         let shared = q.client.properties().hardware.max_shared_memory_size;
-        Ok(match (super::decode::tiling(&q, &kv, shared), position) {
-            (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position),
+        let tiling = super::decode::tiling(&q, &kv, shared);
+        if blocks.is_some() && (tiling.is_none() || position.is_none()) {
+            // The caller gathers such sequences first ([`decode_kernel_applies`]).
+            return Err(crate::ReadBackError {
+                what: "a block table",
+                reason: format!(
+                    "a paged store needs the decode attention kernel at a device position (head size {dim})"
+                ),
+            });
+        }
+        Ok(match (tiling, position) {
+            (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position, blocks),
             (None, None | Some(Position::Host(_))) => match kv {
                 // Prefill-sized blocks of dense keys on matrix units: the GEMM path.
                 Kv::Dense { k, v }
@@ -450,6 +463,31 @@ mod gpu {
         (store, q, AttentionOptions { mask, scale: 1.0 / (dim as f64).sqrt(), softcap: None })
     }
 
+    /// `store`'s sequences (`slots` each) copied into a pool of blocks (the largest of 16, 8,
+    /// 4, 3, 2 or 1 slots that divides `slots`) in shuffled order with a spare block, and
+    /// their table.
+    pub(crate) fn paged_copy<B: GemmaBackend>(
+        store: &crate::KvStore<B>,
+        format: crate::KvFormat,
+        slots: usize,
+        device: &B::Device,
+    ) -> (crate::KvStore<B>, crate::BlockTable<B>) {
+        let [sequences, heads, _, dim] = store.shape();
+        let block = [16, 8, 4, 3, 2, 1].into_iter().find(|b| slots % b == 0).unwrap_or(1);
+        let width = slots / block;
+        let count = sequences * width + 1;
+        // A fixed shuffle: block ids stride through the pool (the count is odd for the stride
+        // 7 unless it divides it).
+        let stride = if count % 7 == 0 { 1 } else { 7 };
+        let ids: Vec<u32> = (0..count - 1).map(|i| ((i * stride + 1) % count) as u32).collect();
+        let rows: Vec<Vec<u32>> = ids.chunks(width).map(<[u32]>::to_vec).collect();
+        let mut pool = B::kv_zeros([count, heads, block, dim], format, device);
+        for (b, row) in rows.iter().enumerate() {
+            pool = crate::kv::paged::scatter_sequence(pool, &store.rows(b..b + 1), row, block, slots);
+        }
+        (pool, crate::BlockTable::from_rows(&rows, block, device))
+    }
+
     /// A tensor's values on the host in f32.
     fn host<B: GemmaBackend>(t: Tensor<B, 4>) -> Vec<f32> {
         t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
@@ -489,8 +527,8 @@ mod gpu {
                 for (how, at) in
                     [("host", StepPosition::Host(position)), ("device", StepPosition::Device { values, bound })]
                 {
-                    let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options)
-                        .expect("the step position reads back");
+                    let view = KvView::Decode { store: &store, position: at, blocks: None };
+                    let got = B::grouped_attention(q.clone(), view, &options).expect("the step position reads back");
                     let what = format!(
                         "decode b{batch} hq{hq} hkv{hkv} slots {slots} d{dim} at {position} window {window:?} {format} position on the {how}"
                     );
@@ -539,11 +577,17 @@ mod gpu {
                 let own: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
                 let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
                 let at = StepPosition::Device { values, bound };
-                let got = B::grouped_attention(q.clone(), KvView::Decode { store: &store, position: at }, &options)
-                    .expect("the step positions read back");
+                let view = KvView::Decode { store: &store, position: at.clone(), blocks: None };
+                let got = B::grouped_attention(q.clone(), view, &options).expect("the step positions read back");
                 let what = format!(
                     "decode per sequence b{batch}/{store_batch} hq{hq} hkv{hkv} slots {slots} d{dim} at {positions:?} window {window:?} {format}"
                 );
+                assert_close(got, expected.clone(), tolerance(dtype), &what);
+                // The same sequences paged: their slots in shuffled blocks of a pool.
+                let (pool, table) = paged_copy(&store, format, slots, device);
+                let view = KvView::Decode { store: &pool, position: at, blocks: Some(&table) };
+                let got = B::grouped_attention(q.clone(), view, &options).expect("the step positions read back");
+                let what = format!("{what}, paged in blocks of {}", table.block_size);
                 assert_close(got, expected, tolerance(dtype), &what);
             }
         }

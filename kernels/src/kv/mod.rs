@@ -9,8 +9,10 @@
 
 pub mod dense;
 pub mod int8;
+pub mod paged;
 
 pub use int8::Int8Kv;
+pub use paged::BlockTable;
 
 use crate::StepPosition;
 use burn::tensor::{backend::Backend, s, DType, Tensor};
@@ -126,6 +128,22 @@ impl<B: Backend> KvStore<B> {
         }
     }
 
+    /// Whether `rows` (one sequence, as [`KvStore::rows`] returns it) can be copied into the
+    /// blocks of this paged store ([`paged::scatter_sequence`]): the same heads, head size and
+    /// format.
+    pub fn check_blocks(&self, rows: &Self) -> Result<(), StoreMismatch> {
+        let (store, given) = (self.shape(), rows.shape());
+        let mismatch = |why: &'static str| StoreMismatch { store, rows: given, at: 0, why };
+        if given[0] != 1 || given[1] != store[1] || given[3] != store[3] {
+            return Err(mismatch("its shape does not fit"));
+        }
+        match (self, rows) {
+            (Self::Dense { keys, .. }, Self::Dense { keys: k, .. }) if keys.dtype() == k.dtype() => Ok(()),
+            (Self::Int8 { keys, .. }, Self::Int8 { keys: k, .. }) if keys.codes.dtype() == k.codes.dtype() => Ok(()),
+            _ => Err(mismatch("its format differs")),
+        }
+    }
+
     /// The store with sequences `at..at + n` replaced by `rows`, which must fit
     /// ([`KvStore::check_rows`]; rows that do not are not written).
     pub fn replace_rows(self, at: usize, rows: Self) -> Self {
@@ -176,7 +194,10 @@ pub enum KvView<'a, B: Backend> {
     /// to and their mask offsets follow from the position ([`crate::step::decode_visible`]);
     /// of the options' mask only the window is read. Where the position is on the device, the
     /// kernels read it there (a replayed decode step).
-    Decode { store: &'a KvStore<B>, position: StepPosition<B> },
+    ///
+    /// `blocks`: `None` where sequence `b` is row `b` of the store; for a paged store
+    /// ([`paged`]), where each sequence's slots lie (its logical slots are then the table's).
+    Decode { store: &'a KvStore<B>, position: StepPosition<B>, blocks: Option<&'a BlockTable<B>> },
 }
 
 /// Reference: a store of `shape` in `format`, every slot zero (int8 in the reference layout,

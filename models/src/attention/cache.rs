@@ -1,11 +1,13 @@
 //! The KV cache: one [`LayerCache`] per decoder layer, each typed once when the cache is built
 //! (full or ring, dense or int8, its own KV heads and head size).
 
+use super::paged::{BlockPool, PagedLayout, Reservation};
 use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
-    AttentionMask, AttentionOptions, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout, ReadBackError,
+    kv::paged::scatter_sequence, AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView,
+    QkvLayout, ReadBackError,
 };
 
 /// The score settings of a layer's attention: scale and optional logit softcap.
@@ -35,6 +37,9 @@ pub struct LayerCache<B: GemmaBackend> {
     shared: bool,
     /// What the store holds right after its next write ([`KvCache::pin_next_write`]).
     pinned: Pin<B>,
+    /// In a paged cache: its pool's index, and the pool's table as last uploaded.
+    pool: Option<usize>,
+    blocks: Option<BlockTable<B>>,
 }
 
 /// Keys and values a store takes right after a write in place of what the write stored, or
@@ -76,10 +81,48 @@ struct SharedChunk<B: GemmaBackend> {
 impl<B: GemmaBackend> LayerCache<B> {
     /// A zeroed store of `[batch, kv_heads, slots, head_dim]` for a layer with `window`;
     /// `shared`: later layers attend over it.
-    fn new(shape: LayerShape, window: Option<usize>, format: KvFormat, shared: bool, device: &B::Device) -> Self {
+    ///
+    /// Paged (`pool`: its pool's index, `blocks` blocks of `block_size` slots): a store of
+    /// `[blocks, kv_heads, block_size, head_dim]`.
+    fn new(
+        shape: LayerShape,
+        window: Option<usize>,
+        format: KvFormat,
+        shared: bool,
+        paged: Option<(usize, usize, usize)>,
+        device: &B::Device,
+    ) -> Self {
         let span = Span::new(window, shape.capacity);
-        let dims = [shape.batch, shape.kv_heads, span.slots(shape.capacity), shape.head_dim];
-        Self { store: Some(B::kv_zeros(dims, format, device)), span, shared_chunk: None, shared, pinned: Pin(None) }
+        let dims = match paged {
+            Some((_, blocks, block_size)) => [blocks, shape.kv_heads, block_size, shape.head_dim],
+            None => [shape.batch, shape.kv_heads, span.slots(shape.capacity), shape.head_dim],
+        };
+        Self {
+            store: Some(B::kv_zeros(dims, format, device)),
+            span,
+            shared_chunk: None,
+            shared,
+            pinned: Pin(None),
+            pool: paged.map(|(pool, _, _)| pool),
+            blocks: None,
+        }
+    }
+
+    /// Where each sequence's slots lie, for a paged cache (the table as last uploaded).
+    pub fn blocks(&self) -> Option<BlockTable<B>> {
+        self.blocks.clone()
+    }
+
+    /// Fails for a paged cache, which takes decode steps only.
+    fn check_unpaged(&self) -> Result<(), ModelError> {
+        match self.pool {
+            Some(_) => Err(ModelError::InvalidInput(
+                "a paged KV cache takes decode steps only: run prompts in a cache of their own and copy them in \
+                 (KvCache::copy_sequence)"
+                    .into(),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Runs `f` on the store and keeps the store it returns. Where `f` fails (a device read
@@ -113,7 +156,8 @@ impl<B: GemmaBackend> LayerCache<B> {
         self.update(|store| {
             let (q, store) = B::qkv_rope_append(qkv, layout, store)?;
             let store = pinned.apply(store);
-            let view = KvView::Decode { store: &store, position: layout.position.clone() };
+            let view =
+                KvView::Decode { store: &store, position: layout.position.clone(), blocks: layout.blocks.as_ref() };
             let out = B::grouped_attention(q, view, &scores.with(mask))?;
             Ok((out, store))
         })
@@ -132,6 +176,7 @@ impl<B: GemmaBackend> LayerCache<B> {
         position: usize,
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
+        self.check_unpaged()?;
         let t = keys.dims()[2];
         let pinned = self.pinned.take();
         match self.span {
@@ -185,6 +230,7 @@ impl<B: GemmaBackend> LayerCache<B> {
         t: usize,
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
+        self.check_unpaged()?;
         match (self.span, &self.shared_chunk) {
             (Span::Ring(_), Some(chunk)) => {
                 let kv = KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() };
@@ -235,6 +281,9 @@ struct LayerShape {
 }
 
 /// The KV cache of a whole model, for a fixed batch size and capacity.
+///
+/// Or paged ([`KvCache::paged`]): every layer's store a pool of blocks, each sequence holding
+/// the blocks its positions need ([`super::paged`]).
 #[derive(Debug)]
 pub struct KvCache<B: GemmaBackend> {
     /// One per layer with keys of its own.
@@ -248,6 +297,35 @@ pub struct KvCache<B: GemmaBackend> {
     /// Unique per allocation (kept by [`KvCache::reset`]): a recorded decode step writes this
     /// cache's buffers and refuses any other ([`crate::DecodeGraphs`]).
     id: u64,
+    paging: Option<Paging<B>>,
+}
+
+/// The pools of a paged cache.
+#[derive(Debug)]
+struct Paging<B: GemmaBackend> {
+    block_size: usize,
+    pools: Vec<BlockPool<B>>,
+    device: B::Device,
+}
+
+/// A layer with keys of its own, as a cache allocates it.
+struct LayerPlan {
+    layer: usize,
+    shape: LayerShape,
+    window: Option<usize>,
+    shared: bool,
+    /// Paged: `(pool, blocks, block size)`.
+    paged: Option<(usize, usize, usize)>,
+}
+
+impl LayerPlan {
+    fn store_dims(&self) -> [usize; 4] {
+        let s = self.shape;
+        match self.paged {
+            Some((_, blocks, block_size)) => [blocks, s.kv_heads, block_size, s.head_dim],
+            None => [s.batch, s.kv_heads, Span::new(self.window, s.capacity).slots(s.capacity), s.head_dim],
+        }
+    }
 }
 
 impl<B: GemmaBackend> KvCache<B> {
@@ -263,6 +341,31 @@ impl<B: GemmaBackend> KvCache<B> {
         batch: usize,
         capacity: usize,
         format: KvFormat,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::build(config, batch, capacity, format, None, device)
+    }
+
+    /// Allocates a paged cache (see [`PagedLayout`]): sequences take blocks as they join
+    /// ([`KvCache::reserve`], [`KvCache::attach`]) and give them back as they leave
+    /// ([`KvCache::release`]). It takes decode steps ([`crate::Gemma::decode_logits`]) over
+    /// its first sequences; prompts run in a cache of their own and join it with
+    /// [`KvCache::copy_sequence`].
+    pub fn paged(
+        config: &GemmaConfig,
+        layout: PagedLayout,
+        format: KvFormat,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::build(config, layout.sequences, layout.capacity, format, Some(layout), device)
+    }
+
+    fn build(
+        config: &GemmaConfig,
+        batch: usize,
+        capacity: usize,
+        format: KvFormat,
+        paged: Option<PagedLayout>,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         if batch == 0 || capacity == 0 {
@@ -284,36 +387,89 @@ impl<B: GemmaBackend> KvCache<B> {
             }
             _ => {}
         }
-        Self::check_memory(config, batch, capacity, format, device)?;
-        let producers: Vec<usize> = (0..config.num_hidden_layers).filter_map(|i| config.kv_producer(i)).collect();
+        let (plans, pools) = Self::plan(config, batch, capacity, paged)?;
+        Self::check_memory(&plans, batch, capacity, format, device)?;
         let mut layers = Vec::new();
         let mut layer_of = Vec::with_capacity(config.num_hidden_layers);
-        for (i, &layer_type) in config.layer_types.iter().enumerate() {
+        let mut plans = plans.into_iter().peekable();
+        for i in 0..config.num_hidden_layers {
             let entry = match config.kv_producer(i) {
                 Some(producer) => layer_of[producer],
-                None => {
-                    let shape = LayerShape {
-                        batch,
-                        capacity,
-                        kv_heads: config.kv_heads_of(layer_type),
-                        head_dim: config.head_dim_of(layer_type),
-                    };
-                    let shared = producers.contains(&i);
-                    layers.push(LayerCache::new(shape, config.window(layer_type), format, shared, device));
-                    layers.len() - 1
-                }
+                None => match plans.next_if(|p| p.layer == i) {
+                    Some(p) => {
+                        layers.push(LayerCache::new(p.shape, p.window, format, p.shared, p.paged, device));
+                        layers.len() - 1
+                    }
+                    None => return Err(ModelError::InvalidInput(format!("no KV store planned for layer {i}"))),
+                },
             };
             layer_of.push(entry);
         }
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Self { layers, layer_of, len: 0, capacity, batch, id })
+        let paging = paged.map(|p| Paging { block_size: p.block_size, pools, device: device.clone() });
+        Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging })
+    }
+
+    /// The store of every layer with keys of its own, and a paged cache's pools (one per
+    /// distinct count of slots per sequence).
+    fn plan(
+        config: &GemmaConfig,
+        batch: usize,
+        capacity: usize,
+        paged: Option<PagedLayout>,
+    ) -> Result<(Vec<LayerPlan>, Vec<BlockPool<B>>), ModelError> {
+        let producers: Vec<usize> = (0..config.num_hidden_layers).filter_map(|i| config.kv_producer(i)).collect();
+        let mut pools: Vec<BlockPool<B>> = Vec::new();
+        let mut plans = Vec::new();
+        for (i, &layer_type) in config.layer_types.iter().enumerate() {
+            if config.kv_producer(i).is_some() {
+                continue;
+            }
+            let window = config.window(layer_type);
+            let shape = LayerShape {
+                batch,
+                capacity,
+                kv_heads: config.kv_heads_of(layer_type),
+                head_dim: config.head_dim_of(layer_type),
+            };
+            let paged = match paged {
+                None => None,
+                Some(layout) => {
+                    let slots = Span::new(window, capacity).slots(capacity);
+                    let bs = layout.block_size;
+                    if bs == 0 || slots % bs != 0 {
+                        return Err(ModelError::InvalidInput(format!(
+                            "KV blocks of {bs} slots do not divide layer {i}'s {slots} slots per sequence \
+                             (PagedLayout::block_size_for finds a size that does)"
+                        )));
+                    }
+                    let pool = match pools.iter().position(|p| p.slots == slots) {
+                        Some(pool) => pool,
+                        None => {
+                            let positions = layout.positions.unwrap_or(batch.saturating_mul(capacity));
+                            let blocks = positions.min(batch.saturating_mul(slots)).div_ceil(bs);
+                            if blocks == 0 || blocks >= u32::MAX as usize {
+                                return Err(ModelError::InvalidInput(format!(
+                                    "a paged KV cache of {positions} positions in blocks of {bs}"
+                                )));
+                            }
+                            pools.push(BlockPool::new(slots, blocks, batch));
+                            pools.len() - 1
+                        }
+                    };
+                    Some((pool, pools[pool].store_blocks(), bs))
+                }
+            };
+            plans.push(LayerPlan { layer: i, shape, window, shared: producers.contains(&i), paged });
+        }
+        Ok((plans, pools))
     }
 
     /// Refuses a cache the device cannot hold, before any of it is allocated: one layer's keys
     /// past the largest buffer, or the whole cache past the memory available.
     fn check_memory(
-        config: &GemmaConfig,
+        plans: &[LayerPlan],
         batch: usize,
         capacity: usize,
         format: KvFormat,
@@ -321,15 +477,11 @@ impl<B: GemmaBackend> KvCache<B> {
     ) -> Result<(), ModelError> {
         let limits = B::memory_limits(device);
         let mut total = 0u64;
-        for (i, &layer_type) in config.layer_types.iter().enumerate() {
-            if config.kv_producer(i).is_some() {
-                continue;
-            }
-            let slots = Span::new(config.window(layer_type), capacity).slots(capacity);
-            let dims = [batch, config.kv_heads_of(layer_type), slots, config.head_dim_of(layer_type)];
+        for plan in plans {
+            let i = plan.layer;
             let what = || format!("KV cache of {capacity} positions x {batch} sequences ({format})");
             let store = format
-                .store_bytes(dims)
+                .store_bytes(plan.store_dims())
                 .ok_or_else(|| ModelError::InvalidInput(format!("{}: its size overflows", what())))?;
             if let Some(largest) = limits.largest_buffer.filter(|&l| store > l) {
                 return Err(ModelError::DeviceMemory {
@@ -412,8 +564,38 @@ impl<B: GemmaBackend> KvCache<B> {
     /// the sequences that step together ([`crate::Gemma::decode_logits`]). Both caches must be
     /// made for the same model, capacity and format. The length is not changed: the caller
     /// keeps each sequence's position.
+    ///
+    /// Into a paged cache: `from` must be unpaged, and sequence `to` must hold blocks for
+    /// `from`'s positions ([`KvCache::attach`]); its first `from.len()` positions are copied.
     pub fn copy_sequence(&mut self, to: usize, from: &KvCache<B>, from_sequence: usize) -> Result<(), ModelError> {
         self.check_sequences(to, from, from_sequence)?;
+        if let Some(paging) = &self.paging {
+            if from.paging.is_some() {
+                return Err(ModelError::CacheMismatch("a sequence of a paged cache into another".into()));
+            }
+            let bs = paging.block_size;
+            for (layer, source) in self.layers.iter_mut().zip(&from.layers) {
+                let pool = &paging.pools[layer.pool.ok_or(ModelError::CacheLost)?];
+                let blocks = pool.row(to);
+                if blocks.len() < pool.needed(from.len, bs) {
+                    return Err(ModelError::CacheMismatch(format!(
+                        "sequence {to} holds {} blocks of {bs} slots, {} positions need {}",
+                        blocks.len(),
+                        from.len,
+                        pool.needed(from.len, bs)
+                    )));
+                }
+                let source = source.store.as_ref().ok_or(ModelError::CacheLost)?;
+                let rows = source.rows(from_sequence..from_sequence + 1);
+                let store = layer.store.take().ok_or(ModelError::CacheLost)?;
+                if let Err(mismatch) = store.check_blocks(&rows) {
+                    layer.store = Some(store);
+                    return Err(ModelError::CacheMismatch(mismatch.to_string()));
+                }
+                layer.store = Some(scatter_sequence(store, &rows, blocks, bs, from.len));
+            }
+            return Ok(());
+        }
         for (layer, source) in self.layers.iter_mut().zip(&from.layers) {
             let rows = source.store.as_ref().ok_or(ModelError::CacheLost)?.rows(from_sequence..from_sequence + 1);
             layer.assign_sequence(to, rows)?;
@@ -422,7 +604,8 @@ impl<B: GemmaBackend> KvCache<B> {
     }
 
     /// Makes sequence `to` hold what sequence `from` holds (when `from` leaves the sequences
-    /// that step together, the last one takes its place).
+    /// that step together, the last one takes its place). In a paged cache `from`'s blocks
+    /// become `to`'s (whose own go back to the pools) and `from` holds none.
     pub fn move_sequence(&mut self, from: usize, to: usize) -> Result<(), ModelError> {
         if from.max(to) >= self.batch {
             return Err(ModelError::CacheMismatch(format!(
@@ -434,11 +617,120 @@ impl<B: GemmaBackend> KvCache<B> {
         if from == to {
             return Ok(());
         }
+        if let Some(paging) = &mut self.paging {
+            for pool in &mut paging.pools {
+                pool.move_row(from, to);
+            }
+            return Ok(());
+        }
         for layer in &mut self.layers {
             let rows = layer.store.as_ref().ok_or(ModelError::CacheLost)?.copy_rows(from..from + 1);
             layer.assign_sequence(to, rows)?;
         }
         Ok(())
+    }
+
+    /// Slots per block of a paged cache.
+    pub fn block_size(&self) -> Option<usize> {
+        self.paging.as_ref().map(|p| p.block_size)
+    }
+
+    /// A paged cache's blocks: `(held by sequences, in all)`, summed over its pools.
+    pub fn blocks_in_use(&self) -> Option<(usize, usize)> {
+        self.paging
+            .as_ref()
+            .map(|p| p.pools.iter().fold((0, 0), |(used, all), pool| (used + pool.in_use(), all + pool.total)))
+    }
+
+    /// The most positions one sequence of a paged cache can ever hold blocks for (all its
+    /// pools' blocks); `None` for an unpaged cache.
+    pub fn reservable_positions(&self) -> Option<usize> {
+        let paging = self.paging.as_ref()?;
+        let bs = paging.block_size;
+        // A ring needs at most its slots: only a pool smaller than one sequence limits.
+        Some(
+            paging
+                .pools
+                .iter()
+                .filter(|p| p.total * bs < p.slots)
+                .map(|p| p.total * bs)
+                .min()
+                .unwrap_or(self.capacity)
+                .min(self.capacity),
+        )
+    }
+
+    /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
+    /// a paged cache, for [`KvCache::attach`]. Fails, promising nothing, where the pools cannot
+    /// cover it now ([`ModelError::KvBlocks`]: wait for sequences to leave) or ever.
+    pub fn reserve(&mut self, positions: usize) -> Result<Reservation, ModelError> {
+        let limit = self.reservable_positions();
+        let paging = self
+            .paging
+            .as_mut()
+            .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
+        let bs = paging.block_size;
+        let positions = positions.min(self.capacity);
+        if limit.is_some_and(|limit| positions > limit) {
+            return Err(ModelError::InvalidInput(format!(
+                "a sequence of {positions} positions: the paged KV cache's pools hold {} at most",
+                limit.unwrap_or(0)
+            )));
+        }
+        let blocks: Vec<usize> = paging.pools.iter().map(|p| p.needed(positions, bs)).collect();
+        if let Some((pool, need)) = paging.pools.iter().zip(&blocks).find(|(p, &need)| p.available() < need) {
+            return Err(ModelError::KvBlocks { needed: *need, available: pool.available(), block_size: bs });
+        }
+        for (pool, &need) in paging.pools.iter_mut().zip(&blocks) {
+            pool.promise(need);
+        }
+        Ok(Reservation { cache: self.id, positions, blocks })
+    }
+
+    /// Gives back the blocks `reservation` promised (its sequence never joined).
+    pub fn release_reservation(&mut self, reservation: Reservation) {
+        if let Some(paging) = self.paging.as_mut().filter(|_| reservation.cache == self.id) {
+            for (pool, &n) in paging.pools.iter_mut().zip(&reservation.blocks) {
+                pool.unpromise(n);
+            }
+        }
+    }
+
+    /// Gives sequence `sequence` the blocks `reservation` promised (after any it holds; a
+    /// reservation of another cache is refused and its promise lost with it).
+    pub fn attach(&mut self, sequence: usize, reservation: Reservation) -> Result<(), ModelError> {
+        let fail = |why: String| Err(ModelError::CacheMismatch(why));
+        if reservation.cache != self.id {
+            return fail("a reservation made in another KV cache".into());
+        }
+        if sequence >= self.batch {
+            return fail(format!("sequence {sequence} of a cache of {} sequences", self.batch));
+        }
+        let Some(paging) = self.paging.as_mut() else { return fail("blocks for an unpaged KV cache".into()) };
+        for (pool, &n) in paging.pools.iter_mut().zip(&reservation.blocks) {
+            pool.take(sequence, n);
+        }
+        Ok(())
+    }
+
+    /// Gives sequence `sequence`'s blocks back to the pools of a paged cache.
+    pub fn release(&mut self, sequence: usize) {
+        if let Some(paging) = self.paging.as_mut().filter(|_| sequence < self.batch) {
+            for pool in &mut paging.pools {
+                pool.give_back(sequence);
+            }
+        }
+    }
+
+    /// Uploads a paged cache's block tables where they changed, and hands each layer its
+    /// pool's (before a decode step).
+    pub(crate) fn sync_blocks(&mut self) {
+        let Some(paging) = self.paging.as_mut() else { return };
+        let tables: Vec<BlockTable<B>> =
+            paging.pools.iter_mut().map(|p| p.table(paging.block_size, &paging.device)).collect();
+        for layer in &mut self.layers {
+            layer.blocks = layer.pool.and_then(|p| tables.get(p).cloned());
+        }
     }
 
     fn check_sequences(&self, to: usize, from: &KvCache<B>, from_sequence: usize) -> Result<(), ModelError> {

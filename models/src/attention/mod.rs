@@ -3,9 +3,11 @@
 //! `Gemma3Attention.forward`).
 
 pub mod cache;
+pub mod paged;
 pub mod ring;
 
 pub use cache::{KvCache, LayerCache, Scores, StoredRows};
+pub use paged::{PagedLayout, Reservation};
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, Architecture, LayerType};
@@ -120,6 +122,7 @@ impl<B: GemmaBackend> Attention<B> {
                 rope: rope.clone(),
                 position: position.clone(),
                 norm: self.head_norms(),
+                blocks: cache.blocks(),
             };
             let width = layout.width();
             cache.decode(qkv.reshape([batch, width]), &layout, s.scores)?
