@@ -25,7 +25,7 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     engine::{Engine, EngineConfig, Event, Request},
-    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions, StepInputs,
+    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, StepInputs,
 };
 
 use clap::Parser;
@@ -60,8 +60,22 @@ struct Args {
 }
 
 /// Median milliseconds of one decode step over `n` sequences at `position` (logits read back).
-fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize) -> Result<f64, CliError> {
-    let mut cache = model.new_cache(n, position + 2)?;
+fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize, kind: CacheKind) -> Result<f64, CliError> {
+    let mut cache = match kind {
+        CacheKind::Rows => model.new_cache(n, position + 2)?,
+        CacheKind::Paged => {
+            // As the engine makes it: blocks of 32 where they divide, each sequence holding its own.
+            let capacity = (position + 2).next_multiple_of(32);
+            let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
+            let layout = PagedLayout { sequences: n, capacity, block_size, positions: None };
+            let mut cache = model.new_paged_cache(layout)?;
+            for row in 0..n {
+                let reservation = cache.reserve(position + 2)?;
+                cache.attach(row, reservation)?;
+            }
+            cache
+        }
+    };
     let ids: Vec<u32> = (0..n).map(|i| 1000 + 17 * i as u32).collect();
     let positions = vec![position; n];
     let device = model.device();
@@ -77,6 +91,15 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize) -> Resu
         }
     }
     Ok(median(times))
+}
+
+/// Which KV cache a step runs over.
+#[derive(Debug, Clone, Copy)]
+enum CacheKind {
+    /// A row of slots per sequence.
+    Rows,
+    /// Blocks of a pool through a block table, as the engine's.
+    Paged,
 }
 
 /// What one request saw: when each of its tokens came (from submission).
@@ -170,8 +193,14 @@ impl BackendTask for Args {
         if self.step_only {
             eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
             for &n in &self.streams {
-                let ms = step_ms(&model, n.get(), self.prompt_len)?;
-                println!("step {:>3} sequences: {ms:.2} ms, {:.1} tok/s", n.get(), n.get() as f64 * 1e3 / ms);
+                let ms = step_ms(&model, n.get(), self.prompt_len, CacheKind::Rows)?;
+                let paged = step_ms(&model, n.get(), self.prompt_len, CacheKind::Paged)?;
+                println!(
+                    "step {:>3} sequences: {ms:.2} ms, {:.1} tok/s; paged {paged:.2} ms, {:.1} tok/s",
+                    n.get(),
+                    n.get() as f64 * 1e3 / ms,
+                    n.get() as f64 * 1e3 / paged
+                );
             }
             return Ok(());
         }

@@ -2,6 +2,8 @@
 //! stepped alone, on a CUDA device, for a random Gemma 3 1B-shaped model in bf16 with dense, Q8
 //! and Q4 weights: 5, 16 and 40 sequences (the quantized products of 3 to 64 rows run on the
 //! matrix units, one row on the matrix-vector kernel: different kernels, different rounding).
+//! The batched step runs over a cache of a row per sequence and over a paged cache (the
+//! engine's: blocks of a pool through a block table, each sequence's blocks not contiguous).
 //!
 //! The bound comes from a reference: each sequence alone in f32 (same weights, same blocks).
 //! Were the batched step as accurate as the step alone, the triangle inequality would bound
@@ -11,7 +13,7 @@
 use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Gemma, GemmaConfig, KvCache, ModelOptions, StepInputs, WeightFormat};
+use burn_gemma::{Gemma, GemmaConfig, KvCache, ModelOptions, PagedLayout, StepInputs, WeightFormat};
 use burn_gemma_kernels::QuantFormat;
 use burn_gemma_model::RandomWeights;
 
@@ -52,10 +54,38 @@ fn alone(model: &Gemma<B>, caches: &mut [KvCache<B>]) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// How the batched cache keeps its sequences.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    Rows,
+    Paged,
+}
+
 /// The logits of one batched step over the first `n` sequences, their caches copied into one.
-fn batched(model: &Gemma<B>, caches: &[KvCache<B>], n: usize, capacity: usize) -> Vec<Vec<f32>> {
+fn batched(model: &Gemma<B>, caches: &[KvCache<B>], n: usize, capacity: usize, layout: Layout) -> Vec<Vec<f32>> {
     let d = model.device();
-    let mut rows = model.new_cache(n, capacity).expect("batched cache");
+    let mut rows = match layout {
+        Layout::Rows => model.new_cache(n, capacity).expect("batched cache"),
+        Layout::Paged => {
+            let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
+            assert_eq!(block_size, 32);
+            let layout = PagedLayout { sequences: n, capacity, block_size, positions: None };
+            let mut rows = model.new_paged_cache(layout).expect("paged cache");
+            // Each sequence's first block first, the rest after everyone's first: not contiguous.
+            for i in 0..n {
+                let blocks = rows.reserve(block_size).expect("blocks");
+                rows.attach(i, blocks).expect("attach");
+            }
+            for i in 0..n {
+                let rest = prompt(i).len().saturating_sub(block_size);
+                if rest > 0 {
+                    let blocks = rows.reserve(rest).expect("blocks");
+                    rows.attach(i, blocks).expect("attach");
+                }
+            }
+            rows
+        }
+    };
     let (mut ids, mut positions) = (Vec::new(), Vec::new());
     for (i, cache) in caches[..n].iter().enumerate() {
         let p = prompt(i);
@@ -83,7 +113,9 @@ fn random_1b_batched_step_matches_each_alone() {
         ("q4", WeightFormat::Quantized(QuantFormat::Q4)),
     ];
     let most = 40;
-    let capacity = prompt(most - 1).len() + 1;
+    // 544 positions: the full-attention layers' 17 blocks of 32, the 512-position windows' 16.
+    let capacity = prompt(most - 1).len().next_multiple_of(32) + 32;
+    assert_eq!(capacity, 544);
     for (name, weights) in formats {
         let load = |dtype| {
             let options = ModelOptions { dtype, weights, kv_cache: None };
@@ -96,14 +128,19 @@ fn random_1b_batched_step_matches_each_alone() {
         let model = load(DType::BF16);
         // The prompts run once: the batched steps copy their caches, then each steps alone.
         let mut caches = prompts(&model, most, capacity);
-        let steps: Vec<_> = [5, 16, most].into_iter().map(|n| (n, batched(&model, &caches, n, capacity))).collect();
+        let steps: Vec<_> =
+            [(5, Layout::Rows), (16, Layout::Rows), (most, Layout::Rows), (5, Layout::Paged), (most, Layout::Paged)]
+                .into_iter()
+                .map(|(n, layout)| (n, layout, batched(&model, &caches, n, capacity, layout)))
+                .collect();
         let single = alone(&model, &mut caches);
-        for (n, got) in steps {
-            assert!(got.iter().flatten().all(|v| v.is_finite()), "1B {name}, {n} sequences: non-finite logits");
+        for (n, layout, got) in steps {
+            let what = format!("1B {name}, {n} sequences ({layout:?})");
+            assert!(got.iter().flatten().all(|v| v.is_finite()), "{what}: non-finite logits");
             let bound = 2.0 * max_diff(&single[..n], &reference[..n]);
             let diff = max_diff(&got, &single[..n]);
-            println!("1B {name}, {n} sequences: batched vs alone {diff:.4}, bound (2 x alone vs f32) {bound:.4}");
-            assert!(diff <= bound, "1B {name}, {n} sequences: batched vs alone {diff} > {bound}");
+            println!("{what}: batched vs alone {diff:.4}, bound (2 x alone vs f32) {bound:.4}");
+            assert!(diff <= bound, "{what}: batched vs alone {diff} > {bound}");
         }
     }
 }
