@@ -213,6 +213,10 @@ where
         store: KvStore<Self>,
     ) -> Result<(Tensor<Self, 4>, KvStore<Self>), ReadBackError> {
         use crate::qkv::kernel::{qkv_rope_append, Layout, Store};
+        if layout.blocks.as_ref().is_some_and(|t| !crate::kv::paged::kernel::kernels_take(t.block_size)) {
+            // Blocks of a size the kernel does not split: each sequence's block written alone.
+            return crate::qkv::reference(qkv, layout, store);
+        }
         let args = Layout {
             heads: layout.heads,
             kv_heads: layout.kv_heads,
@@ -280,8 +284,10 @@ where
                     KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
                     KvStore::Int8 { keys, values } => int8(keys, values, store.shape()[2]),
                 };
-                if !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
-                    // A shape only the one-mask kernels take: the sequences' slots gathered.
+                let takes = crate::kv::paged::kernel::kernels_take(blocks.block_size);
+                if !takes || !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
+                    // A shape only the one-mask kernels take (or blocks of a size the kernels do
+                    // not split): the sequences' slots gathered.
                     let own = crate::kv::paged::gather_reference(store, blocks, q.meta.shape()[0]);
                     let view = KvView::Decode { store: &own, position, blocks: None };
                     return Self::grouped_attention(cube::tensor(q), view, options);

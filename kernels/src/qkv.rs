@@ -275,7 +275,7 @@ pub(crate) mod kernel {
         value_strides: Strides4,
         slots: u32,
         table_width: u32,
-        block_size: u32,
+        block_shift: u32,
         heads: u32,
         kv_heads: u32,
         row_width: u32,
@@ -298,8 +298,8 @@ pub(crate) mod kernel {
             position = step[b * position_stride as usize];
         }
         let slot = position % slots;
-        let row_b = store_row(blocks, b, slot as usize, table_width, block_size, paged);
-        let row_slot = store_slot(slot as usize, block_size, paged);
+        let row_b = store_row(blocks, b, slot as usize, table_width, block_shift, paged);
+        let row_slot = store_slot(slot as usize, block_shift, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -365,7 +365,7 @@ pub(crate) mod kernel {
         slots: u32,
         store_slots: u32,
         table_width: u32,
-        block_size: u32,
+        block_shift: u32,
         heads: u32,
         kv_heads: u32,
         row_width: u32,
@@ -388,8 +388,8 @@ pub(crate) mod kernel {
             position = step[b * position_stride as usize];
         }
         let slot = position % slots;
-        let row_b = store_row(blocks, b, slot as usize, table_width, block_size, paged);
-        let row_slot = store_slot(slot as usize, block_size, paged);
+        let row_b = store_row(blocks, b, slot as usize, table_width, block_shift, paged);
+        let row_slot = store_slot(slot as usize, block_shift, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
         let mut scratch = SharedMemory::<f32>::new(256usize);
@@ -533,7 +533,7 @@ pub(crate) mod kernel {
         let step = layout.position.buffer(cos);
         let on_device = layout.position.on_device();
         let position = layout.position.value();
-        let (blocks, table_width, block_size) = table_args(layout.blocks.as_ref(), cos);
+        let (blocks, table_width, block_shift) = table_args(layout.blocks.as_ref(), cos);
         let paged = layout.blocks.is_some();
         // Logical slots per sequence: the table's in a paged store.
         let slots = |store_slots: usize| layout.blocks.as_ref().map_or(store_slots, Table::slots) as u32;
@@ -556,7 +556,7 @@ pub(crate) mod kernel {
                 Strides4::launch(values),
                 slots(keys.meta.shape()[2]),
                 table_width,
-                block_size,
+                block_shift,
                 heads as u32,
                 kv_heads as u32,
                 row_width as u32,
@@ -590,7 +590,7 @@ pub(crate) mod kernel {
                 slots(k_codes.meta.shape()[2]),
                 k_codes.meta.shape()[2] as u32,
                 table_width,
-                block_size,
+                block_shift,
                 heads as u32,
                 kv_heads as u32,
                 row_width as u32,

@@ -7,7 +7,8 @@
 set -u
 here=$PWD/.gpu-bench
 LCPP=/tmp/lcpp; GGUF=/tmp/gguf; mkdir -p $LCPP $GGUF
-for b in ktests engine_test bstest serve_bench; do gzip -dc $here/$b.gz > /tmp/$b && chmod +x /tmp/$b; done
+unxz() { xz -dc "$1" 2>/dev/null || python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1"; }
+for b in ktests engine_test bstest serve_bench; do unxz $here/$b.xz > /tmp/$b && chmod +x /tmp/$b; done
 date
 tar xzf $here/kit/llama.cpp-src.tgz -C $LCPP
 ( PYTHONPATH=$LCPP/gguf-py python3 $here/kit/gen_gguf.py 4b $here/kit/gemma3-vocab.json.gz $GGUF/4b-F16.gguf > $OUT/gen-4b.txt 2>&1; echo "gen rc $?" >> $OUT/gen-4b.txt ) &

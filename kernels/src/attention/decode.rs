@@ -114,7 +114,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     scale: f32,
     cap: f32,
     table_width: u32,
-    block_size: u32,
+    block_shift: u32,
     #[comptime] tiling: DecodeTiling,
     #[comptime] has_window: bool,
     #[comptime] has_cap: bool,
@@ -241,8 +241,8 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
             for u in 0..kb {
                 let key = min(j0 + u, end - 1);
                 // The key's store row and slot there (its block in a paged store).
-                let row = store_row(blocks, b, key, table_width, block_size, paged);
-                let at = store_slot(key, block_size, paged);
+                let row = store_row(blocks, b, key, table_width, block_shift, paged);
+                let at = store_slot(key, block_shift, paged);
                 if int8 {
                     let slot = (row * kv_heads + kvh) * shape.slots + at;
                     k_sc[u] = k_scales[slot];
@@ -498,7 +498,7 @@ pub(super) fn attention<R: CubeRuntime>(
     let shape = ShapeSizes { batch, q_heads, q_len, kv_heads, slots };
     let on_device = matches!(position, Some(Position::Device { .. }));
     let step = position.as_ref().map_or_else(|| q.clone(), |p| p.buffer(&q));
-    let (table, table_width, block_size) = table_args(blocks.as_ref(), &q);
+    let (table, table_width, block_shift) = table_args(blocks.as_ref(), &q);
     launch!(decode_attention_kernel(
         &client,
         CubeCount::Static(splits as u32, (batch * kv_heads) as u32, 1),
@@ -529,7 +529,7 @@ pub(super) fn attention<R: CubeRuntime>(
         scale as f32,
         softcap.unwrap_or(1.0) as f32,
         table_width,
-        block_size,
+        block_shift,
         tiling,
         mask.window.is_some(),
         softcap.is_some(),

@@ -205,39 +205,46 @@ pub(crate) mod kernel {
         }
     }
 
-    /// The launch values of an optional table: `(buffer or stand_in, width, block size)`; the
-    /// kernels read none of them where `table` is `None` (their `paged` switch is off).
+    /// Whether the kernels take a table of blocks of `block_size` slots: a power of two (they
+    /// split a slot into its block and the slot in it by a shift and a mask).
+    pub fn kernels_take(block_size: usize) -> bool {
+        block_size.is_power_of_two()
+    }
+
+    /// The launch values of an optional table: `(buffer or stand_in, width, log2 of the block
+    /// size)`; the kernels read none of them where `table` is `None` (their `paged` switch is
+    /// off). The block size must be a power of two ([`kernels_take`]).
     pub fn args<R: CubeRuntime>(table: Option<&Table<R>>, stand_in: &CubeTensor<R>) -> (CubeTensor<R>, u32, u32) {
         match table {
-            Some(t) => (t.blocks.clone(), t.width as u32, t.block_size as u32),
-            None => (stand_in.clone(), 0, 1),
+            Some(t) => (t.blocks.clone(), t.width as u32, t.block_size.trailing_zeros()),
+            None => (stand_in.clone(), 0, 0),
         }
     }
 
-    /// The store row holding sequence `b`'s logical slot `slot`: its block in a paged store,
-    /// else `b`.
+    /// The store row holding sequence `b`'s logical slot `slot`: its block in a paged store
+    /// (blocks of `2^shift` slots), else `b`.
     #[cube]
     pub fn store_row(
         blocks: &Array<u32>,
         b: usize,
         slot: usize,
         width: u32,
-        block_size: u32,
+        shift: u32,
         #[comptime] paged: bool,
     ) -> usize {
         let mut row = b;
         if paged {
-            row = blocks[b * width as usize + slot / block_size as usize] as usize;
+            row = blocks[b * width as usize + (slot >> shift as usize)] as usize;
         }
         row
     }
 
-    /// Where logical slot `slot` lies in its store row: `slot % block_size` in a paged store.
+    /// Where logical slot `slot` lies in its store row: its slot in its block in a paged store.
     #[cube]
-    pub fn store_slot(slot: usize, block_size: u32, #[comptime] paged: bool) -> usize {
+    pub fn store_slot(slot: usize, shift: u32, #[comptime] paged: bool) -> usize {
         let mut at = slot;
         if paged {
-            at = slot % block_size as usize;
+            at = slot & ((1usize << shift as usize) - 1);
         }
         at
     }
