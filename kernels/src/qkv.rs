@@ -702,10 +702,10 @@ mod gpu {
             let store_batch = if placement == Placement::PerSequence { batch + 1 } else { batch };
             // Paged: blocks of the largest of 4, 3, 2 or 1 slots dividing `slots`, sequence
             // `b`'s `i`-th at `(b * width + i) * 5 + 1` modulo the pool (one block spare).
-            let block = [4, 3, 2, 1].into_iter().find(|b| slots % b == 0).unwrap_or(1);
+            let block = [4, 3, 2, 1].into_iter().find(|b| slots.is_multiple_of(*b)).unwrap_or(1);
             let width = slots / block;
             let pool = batch * width + 1;
-            let stride = if pool % 5 == 0 { 1 } else { 5 };
+            let stride = if pool.is_multiple_of(5) { 1 } else { 5 };
             let rows: Vec<Vec<u32>> = (0..batch)
                 .map(|b| (0..width).map(|i| (((b * width + i) * stride + 1) % pool) as u32).collect())
                 .collect();

@@ -19,7 +19,7 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 18] = [
+    let metrics: [(&str, &str, &str, f64); 20] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",

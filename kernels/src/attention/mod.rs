@@ -473,12 +473,12 @@ mod gpu {
         device: &B::Device,
     ) -> (crate::KvStore<B>, crate::BlockTable<B>) {
         let [sequences, heads, _, dim] = store.shape();
-        let block = [16, 8, 4, 3, 2, 1].into_iter().find(|b| slots % b == 0).unwrap_or(1);
+        let block = [16, 8, 4, 3, 2, 1].into_iter().find(|b| slots.is_multiple_of(*b)).unwrap_or(1);
         let width = slots / block;
         let count = sequences * width + 1;
         // A fixed shuffle: block ids stride through the pool (the count is odd for the stride
         // 7 unless it divides it).
-        let stride = if count % 7 == 0 { 1 } else { 7 };
+        let stride = if count.is_multiple_of(7) { 1 } else { 7 };
         let ids: Vec<u32> = (0..count - 1).map(|i| ((i * stride + 1) % count) as u32).collect();
         let rows: Vec<Vec<u32>> = ids.chunks(width).map(<[u32]>::to_vec).collect();
         let mut pool = B::kv_zeros([count, heads, block, dim], format, device);

@@ -438,7 +438,7 @@ impl<B: GemmaBackend> KvCache<B> {
                 Some(layout) => {
                     let slots = Span::new(window, capacity).slots(capacity);
                     let bs = layout.block_size;
-                    if bs == 0 || slots % bs != 0 {
+                    if bs == 0 || !slots.is_multiple_of(bs) {
                         return Err(ModelError::InvalidInput(format!(
                             "KV blocks of {bs} slots do not divide layer {i}'s {slots} slots per sequence \
                              (PagedLayout::block_size_for finds a size that does)"

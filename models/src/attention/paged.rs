@@ -39,7 +39,7 @@ impl PagedLayout {
         if size > preferred.max(1) {
             size /= 2;
         }
-        while size > 1 && slots.iter().any(|s| s % size != 0) {
+        while size > 1 && slots.iter().any(|s| !s.is_multiple_of(size)) {
             size /= 2;
         }
         size
