@@ -12,7 +12,7 @@
 
 use super::KvStore;
 use crate::ReadBackError;
-use burn::tensor::{backend::Backend, s, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, s, BasicOps, Element, Int, Tensor, TensorData};
 
 /// Where each sequence's logical slots lie in a paged store.
 #[derive(Debug, Clone)]
@@ -70,34 +70,36 @@ impl<B: Backend> BlockTable<B> {
 pub fn gather_reference<B: Backend>(store: &KvStore<B>, table: &BlockTable<B>, sequences: usize) -> KvStore<B> {
     let width = table.width();
     let ids = table.blocks.clone().slice(s![0..sequences, ..]).reshape([sequences * width]);
-    // `[sequences * width, heads, block, rest]` -> `[sequences, heads, width * block, rest]`.
-    let gather4 = |t: &Tensor<B, 4>| {
-        let [_, h, block, rest] = t.dims();
-        t.clone().select(0, ids.clone()).reshape([sequences, width, h, block * rest]).swap_dims(1, 2).reshape([
-            sequences,
-            h,
-            width * block,
-            rest,
-        ])
-    };
     match store {
-        KvStore::Dense { keys, values } => KvStore::Dense { keys: gather4(keys), values: gather4(values) },
+        KvStore::Dense { keys, values } => {
+            KvStore::Dense { keys: gather(keys, &ids, width), values: gather(values, &ids, width) }
+        }
         KvStore::Int8 { keys, values } => {
-            let gather = |kv: &super::Int8Kv<B>| {
-                let [_, h, block, rest] = kv.codes.dims();
-                let codes = kv
-                    .codes
-                    .clone()
-                    .select(0, ids.clone())
-                    .reshape([sequences, width, h, block * rest])
-                    .swap_dims(1, 2)
-                    .reshape([sequences, h, width * block, rest]);
-                let scales = gather4(&kv.scales.clone().unsqueeze_dim(3)).squeeze_dim(3);
-                super::Int8Kv { codes, scales, shape: [sequences, h, width * block, kv.shape[3]] }
+            let one = |kv: &super::Int8Kv<B>| {
+                let scales = gather(&kv.scales.clone().unsqueeze_dim::<4>(3), &ids, width).squeeze_dim::<3>(3);
+                let codes = gather(&kv.codes, &ids, width);
+                let [sequences, heads, slots] = scales.dims();
+                super::Int8Kv { codes, scales, shape: [sequences, heads, slots, kv.shape[3]] }
             };
-            KvStore::Int8 { keys: gather(keys), values: gather(values) }
+            KvStore::Int8 { keys: one(keys), values: one(values) }
         }
     }
+}
+
+/// Blocks `ids` (`width` per sequence, in slot order) of a pool `[blocks, heads, block, rest]`
+/// laid out as sequences, `[ids.len() / width, heads, width * block, rest]`.
+fn gather<B: Backend, K: BasicOps<B>>(pool: &Tensor<B, 4, K>, ids: &Tensor<B, 1, Int>, width: usize) -> Tensor<B, 4, K>
+where
+    K::Elem: Element,
+{
+    let [_, heads, block, rest] = pool.dims();
+    let sequences = ids.dims()[0] / width.max(1);
+    pool.clone().select(0, ids.clone()).reshape([sequences, width, heads, block * rest]).swap_dims(1, 2).reshape([
+        sequences,
+        heads,
+        width * block,
+        rest,
+    ])
 }
 
 /// Runs of consecutive blocks in `blocks`: `(first block, first index in blocks, length)`, so
@@ -153,35 +155,36 @@ fn write_blocks<B: Backend>(
     take: usize,
     block: usize,
 ) -> KvStore<B> {
-    // `[1, h, count * take, rest]` -> `[count, h, take, rest]`.
-    let blocks4 = |t: &Tensor<B, 4>| {
-        let [_, h, _, rest] = t.dims();
-        t.clone().slice(s![0..1, .., from..from + count * take, ..]).reshape([h, count, take, rest]).swap_dims(0, 1)
-    };
-    let blocks4i = |t: &Tensor<B, 4, Int>| {
-        let [_, h, _, rest] = t.dims();
-        t.clone().slice(s![0..1, .., from..from + count * take, ..]).reshape([h, count, take, rest]).swap_dims(0, 1)
-    };
     let target = s![block..block + count, .., 0..take, ..];
+    let put = |pool: Tensor<B, 4>, one: &Tensor<B, 4>| pool.slice_assign(target, as_blocks(one, from, count, take));
     match (store, rows) {
-        (KvStore::Dense { keys, values }, KvStore::Dense { keys: k, values: v }) => KvStore::Dense {
-            keys: keys.slice_assign(target, blocks4(k)),
-            values: values.slice_assign(target, blocks4(v)),
-        },
+        (KvStore::Dense { keys, values }, KvStore::Dense { keys: k, values: v }) => {
+            KvStore::Dense { keys: put(keys, k), values: put(values, v) }
+        }
         (KvStore::Int8 { keys, values }, KvStore::Int8 { keys: k, values: v }) => {
-            let put = |pool: super::Int8Kv<B>, one: &super::Int8Kv<B>| super::Int8Kv {
-                codes: pool.codes.slice_assign(target, blocks4i(&one.codes)),
-                scales: pool.scales.slice_assign(
-                    s![block..block + count, .., 0..take],
-                    blocks4(&one.scales.clone().unsqueeze_dim(3)).squeeze_dim(3),
-                ),
-                shape: pool.shape,
+            let put = |pool: super::Int8Kv<B>, one: &super::Int8Kv<B>| {
+                let scales = as_blocks(&one.scales.clone().unsqueeze_dim::<4>(3), from, count, take).squeeze_dim(3);
+                super::Int8Kv {
+                    codes: pool.codes.slice_assign(target, as_blocks(&one.codes, from, count, take)),
+                    scales: pool.scales.slice_assign(s![block..block + count, .., 0..take], scales),
+                    shape: pool.shape,
+                }
             };
             KvStore::Int8 { keys: put(keys, k), values: put(values, v) }
         }
         // The callers check the formats first; a mismatch leaves the store as it was.
         (store, _) => store,
     }
+}
+
+/// Slots `from..from + count * take` of a one-sequence `[1, heads, slots, rest]` tensor as
+/// `count` blocks, `[count, heads, take, rest]`.
+fn as_blocks<B: Backend, K: BasicOps<B>>(t: &Tensor<B, 4, K>, from: usize, count: usize, take: usize) -> Tensor<B, 4, K>
+where
+    K::Elem: Element,
+{
+    let [_, heads, _, rest] = t.dims();
+    t.clone().slice(s![0..1, .., from..from + count * take, ..]).reshape([heads, count, take, rest]).swap_dims(0, 1)
 }
 
 /// The table as the kernels take it.
