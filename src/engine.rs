@@ -729,13 +729,13 @@ impl<B: GemmaBackend> Worker<B> {
         }
         self.generating = 0;
         if let Ok(fresh) = self.model.new_paged_cache(self.layout()) {
-            // The prompts running promised blocks of the old cache: promised again in the new.
+            // The prompts running hold reservations of the old cache: made again in the new
+            // (the old cache goes with its promises).
             let mut fresh = fresh;
             for sequence in &mut self.running {
                 if let Place::Prompt(_, reservation) = &mut sequence.place {
                     if let Ok(again) = fresh.reserve(reservation.positions()) {
-                        let old = std::mem::replace(reservation, again);
-                        self.rows.release_reservation(old);
+                        *reservation = again;
                     }
                 }
             }

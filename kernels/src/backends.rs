@@ -273,33 +273,39 @@ where
             k: cube::float_strided(keys),
             v: cube::float_strided(values),
         };
+        // Every slot of a store (a decode position on the device chooses the visible ones).
+        let whole = |store: &KvStore<Self>| match store {
+            KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
+            KvStore::Int8 { keys, values } => int8(keys, values, store.shape()[2]),
+        };
         let q = cube::float_strided(q);
         match kv {
             KvView::Dense { keys, values } => Ok(cube::tensor(attention(q, dense(keys, values), options, None, None)?)),
             KvView::Int8 { keys, values, len } => {
                 Ok(cube::tensor(attention(q, int8(keys, values, len), options, None, None)?))
             }
-            KvView::Decode { store, position: position @ StepPosition::Device { .. }, blocks: Some(blocks) } => {
-                let kv = match store {
-                    KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
-                    KvStore::Int8 { keys, values } => int8(keys, values, store.shape()[2]),
-                };
-                let takes = crate::kv::paged::kernel::kernels_take(blocks.block_size);
-                if !takes || !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
-                    // A shape only the one-mask kernels take (or blocks of a size the kernels do
-                    // not split): the sequences' slots gathered.
-                    let own = crate::kv::paged::gather_reference(store, blocks, q.meta.shape()[0]);
-                    let view = KvView::Decode { store: &own, position, blocks: None };
-                    return Self::grouped_attention(cube::tensor(q), view, options);
-                }
-                let paged = Some(table(blocks));
-                Ok(cube::tensor(attention(q, kv, options, Some(self::position(&position)), paged)?))
-            }
             KvView::Decode { store, position, blocks: Some(blocks) } => {
-                // A position on the host: the sequences' slots gathered.
+                let kv = whole(store);
+                let kernel = matches!(position, StepPosition::Device { .. })
+                    && crate::kv::paged::kernel::kernels_take(blocks.block_size)
+                    && crate::attention::kernel::decode_kernel_applies(&q, &kv);
+                if kernel {
+                    return Ok(cube::tensor(attention(
+                        q,
+                        kv,
+                        options,
+                        Some(self::position(&position)),
+                        Some(table(blocks)),
+                    )?));
+                }
+                // A position on the host, a shape only the one-mask kernels take, or blocks of a
+                // size the kernels do not split: the sequences' slots gathered.
                 let own = crate::kv::paged::gather_reference(store, blocks, q.meta.shape()[0]);
-                let view = KvView::Decode { store: &own, position, blocks: None };
-                Self::grouped_attention(cube::tensor(q), view, options)
+                Self::grouped_attention(
+                    cube::tensor(q),
+                    KvView::Decode { store: &own, position, blocks: None },
+                    options,
+                )
             }
             KvView::Decode { store, position: StepPosition::Host(p), blocks: None } => {
                 let (visible, mask) = crate::step::decode_visible(p, store.shape()[2], options.mask.window);
@@ -314,11 +320,7 @@ where
                 Ok(cube::tensor(attention(q, kv, &options, None, None)?))
             }
             KvView::Decode { store, position: device @ StepPosition::Device { .. }, blocks: None } => {
-                let slots = store.shape()[2];
-                let kv = match store {
-                    KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
-                    KvStore::Int8 { keys, values } => int8(keys, values, slots),
-                };
+                let kv = whole(store);
                 if device.per_sequence() && !crate::attention::kernel::decode_kernel_applies(&q, &kv) {
                     // Positions of their own, and a shape only the one-mask kernels take: one
                     // sequence at a time, at its position read back.

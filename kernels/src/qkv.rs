@@ -93,36 +93,32 @@ pub fn reference<B: GemmaBackend>(
 ) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, width] = qkv.dims();
     let positions = layout.position.resolve_rows(batch)?;
-    if let (Some(table), true) = (&layout.blocks, batch > 0) {
-        // Paged: each sequence's slot in its block.
-        let rows = table.rows()?;
-        let mut store = store;
-        let mut queries = Vec::with_capacity(batch);
-        for (b, &position) in positions.iter().enumerate() {
-            let slot = step::slot(position, table.slots());
-            let fail = || crate::ReadBackError {
-                what: "a block table",
-                reason: format!("no block for slot {slot} of sequence {b}"),
-            };
-            let (block, _) = table.locate(&rows, b, slot).ok_or_else(fail)?;
-            let row = qkv.clone().slice([b..b + 1, 0..width]);
-            // One block's row: `position % block_size` is the slot in the block.
-            let (q, rows) = one_position(row, layout, position, store.rows(block..block + 1))?;
-            store = store.replace_rows(block, rows);
-            queries.push(q);
-        }
-        return Ok((Tensor::cat(queries, 0), store));
-    }
-    if batch == 0 || (batch == store.shape()[0] && positions.windows(2).all(|w| w[0] == w[1])) {
+    let table = match &layout.blocks {
+        Some(table) if batch > 0 => Some((table, table.rows()?)),
+        _ => None,
+    };
+    if table.is_none() && (batch == 0 || (batch == store.shape()[0] && positions.windows(2).all(|w| w[0] == w[1]))) {
         return one_position(qkv, layout, positions.first().copied().unwrap_or(0), store);
     }
-    // Sequences at positions of their own (or fewer than the store's): one at a time.
+    // One sequence at a time (at positions of their own, fewer than the store's, or paged),
+    // each into its row of the store: its slot's block in a paged store, whose slot in the
+    // block is `position % block_size`.
     let mut store = store;
     let mut queries = Vec::with_capacity(batch);
     for (b, &position) in positions.iter().enumerate() {
+        let at = match &table {
+            None => b,
+            Some((table, rows)) => {
+                let slot = step::slot(position, table.slots());
+                table.block_of(rows, b, slot).ok_or_else(|| crate::ReadBackError {
+                    what: "a block table",
+                    reason: format!("no block for slot {slot} of sequence {b}"),
+                })?
+            }
+        };
         let row = qkv.clone().slice([b..b + 1, 0..width]);
-        let (q, rows) = one_position(row, layout, position, store.rows(b..b + 1))?;
-        store = store.replace_rows(b, rows);
+        let (q, rows) = one_position(row, layout, position, store.rows(at..at + 1))?;
+        store = store.replace_rows(at, rows);
         queries.push(q);
     }
     Ok((Tensor::cat(queries, 0), store))

@@ -56,11 +56,10 @@ impl<B: Backend> BlockTable<B> {
             .collect()
     }
 
-    /// The block and the slot in it of sequence `row`'s logical slot `slot` (`rows` as
-    /// [`BlockTable::rows`] returns them).
-    pub fn locate(&self, rows: &[Vec<usize>], row: usize, slot: usize) -> Option<(usize, usize)> {
-        let block = *rows.get(row)?.get(slot / self.block_size.max(1))?;
-        Some((block, slot % self.block_size.max(1)))
+    /// The block holding sequence `row`'s logical slot `slot` (`rows` as [`BlockTable::rows`]
+    /// returns them); the slot in it is `slot % block_size`.
+    pub fn block_of(&self, rows: &[Vec<usize>], row: usize, slot: usize) -> Option<usize> {
+        rows.get(row)?.get(slot / self.block_size.max(1)).copied()
     }
 }
 

@@ -79,31 +79,15 @@ struct SharedChunk<B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> LayerCache<B> {
-    /// A zeroed store of `[batch, kv_heads, slots, head_dim]` for a layer with `window`;
-    /// `shared`: later layers attend over it.
-    ///
-    /// Paged (`pool`: its pool's index, `blocks` blocks of `block_size` slots): a store of
-    /// `[blocks, kv_heads, block_size, head_dim]`.
-    fn new(
-        shape: LayerShape,
-        window: Option<usize>,
-        format: KvFormat,
-        shared: bool,
-        paged: Option<(usize, usize, usize)>,
-        device: &B::Device,
-    ) -> Self {
-        let span = Span::new(window, shape.capacity);
-        let dims = match paged {
-            Some((_, blocks, block_size)) => [blocks, shape.kv_heads, block_size, shape.head_dim],
-            None => [shape.batch, shape.kv_heads, span.slots(shape.capacity), shape.head_dim],
-        };
+    /// The zeroed store `plan` describes ([`LayerPlan::store_dims`]).
+    fn new(plan: &LayerPlan, format: KvFormat, device: &B::Device) -> Self {
         Self {
-            store: Some(B::kv_zeros(dims, format, device)),
-            span,
+            store: Some(B::kv_zeros(plan.store_dims(), format, device)),
+            span: Span::new(plan.window, plan.shape.capacity),
             shared_chunk: None,
-            shared,
+            shared: plan.shared,
             pinned: Pin(None),
-            pool: paged.map(|(pool, _, _)| pool),
+            pool: plan.paged.map(|p| p.pool),
             blocks: None,
         }
     }
@@ -313,16 +297,26 @@ struct LayerPlan {
     layer: usize,
     shape: LayerShape,
     window: Option<usize>,
+    /// Later layers attend over its keys (Gemma 4's KV sharing).
     shared: bool,
-    /// Paged: `(pool, blocks, block size)`.
-    paged: Option<(usize, usize, usize)>,
+    paged: Option<InPool>,
+}
+
+/// Where a paged layer's store lies: its pool, and the pool's blocks.
+#[derive(Debug, Clone, Copy)]
+struct InPool {
+    pool: usize,
+    blocks: usize,
+    block_size: usize,
 }
 
 impl LayerPlan {
+    /// `[batch, kv_heads, slots, head_dim]` (slots: the window's for a ring), or paged
+    /// `[blocks, kv_heads, block_size, head_dim]`.
     fn store_dims(&self) -> [usize; 4] {
         let s = self.shape;
         match self.paged {
-            Some((_, blocks, block_size)) => [blocks, s.kv_heads, block_size, s.head_dim],
+            Some(p) => [p.blocks, s.kv_heads, p.block_size, s.head_dim],
             None => [s.batch, s.kv_heads, Span::new(self.window, s.capacity).slots(s.capacity), s.head_dim],
         }
     }
@@ -397,7 +391,7 @@ impl<B: GemmaBackend> KvCache<B> {
                 Some(producer) => layer_of[producer],
                 None => match plans.next_if(|p| p.layer == i) {
                     Some(p) => {
-                        layers.push(LayerCache::new(p.shape, p.window, format, p.shared, p.paged, device));
+                        layers.push(LayerCache::new(&p, format, device));
                         layers.len() - 1
                     }
                     None => return Err(ModelError::InvalidInput(format!("no KV store planned for layer {i}"))),
@@ -458,7 +452,7 @@ impl<B: GemmaBackend> KvCache<B> {
                             pools.len() - 1
                         }
                     };
-                    Some((pool, pools[pool].store_blocks(), bs))
+                    Some(InPool { pool, blocks: pools[pool].store_blocks(), block_size: bs })
                 }
             };
             plans.push(LayerPlan { layer: i, shape, window, shared: producers.contains(&i), paged });
@@ -647,36 +641,27 @@ impl<B: GemmaBackend> KvCache<B> {
     pub fn reservable_positions(&self) -> Option<usize> {
         let paging = self.paging.as_ref()?;
         let bs = paging.block_size;
-        // A ring needs at most its slots: only a pool smaller than one sequence limits.
-        Some(
-            paging
-                .pools
-                .iter()
-                .filter(|p| p.total * bs < p.slots)
-                .map(|p| p.total * bs)
-                .min()
-                .unwrap_or(self.capacity)
-                .min(self.capacity),
-        )
+        // A sequence needs at most a pool's slots per sequence (a ring: its window's): only a
+        // pool holding fewer than that limits.
+        let smallest = paging.pools.iter().filter(|p| p.total * bs < p.slots).map(|p| p.total * bs).min();
+        Some(smallest.map_or(self.capacity, |held| held.min(self.capacity)))
     }
 
     /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
     /// a paged cache, for [`KvCache::attach`]. Fails, promising nothing, where the pools cannot
     /// cover it now ([`ModelError::KvBlocks`]: wait for sequences to leave) or ever.
     pub fn reserve(&mut self, positions: usize) -> Result<Reservation, ModelError> {
-        let limit = self.reservable_positions();
+        let positions = positions.min(self.capacity);
+        if let Some(limit) = self.reservable_positions().filter(|&limit| positions > limit) {
+            return Err(ModelError::InvalidInput(format!(
+                "a sequence of {positions} positions: the paged KV cache's pools hold {limit} at most"
+            )));
+        }
         let paging = self
             .paging
             .as_mut()
             .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
         let bs = paging.block_size;
-        let positions = positions.min(self.capacity);
-        if limit.is_some_and(|limit| positions > limit) {
-            return Err(ModelError::InvalidInput(format!(
-                "a sequence of {positions} positions: the paged KV cache's pools hold {} at most",
-                limit.unwrap_or(0)
-            )));
-        }
         let blocks: Vec<usize> = paging.pools.iter().map(|p| p.needed(positions, bs)).collect();
         if let Some((pool, need)) = paging.pools.iter().zip(&blocks).find(|(p, &need)| p.available() < need) {
             return Err(ModelError::KvBlocks { needed: *need, available: pool.available(), block_size: bs });
