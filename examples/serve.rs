@@ -55,6 +55,10 @@ struct Args {
     /// --max-running x --max-sequence-len, so that none waits.
     #[arg(long)]
     kv_positions: Option<NonZeroUsize>,
+    /// Batched decode steps replayed as CUDA graphs: auto (on CUDA where they can be
+    /// recorded), on or off.
+    #[arg(long, default_value_t = burn_gemma::CudaGraph::Auto)]
+    cuda_graph: burn_gemma::CudaGraph,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -86,6 +90,7 @@ impl BackendTask for Run {
             round_tokens: args.round_tokens,
             max_sequence_len: args.max_sequence_len,
             kv_positions: args.kv_positions,
+            cuda_graph: args.cuda_graph,
             ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;

@@ -16,7 +16,9 @@
 //!
 //! `--step-only` times the model's batched decode step alone instead (no engine, no sampling):
 //! `N` sequences at position `--prompt-len`, the step's logits read back (the device
-//! synchronized) each time; the median of 20 steps after 3.
+//! synchronized) each time; the median of 20 steps after 3: over a cache of a row per sequence,
+//! over a paged cache, and (where `--cuda-graph` is not `off`) over a paged cache replayed as a
+//! CUDA graph.
 
 #[path = "cli/backend_args.rs"]
 mod backend_args;
@@ -25,7 +27,7 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     engine::{Engine, EngineConfig, Event, Request},
-    Checkpoint, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, StepInputs,
+    BatchGraphs, Checkpoint, CudaGraph, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, StepInputs,
 };
 
 use clap::Parser;
@@ -55,6 +57,9 @@ struct Args {
     /// Time the batched decode step alone (see the module's docs).
     #[arg(long)]
     step_only: bool,
+    /// Batched decode steps replayed as CUDA graphs: auto, on or off.
+    #[arg(long, default_value_t = CudaGraph::Auto)]
+    cuda_graph: CudaGraph,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -63,7 +68,7 @@ struct Args {
 fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize, kind: CacheKind) -> Result<f64, CliError> {
     let mut cache = match kind {
         CacheKind::Rows => model.new_cache(n, position + 2)?,
-        CacheKind::Paged => {
+        CacheKind::Paged | CacheKind::PagedGraph => {
             // As the engine makes it: blocks of 32 where they divide, each sequence holding its own.
             let capacity = (position + 2).next_multiple_of(32);
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
@@ -80,10 +85,13 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize, kind: C
     let positions = vec![position; n];
     let device = model.device();
     let mut times = Vec::new();
+    let mut graphs = BatchGraphs::new();
     for rep in 0..23 {
         let start = Instant::now();
-        let inputs = StepInputs::sequences(&ids, &positions, &device)?;
-        let logits = model.decode_logits(&inputs, &mut cache)?;
+        let logits = match kind {
+            CacheKind::PagedGraph => graphs.step(model, &mut cache, &ids, &positions)?,
+            _ => model.decode_logits(&StepInputs::sequences(&ids, &positions, &device)?, &mut cache)?,
+        };
         let corner = logits.slice([0..1, 0..1]).into_data();
         std::hint::black_box(corner);
         if rep >= 3 {
@@ -100,6 +108,8 @@ enum CacheKind {
     Rows,
     /// Blocks of a pool through a block table, as the engine's.
     Paged,
+    /// Paged, the step replayed as a CUDA graph.
+    PagedGraph,
 }
 
 /// What one request saw: when each of its tokens came (from submission).
@@ -195,8 +205,16 @@ impl BackendTask for Args {
             for &n in &self.streams {
                 let ms = step_ms(&model, n.get(), self.prompt_len, CacheKind::Rows)?;
                 let paged = step_ms(&model, n.get(), self.prompt_len, CacheKind::Paged)?;
+                let graph = match self.cuda_graph {
+                    CudaGraph::Off => String::new(),
+                    _ => match step_ms(&model, n.get(), self.prompt_len, CacheKind::PagedGraph) {
+                        Ok(ms) => format!("; paged graph {ms:.2} ms, {:.1} tok/s", n.get() as f64 * 1e3 / ms),
+                        Err(e) if self.cuda_graph == CudaGraph::Auto => format!("; no graph: {e}"),
+                        Err(e) => return Err(e),
+                    },
+                };
                 println!(
-                    "step {:>3} sequences: {ms:.2} ms, {:.1} tok/s; paged {paged:.2} ms, {:.1} tok/s",
+                    "step {:>3} sequences: {ms:.2} ms, {:.1} tok/s; paged {paged:.2} ms, {:.1} tok/s{graph}",
                     n.get(),
                     n.get() as f64 * 1e3 / ms,
                     n.get() as f64 * 1e3 / paged
@@ -210,6 +228,7 @@ impl BackendTask for Args {
             max_waiting: most,
             round_tokens: self.round_tokens,
             max_sequence_len: NonZeroUsize::new(self.prompt_len + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
+            cuda_graph: self.cuda_graph,
             ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;
@@ -238,11 +257,19 @@ impl BackendTask for Args {
             );
             let after = [load(&m.decode_steps), load(&m.decode_micros), load(&m.prompt_micros)];
             let step_ms = (after[1] - before[1]) as f64 / 1e3 / (after[0] - before[0]).max(1) as f64;
+            let graphs = format!(
+                "{} of {} decode steps replayed as CUDA graphs, {} recordings in {:.0} ms so far{}",
+                load(&m.decode_graph_steps),
+                steps,
+                load(&m.graph_recordings),
+                load(&m.graph_recording_micros) as f64 / 1e3,
+                engine.eager_reason().map(|r| format!(" (eager: {r})")).unwrap_or_default()
+            );
             let prompt_s = (after[2] - before[2]) as f64 / 1e6 / self.reps.max(1) as f64;
             println!(
                 "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
                  stream; whole run {total:.1} tok/s; {generated} tokens generated; engine: {step_ms:.2} ms per \
-                 decode step, {prompt_s:.2} s of prompts per run",
+                 decode step, {prompt_s:.2} s of prompts per run; {graphs}",
                 ttft * 1e3,
                 ttft_max * 1e3,
                 decode / n as f64,

@@ -29,8 +29,8 @@ use crate::{
     },
     sampling::Sampler,
     stop_text::StopText,
-    Error, Gemma, GemmaBackend, GenerationConfig, KvCache, ModelError, PagedLayout, Reservation, StepInputs,
-    StopReason, Token, Tokenizer,
+    BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, KvCache, ModelError, PagedLayout,
+    Reservation, StepInputs, StopReason, Token, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -40,7 +40,7 @@ use std::{
     num::NonZeroUsize,
     sync::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        mpsc, Arc,
+        mpsc, Arc, Mutex,
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -72,6 +72,10 @@ pub struct EngineConfig {
     /// Positions per KV block at most (a power of two; the cache takes the largest one up to
     /// this that divides `max_sequence_len` and the sliding windows).
     pub kv_block_size: NonZeroUsize,
+    /// Whether batched decode steps replay CUDA graphs, recorded once per count of rows and
+    /// bucket of positions ([`BatchGraphs`]). `Auto`: on CUDA, eager where a step cannot be
+    /// recorded ([`Engine::eager_reason`] says why); `On`: an error where it cannot work.
+    pub cuda_graph: CudaGraph,
 }
 
 impl Default for EngineConfig {
@@ -83,6 +87,7 @@ impl Default for EngineConfig {
             max_sequence_len: NonZeroUsize::new(4096).unwrap_or(NonZeroUsize::MIN),
             kv_positions: None,
             kv_block_size: NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN),
+            cuda_graph: CudaGraph::Auto,
         }
     }
 }
@@ -93,7 +98,7 @@ pub struct Request {
     /// The prompt, already tokenized (BOS and chat template included where wanted).
     pub input: Vec<u32>,
     /// Most tokens to generate, how to choose them and extra stop tokens; its CUDA-graph
-    /// setting is not used (see the module's docs).
+    /// setting is not used (the engine's is, [`EngineConfig::cuda_graph`]).
     pub generation: GenerationConfig,
     /// Texts that end generation where they appear (cut before them): the text that could
     /// still begin one is held back from the token events until it cannot.
@@ -169,6 +174,11 @@ pub struct EngineMetrics {
     /// and in prompt chunks (their first tokens included), summed.
     pub decode_micros: AtomicU64,
     pub prompt_micros: AtomicU64,
+    /// Batched decode steps replayed as CUDA graphs (of `decode_steps`), the recordings made
+    /// and the microseconds they took (included in `decode_micros`).
+    pub decode_graph_steps: AtomicU64,
+    pub graph_recordings: AtomicU64,
+    pub graph_recording_micros: AtomicU64,
     /// Requests that got their first token, and the microseconds from submission to it, summed
     /// (waiting included): their ratio is the mean time to first token.
     pub first_tokens: AtomicU64,
@@ -251,6 +261,7 @@ pub struct Engine {
     /// Most positions one sequence can hold KV blocks for.
     reservable: usize,
     accepting: Arc<AtomicBool>,
+    eager_reason: Arc<Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -279,6 +290,17 @@ impl Engine {
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
         };
+        if config.cuda_graph == CudaGraph::On {
+            // Said at once, not at the first step.
+            burn_gemma_kernels::graph::available::<B>(&model.device()).map_err(ModelError::from)?;
+        }
+        let steps = match config.cuda_graph {
+            CudaGraph::Off => Steps::Eager(None),
+            mode => match burn_gemma_kernels::graph::available::<B>(&model.device()) {
+                Ok(()) => Steps::Graphs(BatchGraphs::new(), mode),
+                Err(_) => Steps::Eager(None),
+            },
+        };
         let rows = model.new_paged_cache(layout)?;
         let reservable = rows.reservable_positions().unwrap_or(capacity);
         let tokenizer = Arc::new(tokenizer);
@@ -286,7 +308,10 @@ impl Engine {
         metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
         metrics.kv_blocks_total.store(rows.blocks_in_use().map_or(0, |(_, all)| all), Ordering::SeqCst);
         let (commands, inbox) = mpsc::channel();
+        let eager_reason = Arc::new(Mutex::new(None));
         let worker = Worker {
+            steps,
+            eager_reason: Arc::clone(&eager_reason),
             model,
             tokenizer: Arc::clone(&tokenizer),
             default_stops,
@@ -316,7 +341,15 @@ impl Engine {
             capacity,
             reservable,
             accepting: Arc::new(AtomicBool::new(true)),
+            eager_reason,
         })
+    }
+
+    /// Why batched steps run eagerly under [`CudaGraph::Auto`] on CUDA: the reason a step could
+    /// not be recorded (`None` while they replay graphs, or were never to: other backends,
+    /// [`CudaGraph::Off`]).
+    pub fn eager_reason(&self) -> Option<String> {
+        self.eager_reason.lock().ok().and_then(|r| r.clone())
     }
 
     /// The model's tokenizer.
@@ -465,8 +498,20 @@ impl<B: GemmaBackend> Sequence<B> {
 /// Caches of one sequence kept for the next prompts: a few, as prompts run one chunk at a time.
 const SPARE_PROMPT_CACHES: usize = 4;
 
+/// How batched decode steps run.
+enum Steps<B: GemmaBackend> {
+    /// Eager: by choice, on a backend without graphs, or since a step could not be recorded
+    /// (why).
+    Eager(Option<String>),
+    /// Replayed as CUDA graphs; under [`CudaGraph::Auto`] a step that cannot be recorded turns
+    /// them eager for good.
+    Graphs(BatchGraphs<B>, CudaGraph),
+}
+
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
+    steps: Steps<B>,
+    eager_reason: Arc<Mutex<Option<String>>>,
     tokenizer: Arc<Tokenizer>,
     /// The model's stop tokens, which every request's own extend.
     default_stops: Vec<u32>,
@@ -680,9 +725,11 @@ impl<B: GemmaBackend> Worker<B> {
             sequence.context.push(sequence.input[0]);
         }
         let model = &self.model;
-        let (rows, running) = (&mut self.rows, &mut self.running);
+        let (rows, running, steps) = (&mut self.rows, &mut self.running, &mut self.steps);
         let started = std::time::Instant::now();
-        let tokens = catch_panic("a batched decode step", || decode_rows(model, rows, running, &order));
+        let recorded = graph_setup(steps);
+        let tokens = catch_panic("a batched decode step", || decode_rows(model, rows, steps, running, &order));
+        self.note_graph_steps(recorded, tokens.is_ok());
         self.metrics.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.metrics.decode_rows.fetch_add(order.len() as u64, Ordering::Relaxed);
@@ -711,6 +758,29 @@ impl<B: GemmaBackend> Worker<B> {
                 Ok(Stepped::Continue) => {}
                 Err(e) => self.conclude(i, Err(e)),
             }
+        }
+    }
+
+    /// Counts a batched step replayed as a graph and what recording cost (`before`: the
+    /// recordings' cost before the step), or keeps why the steps turned eager.
+    fn note_graph_steps(&mut self, before: Option<GraphSetup>, ran: bool) {
+        match (&self.steps, before) {
+            (Steps::Graphs(graphs, _), Some(before)) => {
+                let after = graphs.setup();
+                if ran {
+                    self.metrics.decode_graph_steps.fetch_add(1, Ordering::Relaxed);
+                }
+                let recordings = (after.recordings - before.recordings) as u64;
+                self.metrics.graph_recordings.fetch_add(recordings, Ordering::Relaxed);
+                let micros = after.time.saturating_sub(before.time).as_micros() as u64;
+                self.metrics.graph_recording_micros.fetch_add(micros, Ordering::Relaxed);
+            }
+            (Steps::Eager(Some(reason)), _) => {
+                if let Ok(mut kept) = self.eager_reason.lock() {
+                    kept.get_or_insert_with(|| reason.clone());
+                }
+            }
+            _ => {}
         }
     }
 
@@ -909,6 +979,7 @@ fn prompt_step<B: GemmaBackend>(
 fn decode_rows<B: GemmaBackend>(
     model: &Gemma<B>,
     rows: &mut KvCache<B>,
+    steps: &mut Steps<B>,
     running: &mut [Sequence<B>],
     order: &[usize],
 ) -> Result<Vec<i64>, Error> {
@@ -923,8 +994,7 @@ fn decode_rows<B: GemmaBackend>(
     ids.resize(bucket, ids.first().copied().unwrap_or(0));
     positions.resize(bucket, 0);
     let device = model.device();
-    let inputs = StepInputs::sequences(&ids, &positions, &device)?;
-    let logits = model.decode_logits(&inputs, rows)?;
+    let logits = step_logits(model, rows, steps, &ids, &positions)?;
     let logits = if bucket > n { logits.slice([0..n, 0..model.config().vocab_size]) } else { logits };
     let mut sampled = vec![0i64; order.len()];
     // Sequences that sample alike share one sampling launch (and one read back); those with a
@@ -958,6 +1028,35 @@ fn decode_rows<B: GemmaBackend>(
         }
     }
     Ok(sampled)
+}
+
+/// The logits of one batched step (`ids[b]` at `positions[b]` for the first rows of `rows`):
+/// a replayed graph, or eager where there is none. Under [`CudaGraph::Auto`] a graph error
+/// turns the steps eager (the step runs eagerly then; nothing of it ran on the device).
+fn step_logits<B: GemmaBackend>(
+    model: &Gemma<B>,
+    rows: &mut KvCache<B>,
+    steps: &mut Steps<B>,
+    ids: &[u32],
+    positions: &[usize],
+) -> Result<Tensor<B, 2>, Error> {
+    if let Steps::Graphs(graphs, mode) = steps {
+        match graphs.step(model, rows, ids, positions) {
+            Ok(logits) => return Ok(logits),
+            Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => *steps = Steps::Eager(Some(e.to_string())),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let inputs = StepInputs::sequences(ids, positions, &model.device())?;
+    Ok(model.decode_logits(&inputs, rows)?)
+}
+
+/// What recording the batched steps' graphs cost so far (`None` when they run eagerly).
+fn graph_setup<B: GemmaBackend>(steps: &Steps<B>) -> Option<GraphSetup> {
+    match steps {
+        Steps::Graphs(graphs, _) => Some(graphs.setup()),
+        Steps::Eager(_) => None,
+    }
 }
 
 /// Rows a batched step over `n` generating sequences runs: `n` rounded up to a power of two,

@@ -43,8 +43,8 @@ pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
-    CudaGraph, Gemma, GemmaConfig, KvCache, KvFormat, ModelError, ModelOptions, PagedLayout, Reservation, StepInputs,
-    StoredRows, WeightFormat, WeightSource,
+    BatchGraphs, CudaGraph, Gemma, GemmaConfig, GraphSetup, KvCache, KvFormat, ModelError, ModelOptions, PagedLayout,
+    Reservation, StepInputs, StoredRows, WeightFormat, WeightSource,
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{

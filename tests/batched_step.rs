@@ -3,7 +3,9 @@
 //! and Q4 weights: 5, 16 and 40 sequences (the quantized products of 3 to 64 rows run on the
 //! matrix units, one row on the matrix-vector kernel: different kernels, different rounding).
 //! The batched step runs over a cache of a row per sequence and over a paged cache (the
-//! engine's: blocks of a pool through a block table, each sequence's blocks not contiguous).
+//! engine's: blocks of a pool through a block table, each sequence's blocks not contiguous),
+//! eagerly and replayed as a CUDA graph ([`BatchGraphs`]), which must give the eager step's
+//! logits exactly (the same kernels on the same inputs).
 //!
 //! The bound comes from a reference: each sequence alone in f32 (same weights, same blocks).
 //! Were the batched step as accurate as the step alone, the triangle inequality would bound
@@ -13,9 +15,11 @@
 use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
-use burn_gemma::{Gemma, GemmaConfig, KvCache, ModelOptions, PagedLayout, StepInputs, WeightFormat};
+use burn_gemma::{
+    BatchGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, PagedLayout, StepInputs, WeightFormat,
+};
 use burn_gemma_kernels::QuantFormat;
-use burn_gemma_model::RandomWeights;
+use burn_gemma_model::{decode_graph::bucket_bound, RandomWeights};
 
 type B = Cuda;
 
@@ -59,14 +63,22 @@ fn alone(model: &Gemma<B>, caches: &mut [KvCache<B>]) -> Vec<Vec<f32>> {
 enum Layout {
     Rows,
     Paged,
+    /// Paged, the step replayed as a CUDA graph.
+    PagedGraph,
 }
 
 /// The logits of one batched step over the first `n` sequences, their caches copied into one.
-fn batched(model: &Gemma<B>, caches: &[KvCache<B>], n: usize, capacity: usize, layout: Layout) -> Vec<Vec<f32>> {
+fn batched(
+    model: &Gemma<B>,
+    caches: &[KvCache<B>],
+    n: usize,
+    capacity: usize,
+    layout: Layout,
+) -> Result<Vec<Vec<f32>>, ModelError> {
     let d = model.device();
     let mut rows = match layout {
         Layout::Rows => model.new_cache(n, capacity).expect("batched cache"),
-        Layout::Paged => {
+        Layout::Paged | Layout::PagedGraph => {
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
             assert_eq!(block_size, 32);
             let layout = PagedLayout { sequences: n, capacity, block_size, positions: None };
@@ -93,10 +105,26 @@ fn batched(model: &Gemma<B>, caches: &[KvCache<B>], n: usize, capacity: usize, l
         ids.push(p[p.len() - 1]);
         positions.push(p.len() - 1);
     }
-    let inputs = StepInputs::sequences(&ids, &positions, &d).expect("inputs");
-    let logits = host(model.decode_logits(&inputs, &mut rows).expect("batched step"));
+    let logits = match layout {
+        Layout::PagedGraph => {
+            let mut graphs = BatchGraphs::new();
+            // Twice: the second replays the recording.
+            graphs.step(model, &mut rows, &ids, &positions)?;
+            let logits = host(graphs.step(model, &mut rows, &ids, &positions)?);
+            assert_eq!(graphs.setup().recordings, 1, "one recording serves both steps");
+            logits
+        }
+        Layout::Paged => {
+            // The bound a recording of these positions has (the decode attention's splits are
+            // sized by it: the same bound, the same sums), so that the replay must match exactly.
+            let mut inputs = StepInputs::sequences(&ids, &positions, &d)?;
+            inputs.bound = bucket_bound(inputs.bound, capacity);
+            host(model.decode_logits(&inputs, &mut rows)?)
+        }
+        Layout::Rows => host(model.decode_logits(&StepInputs::sequences(&ids, &positions, &d)?, &mut rows)?),
+    };
     let vocab = model.config().vocab_size;
-    logits.chunks(vocab).map(<[f32]>::to_vec).collect()
+    Ok(logits.chunks(vocab).map(<[f32]>::to_vec).collect())
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -128,11 +156,29 @@ fn random_1b_batched_step_matches_each_alone() {
         let model = load(DType::BF16);
         // The prompts run once: the batched steps copy their caches, then each steps alone.
         let mut caches = prompts(&model, most, capacity);
-        let steps: Vec<_> =
-            [(5, Layout::Rows), (16, Layout::Rows), (most, Layout::Rows), (5, Layout::Paged), (most, Layout::Paged)]
-                .into_iter()
-                .map(|(n, layout)| (n, layout, batched(&model, &caches, n, capacity, layout)))
-                .collect();
+        let layouts =
+            [(5, Layout::Rows), (16, Layout::Rows), (most, Layout::Rows), (5, Layout::Paged), (most, Layout::Paged)];
+        let steps: Vec<_> = layouts
+            .into_iter()
+            .map(|(n, layout)| (n, layout, batched(&model, &caches, n, capacity, layout).expect("batched step")))
+            .collect();
+        // Replayed: the eager paged step's logits exactly. Dense bf16 weights take the prefill
+        // GEMM above 8 rows, which a graph cannot hold: refused as such.
+        for n in [5, most] {
+            let eager = steps.iter().find(|(m, l, _)| *m == n && matches!(l, Layout::Paged)).map(|s| &s.2);
+            match (batched(&model, &caches, n, capacity, Layout::PagedGraph), weights) {
+                (Ok(replayed), _) => {
+                    let diff = max_diff(&replayed, eager.expect("the eager paged step"));
+                    println!("1B {name}, {n} sequences: replayed vs eager {diff}");
+                    assert!(diff == 0.0, "1B {name}, {n} sequences: replayed vs eager {diff}");
+                }
+                (Err(ModelError::Graph(e)), WeightFormat::Dense) if n > 8 => {
+                    println!("1B {name}, {n} sequences: no graph ({e})");
+                    assert!(e.to_string().contains("prefill product"), "{e}");
+                }
+                (Err(e), _) => panic!("1B {name}, {n} sequences replayed: {e}"),
+            }
+        }
         let single = alone(&model, &mut caches);
         for (n, layout, got) in steps {
             let what = format!("1B {name}, {n} sequences ({layout:?})");

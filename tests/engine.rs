@@ -9,7 +9,8 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray,
     engine::{Engine, EngineConfig, EngineError, Event, Request},
-    Checkpoint, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, SamplingConfig, StopReason,
+    Checkpoint, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, SamplingConfig,
+    StopReason,
 };
 use std::num::NonZeroUsize;
 
@@ -62,22 +63,30 @@ fn requests(input: &[u32], prefill_chunk: NonZeroUsize) -> Vec<Request> {
         .collect()
 }
 
-/// Each request alone through the plain [`Generator`].
-fn alone<B: GemmaBackend>(fixture: &str, requests: &[Request], device: &B::Device) -> Vec<(Vec<u32>, StopReason)>
+/// Each request alone through the plain [`Generator`]; and whether its decode steps replayed
+/// CUDA graphs (on CUDA, where the model's step can be recorded).
+fn alone<B: GemmaBackend>(
+    fixture: &str,
+    requests: &[Request],
+    device: &B::Device,
+) -> (Vec<(Vec<u32>, StopReason)>, bool)
 where
     Gemma<B>: Send + 'static,
 {
     let mut generator = Generator::new(model_on::<B>(fixture, device), common::tiny_tokenizer()).expect("generator");
-    requests
+    let mut graph_steps = 0;
+    let outputs = requests
         .iter()
         .map(|r| {
             generator.reset();
             let mut stream = generator.stream_ids(&r.input, &r.generation).expect("request");
             let ids: Vec<u32> = stream.by_ref().map(|t| t.expect("token").id).collect();
             let output = stream.finish();
+            graph_steps += output.stats.graph_steps;
             (ids, output.stop)
         })
-        .collect()
+        .collect();
+    (outputs, graph_steps > 0)
 }
 
 /// Every event of a request from the next on: its token ids and how it ended (`seen`: tokens
@@ -104,11 +113,13 @@ fn collect(stream: burn_gemma::engine::RequestStream) -> (Vec<u32>, StopReason) 
 
 /// Seven requests through an engine running three at once against each alone, with
 /// `prefill_chunk` and the engine's `round_tokens` (and `kv_positions`, where given), on
-/// backend `B`.
+/// backend `B`, its batched steps replayed as CUDA graphs as `cuda_graph` says. Under `Auto`,
+/// where the plain generator replays graphs, so must the engine.
 fn many_requests_match_alone<B: GemmaBackend>(
     prefill_chunk: usize,
     round_tokens: usize,
     kv_positions: Option<usize>,
+    cuda_graph: CudaGraph,
     device: &B::Device,
 ) where
     Gemma<B>: Send + 'static,
@@ -116,13 +127,14 @@ fn many_requests_match_alone<B: GemmaBackend>(
     let prefill_chunk = NonZeroUsize::new(prefill_chunk).unwrap();
     for fixture in FIXTURES {
         let requests = requests(&input(fixture), prefill_chunk);
-        let expected = alone::<B>(fixture, &requests, device);
+        let (expected, generator_graphs) = alone::<B>(fixture, &requests, device);
         // Three run at once, so four wait and join as others leave.
         let config = EngineConfig {
             max_running: NonZeroUsize::new(3).unwrap(),
             max_waiting: 16,
             round_tokens: NonZeroUsize::new(round_tokens).unwrap(),
             kv_positions: kv_positions.and_then(NonZeroUsize::new),
+            cuda_graph,
             ..EngineConfig::default()
         };
         let engine = Engine::new(model_on::<B>(fixture, device), common::tiny_tokenizer(), config).expect("engine");
@@ -161,6 +173,23 @@ fn many_requests_match_alone<B: GemmaBackend>(
         let rows = metrics.decode_rows.load(std::sync::atomic::Ordering::SeqCst);
         println!("{fixture}: {steps} decode steps of {:.2} sequences on average", rows as f64 / steps.max(1) as f64);
         assert!(rows > steps, "{fixture}: {rows} sequences in {steps} decode steps");
+        let graph_steps = metrics.decode_graph_steps.load(std::sync::atomic::Ordering::SeqCst);
+        println!(
+            "{fixture}: {graph_steps} of {steps} steps replayed as CUDA graphs ({} recordings); generator alone: {}; \
+             engine eager because: {:?}",
+            metrics.graph_recordings.load(std::sync::atomic::Ordering::SeqCst),
+            if generator_graphs { "graphs" } else { "eager" },
+            engine.eager_reason()
+        );
+        match cuda_graph {
+            CudaGraph::Off => assert_eq!(graph_steps, 0, "{fixture}: graphs replayed though off"),
+            CudaGraph::On => assert_eq!(graph_steps, steps, "{fixture}: steps not replayed"),
+            CudaGraph::Auto if generator_graphs => {
+                assert_eq!(engine.eager_reason(), None, "{fixture}: the generator replays graphs, the engine not");
+                assert_eq!(graph_steps, steps, "{fixture}: steps not replayed");
+            }
+            CudaGraph::Auto => {}
+        }
         assert_eq!(metrics.requests_finished.load(std::sync::atomic::Ordering::SeqCst), requests.len() as u64);
         engine.shutdown();
     }
@@ -168,7 +197,7 @@ fn many_requests_match_alone<B: GemmaBackend>(
 
 #[test]
 fn many_requests_at_once_match_each_alone() {
-    many_requests_match_alone::<NdArray>(2048, 2048, None, &Default::default());
+    many_requests_match_alone::<NdArray>(2048, 2048, None, CudaGraph::Auto, &Default::default());
 }
 
 /// A KV cache of 100 positions over the running requests (of up to 77 positions each): a
@@ -176,7 +205,7 @@ fn many_requests_at_once_match_each_alone() {
 /// its tokens alone.
 #[test]
 fn requests_wait_for_kv_blocks_and_match_each_alone() {
-    many_requests_match_alone::<NdArray>(7, 9, Some(100), &Default::default());
+    many_requests_match_alone::<NdArray>(7, 9, Some(100), CudaGraph::Auto, &Default::default());
 }
 
 /// A request whose prompt and new tokens need more KV positions than the cache holds for one
@@ -202,21 +231,24 @@ fn a_request_larger_than_the_kv_cache_is_refused() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn many_requests_at_once_match_each_alone_on_wgpu() {
-    many_requests_match_alone::<burn_gemma::backends::Wgpu>(7, 9, Some(100), &Default::default());
+    many_requests_match_alone::<burn_gemma::backends::Wgpu>(7, 9, Some(100), CudaGraph::Auto, &Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn many_requests_at_once_match_each_alone_on_cuda() {
-    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, None, &Default::default());
-    many_requests_match_alone::<burn_gemma::backends::Cuda>(7, 9, Some(100), &Default::default());
+    use burn_gemma::backends::Cuda;
+    // Replayed as graphs where the model's step records, and eager.
+    many_requests_match_alone::<Cuda>(7, 9, None, CudaGraph::Auto, &Default::default());
+    many_requests_match_alone::<Cuda>(7, 9, Some(100), CudaGraph::Auto, &Default::default());
+    many_requests_match_alone::<Cuda>(7, 9, Some(100), CudaGraph::Off, &Default::default());
 }
 
 /// Prompts in chunks of 7 under a budget of 9 tokens a round: prompts advance a chunk or so per
 /// round between the others' tokens, and every request still gets its tokens alone.
 #[test]
 fn prompt_chunks_interleaved_with_generation_match_each_alone() {
-    many_requests_match_alone::<NdArray>(7, 9, None, &Default::default());
+    many_requests_match_alone::<NdArray>(7, 9, None, CudaGraph::Auto, &Default::default());
 }
 
 /// A stop string cuts a request's text before it: the token events and the finish's held text

@@ -82,7 +82,7 @@ impl<'a, B: GemmaBackend> Timer<'a, B> {
         let mut graph = StepGraph::new(recording)?;
         let mut byte = [0u8; 4];
         let mut replay = |graph: &mut StepGraph| {
-            graph.replay(Replay { writes: &[], read: (&buffer, &mut byte) }).map(|_| graph.last_replay().gpu)
+            graph.replay(Replay { writes: &[], read: Some((&buffer, &mut byte)) }).map(|_| graph.last_replay().gpu)
         };
         for _ in 0..3 {
             replay(&mut graph)?;

@@ -378,6 +378,53 @@ where
         }
     }
 
+    /// One kernel per tensor, written in place (keys and values; int8: codes and scales).
+    fn kv_scatter_blocks(
+        store: KvStore<Self>,
+        rows: &KvStore<Self>,
+        blocks: &[u32],
+        block_size: usize,
+        len: usize,
+    ) -> KvStore<Self> {
+        let [_, _, slots, _] = rows.shape();
+        let used_blocks = crate::kv::paged::blocks_used(slots, blocks.len(), block_size, len);
+        let used = (used_blocks * block_size).min(slots);
+        // The kernel reads the block size from the store; a store of other blocks, or a format
+        // mismatch, takes the reference (which leaves a mismatched store as it was).
+        if used == 0 || store.shape()[2] != block_size || store.check_blocks(rows).is_err() {
+            return crate::kv::paged::scatter_sequence(store, rows, blocks, block_size, len);
+        }
+        let device = match rows {
+            KvStore::Dense { keys, .. } => keys.device(),
+            KvStore::Int8 { keys, .. } => keys.codes.device(),
+        };
+        let table =
+            crate::kv::paged::BlockTable::<Self>::from_rows(&[blocks[..used_blocks].to_vec()], block_size, &device);
+        let ids = cube::int(table.blocks);
+        let put = |one: CubeTensor<R>, pool: CubeTensor<R>| crate::kv::paged::kernel::scatter(&one, &pool, &ids, used);
+        let dense = |one: &Tensor<Self, 4>, pool: &Tensor<Self, 4>| {
+            put(cube::float_strided(one.clone()), cube::float_strided(pool.clone()));
+        };
+        let int8 = |one: &Int8Kv<Self>, pool: &Int8Kv<Self>| {
+            put(cube::int(one.codes.clone()), cube::int(pool.codes.clone()));
+            let scales = |t: &Tensor<Self, 3>| cube::float_strided(t.clone().unsqueeze_dim::<4>(3));
+            put(scales(&one.scales), scales(&pool.scales));
+        };
+        match (&store, rows) {
+            (KvStore::Dense { keys, values }, KvStore::Dense { keys: k, values: v }) => {
+                dense(k, keys);
+                dense(v, values);
+            }
+            (KvStore::Int8 { keys, values }, KvStore::Int8 { keys: k, values: v }) => {
+                int8(k, keys);
+                int8(v, values);
+            }
+            // `check_blocks` passed: the formats are the same.
+            _ => {}
+        }
+        store
+    }
+
     /// Stacked in one device matrix (GGUF blocks converted as [`Self::upload_matrix`] converts
     /// them) where its largest buffer fits the device's; one matrix per expert otherwise.
     fn upload_experts(

@@ -338,6 +338,21 @@ pub trait GemmaBackend: ReservedMemory {
         kv::read_reference(store, range, dtype)
     }
 
+    /// A paged `store` with `rows` (one sequence in a store of its own, `[1, kv_heads, slots,
+    /// head_dim]`, the same format) copied into its blocks `blocks` (slots `i * block_size..`
+    /// into block `blocks[i]`), for the blocks that cover its first `len` slots (see
+    /// [`kv::paged::scatter_sequence`], the reference). The CubeCL backends write in place, so
+    /// that a recorded decode step over the store sees the copy.
+    fn kv_scatter_blocks(
+        store: KvStore<Self>,
+        rows: &KvStore<Self>,
+        blocks: &[u32],
+        block_size: usize,
+        len: usize,
+    ) -> KvStore<Self> {
+        kv::paged::scatter_sequence(store, rows, blocks, block_size, len)
+    }
+
     /// Picks one token per row of `logits` (`[batch, vocab]`, any float dtype) with `params`,
     /// using `draws` (one uniform number in [0, 1) per row) as the randomness. Returns the
     /// `[batch]` token ids; only they leave the device. The default reads the logits back and

@@ -182,7 +182,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
             writes.push((&step.draws, draw_bytes.as_slice()));
         }
         let mut out = vec![0u8; self.batch * step.int_bytes];
-        step.graph.replay(Replay { writes: &writes, read: (&step.out, &mut out) })?;
+        step.graph.replay(Replay { writes: &writes, read: Some((&step.out, &mut out)) })?;
         cache.advance(1);
         Ok(out
             .chunks_exact(step.int_bytes)

@@ -7,6 +7,7 @@
 //! every backend.
 
 pub mod attention;
+pub mod batch_graph;
 pub mod config;
 pub mod decode_graph;
 pub mod decoder_layer;
@@ -23,6 +24,7 @@ pub mod rope;
 pub mod weights;
 
 pub use attention::{KvCache, PagedLayout, Reservation, StoredRows};
+pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
 pub use config::{Architecture, GemmaConfig, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};

@@ -46,6 +46,12 @@ impl<B: GemmaBackend> StepInputs<B> {
         }
     }
 
+    /// Zeroed buffers for `batch` sequences at a position each, serving positions up to
+    /// `bound` (a recorded batched step writes them before each replay).
+    pub fn zeros_per_sequence(batch: usize, bound: usize, device: &B::Device) -> Self {
+        Self { position: Tensor::zeros([batch], device), ..Self::zeros(batch, bound, device) }
+    }
+
     /// Sequences stepping at positions of their own: `ids[b]` at `positions[b]` (many requests
     /// served at once). The bound is the largest position; nothing is sampled on the device.
     pub fn sequences(ids: &[u32], positions: &[usize], device: &B::Device) -> Result<Self, ModelError> {

@@ -19,7 +19,7 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 20] = [
+    let metrics: [(&str, &str, &str, f64); 21] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -62,6 +62,12 @@ fn render(server: &Server) -> String {
             "counter",
             "Sequences stepped by the batched decode steps (over the steps: the mean batch).",
             m.decode_rows.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_decode_graph_steps_total",
+            "counter",
+            "Batched decode steps replayed as CUDA graphs.",
+            m.decode_graph_steps.load(Ordering::Relaxed) as f64,
         ),
         (
             "burn_gemma_decode_seconds_total",

@@ -320,7 +320,11 @@ impl Graph {
         Ok(Self { ordinal, stream, exec, events, kernels, last: Default::default(), _handles: handles })
     }
 
-    pub(crate) fn replay(&mut self, writes: &[(&Buffer, &[u8])], read: (&Buffer, &mut [u8])) -> Result<(), GraphError> {
+    pub(crate) fn replay(
+        &mut self,
+        writes: &[(&Buffer, &[u8])],
+        read: Option<(&Buffer, &mut [u8])>,
+    ) -> Result<(), GraphError> {
         let start = std::time::Instant::now();
         make_current(self.ordinal)?;
         // SAFETY: the buffers are live device allocations at least as large as the host slices
@@ -334,8 +338,9 @@ impl Graph {
             result::event::record(self.events.1, self.stream).map_err(driver("cuEventRecord"))?;
             // (A copy into pageable memory waits for the graph: the issue time ends here.)
             let issue = start.elapsed();
-            let (buffer, out) = read;
-            result::memcpy_dtoh_async(out, buffer.ptr, self.stream).map_err(driver("cuMemcpyDtoHAsync"))?;
+            if let Some((buffer, out)) = read {
+                result::memcpy_dtoh_async(out, buffer.ptr, self.stream).map_err(driver("cuMemcpyDtoHAsync"))?;
+            }
             result::stream::synchronize(self.stream).map_err(driver("cuStreamSynchronize"))?;
             let gpu_ms = result::event::elapsed(self.events.0, self.events.1).map_err(driver("cuEventElapsedTime"))?;
             self.last = super::ReplayTimes { issue, gpu: std::time::Duration::from_secs_f64(f64::from(gpu_ms) / 1e3) };

@@ -301,8 +301,9 @@ pub struct ReplayTimes {
 pub struct Replay<'a> {
     /// Buffers written (host bytes copied in, in order) before the graph runs.
     pub writes: &'a [(&'a StepBuffer, &'a [u8])],
-    /// The buffer read back after the graph ran, and where its bytes go.
-    pub read: (&'a StepBuffer, &'a mut [u8]),
+    /// The buffer read back after the graph ran, and where its bytes go (or none: the replay
+    /// still waits for the graph, so that eager work can read what it wrote).
+    pub read: Option<(&'a StepBuffer, &'a mut [u8])>,
 }
 
 impl StepGraph {
@@ -362,17 +363,19 @@ impl StepGraph {
                 )));
             }
         }
-        if replay.read.1.len() > replay.read.0.bytes {
-            return Err(GraphError::Unsupported(format!(
-                "{} bytes read from a step buffer of {}",
-                replay.read.1.len(),
-                replay.read.0.bytes
-            )));
+        if let Some((buffer, out)) = &replay.read {
+            if out.len() > buffer.bytes {
+                return Err(GraphError::Unsupported(format!(
+                    "{} bytes read from a step buffer of {}",
+                    out.len(),
+                    buffer.bytes
+                )));
+            }
         }
         #[cfg(feature = "cuda")]
         {
             let writes: Vec<_> = replay.writes.iter().map(|(b, bytes)| (&b.inner, *bytes)).collect();
-            self.inner.replay(&writes, (&replay.read.0.inner, replay.read.1))
+            self.inner.replay(&writes, replay.read.map(|(buffer, out)| (&buffer.inner, out)))
         }
         #[cfg(not(feature = "cuda"))]
         {

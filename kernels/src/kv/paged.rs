@@ -126,7 +126,7 @@ pub fn scatter_sequence<B: Backend>(
     len: usize,
 ) -> KvStore<B> {
     let slots = rows.shape()[2];
-    let used = len.min(slots).div_ceil(block_size.max(1)).min(blocks.len());
+    let used = blocks_used(slots, blocks.len(), block_size, len);
     let mut store = store;
     for (first, index, n) in runs(&blocks[..used]) {
         // Slots of `rows` for blocks `index..index + n`, the last run cut at the rows' end.
@@ -142,6 +142,12 @@ pub fn scatter_sequence<B: Backend>(
         }
     }
     store
+}
+
+/// Blocks a copy of the first `len` slots of a sequence of `slots` slots into `blocks` blocks
+/// of `block_size` writes ([`scatter_sequence`]).
+pub fn blocks_used(slots: usize, blocks: usize, block_size: usize, len: usize) -> usize {
+    len.min(slots).div_ceil(block_size.max(1)).min(blocks)
 }
 
 /// Writes `count` blocks of `take` slots (from slot `from` of the one-sequence `rows`) into
@@ -188,8 +194,59 @@ where
 
 /// The table as the kernels take it.
 pub(crate) mod kernel {
+    use crate::cube::elementwise;
+    use crate::graph::{arg, launch, tensor_arg};
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
     use cubecl::prelude::*;
+
+    /// CubeCL kernel: the first `used` slots of a one-sequence tensor `rows` (`[1, heads,
+    /// slots, rest]`) into a paged `store` (`[blocks, heads, block_size, rest]`, same dtype):
+    /// slot `s` to slot `s % block_size` of block `blocks[s / block_size]`. One unit per element.
+    #[cube(launch)]
+    fn scatter_kernel<N: Numeric>(
+        rows: &Tensor<N>,
+        store: &mut Tensor<N>,
+        blocks: &Array<u32>,
+        used: u32,
+        #[define(N)] _dtype: StorageType,
+    ) {
+        let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+        let (heads, rest, used) = (rows.shape(1), rows.shape(3), used as usize);
+        if i >= heads * used * rest {
+            terminate!();
+        }
+        let d = i % rest;
+        let s = (i / rest) % used;
+        let h = i / (rest * used);
+        let block_size = store.shape(2);
+        let block = blocks[s / block_size] as usize;
+        let to =
+            block * store.stride(0) + h * store.stride(1) + (s % block_size) * store.stride(2) + d * store.stride(3);
+        store[to] = rows[h * rows.stride(1) + s * rows.stride(2) + d * rows.stride(3)];
+    }
+
+    /// Slots `0..used` of `rows` (`[1, heads, slots, rest]`) into the blocks `blocks` (a
+    /// contiguous int tensor, low 32 bits read: the `i`-th `block_size` slots go to block
+    /// `blocks[i]`) of the paged `store`, in place: whoever else holds the store's buffer (a
+    /// recorded decode step) sees the write.
+    pub fn scatter<R: CubeRuntime>(rows: &CubeTensor<R>, store: &CubeTensor<R>, blocks: &CubeTensor<R>, used: usize) {
+        let elements = rows.meta.shape()[1] * used * rows.meta.shape()[3];
+        if elements == 0 {
+            return;
+        }
+        let (count, dim) = elementwise(elements, 256);
+        let dtype = rows.dtype.into();
+        launch!(scatter_kernel(
+            &rows.client,
+            count,
+            dim,
+            tensor_arg(rows),
+            tensor_arg(store),
+            arg(blocks),
+            used as u32,
+            dtype,
+        ));
+    }
 
     /// A table's device buffer (contiguous, low 32 bits of each entry read) and sizes, built
     /// per launch.
@@ -261,4 +318,84 @@ mod tests {
         assert_eq!(runs(&[4, 5, 6, 9, 2, 3]), vec![(4, 0, 3), (9, 3, 1), (2, 4, 2)]);
         assert!(runs(&[]).is_empty());
     }
+}
+
+#[cfg(test)]
+mod gpu {
+    use super::{blocks_used, scatter_sequence};
+    use crate::gpu_test::{assert_close, host_seed, seed};
+    use crate::{GemmaBackend, KvFormat, KvStore};
+    use burn::tensor::{DType, Distribution, Tensor};
+
+    /// Every block of a paged store in f32, `[blocks, heads, block_size, head_dim]` (int8
+    /// dequantized: a copy is exact either way).
+    fn blocks<B: GemmaBackend>(store: &KvStore<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        B::kv_read(store, 0..store.shape()[2], DType::F32)
+    }
+
+    /// One sequence copied into shuffled blocks of a pool that already holds other values
+    /// (dense and int8; block sizes a power of two and not; a last block cut by the sequence's
+    /// end, and copies that stop short of it): the same as the reference, the blocks it does
+    /// not cover untouched, and the write in the pool's own buffers, which a second holder
+    /// sees.
+    pub fn scatter_into_blocks<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        seed::<B>(device, "scatter_into_blocks");
+        let shuffle = host_seed("scatter_into_blocks shuffle");
+        // (heads, slots, dim, block size, len)
+        let cases: [(usize, usize, usize, usize, usize); 4] =
+            [(3, 23, 12, 4, 23), (1, 23, 256, 5, 17), (2, 64, 64, 16, 33), (4, 9, 8, 3, 1)];
+        for (heads, slots, dim, block_size, len) in cases {
+            for format in [KvFormat::Dense(dtype), KvFormat::Int8] {
+                let width = slots.div_ceil(block_size);
+                let count = width + 3;
+                // A permutation of the pool's blocks from the printed seed; the first `width`
+                // are the sequence's.
+                let mut ids: Vec<u32> = (0..count as u32).collect();
+                let mut state = shuffle ^ (heads * 1000 + slots) as u64;
+                for i in (1..count).rev() {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    ids.swap(i, (state >> 33) as usize % (i + 1));
+                }
+                let row = &ids[..width];
+                let random = |shape: [usize; 4], mean: f64| {
+                    Tensor::<B, 4>::random(shape, Distribution::Normal(mean, 1.0), device).cast(dtype)
+                };
+                let one = B::kv_write(
+                    B::kv_zeros([1, heads, slots, dim], format, device),
+                    random([1, heads, slots, dim], 0.0),
+                    random([1, heads, slots, dim], 0.5),
+                    0,
+                );
+                let pool = B::kv_write(
+                    B::kv_zeros([count, heads, block_size, dim], format, device),
+                    random([count, heads, block_size, dim], -1.0),
+                    random([count, heads, block_size, dim], 2.0),
+                    0,
+                );
+                let what =
+                    format!("scatter {format:?} h{heads} slots {slots} d{dim} blocks of {block_size}, len {len}");
+                let before = blocks(&pool);
+                // The reference writes copies (its pool's buffers are shared with `pool`).
+                let expected = blocks(&scatter_sequence(pool.clone(), &one, row, block_size, len));
+                let shared = pool.clone();
+                let got = blocks(&B::kv_scatter_blocks(pool, &one, row, block_size, len));
+                let seen = blocks(&shared);
+                let used = blocks_used(slots, width, block_size, len);
+                let pairs =
+                    [("keys", got.0, expected.0, seen.0, before.0), ("values", got.1, expected.1, seen.1, before.1)];
+                for (name, got, expected, seen, before) in pairs {
+                    assert_close(got.clone(), expected, 0.0, &format!("{what}: {name}"));
+                    assert_close(seen, got.clone(), 0.0, &format!("{what}: {name} through a second holder"));
+                    // The blocks it does not cover keep their values.
+                    for &block in &ids[used..] {
+                        let b = block as usize;
+                        let one_block = |t: &Tensor<B, 4>| t.clone().slice([b..b + 1, 0..heads, 0..block_size, 0..dim]);
+                        assert_close(one_block(&got), one_block(&before), 0.0, &format!("{what}: {name} block {b}"));
+                    }
+                }
+            }
+        }
+    }
+
+    gpu_tests!(scatter_into_blocks_matches_reference_in_place => scatter_into_blocks);
 }

@@ -6,8 +6,7 @@ use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
-    kv::paged::scatter_sequence, AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView,
-    QkvLayout, ReadBackError,
+    AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout, ReadBackError,
 };
 
 /// The score settings of a layer's attention: scale and optional logit softcap.
@@ -586,7 +585,7 @@ impl<B: GemmaBackend> KvCache<B> {
                     layer.store = Some(store);
                     return Err(ModelError::CacheMismatch(mismatch.to_string()));
                 }
-                layer.store = Some(scatter_sequence(store, &rows, blocks, bs, from.len));
+                layer.store = Some(B::kv_scatter_blocks(store, &rows, blocks, bs, from.len));
             }
             return Ok(());
         }
@@ -705,6 +704,20 @@ impl<B: GemmaBackend> KvCache<B> {
                 pool.give_back(sequence);
             }
         }
+    }
+
+    /// A paged cache's block tables as its layers read them (uploaded where they changed): a
+    /// recorded step keeps their buffers, and has the rows of [`KvCache::table_rows`] written
+    /// into them before each replay. None for an unpaged cache.
+    pub(crate) fn block_tables(&mut self) -> Vec<BlockTable<B>> {
+        self.sync_blocks();
+        let Some(paging) = self.paging.as_mut() else { return Vec::new() };
+        paging.pools.iter_mut().map(|p| p.table(paging.block_size, &paging.device)).collect()
+    }
+
+    /// The host rows of a paged cache's block tables, in the order of [`KvCache::block_tables`].
+    pub(crate) fn table_rows(&self) -> Vec<Vec<Vec<u32>>> {
+        self.paging.as_ref().map_or(Vec::new(), |p| p.pools.iter().map(|pool| pool.table_rows(p.block_size)).collect())
     }
 
     /// Uploads a paged cache's block tables where they changed, and hands each layer its

@@ -157,19 +157,20 @@ impl<B: GemmaBackend> BlockPool<B> {
         self.table = None;
     }
 
+    /// The table on the host: a row per sequence, `slots / block_size` wide, entries past a
+    /// sequence's blocks at the sink.
+    pub fn table_rows(&self, block_size: usize) -> Vec<Vec<u32>> {
+        let width = self.slots / block_size.max(1);
+        self.rows.iter().map(|r| r.iter().copied().chain(std::iter::repeat(self.sink)).take(width).collect()).collect()
+    }
+
     /// The device table (uploaded again after a change): a row per sequence, entries past its
     /// blocks at the sink.
     pub fn table(&mut self, block_size: usize, device: &B::Device) -> BlockTable<B> {
         if let Some(table) = &self.table {
             return table.clone();
         }
-        let width = self.slots / block_size;
-        let rows: Vec<Vec<u32>> = self
-            .rows
-            .iter()
-            .map(|r| r.iter().copied().chain(std::iter::repeat(self.sink)).take(width).collect())
-            .collect();
-        let table = BlockTable::from_rows(&rows, block_size, device);
+        let table = BlockTable::from_rows(&self.table_rows(block_size), block_size, device);
         self.table = Some(table.clone());
         table
     }
