@@ -13,7 +13,9 @@
 //! ([`Gemma::decode_logits`]): a step reads the weights once for all of them. A prompt runs in
 //! a cache of one sequence of its own (a few are kept for reuse), and when its first token is
 //! out its keys and values join the batched cache; a sequence that leaves gives its place to
-//! the last one. Sampling runs on the device, once for all the sequences that sample alike.
+//! the last one. On CUDA the batched step replays a CUDA graph recorded once per count of rows
+//! and bucket of positions ([`EngineConfig::cuda_graph`]). Sampling runs on the device, once
+//! for all the sequences that sample alike.
 //!
 //! A request that finds [`EngineConfig::max_waiting`] requests already waiting is refused at
 //! once ([`EngineError::QueueFull`]); one whose stream is dropped, or cancelled, stops at the
@@ -290,16 +292,11 @@ impl Engine {
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
         };
-        if config.cuda_graph == CudaGraph::On {
+        let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
+            (CudaGraph::Off, _) | (CudaGraph::Auto, Err(_)) => Steps::Eager(None),
             // Said at once, not at the first step.
-            burn_gemma_kernels::graph::available::<B>(&model.device()).map_err(ModelError::from)?;
-        }
-        let steps = match config.cuda_graph {
-            CudaGraph::Off => Steps::Eager(None),
-            mode => match burn_gemma_kernels::graph::available::<B>(&model.device()) {
-                Ok(()) => Steps::Graphs(BatchGraphs::new(), mode),
-                Err(_) => Steps::Eager(None),
-            },
+            (CudaGraph::On, Err(e)) => return Err(ModelError::from(e).into()),
+            (mode, Ok(())) => Steps::Graphs(BatchGraphs::new(), mode),
         };
         let rows = model.new_paged_cache(layout)?;
         let reservable = rows.reservable_positions().unwrap_or(capacity);

@@ -155,7 +155,7 @@ impl<B: GemmaBackend> BatchGraphs<B> {
         let logits = result?;
         let launches = recording.launches();
         let graph = StepGraph::new(recording)?;
-        let (compiled, cached) = graph.kernels();
+        let kernels = graph.kernels();
         let int_bytes = inputs.position.dtype().size();
         let odd_table = tables.iter().find(|t| t.blocks.dtype().size() != int_bytes);
         if !matches!(int_bytes, 4 | 8) || inputs.ids.dtype().size() != int_bytes || odd_table.is_some() {
@@ -178,11 +178,7 @@ impl<B: GemmaBackend> BatchGraphs<B> {
             logits,
             int_bytes,
         };
-        self.setup.recordings += 1;
-        self.setup.time += start.elapsed();
-        self.setup.launches = launches;
-        self.setup.compiled += compiled;
-        self.setup.cached += cached;
+        self.setup.count(start, launches, kernels);
         Ok(recorded)
     }
 }

@@ -83,6 +83,18 @@ pub struct GraphSetup {
     pub cached: usize,
 }
 
+impl GraphSetup {
+    /// Counts one recording begun at `start`, of `launches` launches and `(compiled, cached)`
+    /// kernels.
+    pub(crate) fn count(&mut self, start: Instant, launches: usize, (compiled, cached): (usize, usize)) {
+        self.recordings += 1;
+        self.time += start.elapsed();
+        self.launches = launches;
+        self.compiled += compiled;
+        self.cached += cached;
+    }
+}
+
 /// Decode steps of one model, cache and sampling configuration, recorded per bucket of
 /// positions and replayed. Drop it when the cache is replaced (the graphs write the cache's
 /// buffers); a [`KvCache::reset`] keeps it valid.
@@ -205,7 +217,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         let (out, logits) = result?;
         let launches = recording.launches();
         let graph = StepGraph::new(recording)?;
-        let (compiled, cached) = graph.kernels();
+        let kernels = graph.kernels();
         let int_bytes = inputs.position.dtype().size();
         if !matches!(int_bytes, 4 | 8) || out.dtype().size() != int_bytes || inputs.draws.dtype() != DType::F32 {
             return Err(GraphError::Unsupported(format!(
@@ -227,11 +239,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
             logits,
             int_bytes,
         };
-        self.setup.recordings += 1;
-        self.setup.time += start.elapsed();
-        self.setup.launches = launches;
-        self.setup.compiled += compiled;
-        self.setup.cached += cached;
+        self.setup.count(start, launches, kernels);
         Ok(recorded)
     }
 }
