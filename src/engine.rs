@@ -292,11 +292,14 @@ impl Engine {
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
         };
+        let eager_reason = Arc::new(Mutex::new(None));
         let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
-            (CudaGraph::Off, _) | (CudaGraph::Auto, Err(_)) => Steps::Eager(None),
+            (CudaGraph::Off, _) | (CudaGraph::Auto, Err(_)) => Steps::Eager,
             // Said at once, not at the first step.
             (CudaGraph::On, Err(e)) => return Err(ModelError::from(e).into()),
-            (mode, Ok(())) => Steps::Graphs(BatchGraphs::new(), mode),
+            (mode, Ok(())) => {
+                Steps::Graphs { graphs: BatchGraphs::new(), mode, eager_reason: Arc::clone(&eager_reason) }
+            }
         };
         let rows = model.new_paged_cache(layout)?;
         let reservable = rows.reservable_positions().unwrap_or(capacity);
@@ -305,10 +308,8 @@ impl Engine {
         metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
         metrics.kv_blocks_total.store(rows.blocks_in_use().map_or(0, |(_, all)| all), Ordering::SeqCst);
         let (commands, inbox) = mpsc::channel();
-        let eager_reason = Arc::new(Mutex::new(None));
         let worker = Worker {
             steps,
-            eager_reason: Arc::clone(&eager_reason),
             model,
             tokenizer: Arc::clone(&tokenizer),
             default_stops,
@@ -497,18 +498,16 @@ const SPARE_PROMPT_CACHES: usize = 4;
 
 /// How batched decode steps run.
 enum Steps<B: GemmaBackend> {
-    /// Eager: by choice, on a backend without graphs, or since a step could not be recorded
-    /// (why).
-    Eager(Option<String>),
+    /// Eager: by choice, on a backend without graphs, or since a step could not be recorded.
+    Eager,
     /// Replayed as CUDA graphs; under [`CudaGraph::Auto`] a step that cannot be recorded turns
-    /// them eager for good.
-    Graphs(BatchGraphs<B>, CudaGraph),
+    /// them eager for good, its reason kept in `eager_reason` ([`Engine::eager_reason`]).
+    Graphs { graphs: BatchGraphs<B>, mode: CudaGraph, eager_reason: Arc<Mutex<Option<String>>> },
 }
 
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
     steps: Steps<B>,
-    eager_reason: Arc<Mutex<Option<String>>>,
     tokenizer: Arc<Tokenizer>,
     /// The model's stop tokens, which every request's own extend.
     default_stops: Vec<u32>,
@@ -759,25 +758,17 @@ impl<B: GemmaBackend> Worker<B> {
     }
 
     /// Counts a batched step replayed as a graph and what recording cost (`before`: the
-    /// recordings' cost before the step), or keeps why the steps turned eager.
+    /// recordings' cost before the step).
     fn note_graph_steps(&mut self, before: Option<GraphSetup>, ran: bool) {
-        match (&self.steps, before) {
-            (Steps::Graphs(graphs, _), Some(before)) => {
-                let after = graphs.setup();
-                if ran {
-                    self.metrics.decode_graph_steps.fetch_add(1, Ordering::Relaxed);
-                }
-                let recordings = (after.recordings - before.recordings) as u64;
-                self.metrics.graph_recordings.fetch_add(recordings, Ordering::Relaxed);
-                let micros = after.time.saturating_sub(before.time).as_micros() as u64;
-                self.metrics.graph_recording_micros.fetch_add(micros, Ordering::Relaxed);
+        if let (Steps::Graphs { graphs, .. }, Some(before)) = (&self.steps, before) {
+            let after = graphs.setup();
+            if ran {
+                self.metrics.decode_graph_steps.fetch_add(1, Ordering::Relaxed);
             }
-            (Steps::Eager(Some(reason)), _) => {
-                if let Ok(mut kept) = self.eager_reason.lock() {
-                    kept.get_or_insert_with(|| reason.clone());
-                }
-            }
-            _ => {}
+            let recordings = (after.recordings - before.recordings) as u64;
+            self.metrics.graph_recordings.fetch_add(recordings, Ordering::Relaxed);
+            let micros = after.time.saturating_sub(before.time).as_micros() as u64;
+            self.metrics.graph_recording_micros.fetch_add(micros, Ordering::Relaxed);
         }
     }
 
@@ -1037,10 +1028,15 @@ fn step_logits<B: GemmaBackend>(
     ids: &[u32],
     positions: &[usize],
 ) -> Result<Tensor<B, 2>, Error> {
-    if let Steps::Graphs(graphs, mode) = steps {
+    if let Steps::Graphs { graphs, mode, eager_reason } = steps {
         match graphs.step(model, rows, ids, positions) {
             Ok(logits) => return Ok(logits),
-            Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => *steps = Steps::Eager(Some(e.to_string())),
+            Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => {
+                if let Ok(mut reason) = eager_reason.lock() {
+                    *reason = Some(e.to_string());
+                }
+                *steps = Steps::Eager;
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -1051,8 +1047,8 @@ fn step_logits<B: GemmaBackend>(
 /// What recording the batched steps' graphs cost so far (`None` when they run eagerly).
 fn graph_setup<B: GemmaBackend>(steps: &Steps<B>) -> Option<GraphSetup> {
     match steps {
-        Steps::Graphs(graphs, _) => Some(graphs.setup()),
-        Steps::Eager(_) => None,
+        Steps::Graphs { graphs, .. } => Some(graphs.setup()),
+        Steps::Eager => None,
     }
 }
 

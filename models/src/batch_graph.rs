@@ -3,11 +3,12 @@
 //! [`BatchGraphs`] records [`Gemma::decode_logits`] over the first `rows` sequences of a cache,
 //! each at a position of its own (the engine's step, [`StepInputs::sequences`]), once per count
 //! of rows and bucket of positions (powers of two from 256, as [`crate::DecodeGraphs`]), and
-//! replays it: per step the host writes each row's position and token id, and the rows of a
-//! paged cache's block tables, into the step's buffers, launches the graph and waits for it.
+//! replays it: per step the host writes each row's position and token id (and, after the
+//! sequences' blocks changed, the rows of a paged cache's block tables) into the step's
+//! buffers, launches the graph and waits for it.
 //! The logits stay on the device for the caller to sample.
 
-use crate::decode_graph::{bucket_bound, GraphSetup};
+use crate::decode_graph::{bucket_bound, le_ints, GraphSetup};
 use crate::{model::StepInputs, Gemma, KvCache, ModelError};
 use burn::tensor::Tensor;
 use burn_gemma_kernels::graph::{self, GraphError, Replay, StepBuffer, StepGraph};
@@ -23,8 +24,10 @@ struct Recorded<B: GemmaBackend> {
     _inputs: StepInputs<B>,
     positions: StepBuffer,
     ids: StepBuffer,
-    /// The block tables the recording read, one per pool of a paged cache.
+    /// The block tables the recording read, one per pool of a paged cache, and the
+    /// [`KvCache::blocks_version`] of the rows they hold.
     tables: Vec<StepBuffer>,
+    tables_version: u64,
     /// The step's logits buffer (rewritten by every replay).
     logits: Tensor<B, 2>,
     /// Bytes of one int of the step's buffers (and of the tables').
@@ -56,11 +59,6 @@ impl<B: GemmaBackend> BatchGraphs<B> {
     /// What recording cost so far.
     pub fn setup(&self) -> GraphSetup {
         self.setup
-    }
-
-    /// Host issue time and GPU time of the last replay of the step over `rows` sequences.
-    pub fn last_replay(&self, rows: usize) -> graph::ReplayTimes {
-        self.recorded.iter().find(|r| r.rows == rows).map(|r| r.graph.last_replay()).unwrap_or_default()
     }
 
     /// [`Gemma::decode_logits`] over the first `ids.len()` sequences of `cache`, sequence `b`
@@ -106,36 +104,30 @@ impl<B: GemmaBackend> BatchGraphs<B> {
             }
         };
         let step = &mut self.recorded[index];
-        let int = |v: u64, bytes: &mut Vec<u8>| bytes.extend_from_slice(&v.to_le_bytes()[..step.int_bytes]);
-        let mut position_bytes = Vec::with_capacity(rows * step.int_bytes);
-        let mut id_bytes = Vec::with_capacity(rows * step.int_bytes);
-        for (&p, &id) in positions.iter().zip(ids) {
-            int(p as u64, &mut position_bytes);
-            int(u64::from(id), &mut id_bytes);
+        let position_bytes = le_ints(positions.iter().map(|&p| p as u64), step.int_bytes);
+        let id_bytes = le_ints(ids.iter().map(|&t| u64::from(t)), step.int_bytes);
+        let mut writes = vec![(&step.positions, position_bytes), (&step.ids, id_bytes)];
+        // The tables again only where a sequence took, gave back or moved blocks since.
+        let version = cache.blocks_version();
+        if version != step.tables_version {
+            let tables = cache.table_rows();
+            if tables.len() != step.tables.len() {
+                return Err(GraphError::Unsupported(format!(
+                    "the step was recorded with {} block tables, the cache has {}",
+                    step.tables.len(),
+                    tables.len()
+                ))
+                .into());
+            }
+            for (buffer, table) in step.tables.iter().zip(tables) {
+                writes.push((buffer, le_ints(table.into_iter().flatten().map(u64::from), step.int_bytes)));
+            }
         }
-        let tables = cache.table_rows();
-        if tables.len() != step.tables.len() {
-            return Err(GraphError::Unsupported(format!(
-                "the step was recorded with {} block tables, the cache has {}",
-                step.tables.len(),
-                tables.len()
-            ))
-            .into());
-        }
-        let table_bytes: Vec<Vec<u8>> = tables
-            .iter()
-            .map(|table| {
-                let mut bytes = Vec::new();
-                for &block in table.iter().flatten() {
-                    int(u64::from(block), &mut bytes);
-                }
-                bytes
-            })
-            .collect();
-        let mut writes = vec![(&step.positions, position_bytes.as_slice()), (&step.ids, id_bytes.as_slice())];
-        writes.extend(step.tables.iter().zip(&table_bytes).map(|(buffer, bytes)| (buffer, bytes.as_slice())));
+        let writes: Vec<(&StepBuffer, &[u8])> =
+            writes.iter().map(|(buffer, bytes)| (*buffer, bytes.as_slice())).collect();
         B::sync(&model.device()).map_err(|e| GraphError::Driver { call: "synchronize", reason: format!("{e:?}") })?;
         step.graph.replay(Replay { writes: &writes, read: None })?;
+        step.tables_version = version;
         Ok(step.logits.clone())
     }
 
@@ -151,11 +143,6 @@ impl<B: GemmaBackend> BatchGraphs<B> {
         let inputs = StepInputs::<B>::zeros_per_sequence(rows, bound, &device);
         // Uploaded before recording, so that the step reads these tables (kept below).
         let tables = cache.block_tables();
-        let (result, recording) = graph::record::<B, _>(&device, || model.decode_logits(&inputs, cache))?;
-        let logits = result?;
-        let launches = recording.launches();
-        let graph = StepGraph::new(recording)?;
-        let kernels = graph.kernels();
         let int_bytes = inputs.position.dtype().size();
         let odd_table = tables.iter().find(|t| t.blocks.dtype().size() != int_bytes);
         if !matches!(int_bytes, 4 | 8) || inputs.ids.dtype().size() != int_bytes || odd_table.is_some() {
@@ -167,12 +154,18 @@ impl<B: GemmaBackend> BatchGraphs<B> {
             ))
             .into());
         }
+        let (result, recording) = graph::record::<B, _>(&device, || model.decode_logits(&inputs, cache))?;
+        let logits = result?;
+        let launches = recording.launches();
+        let graph = StepGraph::new(recording)?;
+        let kernels = graph.kernels();
         let recorded = Recorded {
             rows,
             bound,
             positions: StepBuffer::int(&inputs.position)?,
             ids: StepBuffer::int(&inputs.ids)?,
             tables: tables.iter().map(|t| StepBuffer::int(&t.blocks)).collect::<Result<_, _>>()?,
+            tables_version: cache.blocks_version(),
             graph,
             _inputs: inputs,
             logits,

@@ -54,6 +54,11 @@ pub fn bucket_bound(position: usize, capacity: usize) -> usize {
     (position + 1).next_power_of_two().max(MIN_BOUND).min(capacity.max(1)) - 1
 }
 
+/// `values` as the little-endian ints of a step buffer, `int_bytes` (4 or 8) each.
+pub(crate) fn le_ints(values: impl IntoIterator<Item = u64>, int_bytes: usize) -> Vec<u8> {
+    values.into_iter().flat_map(|v| v.to_le_bytes().into_iter().take(int_bytes)).collect()
+}
+
 /// One recorded step and its buffers.
 struct Recorded<B: GemmaBackend> {
     bound: usize,
@@ -182,12 +187,8 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         let Some(step) = self.current.as_mut() else {
             return Err(ModelError::Graph(GraphError::Unsupported("no recorded step".into())));
         };
-        let int = |v: u64| -> Vec<u8> {
-            let bytes = v.to_le_bytes();
-            bytes[..step.int_bytes].to_vec()
-        };
-        let position_bytes = int(position as u64);
-        let id_bytes: Vec<u8> = ids.iter().flat_map(|&t| int(u64::from(t))).collect();
+        let position_bytes = le_ints([position as u64], step.int_bytes);
+        let id_bytes = le_ints(ids.iter().map(|&t| u64::from(t)), step.int_bytes);
         let draw_bytes: Vec<u8> = draws.iter().flat_map(|d| d.to_le_bytes()).collect();
         let mut writes = vec![(&step.position, position_bytes.as_slice()), (&step.ids, id_bytes.as_slice())];
         if self.sampling.temperature != 0.0 {

@@ -715,6 +715,12 @@ impl<B: GemmaBackend> KvCache<B> {
         paging.pools.iter_mut().map(|p| p.table(paging.block_size, &paging.device)).collect()
     }
 
+    /// Changes of a paged cache's block tables so far (0 for an unpaged cache): while it stays
+    /// the same, so do the tables.
+    pub(crate) fn blocks_version(&self) -> u64 {
+        self.paging.as_ref().map_or(0, |p| p.pools.iter().map(|pool| pool.changes).sum())
+    }
+
     /// The host rows of a paged cache's block tables, in the order of [`KvCache::block_tables`].
     pub(crate) fn table_rows(&self) -> Vec<Vec<Vec<u32>>> {
         self.paging.as_ref().map_or(Vec::new(), |p| p.pools.iter().map(|pool| pool.table_rows(p.block_size)).collect())

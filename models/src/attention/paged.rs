@@ -81,6 +81,8 @@ pub(crate) struct BlockPool<B: GemmaBackend> {
     sink: u32,
     /// The device table, `None` after a change until it is uploaded again.
     table: Option<BlockTable<B>>,
+    /// Changes of the rows so far (a recorded step writes the table again after one).
+    pub changes: u64,
 }
 
 impl<B: GemmaBackend> BlockPool<B> {
@@ -94,6 +96,7 @@ impl<B: GemmaBackend> BlockPool<B> {
             rows: vec![Vec::new(); sequences],
             sink: total as u32,
             table: None,
+            changes: 0,
         }
     }
 
@@ -138,7 +141,7 @@ impl<B: GemmaBackend> BlockPool<B> {
         }
         self.unpromise(n);
         self.rows[row].extend(taken);
-        self.table = None;
+        self.changed();
     }
 
     /// Sequence `row`'s blocks back to the pool.
@@ -146,7 +149,7 @@ impl<B: GemmaBackend> BlockPool<B> {
         let blocks = std::mem::take(&mut self.rows[row]);
         if !blocks.is_empty() {
             self.free.extend(blocks);
-            self.table = None;
+            self.changed();
         }
     }
 
@@ -154,7 +157,13 @@ impl<B: GemmaBackend> BlockPool<B> {
     pub fn move_row(&mut self, from: usize, to: usize) {
         self.give_back(to);
         self.rows[to] = std::mem::take(&mut self.rows[from]);
+        self.changed();
+    }
+
+    /// The rows changed: the device table is stale.
+    fn changed(&mut self) {
         self.table = None;
+        self.changes += 1;
     }
 
     /// The table on the host: a row per sequence, `slots / block_size` wide, entries past a
