@@ -59,6 +59,10 @@ struct Args {
     /// recorded), on or off.
     #[arg(long, default_value_t = burn_gemma::CudaGraph::Auto)]
     cuda_graph: burn_gemma::CudaGraph,
+    /// Prompts' blocks kept for later prompts that begin alike (a shared system prompt, the
+    /// choices of one request), which then run only the rest: on or off.
+    #[arg(long, default_value_t = burn_gemma::PrefixCache::On)]
+    prefix_cache: burn_gemma::PrefixCache,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -91,6 +95,7 @@ impl BackendTask for Run {
             max_sequence_len: args.max_sequence_len,
             kv_positions: args.kv_positions,
             cuda_graph: args.cuda_graph,
+            prefix_cache: args.prefix_cache,
             ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;

@@ -14,6 +14,9 @@
 //! throughput (prompt and generated tokens over the wall time); a JSON line each. Medians over
 //! `--reps` after a warm-up run.
 //!
+//! `--shared-prefix K` makes every prompt begin with the same `K` tokens (a shared system
+//! prompt), which the engine's prefix cache (`--prefix-cache`, on by default) runs once.
+//!
 //! `--step-only` times the model's batched decode step alone instead (no engine, no sampling):
 //! `N` sequences at position `--prompt-len`, the step's logits read back (the device
 //! synchronized) each time; the median of 20 steps after 3: over a cache of a row per sequence,
@@ -27,7 +30,8 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     engine::{Engine, EngineConfig, Event, Request},
-    BatchGraphs, Checkpoint, CudaGraph, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, StepInputs,
+    BatchGraphs, Checkpoint, CudaGraph, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, PrefixCache,
+    StepInputs,
 };
 
 use clap::Parser;
@@ -60,6 +64,13 @@ struct Args {
     /// Batched decode steps replayed as CUDA graphs: auto, on or off.
     #[arg(long, default_value_t = CudaGraph::Auto)]
     cuda_graph: CudaGraph,
+    /// Tokens every prompt begins with, the same in every run (a shared system prompt); the
+    /// rest of each prompt is its own.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix: usize,
+    /// Prompts' blocks cached for later prompts that begin alike: on or off.
+    #[arg(long, default_value_t = PrefixCache::On)]
+    prefix_cache: PrefixCache,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -72,7 +83,8 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize, kind: C
             // As the engine makes it: blocks of 32 where they divide, each sequence holding its own.
             let capacity = (position + 2).next_multiple_of(32);
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
-            let layout = PagedLayout { sequences: n, capacity, block_size, positions: None };
+            let layout =
+                PagedLayout { sequences: n, capacity, block_size, positions: None, prefix_cache: PrefixCache::Off };
             let mut cache = model.new_paged_cache(layout)?;
             for row in 0..n {
                 let reservation = cache.reserve(position + 2)?;
@@ -138,17 +150,25 @@ struct Run {
 
 fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, CliError> {
     let vocab = engine.tokenizer().vocab_size() as u64;
-    let mut state = seed;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        // Past the first 1000 ids: no special tokens.
-        (1000 + state % (vocab - 1000)) as u32
+    let random = |mut state: u64| {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Past the first 1000 ids: no special tokens.
+            (1000 + state % (vocab - 1000)) as u32
+        }
     };
+    let shared: Vec<u32> =
+        std::iter::repeat_with(random(0x5eed)).take(args.shared_prefix.min(args.prompt_len)).collect();
+    let mut next = random(seed);
     let generation = GenerationConfig { max_new_tokens: args.gen, ..GenerationConfig::default() };
-    let requests: Vec<Request> =
-        (0..n).map(|_| Request::new((0..args.prompt_len).map(|_| next()).collect(), generation.clone())).collect();
+    let requests: Vec<Request> = (0..n)
+        .map(|_| {
+            let own = std::iter::repeat_with(&mut next).take(args.prompt_len - shared.len());
+            Request::new(shared.iter().copied().chain(own).collect(), generation.clone())
+        })
+        .collect();
     let start = Instant::now();
     let streams = requests.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<_>, _>>()?;
     let seen: Vec<Result<Seen, String>> = std::thread::scope(|scope| {
@@ -229,6 +249,7 @@ impl BackendTask for Args {
             round_tokens: self.round_tokens,
             max_sequence_len: NonZeroUsize::new(self.prompt_len + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
             cuda_graph: self.cuda_graph,
+            prefix_cache: self.prefix_cache,
             ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;
@@ -269,10 +290,11 @@ impl BackendTask for Args {
             println!(
                 "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
                  stream; whole run {total:.1} tok/s; {generated} tokens generated; engine: {step_ms:.2} ms per \
-                 decode step, {prompt_s:.2} s of prompts per run; {graphs}",
+                 decode step, {prompt_s:.2} s of prompts per run; {} prompt tokens cached so far; {graphs}",
                 ttft * 1e3,
                 ttft_max * 1e3,
                 decode / n as f64,
+                load(&m.prefix_cached_tokens),
             );
             println!(
                 "JSON {{\"streams\":{n},\"prompt\":{},\"gen\":{},\"ttft_median_s\":{ttft:.4},\"ttft_max_s\":{ttft_max:.4},\

@@ -32,7 +32,7 @@ use crate::{
     sampling::Sampler,
     stop_text::StopText,
     BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, KvCache, ModelError, PagedLayout,
-    Reservation, StepInputs, StopReason, Token, Tokenizer,
+    PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -78,6 +78,12 @@ pub struct EngineConfig {
     /// bucket of positions ([`BatchGraphs`]). `Auto`: on CUDA, eager where a step cannot be
     /// recorded ([`Engine::eager_reason`] says why); `On`: an error where it cannot work.
     pub cuda_graph: CudaGraph,
+    /// Whether prompts' blocks stay cached for later prompts with the same beginning (a shared
+    /// system prompt, the other choices of one request), which then run only the rest: their
+    /// full-attention blocks are shared, the sliding windows' copied. `On` runs prompts in
+    /// chunks of at most the shortest sliding window (so that every block can be cached), and
+    /// a request whose prompt begins like one still running waits for it to be cached.
+    pub prefix_cache: PrefixCache,
 }
 
 impl Default for EngineConfig {
@@ -90,6 +96,7 @@ impl Default for EngineConfig {
             kv_positions: None,
             kv_block_size: NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN),
             cuda_graph: CudaGraph::Auto,
+            prefix_cache: PrefixCache::On,
         }
     }
 }
@@ -185,6 +192,14 @@ pub struct EngineMetrics {
     /// (waiting included): their ratio is the mean time to first token.
     pub first_tokens: AtomicU64,
     pub first_token_micros: AtomicU64,
+    /// Requests whose prompt began with a cached prefix, and the prompt tokens it covered (not
+    /// run through the model; also counted in `prompt_tokens`).
+    pub prefix_hits: AtomicU64,
+    pub prefix_cached_tokens: AtomicU64,
+    /// KV blocks only the prefix cache holds (given up when requests need them), and the
+    /// prompt blocks it gave up so far.
+    pub kv_blocks_cached: AtomicUsize,
+    pub prefix_blocks_given_up: AtomicU64,
 }
 
 /// The receiving end of one request: its events in order, then nothing. Dropping it cancels
@@ -291,6 +306,7 @@ impl Engine {
             capacity: cache_capacity,
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
+            prefix_cache: config.prefix_cache,
         };
         let eager_reason = Arc::new(Mutex::new(None));
         let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
@@ -476,6 +492,9 @@ struct Sequence<B: GemmaBackend> {
     first_token: Option<Duration>,
     /// Positions its cache holds.
     capacity: usize,
+    /// Tokens per prompt chunk: the request's, at most the shortest sliding window where
+    /// prompts are cached ([`EngineConfig::prefix_cache`]).
+    chunk: NonZeroUsize,
 }
 
 impl<B: GemmaBackend> Sequence<B> {
@@ -489,7 +508,7 @@ impl<B: GemmaBackend> Sequence<B> {
 
     /// Tokens its next prompt step runs: the next chunk.
     fn next_chunk(&self) -> usize {
-        self.input.len().min(self.submitted.request.generation.prefill_chunk.get())
+        self.input.len().min(self.chunk.get())
     }
 }
 
@@ -567,6 +586,8 @@ impl<B: GemmaBackend> Worker<B> {
     /// whose blocks are not free waits, and the ones behind it with it (in order of arrival),
     /// until sequences leave.
     fn admit(&mut self) {
+        // Requests waiting for a running prompt's blocks to be cached, in order.
+        let mut following = Vec::new();
         while self.running.len() < self.config.max_running.get() {
             let Some(submitted) = self.waiting.pop_front() else { break };
             if submitted.cancelled() {
@@ -574,8 +595,16 @@ impl<B: GemmaBackend> Worker<B> {
                 self.finish_cancelled(submitted);
                 continue;
             }
+            if self.follows_a_prompt(&submitted.request.input) {
+                following.push(submitted);
+                continue;
+            }
             let positions = reserved_positions(&submitted.request, self.capacity);
-            let reservation = match self.rows.reserve(positions) {
+            let prompt: &[u32] = match self.config.prefix_cache {
+                PrefixCache::On => &submitted.request.input,
+                PrefixCache::Off => &[],
+            };
+            let reservation = match self.rows.reserve_prompt(positions, prompt) {
                 Ok(reservation) => reservation,
                 Err(ModelError::KvBlocks { .. }) if !self.running.is_empty() => {
                     // Blocks come back as the running leave.
@@ -593,7 +622,8 @@ impl<B: GemmaBackend> Worker<B> {
             match self.start(submitted, reservation) {
                 Ok(sequence) => {
                     self.metrics.running.fetch_add(1, Ordering::SeqCst);
-                    self.metrics.prompt_tokens.fetch_add(sequence.input.len() as u64, Ordering::Relaxed);
+                    let prompt = sequence.submitted.request.input.len();
+                    self.metrics.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
                     self.running.push(sequence);
                 }
                 Err(failed) => {
@@ -604,6 +634,23 @@ impl<B: GemmaBackend> Worker<B> {
                 }
             }
         }
+        for submitted in following.into_iter().rev() {
+            self.waiting.push_front(submitted);
+        }
+    }
+
+    /// Whether a prompt beginning with `input` would find more of itself cached after a prompt
+    /// still running is (one starting with the same blocks): then it waits for that one.
+    fn follows_a_prompt(&mut self, input: &[u32]) -> bool {
+        let (PrefixCache::On, Some(bs)) = (self.config.prefix_cache, self.rows.block_size()) else { return false };
+        let cached = self.rows.cached_prefix(input);
+        self.running.iter().any(|leader| {
+            let Place::Prompt(_, reservation) = &leader.place else { return false };
+            let theirs = &leader.submitted.request.input;
+            let common = input.iter().zip(theirs).take_while(|(a, b)| a == b).count();
+            let reach = common.min(input.len().saturating_sub(1)).min(theirs.len()) / bs * bs;
+            reach > cached && reservation.prefix_blocks() * bs < reach
+        })
     }
 
     /// A sequence for `submitted`: a prompt cache (a spare one where there is one), its stop
@@ -611,9 +658,9 @@ impl<B: GemmaBackend> Worker<B> {
     fn start(
         &mut self,
         submitted: Submitted,
-        reservation: Reservation,
+        mut reservation: Reservation,
     ) -> Result<Sequence<B>, Box<(Submitted, Reservation, Error)>> {
-        let cache = match self.spare.pop() {
+        let mut cache = match self.spare.pop() {
             Some(cache) => cache,
             None => match self.model.new_cache(1, self.rows.capacity()) {
                 Ok(cache) => {
@@ -623,12 +670,30 @@ impl<B: GemmaBackend> Worker<B> {
                 Err(e) => return Err(Box::new((submitted, reservation, e.into()))),
             },
         };
+        // A cached prefix goes into the prompt's cache, and the prompt runs from its end.
+        if let Err(e) = self.rows.fill_prefix(&mut reservation, &mut cache) {
+            self.keep_spare(cache);
+            return Err(Box::new((submitted, reservation, e.into())));
+        }
+        let cached = reservation.cached_positions();
+        if cached > 0 {
+            self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
+            self.metrics.prefix_cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        }
         let generation = &submitted.request.generation;
         let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
+        let mut input = submitted.request.input.clone();
+        let mut context = Vec::with_capacity(input.len() + generation.max_new_tokens);
+        context.extend(input.drain(..cached));
+        let chunk = match (self.config.prefix_cache, self.rows.ring_slots().and_then(NonZeroUsize::new)) {
+            (PrefixCache::On, Some(ring)) => generation.prefill_chunk.min(ring),
+            _ => generation.prefill_chunk,
+        };
         Ok(Sequence {
             place: Place::Prompt(cache, reservation),
-            context: Vec::with_capacity(submitted.request.input.len() + generation.max_new_tokens),
-            input: submitted.request.input.clone(),
+            context,
+            input,
+            chunk,
             stops,
             generated: 0,
             utf8: Utf8Stream::default(),
@@ -692,7 +757,16 @@ impl<B: GemmaBackend> Worker<B> {
         let (model, tokenizer, metrics) = (&self.model, &self.tokenizer, &self.metrics);
         let sequence = &mut self.running[i];
         let stepped = catch_panic("a prompt step", || prompt_step(model, tokenizer, sequence, metrics))?;
+        // Its blocks cached for later prompts that begin alike, as far as its cache holds them.
+        let cached = match &mut sequence.place {
+            Place::Prompt(cache, reservation) => self.rows.cache_prefix(reservation, &sequence.context, cache)?,
+            Place::Row(_) => 0,
+        };
         let first_token_out = sequence.generated > 0;
+        if cached > 0 && !first_token_out {
+            self.update_kv_metrics();
+        }
+        let sequence = &mut self.running[i];
         if !matches!(stepped, Stepped::Continue) || !first_token_out {
             return Ok(stepped);
         }
@@ -810,6 +884,7 @@ impl<B: GemmaBackend> Worker<B> {
             capacity: self.rows.capacity(),
             block_size: self.rows.block_size().unwrap_or(1),
             positions: self.config.kv_positions.map(NonZeroUsize::get),
+            prefix_cache: self.config.prefix_cache,
         }
     }
 
@@ -819,6 +894,10 @@ impl<B: GemmaBackend> Worker<B> {
         let (used, all) = self.rows.blocks_in_use().unwrap_or((0, 0));
         self.metrics.kv_blocks_in_use.store(used, Ordering::SeqCst);
         self.metrics.kv_blocks_total.store(all, Ordering::SeqCst);
+        if let Some(prefix) = self.rows.prefix_stats() {
+            self.metrics.kv_blocks_cached.store(prefix.held_only, Ordering::SeqCst);
+            self.metrics.prefix_blocks_given_up.store(prefix.given_up, Ordering::SeqCst);
+        }
     }
 
     /// Takes running sequence `i` out, finished with `reason` or failed, and tells its stream.
@@ -941,7 +1020,7 @@ fn prompt_step<B: GemmaBackend>(
     metrics: &EngineMetrics,
 ) -> Result<Stepped, Error> {
     let chunk = sequence.next_chunk();
-    let prefill_chunk = sequence.submitted.request.generation.prefill_chunk;
+    let prefill_chunk = sequence.chunk;
     let Place::Prompt(cache, _) = &mut sequence.place else {
         return Ok(Stepped::Continue);
     };

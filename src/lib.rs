@@ -44,7 +44,7 @@ pub mod tokenizer;
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
     BatchGraphs, CudaGraph, Gemma, GemmaConfig, GraphSetup, KvCache, KvFormat, ModelError, ModelOptions, PagedLayout,
-    Reservation, StepInputs, StoredRows, WeightFormat, WeightSource,
+    PrefixCache, PrefixStats, Reservation, StepInputs, StoredRows, WeightFormat, WeightSource,
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{

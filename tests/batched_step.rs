@@ -16,7 +16,8 @@ use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
 use burn_gemma::{
-    BatchGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, PagedLayout, StepInputs, WeightFormat,
+    BatchGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, PagedLayout, PrefixCache, StepInputs,
+    WeightFormat,
 };
 use burn_gemma_kernels::QuantFormat;
 use burn_gemma_model::{decode_graph::bucket_bound, RandomWeights};
@@ -81,7 +82,8 @@ fn batched(
         Layout::Paged | Layout::PagedGraph => {
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
             assert_eq!(block_size, 32);
-            let layout = PagedLayout { sequences: n, capacity, block_size, positions: None };
+            let layout =
+                PagedLayout { sequences: n, capacity, block_size, positions: None, prefix_cache: PrefixCache::Off };
             let mut rows = model.new_paged_cache(layout).expect("paged cache");
             // Each sequence's first block first, the rest after everyone's first: not contiguous.
             for i in 0..n {

@@ -208,6 +208,71 @@ fn requests_wait_for_kv_blocks_and_match_each_alone() {
     many_requests_match_alone::<NdArray>(7, 9, Some(100), CudaGraph::Auto, &Default::default());
 }
 
+/// Requests through an engine with the prefix cache, against each alone: requests whose
+/// prompts share their beginning (all are prefixes of the fixture's input, as a shared system
+/// prompt would be) run only the rest of their prompt, and `n` alike at once (the choices of one
+/// request) wait for the first one's prompt. Prompts run in chunks of 8, a multiple of which
+/// every cached prefix is, so each request's chunks fall where they fall alone. Returns the
+/// engine's prefix hits and the prompt tokens they covered.
+fn prefixes_match_alone(fixture: &str, cases: &[(usize, u64)], config: EngineConfig) -> (u64, u64, u64) {
+    let chunk = NonZeroUsize::new(8).unwrap();
+    let requests: Vec<Request> = cases
+        .iter()
+        .map(|&(prompt, seed)| {
+            let sampling = SamplingConfig { temperature: 0.9, top_k: Some(40), seed, ..SamplingConfig::default() };
+            let generation =
+                GenerationConfig { max_new_tokens: 12, sampling, prefill_chunk: chunk, ..GenerationConfig::default() };
+            Request::new(input(fixture)[..prompt].to_vec(), generation)
+        })
+        .collect();
+    let (expected, _) = alone::<NdArray>(fixture, &requests, &Default::default());
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), config).expect("engine");
+    // Submitted at once: those starting like a prompt still running wait for its blocks.
+    let streams: Vec<_> = requests.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
+    let got: Vec<(Vec<u32>, StopReason)> = streams.into_iter().map(collect).collect();
+    assert_eq!(got, expected, "{fixture}: with cached prefixes, the tokens differ from each request alone");
+    let m = engine.metrics();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::SeqCst);
+    let (hits, cached, given_up) =
+        (load(&m.prefix_hits), load(&m.prefix_cached_tokens), load(&m.prefix_blocks_given_up));
+    println!("{fixture}: {hits} prefix hits covering {cached} prompt tokens; {given_up} cached blocks given up");
+    // Every block a request held came back; the cache keeps some.
+    assert_eq!(m.kv_blocks_in_use.load(std::sync::atomic::Ordering::SeqCst), 0, "{fixture}: blocks held");
+    assert!(m.kv_blocks_cached.load(std::sync::atomic::Ordering::SeqCst) > 0, "{fixture}: nothing cached");
+    engine.shutdown();
+    (hits, cached, given_up)
+}
+
+/// Three choices of one prompt and prompts sharing its beginning: every later one finds the
+/// blocks its prompt shares with an earlier one (whole blocks of 8, the last token left out:
+/// 32 tokens of a 33-token prompt; of a prompt of 20, 16 where blocks are 8), and gets its
+/// tokens alone.
+#[test]
+fn prompts_sharing_a_beginning_run_from_the_cached_prefix_and_match_each_alone() {
+    let config = EngineConfig { max_running: NonZeroUsize::new(3).unwrap(), ..EngineConfig::default() };
+    for fixture in FIXTURES.iter().copied().chain(["tiny-gemma/gemma1", "tiny-gemma/gemma2"]) {
+        // Blocks of 8 where a sliding window of 8 divides them; of 32 without windows.
+        let got = prefixes_match_alone(fixture, &[(33, 1), (33, 2), (33, 3), (20, 4), (40, 5)], config);
+        let expected = if fixture.ends_with("gemma1") { (3, 3 * 32, 0) } else { (4, 2 * 32 + 16 + 32, 0) };
+        assert_eq!(got, expected, "{fixture}: prefix hits, the tokens they covered, blocks given up");
+    }
+}
+
+/// A KV cache so small that the prefix cache must give its blocks up for the running requests:
+/// a request whose prefix went still gets its tokens, and one waits rather than take what a
+/// running request holds.
+#[test]
+fn a_prefix_given_up_for_room_still_serves_its_requests() {
+    let config = EngineConfig {
+        max_running: NonZeroUsize::new(2).unwrap(),
+        kv_positions: NonZeroUsize::new(64),
+        ..EngineConfig::default()
+    };
+    let (hits, _, given_up) = prefixes_match_alone(FIXTURES[0], &[(24, 1), (40, 2), (17, 3), (40, 4), (9, 5)], config);
+    assert!(given_up > 0, "the cache never needed the prefix index's blocks");
+    assert!(hits > 0, "no request found its prefix");
+}
+
 /// A request whose prompt and new tokens need more KV positions than the cache holds for one
 /// sequence is refused at once, naming the limit; the engine serves on.
 #[test]

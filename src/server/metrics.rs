@@ -19,7 +19,7 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 21] = [
+    let metrics: [(&str, &str, &str, f64); 24] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -50,6 +50,24 @@ fn render(server: &Server) -> String {
             "gauge",
             "KV blocks in the batched cache (all its pools).",
             m.kv_blocks_total.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_kv_blocks_cached",
+            "gauge",
+            "KV blocks only the prefix cache holds (given up when requests need them).",
+            m.kv_blocks_cached.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_prefix_hits_total",
+            "counter",
+            "Requests whose prompt began with a cached prefix.",
+            m.prefix_hits.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_prefix_cached_tokens_total",
+            "counter",
+            "Prompt tokens found in the prefix cache (not run through the model).",
+            m.prefix_cached_tokens.load(Ordering::Relaxed) as f64,
         ),
         (
             "burn_gemma_decode_steps_total",

@@ -1,7 +1,8 @@
 //! The KV cache: one [`LayerCache`] per decoder layer, each typed once when the cache is built
 //! (full or ring, dense or int8, its own KV heads and head size).
 
-use super::paged::{BlockPool, PagedLayout, Reservation};
+use super::paged::{BlockPool, PagedLayout, PrefixCache, Reservation, Source};
+use super::prefix::{NodeKey, PrefixIndex};
 use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
@@ -254,6 +255,17 @@ impl<B: GemmaBackend> LayerCache<B> {
     }
 }
 
+/// What a paged cache's prefix index holds ([`KvCache::prefix_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt blocks cached (each a block in every pool).
+    pub blocks: usize,
+    /// Blocks, summed over the pools, that only the index holds (no sequence shares them).
+    pub held_only: usize,
+    /// Prompt blocks given up for room so far.
+    pub given_up: u64,
+}
+
 /// What every layer's store is sized by.
 #[derive(Debug, Clone, Copy)]
 struct LayerShape {
@@ -289,6 +301,40 @@ struct Paging<B: GemmaBackend> {
     block_size: usize,
     pools: Vec<BlockPool<B>>,
     device: B::Device,
+    /// Cached prompt prefixes ([`PrefixCache::On`]).
+    prefix: Option<PrefixIndex>,
+    /// Positions per sequence (a pool with fewer slots is a sliding window's ring).
+    capacity: usize,
+    /// Nodes the prefix index gave up for room so far.
+    evicted: u64,
+}
+
+impl<B: GemmaBackend> Paging<B> {
+    /// Whether pool `p` holds sliding-window rings.
+    fn is_ring(&self, p: usize) -> bool {
+        self.pools[p].slots < self.capacity
+    }
+
+    /// Lets the prefix index give up its least recently used nodes (none of `keep`) until
+    /// every pool has `need[p]` blocks available; whether it got there.
+    fn make_room(&mut self, need: &[usize], keep: &[NodeKey]) -> bool {
+        loop {
+            if self.pools.iter().zip(need).all(|(pool, &n)| pool.available() >= n) {
+                return true;
+            }
+            let Some(blocks) = self.prefix.as_mut().and_then(|index| index.evict(keep)) else { return false };
+            self.evicted += 1;
+            for (pool, b) in self.pools.iter_mut().zip(blocks) {
+                pool.release(b);
+            }
+        }
+    }
+
+    /// Blocks only the prefix index holds, summed over the pools.
+    fn cached_only(&self) -> usize {
+        let Some(index) = &self.prefix else { return 0 };
+        index.all_blocks().map(|blocks| self.pools.iter().zip(blocks).filter(|(p, &b)| p.holders(b) == 1).count()).sum()
+    }
 }
 
 /// A layer with keys of its own, as a cache allocates it.
@@ -400,7 +446,14 @@ impl<B: GemmaBackend> KvCache<B> {
         }
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let paging = paged.map(|p| Paging { block_size: p.block_size, pools, device: device.clone() });
+        let paging = paged.map(|p| Paging {
+            block_size: p.block_size,
+            pools,
+            device: device.clone(),
+            prefix: (p.prefix_cache == PrefixCache::On).then(PrefixIndex::default),
+            capacity,
+            evicted: 0,
+        });
         Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging })
     }
 
@@ -441,7 +494,13 @@ impl<B: GemmaBackend> KvCache<B> {
                         Some(pool) => pool,
                         None => {
                             let positions = layout.positions.unwrap_or(batch.saturating_mul(capacity));
-                            let blocks = positions.min(batch.saturating_mul(slots)).div_ceil(bs);
+                            // Rings hold a sequence's length more for the prefix index's copies.
+                            let cached = match layout.prefix_cache {
+                                PrefixCache::On if slots < capacity => capacity,
+                                _ => 0,
+                            };
+                            let most = batch.saturating_mul(slots).saturating_add(cached);
+                            let blocks = positions.min(most).div_ceil(bs);
                             if blocks == 0 || blocks >= u32::MAX as usize {
                                 return Err(ModelError::InvalidInput(format!(
                                     "a paged KV cache of {positions} positions in blocks of {bs}"
@@ -569,7 +628,8 @@ impl<B: GemmaBackend> KvCache<B> {
             let bs = paging.block_size;
             for (layer, source) in self.layers.iter_mut().zip(&from.layers) {
                 let pool = &paging.pools[layer.pool.ok_or(ModelError::CacheLost)?];
-                let blocks = pool.row(to);
+                // Shared blocks (a cached prefix's) are never written: their writes go to the sink.
+                let blocks = pool.row_for_writes(to);
                 if blocks.len() < pool.needed(from.len, bs) {
                     return Err(ModelError::CacheMismatch(format!(
                         "sequence {to} holds {} blocks of {bs} slots, {} positions need {}",
@@ -585,7 +645,7 @@ impl<B: GemmaBackend> KvCache<B> {
                     layer.store = Some(store);
                     return Err(ModelError::CacheMismatch(mismatch.to_string()));
                 }
-                layer.store = Some(B::kv_scatter_blocks(store, &rows, blocks, bs, from.len));
+                layer.store = Some(B::kv_scatter_blocks(store, &rows, &blocks, bs, from.len));
             }
             return Ok(());
         }
@@ -628,11 +688,21 @@ impl<B: GemmaBackend> KvCache<B> {
         self.paging.as_ref().map(|p| p.block_size)
     }
 
-    /// A paged cache's blocks: `(held by sequences, in all)`, summed over its pools.
+    /// A paged cache's blocks: `(held by sequences and reservations, in all)`, summed over its
+    /// pools (the blocks only the prefix index holds are neither in use nor free:
+    /// [`KvCache::prefix_stats`]).
     pub fn blocks_in_use(&self) -> Option<(usize, usize)> {
-        self.paging
-            .as_ref()
-            .map(|p| p.pools.iter().fold((0, 0), |(used, all), pool| (used + pool.in_use(), all + pool.total)))
+        let paging = self.paging.as_ref()?;
+        let (used, all) =
+            paging.pools.iter().fold((0, 0), |(used, all), pool| (used + pool.in_use(), all + pool.total));
+        Some((used - paging.cached_only(), all))
+    }
+
+    /// The prefix index of a paged cache (`None` where the cache keeps no prefixes).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        let paging = self.paging.as_ref()?;
+        let index = paging.prefix.as_ref()?;
+        Some(PrefixStats { blocks: index.len(), held_only: paging.cached_only(), given_up: paging.evicted })
     }
 
     /// The most positions one sequence of a paged cache can ever hold blocks for (all its
@@ -646,43 +716,224 @@ impl<B: GemmaBackend> KvCache<B> {
         Some(smallest.map_or(self.capacity, |held| held.min(self.capacity)))
     }
 
+    /// The fewest slots per sequence of a paged cache's sliding-window rings (`None` without
+    /// rings or paging): a prompt run in chunks of at most this many positions has every block
+    /// cached ([`KvCache::cache_prefix`]), as each ring still holds a chunk's positions after it.
+    pub fn ring_slots(&self) -> Option<usize> {
+        let paging = self.paging.as_ref()?;
+        (0..paging.pools.len()).filter(|&p| paging.is_ring(p)).map(|p| paging.pools[p].slots).min()
+    }
+
+    /// Positions of `prompt` the prefix index holds (whole blocks, its last token left out).
+    pub fn cached_prefix(&mut self, prompt: &[u32]) -> usize {
+        let Some(paging) = self.paging.as_mut() else { return 0 };
+        let bs = paging.block_size;
+        let max_blocks = prompt.len().saturating_sub(1).min(self.capacity) / bs;
+        paging.prefix.as_mut().map_or(0, |index| index.longest(prompt, bs, max_blocks).len() * bs)
+    }
+
     /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
     /// a paged cache, for [`KvCache::attach`]. Fails, promising nothing, where the pools cannot
-    /// cover it now ([`ModelError::KvBlocks`]: wait for sequences to leave) or ever.
+    /// cover it now ([`ModelError::KvBlocks`]: wait for sequences to leave) or ever. Blocks only
+    /// the prefix index holds are given up for it, the least recently used first.
     pub fn reserve(&mut self, positions: usize) -> Result<Reservation, ModelError> {
+        self.reserve_prompt(positions, &[])
+    }
+
+    /// [`KvCache::reserve`] for a sequence whose prompt is `prompt`: the longest prefix of it
+    /// the prefix index holds (whole blocks, the prompt's last token left out: its logits are
+    /// needed) is held for the sequence, which shares its full-attention blocks and is promised
+    /// only the rest. [`KvCache::fill_prefix`] then puts the prefix into the prompt's cache.
+    pub fn reserve_prompt(&mut self, positions: usize, prompt: &[u32]) -> Result<Reservation, ModelError> {
         let positions = positions.min(self.capacity);
         if let Some(limit) = self.reservable_positions().filter(|&limit| positions > limit) {
             return Err(ModelError::InvalidInput(format!(
                 "a sequence of {positions} positions: the paged KV cache's pools hold {limit} at most"
             )));
         }
+        let id = self.id;
         let paging = self
             .paging
             .as_mut()
             .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
         let bs = paging.block_size;
-        let blocks: Vec<usize> = paging.pools.iter().map(|p| p.needed(positions, bs)).collect();
-        if let Some((pool, need)) = paging.pools.iter().zip(&blocks).find(|(p, &need)| p.available() < need) {
-            return Err(ModelError::KvBlocks { needed: *need, available: pool.available(), block_size: bs });
+        let max_blocks = prompt.len().saturating_sub(1).min(positions) / bs;
+        let prefix = paging.prefix.as_mut().map_or(Vec::new(), |index| index.longest(prompt, bs, max_blocks));
+        // The prefix's blocks, held for the sequence before anything is given up for room.
+        let pools = paging.pools.len();
+        let (mut shared, mut rings) = (vec![Vec::new(); pools], vec![Vec::new(); pools]);
+        if let Some(index) = &paging.prefix {
+            for &k in &prefix {
+                for (p, &b) in index.blocks(k).unwrap_or_default().iter().enumerate() {
+                    paging.pools[p].retain(b);
+                    if paging.is_ring(p) { &mut rings[p] } else { &mut shared[p] }.push(b);
+                }
+            }
+        }
+        let blocks: Vec<usize> =
+            paging.pools.iter().zip(&shared).map(|(p, s)| p.needed(positions, bs).saturating_sub(s.len())).collect();
+        if !paging.make_room(&blocks, &prefix) {
+            let (p, need) =
+                paging.pools.iter().zip(&blocks).find(|(p, &n)| p.available() < n).unwrap_or((&paging.pools[0], &0));
+            let error = ModelError::KvBlocks { needed: *need, available: p.available(), block_size: bs };
+            for (pool, held) in paging.pools.iter_mut().zip(shared.iter().zip(&rings)) {
+                held.0.iter().chain(held.1).for_each(|&b| pool.release(b));
+            }
+            return Err(error);
         }
         for (pool, &need) in paging.pools.iter_mut().zip(&blocks) {
             pool.promise(need);
         }
-        Ok(Reservation { cache: self.id, positions, blocks })
+        let cached = prefix.len() * bs;
+        Ok(Reservation { cache: id, positions, blocks, shared, rings, prefix, cached })
     }
 
-    /// Gives back the blocks `reservation` promised (its sequence never joined).
-    pub fn release_reservation(&mut self, reservation: Reservation) {
+    /// Puts the prefix `reservation` found cached into `prompt`, an empty unpaged cache of one
+    /// sequence for the same model and capacity: afterwards it holds the prefix's positions (its
+    /// length is [`Reservation::cached_positions`]) and the prompt runs on from there.
+    pub fn fill_prefix(&mut self, reservation: &mut Reservation, prompt: &mut KvCache<B>) -> Result<(), ModelError> {
+        if reservation.prefix.is_empty() {
+            return Ok(());
+        }
+        let fail = |why: String| Err(ModelError::CacheMismatch(why));
+        if reservation.cache != self.id {
+            return fail("a reservation made in another KV cache".into());
+        }
+        if prompt.paging.is_some() || prompt.batch != 1 || !prompt.is_empty() {
+            return fail("a cached prefix goes into an empty unpaged cache of one sequence".into());
+        }
+        if prompt.layer_of != self.layer_of || prompt.capacity != self.capacity {
+            return fail("a cached prefix into a cache of another shape".into());
+        }
+        let Some(paging) = &self.paging else { return fail("a prefix from an unpaged KV cache".into()) };
+        let bs = paging.block_size;
+        let m = reservation.prefix.len();
+        for (layer, into) in self.layers.iter().zip(&mut prompt.layers) {
+            let p = layer.pool.ok_or(ModelError::CacheLost)?;
+            let pool = &paging.pools[p];
+            let width = pool.slots / bs;
+            let mut row = vec![pool.sink(); width];
+            if paging.is_ring(p) {
+                // The ring of the prefix's last window: block j at slot block j % width.
+                for (j, &b) in reservation.rings[p].iter().enumerate().skip(m.saturating_sub(width)) {
+                    row[j % width] = b;
+                }
+            } else {
+                row[..m].copy_from_slice(&reservation.shared[p][..m]);
+            }
+            let table = BlockTable::<B>::from_rows(&[row], bs, &paging.device);
+            let store = layer.store.as_ref().ok_or(ModelError::CacheLost)?;
+            into.assign_sequence(0, burn_gemma_kernels::kv::paged::gather_reference(store, &table, 1))?;
+        }
+        prompt.len = reservation.cached;
+        self.release_rings(reservation);
+        Ok(())
+    }
+
+    /// Gives up the ring copies `reservation` holds.
+    fn release_rings(&mut self, reservation: &mut Reservation) {
         if let Some(paging) = self.paging.as_mut().filter(|_| reservation.cache == self.id) {
-            for (pool, &n) in paging.pools.iter_mut().zip(&reservation.blocks) {
-                pool.unpromise(n);
+            for (pool, rings) in paging.pools.iter_mut().zip(&mut reservation.rings) {
+                rings.drain(..).for_each(|b| pool.release(b));
             }
         }
     }
 
-    /// Gives sequence `sequence` the blocks `reservation` promised (after any it holds; a
+    /// Caches the blocks of a prompt running in `prompt` (an unpaged cache of one sequence
+    /// holding positions `0..prompt.len()` of `tokens`) past those `reservation` holds already:
+    /// each whole block whose positions every ring still holds becomes a node of the prefix
+    /// index, its full-attention blocks taken from the reservation's promise (the sequence
+    /// shares them when it joins), its ring copies from the free blocks. Stops at a block
+    /// another prompt cached first, or where no block is free. Returns the blocks added.
+    pub fn cache_prefix(
+        &mut self,
+        reservation: &mut Reservation,
+        tokens: &[u32],
+        prompt: &KvCache<B>,
+    ) -> Result<usize, ModelError> {
+        let len = prompt.len().min(tokens.len());
+        let Some(paging) = self.paging.as_mut().filter(|p| p.prefix.is_some() && reservation.cache == self.id) else {
+            return Ok(0);
+        };
+        if prompt.paging.is_some() || prompt.layer_of != self.layer_of || prompt.capacity != self.capacity {
+            return Err(ModelError::CacheMismatch("a prefix cached from a cache of another shape".into()));
+        }
+        let bs = paging.block_size;
+        let pools = paging.pools.len();
+        let first = reservation.prefix.len();
+        let mut added: Vec<Vec<u32>> = Vec::new();
+        loop {
+            let j = first + added.len();
+            let end = (j + 1) * bs;
+            let rings_hold = (0..pools).all(|p| !paging.is_ring(p) || j * bs + paging.pools[p].slots >= len);
+            if end > len || !rings_hold {
+                break;
+            }
+            let block = &tokens[j * bs..end];
+            let parent = reservation.prefix.last().copied();
+            let Some((k, false)) = paging.prefix.as_ref().map(|index| index.next(parent, block)) else { break };
+            let own = |p: usize| reservation.blocks[p] > 0;
+            let need: Vec<usize> = (0..pools).map(|p| usize::from(paging.is_ring(p))).collect();
+            if !(0..pools).all(|p| paging.is_ring(p) || own(p)) || !paging.make_room(&need, &reservation.prefix) {
+                break;
+            }
+            let mut blocks = Vec::with_capacity(pools);
+            for p in 0..pools {
+                let source = if paging.is_ring(p) { Source::Available } else { Source::Promised };
+                let Some(taken) = paging.pools[p].hold(1, source) else {
+                    return Err(ModelError::CacheMismatch("a promised KV block is not free".into()));
+                };
+                let b = taken[0];
+                if !paging.is_ring(p) {
+                    reservation.blocks[p] -= 1;
+                    // Held by the index and by the sequence, which shares it.
+                    paging.pools[p].retain(b);
+                    reservation.shared[p].push(b);
+                }
+                blocks.push(b);
+            }
+            if let Some(index) = paging.prefix.as_mut() {
+                index.insert(k, parent, block, blocks.clone());
+            }
+            reservation.prefix.push(k);
+            added.push(blocks);
+        }
+        if added.is_empty() {
+            return Ok(0);
+        }
+        // The new nodes' positions, copied from the prompt's cache (the other blocks' writes go
+        // to the sink).
+        for (layer, source) in self.layers.iter_mut().zip(&prompt.layers) {
+            let p = layer.pool.ok_or(ModelError::CacheLost)?;
+            let pool = &paging.pools[p];
+            let width = pool.slots / bs;
+            let mut row = vec![pool.sink(); width];
+            for (i, blocks) in added.iter().enumerate() {
+                row[(first + i) % width] = blocks[p];
+            }
+            let rows = source.store.as_ref().ok_or(ModelError::CacheLost)?.rows(0..1);
+            let store = layer.store.take().ok_or(ModelError::CacheLost)?;
+            layer.store = Some(B::kv_scatter_blocks(store, &rows, &row, bs, len.min(pool.slots)));
+        }
+        Ok(added.len())
+    }
+
+    /// Gives back the blocks `reservation` promised and the prefix it held (its sequence never
+    /// joined).
+    pub fn release_reservation(&mut self, mut reservation: Reservation) {
+        self.release_rings(&mut reservation);
+        if let Some(paging) = self.paging.as_mut().filter(|_| reservation.cache == self.id) {
+            for ((pool, &n), shared) in paging.pools.iter_mut().zip(&reservation.blocks).zip(&reservation.shared) {
+                pool.unpromise(n);
+                shared.iter().for_each(|&b| pool.release(b));
+            }
+        }
+    }
+
+    /// Gives sequence `sequence` the blocks `reservation` promised (after any it holds) and
+    /// the cached prefix's it shares (a sequence sharing a prefix must hold no blocks yet; a
     /// reservation of another cache is refused and its promise lost with it).
-    pub fn attach(&mut self, sequence: usize, reservation: Reservation) -> Result<(), ModelError> {
+    pub fn attach(&mut self, sequence: usize, mut reservation: Reservation) -> Result<(), ModelError> {
         let fail = |why: String| Err(ModelError::CacheMismatch(why));
         if reservation.cache != self.id {
             return fail("a reservation made in another KV cache".into());
@@ -690,8 +941,16 @@ impl<B: GemmaBackend> KvCache<B> {
         if sequence >= self.batch {
             return fail(format!("sequence {sequence} of a cache of {} sequences", self.batch));
         }
+        let Some(paging) = self.paging.as_ref() else { return fail("blocks for an unpaged KV cache".into()) };
+        let shares = reservation.shared.iter().any(|s| !s.is_empty());
+        if shares && paging.pools.iter().any(|p| !p.row(sequence).is_empty()) {
+            self.release_reservation(reservation);
+            return fail(format!("a shared prefix for sequence {sequence}, which holds blocks already"));
+        }
+        self.release_rings(&mut reservation);
         let Some(paging) = self.paging.as_mut() else { return fail("blocks for an unpaged KV cache".into()) };
-        for (pool, &n) in paging.pools.iter_mut().zip(&reservation.blocks) {
+        for ((pool, &n), shared) in paging.pools.iter_mut().zip(&reservation.blocks).zip(&reservation.shared) {
+            pool.share(sequence, shared);
             pool.take(sequence, n);
         }
         Ok(())

@@ -4,10 +4,11 @@
 
 pub mod cache;
 pub mod paged;
+mod prefix;
 pub mod ring;
 
-pub use cache::{KvCache, LayerCache, Scores, StoredRows};
-pub use paged::{PagedLayout, Reservation};
+pub use cache::{KvCache, LayerCache, PrefixStats, Scores, StoredRows};
+pub use paged::{PagedLayout, PrefixCache, Reservation};
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, Architecture, LayerType};

@@ -10,6 +10,7 @@
 //! reservation the pools cannot cover now is refused, and the caller waits for blocks to come
 //! back.
 
+use super::prefix::NodeKey;
 use burn_gemma_kernels::{BlockTable, GemmaBackend};
 use std::collections::BTreeSet;
 
@@ -27,6 +28,41 @@ pub struct PagedLayout {
     /// `positions / block_size` blocks); `None`: `sequences * capacity`, every sequence at
     /// full length at once. A ring's pool holds as many, up to `sequences` rings.
     pub positions: Option<usize>,
+    /// Whether prompts' first blocks stay cached for later prompts that start alike
+    /// ([`super::prefix`]).
+    pub prefix_cache: PrefixCache,
+}
+
+/// Whether a paged KV cache keeps prompts' blocks for later prompts with the same beginning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixCache {
+    /// Every prompt runs whole.
+    Off,
+    /// A prompt starting with a cached prefix runs only the rest, sharing the prefix's
+    /// full-attention blocks; the sliding-window pools hold a sequence's length of positions
+    /// more for the copies the index keeps ([`crate::KvCache::reserve_prompt`]).
+    #[default]
+    On,
+}
+
+impl std::str::FromStr for PrefixCache {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("unknown prefix-cache mode `{other}` (expected on or off)")),
+        }
+    }
+}
+
+impl std::fmt::Display for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::On => "on",
+            Self::Off => "off",
+        })
+    }
 }
 
 impl PagedLayout {
@@ -53,8 +89,18 @@ impl PagedLayout {
 pub struct Reservation {
     pub(crate) cache: u64,
     pub(crate) positions: usize,
-    /// Blocks per pool.
+    /// Blocks promised per pool.
     pub(crate) blocks: Vec<usize>,
+    /// Per pool, the cached prefix's blocks the sequence will share (the full-attention
+    /// pools'), held for it.
+    pub(crate) shared: Vec<Vec<u32>>,
+    /// Per pool, the prefix's ring copies (the sliding-window pools'), held until they are
+    /// copied into the prompt's cache ([`crate::KvCache::fill_prefix`]).
+    pub(crate) rings: Vec<Vec<u32>>,
+    /// The prefix's nodes: found at admission, then the ones the prompt adds.
+    pub(crate) prefix: Vec<NodeKey>,
+    /// Positions found cached at admission.
+    pub(crate) cached: usize,
 }
 
 impl Reservation {
@@ -62,9 +108,25 @@ impl Reservation {
     pub fn positions(&self) -> usize {
         self.positions
     }
+
+    /// The prompt's first positions found in the prefix cache: the prompt runs from there
+    /// ([`crate::KvCache::fill_prefix`]).
+    pub fn cached_positions(&self) -> usize {
+        self.cached
+    }
+
+    /// Blocks of the prompt's prefix in the prefix index: found at admission, and cached since
+    /// ([`crate::KvCache::cache_prefix`]).
+    pub fn prefix_blocks(&self) -> usize {
+        self.prefix.len()
+    }
 }
 
 /// The blocks of one group of layers.
+///
+/// A block is held by the sequences whose rows name it, by the prefix index
+/// ([`super::prefix`]) and by reservations that pin it; it is free when none holds it
+/// (`refs` counts the holders).
 #[derive(Debug)]
 pub(crate) struct BlockPool<B: GemmaBackend> {
     /// Logical slots per sequence.
@@ -72,12 +134,18 @@ pub(crate) struct BlockPool<B: GemmaBackend> {
     /// Blocks sequences can take (the sink excluded).
     pub total: usize,
     free: BTreeSet<u32>,
+    /// Holders of each block (the sink's is never counted).
+    refs: Vec<u32>,
     /// Free blocks promised to reservations.
     promised: usize,
     /// Each sequence's blocks, in slot order.
     rows: Vec<Vec<u32>>,
+    /// Per sequence, how many of its first blocks it shares (a cached prefix's): written by
+    /// nobody, so a copy into the sequence skips them.
+    shared: Vec<usize>,
     /// A block no sequence takes: table entries past a sequence's blocks point to it (never
-    /// read: a sequence never reaches the slots it holds no block for).
+    /// read for a sequence's own positions: it never reaches the slots it holds no block for),
+    /// and writes meant for no block go to it.
     sink: u32,
     /// The device table, `None` after a change until it is uploaded again.
     table: Option<BlockTable<B>>,
@@ -92,8 +160,10 @@ impl<B: GemmaBackend> BlockPool<B> {
             slots,
             total,
             free: (0..total as u32).collect(),
+            refs: vec![0; total],
             promised: 0,
             rows: vec![Vec::new(); sequences],
+            shared: vec![0; sequences],
             sink: total as u32,
             table: None,
             changes: 0,
@@ -103,6 +173,11 @@ impl<B: GemmaBackend> BlockPool<B> {
     /// Blocks in the store, the sink included.
     pub fn store_blocks(&self) -> usize {
         self.total + 1
+    }
+
+    /// The block that takes writes meant for no block.
+    pub fn sink(&self) -> u32 {
+        self.sink
     }
 
     /// Blocks a sequence of `positions` positions holds.
@@ -115,8 +190,14 @@ impl<B: GemmaBackend> BlockPool<B> {
         self.free.len().saturating_sub(self.promised)
     }
 
+    /// Blocks some holder holds.
     pub fn in_use(&self) -> usize {
         self.total - self.free.len()
+    }
+
+    /// Holders of `block`.
+    pub fn holders(&self, block: u32) -> u32 {
+        self.refs.get(block as usize).copied().unwrap_or(0)
     }
 
     pub fn promise(&mut self, n: usize) {
@@ -132,23 +213,79 @@ impl<B: GemmaBackend> BlockPool<B> {
         self.rows.get(row).map_or(&[], Vec::as_slice)
     }
 
-    /// Gives sequence `row` `n` promised blocks (the lowest free ones, so that a sequence's
-    /// blocks tend to lie in runs), after any it holds.
-    pub fn take(&mut self, row: usize, n: usize) {
+    /// Sequence `row`'s blocks as a copy into it writes them: the shared ones at the sink.
+    pub fn row_for_writes(&self, row: usize) -> Vec<u32> {
+        let shared = self.shared.get(row).copied().unwrap_or(0);
+        self.row(row).iter().enumerate().map(|(i, &b)| if i < shared { self.sink } else { b }).collect()
+    }
+
+    /// `n` free blocks (the lowest, so that a sequence's blocks tend to lie in runs), each
+    /// held once by the caller; `promised`: taken from the promised ones.
+    fn take_free(&mut self, n: usize, promised: bool) -> Vec<u32> {
         let taken: Vec<u32> = self.free.iter().take(n).copied().collect();
-        for b in &taken {
-            self.free.remove(b);
+        for &b in &taken {
+            self.free.remove(&b);
+            self.refs[b as usize] = 1;
         }
-        self.unpromise(n);
+        if promised {
+            self.unpromise(n);
+        }
+        taken
+    }
+
+    /// Gives sequence `row` `n` promised blocks, after any it holds.
+    pub fn take(&mut self, row: usize, n: usize) {
+        let taken = self.take_free(n, true);
         self.rows[row].extend(taken);
         self.changed();
     }
 
-    /// Sequence `row`'s blocks back to the pool.
+    /// `n` blocks for the prefix index: promised ones (`Promised`), or ones free and not
+    /// promised; `None`, taking nothing, where there are not `n` of them.
+    pub fn hold(&mut self, n: usize, from: Source) -> Option<Vec<u32>> {
+        match from {
+            Source::Promised if self.promised >= n && self.free.len() >= n => Some(self.take_free(n, true)),
+            Source::Available if self.available() >= n => Some(self.take_free(n, false)),
+            _ => None,
+        }
+    }
+
+    /// One more holder of `block`.
+    pub fn retain(&mut self, block: u32) {
+        if let Some(r) = self.refs.get_mut(block as usize) {
+            *r += 1;
+        }
+    }
+
+    /// One holder less of `block`, which is free when none is left.
+    pub fn release(&mut self, block: u32) {
+        if let Some(r) = self.refs.get_mut(block as usize).filter(|r| **r > 0) {
+            *r -= 1;
+            if *r == 0 {
+                self.free.insert(block);
+            }
+        }
+    }
+
+    /// Sequence `row` takes `blocks` as its first blocks, shared (their holds pass to it): it
+    /// must hold none yet.
+    pub fn share(&mut self, row: usize, blocks: &[u32]) {
+        if blocks.is_empty() {
+            return;
+        }
+        self.rows[row].splice(0..0, blocks.iter().copied());
+        self.shared[row] = blocks.len();
+        self.changed();
+    }
+
+    /// Sequence `row`'s holds given up.
     pub fn give_back(&mut self, row: usize) {
         let blocks = std::mem::take(&mut self.rows[row]);
+        self.shared[row] = 0;
         if !blocks.is_empty() {
-            self.free.extend(blocks);
+            for b in blocks {
+                self.release(b);
+            }
             self.changed();
         }
     }
@@ -157,6 +294,7 @@ impl<B: GemmaBackend> BlockPool<B> {
     pub fn move_row(&mut self, from: usize, to: usize) {
         self.give_back(to);
         self.rows[to] = std::mem::take(&mut self.rows[from]);
+        self.shared[to] = std::mem::take(&mut self.shared[from]);
         self.changed();
     }
 
@@ -185,6 +323,15 @@ impl<B: GemmaBackend> BlockPool<B> {
     }
 }
 
+/// Where [`BlockPool::hold`] takes its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Blocks a reservation promised (the sequence's own positions, held by the index instead).
+    Promised,
+    /// Free blocks nobody was promised.
+    Available,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +354,30 @@ mod tests {
         let table = pool.table(2, &Default::default());
         let rows = table.rows().unwrap_or_default();
         assert_eq!(rows, vec![vec![3, 4, 6, 6], vec![6; 4], vec![6; 4]]);
+    }
+
+    #[test]
+    fn shared_blocks_are_free_only_when_their_last_holder_lets_go() {
+        let mut pool = BlockPool::<B>::new(8, 6, 2);
+        // The index holds two blocks of a promise, then a sequence shares them.
+        pool.promise(3);
+        let held = pool.hold(2, Source::Promised).unwrap_or_default();
+        assert_eq!((held.as_slice(), pool.available(), pool.in_use()), (&[0u32, 1][..], 3, 2));
+        assert_eq!(pool.hold(2, Source::Promised), None, "one promised block is left");
+        for &b in &held {
+            pool.retain(b);
+        }
+        pool.share(0, &held);
+        pool.take(0, 1);
+        assert_eq!((pool.row(0), pool.row_for_writes(0)), (&[0u32, 1, 2][..], vec![6, 6, 2]));
+        assert_eq!(pool.holders(0), 2);
+        // The sequence leaves: its own block is free, the shared ones still held by the index.
+        pool.give_back(0);
+        assert_eq!((pool.in_use(), pool.holders(0), pool.holders(2)), (2, 1, 0));
+        for b in held {
+            pool.release(b);
+        }
+        assert_eq!((pool.in_use(), pool.available()), (0, 6));
+        assert_eq!(pool.hold(7, Source::Available), None);
     }
 }
