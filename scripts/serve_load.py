@@ -33,7 +33,7 @@ def prompt(seed, words):
 
 
 def one_request(url, body):
-    """Sends one streamed completion; returns (ttft_s, total_s, completion_tokens, chunks)."""
+    """Sends one streamed completion; returns (ttft_s, total_s, completion_tokens, prompt_tokens)."""
     parsed = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
     start = time.perf_counter()
@@ -60,7 +60,8 @@ def one_request(url, body):
     total = time.perf_counter() - start
     conn.close()
     tokens = usage["completion_tokens"] if usage else chunks
-    return first if first is not None else total, total, tokens, chunks
+    prompt_tokens = usage.get("prompt_tokens") if usage else None
+    return first if first is not None else total, total, tokens, prompt_tokens
 
 
 def main():
@@ -73,6 +74,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--label", default="")
+    ap.add_argument("--per-request", action="store_true", help="also print each request's prompt tokens and TTFT")
     args = ap.parse_args()
 
     lock = threading.Lock()
@@ -125,6 +127,9 @@ def main():
         "decode_per_stream_median": round(statistics.median(decode), 1) if decode else None,
     }
     print("JSON " + json.dumps(out), flush=True)
+    if args.per_request:
+        for r in results:
+            print(f"request: prompt_tokens {r[3]} ttft_s {r[0]:.4f} total_s {r[1]:.3f}", flush=True)
     for e in errors[:3]:
         print("error:", e, flush=True)
 

@@ -470,6 +470,9 @@ fn reserved_positions(request: &Request, capacity: usize) -> usize {
 }
 
 /// Where a running sequence's keys and values are.
+// A few dozen sequences at most are running: the prompt's cache held inline costs nothing worth
+// a box.
+#[allow(clippy::large_enum_variant)]
 enum Place<B: GemmaBackend> {
     /// Its prompt runs in a cache of its own; the blocks of the batched cache it will hold.
     Prompt(KvCache<B>, Reservation),

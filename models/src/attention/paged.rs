@@ -29,7 +29,7 @@ pub struct PagedLayout {
     /// full length at once. A ring's pool holds as many, up to `sequences` rings.
     pub positions: Option<usize>,
     /// Whether prompts' first blocks stay cached for later prompts that start alike
-    /// ([`super::prefix`]).
+    /// ([`crate::KvCache::reserve_prompt`]).
     pub prefix_cache: PrefixCache,
 }
 
