@@ -646,14 +646,19 @@ impl<B: GemmaBackend> Worker<B> {
     /// still running is (one starting with the same blocks): then it waits for that one.
     fn follows_a_prompt(&mut self, input: &[u32]) -> bool {
         let (PrefixCache::On, Some(bs)) = (self.config.prefix_cache, self.rows.block_size()) else { return false };
-        let cached = self.rows.cached_prefix(input);
-        self.running.iter().any(|leader| {
-            let Place::Prompt(_, reservation) = &leader.place else { return false };
+        // How far each running prompt could still cache this one's beginning.
+        let reach = self.running.iter().filter_map(|leader| {
+            let Place::Prompt(_, reservation) = &leader.place else { return None };
             let theirs = &leader.submitted.request.input;
             let common = input.iter().zip(theirs).take_while(|(a, b)| a == b).count();
             let reach = common.min(input.len().saturating_sub(1)).min(theirs.len()) / bs * bs;
-            reach > cached && reservation.prefix_blocks() * bs < reach
-        })
+            (reservation.prefix_blocks() * bs < reach).then_some(reach)
+        });
+        // The index is looked up only where some running prompt could add to it.
+        match reach.max() {
+            Some(reach) => reach > self.rows.cached_prefix(input),
+            None => false,
+        }
     }
 
     /// A sequence for `submitted`: a prompt cache (a spare one where there is one), its stop

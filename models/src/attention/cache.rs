@@ -330,6 +330,26 @@ impl<B: GemmaBackend> Paging<B> {
         }
     }
 
+    /// The longest cached chain `prompt` starts with: whole blocks, within its first `limit`
+    /// positions and without its last token (whose logits a prompt needs).
+    fn longest(&mut self, prompt: &[u32], limit: usize) -> Vec<NodeKey> {
+        let bs = self.block_size;
+        let max_blocks = prompt.len().saturating_sub(1).min(limit) / bs;
+        self.prefix.as_mut().map_or(Vec::new(), |index| index.longest(prompt, bs, max_blocks))
+    }
+
+    /// A one-sequence table row of pool `p`: block `b` of each `(j, b)` at the `j`-th block of
+    /// slots (`j % width` for a ring), the sink elsewhere.
+    fn row_of(&self, p: usize, placed: impl IntoIterator<Item = (usize, u32)>) -> Vec<u32> {
+        let pool = &self.pools[p];
+        let width = pool.slots / self.block_size;
+        let mut row = vec![pool.sink(); width];
+        for (j, b) in placed {
+            row[j % width] = b;
+        }
+        row
+    }
+
     /// Blocks only the prefix index holds, summed over the pools.
     fn cached_only(&self) -> usize {
         let Some(index) = &self.prefix else { return 0 };
@@ -726,10 +746,8 @@ impl<B: GemmaBackend> KvCache<B> {
 
     /// Positions of `prompt` the prefix index holds (whole blocks, its last token left out).
     pub fn cached_prefix(&mut self, prompt: &[u32]) -> usize {
-        let Some(paging) = self.paging.as_mut() else { return 0 };
-        let bs = paging.block_size;
-        let max_blocks = prompt.len().saturating_sub(1).min(self.capacity) / bs;
-        paging.prefix.as_mut().map_or(0, |index| index.longest(prompt, bs, max_blocks).len() * bs)
+        let capacity = self.capacity;
+        self.paging.as_mut().map_or(0, |paging| paging.longest(prompt, capacity).len() * paging.block_size)
     }
 
     /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
@@ -757,8 +775,7 @@ impl<B: GemmaBackend> KvCache<B> {
             .as_mut()
             .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
         let bs = paging.block_size;
-        let max_blocks = prompt.len().saturating_sub(1).min(positions) / bs;
-        let prefix = paging.prefix.as_mut().map_or(Vec::new(), |index| index.longest(prompt, bs, max_blocks));
+        let prefix = paging.longest(prompt, positions);
         // The prefix's blocks, held for the sequence before anything is given up for room.
         let pools = paging.pools.len();
         let (mut shared, mut rings) = (vec![Vec::new(); pools], vec![Vec::new(); pools]);
@@ -810,17 +827,10 @@ impl<B: GemmaBackend> KvCache<B> {
         let m = reservation.prefix.len();
         for (layer, into) in self.layers.iter().zip(&mut prompt.layers) {
             let p = layer.pool.ok_or(ModelError::CacheLost)?;
-            let pool = &paging.pools[p];
-            let width = pool.slots / bs;
-            let mut row = vec![pool.sink(); width];
-            if paging.is_ring(p) {
-                // The ring of the prefix's last window: block j at slot block j % width.
-                for (j, &b) in reservation.rings[p].iter().enumerate().skip(m.saturating_sub(width)) {
-                    row[j % width] = b;
-                }
-            } else {
-                row[..m].copy_from_slice(&reservation.shared[p][..m]);
-            }
+            // A ring holds the prefix's last window: its last `width` blocks.
+            let held = if paging.is_ring(p) { &reservation.rings[p] } else { &reservation.shared[p] };
+            let width = paging.pools[p].slots / bs;
+            let row = paging.row_of(p, held.iter().copied().enumerate().skip(m.saturating_sub(width)));
             let table = BlockTable::<B>::from_rows(&[row], bs, &paging.device);
             let store = layer.store.as_ref().ok_or(ModelError::CacheLost)?;
             into.assign_sequence(0, burn_gemma_kernels::kv::paged::gather_reference(store, &table, 1))?;
@@ -861,6 +871,9 @@ impl<B: GemmaBackend> KvCache<B> {
         let bs = paging.block_size;
         let pools = paging.pools.len();
         let first = reservation.prefix.len();
+        // Each new node takes a free block of every ring pool (a full pool's comes from the
+        // reservation's promise).
+        let need: Vec<usize> = (0..pools).map(|p| usize::from(paging.is_ring(p))).collect();
         let mut added: Vec<Vec<u32>> = Vec::new();
         loop {
             let j = first + added.len();
@@ -873,7 +886,6 @@ impl<B: GemmaBackend> KvCache<B> {
             let parent = reservation.prefix.last().copied();
             let Some((k, false)) = paging.prefix.as_ref().map(|index| index.next(parent, block)) else { break };
             let own = |p: usize| reservation.blocks[p] > 0;
-            let need: Vec<usize> = (0..pools).map(|p| usize::from(paging.is_ring(p))).collect();
             if !(0..pools).all(|p| paging.is_ring(p) || own(p)) || !paging.make_room(&need, &reservation.prefix) {
                 break;
             }
@@ -905,15 +917,11 @@ impl<B: GemmaBackend> KvCache<B> {
         // to the sink).
         for (layer, source) in self.layers.iter_mut().zip(&prompt.layers) {
             let p = layer.pool.ok_or(ModelError::CacheLost)?;
-            let pool = &paging.pools[p];
-            let width = pool.slots / bs;
-            let mut row = vec![pool.sink(); width];
-            for (i, blocks) in added.iter().enumerate() {
-                row[(first + i) % width] = blocks[p];
-            }
+            let row = paging.row_of(p, added.iter().enumerate().map(|(i, blocks)| (first + i, blocks[p])));
             let rows = source.store.as_ref().ok_or(ModelError::CacheLost)?.rows(0..1);
             let store = layer.store.take().ok_or(ModelError::CacheLost)?;
-            layer.store = Some(B::kv_scatter_blocks(store, &rows, &row, bs, len.min(pool.slots)));
+            let len = len.min(paging.pools[p].slots);
+            layer.store = Some(B::kv_scatter_blocks(store, &rows, &row, bs, len));
         }
         Ok(added.len())
     }
