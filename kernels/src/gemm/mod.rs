@@ -9,6 +9,8 @@
 //! matrix units, the fastest of [`tune::TUNED`] for the product's shape, timed once and cached
 //! on disk ([`tune`]); elsewhere (f32, or no matrix units: lavapipe) CubeCL's per-unit kernel.
 
+#[cfg(feature = "cuda")]
+pub mod cublas;
 pub mod tune;
 
 use crate::cube::{empty, Cb};
@@ -47,6 +49,9 @@ pub enum GemmKernel {
     DoubleTma { tiles: TileKind },
     /// No matrix units: each unit computes a small tile with scalar products.
     Unit,
+    /// NVIDIA's cuBLASLt (CUDA only, loaded at run time; [`cublas`]): its heuristic's first
+    /// algorithm for the shape, `wgmma` on Hopper.
+    CublasLt,
 }
 
 /// Which instruction the tiles are multiplied with.
@@ -94,6 +99,7 @@ impl std::fmt::Display for GemmKernel {
             Self::SpecializedTma { tiles: t } => write!(f, "specialized-tma-{}", tiles(t)),
             Self::DoubleTma { tiles: t } => write!(f, "double-tma-{}", tiles(t)),
             Self::Unit => write!(f, "unit"),
+            Self::CublasLt => write!(f, "cublaslt"),
         }
     }
 }
@@ -101,7 +107,7 @@ impl std::fmt::Display for GemmKernel {
 impl GemmKernel {
     /// Every candidate, for measuring them side by side (`kernel_bench --section gemm`).
     pub fn candidates() -> Vec<Self> {
-        let mut all = vec![Self::Auto, Self::Unit];
+        let mut all = vec![Self::Auto, Self::Unit, Self::CublasLt];
         for tiles in [TileKind::Cmma, TileKind::Mma] {
             all.extend([
                 Self::Simple { tiles, multi_rows: false },
@@ -118,12 +124,19 @@ impl GemmKernel {
         all
     }
 
+    /// The kernel whose [`Display`](std::fmt::Display) name is `name` (`cublaslt`,
+    /// `specialized-tma-mma`, ...).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::candidates().into_iter().find(|k| k.to_string() == name)
+    }
+
     /// CubeCL's strategy for this kernel.
     fn strategy(self) -> Strategy {
         let simple = |tiles: TileKind, multi_rows| SimpleArgs { tile_matmul: tiles.cubek(), multi_rows };
         let double = |tiles: TileKind| DoubleBufferingArgs { tile_matmul: tiles.cubek(), specialized: false };
         match self {
-            Self::Auto => Strategy::Auto,
+            // Not a CubeCL kernel: [`kernel::matmul`] calls the library before asking for this.
+            Self::Auto | Self::CublasLt => Strategy::Auto,
             Self::Unit => Strategy::SimpleUnit(BlueprintStrategy::default()),
             Self::Simple { tiles, multi_rows } => tiles.pick(
                 BlueprintStrategy::Inferred(simple(tiles, multi_rows)),
@@ -258,6 +271,12 @@ pub(crate) mod kernel {
         out_shape[rank - 1] = n;
         let dtype = lhs.dtype;
         let out = empty(&lhs, out_shape, out_dtype);
+        if kernel == GemmKernel::CublasLt {
+            #[cfg(feature = "cuda")]
+            return super::cublas::matmul(&lhs, &rhs, &out).map(|()| out);
+            #[cfg(not(feature = "cuda"))]
+            return Err(GemmError { kernel, m, n, k, dtype, reason: "built without the cuda feature".into() });
+        }
         let storage: StorageType = dtype.into();
         let mut dtypes =
             MatmulElems::from_globals(&MatmulGlobalElems { lhs: storage, rhs: storage, out: out_dtype.into() });

@@ -25,7 +25,11 @@ use std::time::{Duration, Instant};
 /// candidates on every Gemma 3 1B/4B product at 512 and 4,096 rows, and each is the fastest on
 /// some of them; the last runs where there is neither TMA nor `mma` (Vulkan's cooperative
 /// matrices). Candidates a device cannot launch are skipped.
-pub const TUNED: [GemmKernel; 5] = [
+///
+/// cuBLASLt ([`super::cublas`]) is the first candidate on CUDA where the library loads; other
+/// runtimes refuse it and skip it.
+pub const TUNED: [GemmKernel; 6] = [
+    GemmKernel::CublasLt,
     GemmKernel::SpecializedTma { tiles: TileKind::Mma },
     GemmKernel::SpecializedTma { tiles: TileKind::Cmma },
     GemmKernel::SimpleTma { tiles: TileKind::Cmma, multi_rows: true },
@@ -58,6 +62,15 @@ pub fn summary() -> TuningSummary {
     TuningSummary { path: cache_path(), ..guard.summary.clone() }
 }
 
+/// Leaves `kernels` out of tuning from now on in this process (cached choices of them are timed
+/// again): for measuring the others side by side, e.g. CubeCL's kernels without cuBLASLt.
+pub fn exclude(kernels: &[GemmKernel]) {
+    let state = state();
+    let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
+    guard.excluded = kernels.to_vec();
+    guard.choices.retain(|_, k| !kernels.contains(k));
+}
+
 /// `$BURN_GEMMA_CACHE/gemm-tune.txt` (the folder models are cached in), else
 /// `$XDG_CACHE_HOME/burn-gemma/gemm-tune.txt`, else `$HOME/.cache/burn-gemma/gemm-tune.txt`;
 /// `None` where none of these is set (choices are then kept for the process only).
@@ -76,6 +89,8 @@ struct State {
     loaded: bool,
     /// Whether this process has said that it is tuning.
     announced: bool,
+    /// Candidates left out ([`exclude`]).
+    excluded: Vec<GemmKernel>,
     summary: TuningSummary,
 }
 
@@ -118,11 +133,13 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         guard.loaded = true;
         let loaded = load();
         guard.summary.cached = loaded.len();
-        guard.choices.extend(loaded);
+        let excluded = guard.excluded.clone();
+        guard.choices.extend(loaded.into_iter().filter(|(_, k)| !excluded.contains(k)));
     }
     if let Some(&kernel) = guard.choices.get(&key) {
         return Some(kernel);
     }
+    let excluded = guard.excluded.clone();
     if !guard.announced {
         guard.announced = true;
         // Once per process: the first prompt on a new device waits for this (seconds to a minute).
@@ -135,7 +152,7 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
     let expected = matmul(lhs.clone(), rhs.clone(), out, GemmKernel::Unit).ok().and_then(|t| read(&t))?;
     let mut best: Option<(Duration, GemmKernel)> = None;
     let run = |kernel| matmul(lhs.clone(), rhs.clone(), out, kernel).ok().filter(|_| sync(lhs).is_ok());
-    for kernel in TUNED {
+    for kernel in TUNED.into_iter().filter(|k| !excluded.contains(k)) {
         // The first launch compiles the kernel and is checked; a refusal (no TMA, no `mma`)
         // or a disagreement skips it.
         let Some(result) = run(kernel) else { continue };

@@ -17,7 +17,7 @@ fn driver(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Gra
 }
 
 /// The device's context made current on this thread (CubeCL uses the primary context).
-fn make_current(ordinal: usize) -> Result<(), GraphError> {
+pub(crate) fn make_current(ordinal: usize) -> Result<(), GraphError> {
     result::init().map_err(driver("cuInit"))?;
     let device = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
     // SAFETY: `device` is a valid device handle; the primary context is retained once per call

@@ -28,6 +28,9 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod recorder;
 
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::make_current;
+
 use burn::tensor::{backend::Backend, Int, Tensor};
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;

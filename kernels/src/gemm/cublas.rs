@@ -1,0 +1,561 @@
+//! The prefill products through NVIDIA's cuBLASLt, one more candidate of the shape tuner
+//! ([`super::tune`]) on CUDA.
+//!
+//! Why a vendor library for this one operation: CubeCL 0.10's matmul kernels have no Hopper
+//! `wgmma` path and reach about 30% of the H200's bf16 rate on Gemma's products; cuBLASLt's
+//! kernels use `wgmma` with TMA-fed pipelines. It stays one candidate among CubeCL's, chosen only
+//! where the tuner measured it faster on the shape, and every other backend (and a machine
+//! without `libcublasLt`) keeps CubeCL's kernels.
+//!
+//! The library is loaded at run time (`cudarc`'s `cublaslt` module); nothing links against it.
+//!
+//! # Ordering with CubeCL's stream
+//!
+//! CubeCL launches on a stream of its own that it does not expose, so the products run on a
+//! stream of ours, ordered against CubeCL's by two flags in device memory, with no host wait:
+//!
+//! 1. a one-thread CubeCL kernel writes the product's sequence number `n` into `flags[0]` (it
+//!    runs after everything CubeCL queued before it, the product's inputs included);
+//! 2. our stream waits for `flags[0] >= n` (`cuStreamWaitValue32`), runs the product, and writes
+//!    `n` into `flags[1]` (`cuStreamWriteValue32`, after the product completes);
+//! 3. a one-thread CubeCL kernel spins until `flags[1] == n`, so everything CubeCL queues later
+//!    (the product's readers, and kernels that reuse its inputs' memory) runs after the product.
+//!
+//! The output buffer is CubeCL's (allocated before step 1, so whatever used its memory before has
+//! run by step 2). Each host thread has its own stream, flags and workspace (CubeCL gives each
+//! thread its own stream too).
+
+use super::GemmError;
+use super::GemmKernel;
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cudarc::cublaslt::{result as lt, sys as lts};
+use cudarc::driver::{result as drv, sys as drs};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// Workspace for cuBLASLt's kernels (split-k and stream-k partials): NVIDIA recommends 32 MiB
+/// on Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Writes `value` into `flags[0]`: everything queued before it on CubeCL's stream has run.
+#[cube(launch)]
+fn signal_kernel(flags: &mut Array<u32>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        flags[0] = value;
+    }
+}
+
+/// Returns once `flags[1] == value` (our stream wrote it after the product).
+#[cube(launch)]
+fn wait_kernel(flags: &Array<Atomic<u32>>, value: u32) {
+    // An atomic read goes to L2 each time (no cached value is reused).
+    let mut seen = Atomic::load(&flags[1]);
+    while seen != value {
+        seen = Atomic::load(&flags[1]);
+    }
+}
+
+/// One operand as cuBLASLt reads it (column-major).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Operand {
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    transposed: bool,
+    batch_stride: i64,
+    align: u32,
+}
+
+/// A product's whole description: the key of the cached algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Problem {
+    a: Operand,
+    b: Operand,
+    d: Operand,
+    batch: i32,
+    input: DType,
+    output: DType,
+}
+
+/// A thread's cuBLASLt state on one device.
+struct Lane {
+    ordinal: usize,
+    handle: lts::cublasLtHandle_t,
+    stream: drs::CUstream,
+    workspace: drs::CUdeviceptr,
+    /// Two u32 flags in CubeCL's memory (kept alive here) and their device address.
+    flags: Handle,
+    flags_ptr: u64,
+    sequence: u32,
+    algos: HashMap<Problem, lts::cublasLtMatmulAlgo_t>,
+}
+
+// SAFETY: a lane's raw handles are used only by the thread that made it (lanes are keyed by
+// thread), under the registry's lock.
+unsafe impl Send for Lane {}
+
+/// Lanes by (device ordinal, thread).
+fn lanes() -> &'static Mutex<HashMap<(usize, std::thread::ThreadId), Lane>> {
+    static LANES: std::sync::OnceLock<Mutex<HashMap<(usize, std::thread::ThreadId), Lane>>> =
+        std::sync::OnceLock::new();
+    LANES.get_or_init(Default::default)
+}
+
+/// Whether `libcublasLt` can be loaded on this machine (checked once).
+pub fn available() -> bool {
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // SAFETY: `is_culib_present` only tries to open the library.
+    *PRESENT.get_or_init(|| unsafe { lts::is_culib_present() })
+}
+
+fn cuda_type(dtype: DType) -> Option<lts::cudaDataType> {
+    match dtype {
+        DType::BF16 => Some(lts::cudaDataType::CUDA_R_16BF),
+        DType::F16 => Some(lts::cudaDataType::CUDA_R_16F),
+        DType::F32 => Some(lts::cudaDataType::CUDA_R_32F),
+        _ => None,
+    }
+}
+
+/// The largest power of two (up to 256) dividing `ptr`: the alignment cuBLASLt may assume.
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return 256;
+    }
+    (1u64 << ptr.trailing_zeros().min(8)) as u32
+}
+
+/// The single stride of the batch dimensions (`0` for one batch), `None` where they do not
+/// collapse into one.
+fn batch_stride(shape: &[usize], strides: &[usize]) -> Option<i64> {
+    let dims: Vec<(usize, usize)> =
+        shape.iter().zip(strides).map(|(&n, &s)| (n, s)).filter(|&(n, _)| n > 1).collect();
+    for pair in dims.windows(2) {
+        if pair[0].1 != pair[1].1 * pair[1].0 {
+            return None;
+        }
+    }
+    Some(dims.last().map_or(0, |&(_, s)| s as i64))
+}
+
+/// `t` (`[.., r, c]`) as column-major storage: `(rows, cols, ld, transposed)` where
+/// `transposed` means the stored column-major matrix is `t`'s transpose.
+fn storage(t: &CubeTensor<CudaRuntime>) -> Option<(u64, u64, i64, bool)> {
+    let shape = t.meta.shape();
+    let strides = t.meta.strides();
+    let rank = shape.len();
+    let (r, c) = (shape[rank - 2], shape[rank - 1]);
+    let (sr, sc) = (strides[rank - 2], strides[rank - 1]);
+    if sc == 1 && (sr >= c || r == 1) {
+        // Row-major: its transpose is column-major `c x r` with leading dimension `sr`.
+        Some((c as u64, r as u64, sr.max(c) as i64, true))
+    } else if sr == 1 && (sc >= r || c == 1) {
+        Some((r as u64, c as u64, sc.max(r) as i64, false))
+    } else {
+        None
+    }
+}
+
+fn refuse(m: usize, n: usize, k: usize, dtype: DType, reason: impl Into<String>) -> GemmError {
+    GemmError { kernel: GemmKernel::CublasLt, m, n, k, dtype, reason: reason.into() }
+}
+
+/// `lhs [.., m, k] @ rhs [.., k, n] -> [.., m, n]` in `out_dtype` through cuBLASLt, or `Err`
+/// where the runtime is not CUDA, the library is missing, a step is being recorded as a CUDA
+/// graph, or the operands' layout or dtypes are not ones it takes.
+pub(crate) fn matmul<R: burn_cubecl::CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    out: &CubeTensor<R>,
+) -> Result<(), GemmError> {
+    let shape = lhs.meta.shape();
+    let rank = shape.len();
+    let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
+    let fail = |reason: &str| refuse(m, n, k, lhs.dtype, reason);
+    let (Some(lhs), Some(rhs), Some(out)) = (
+        (lhs as &dyn std::any::Any).downcast_ref::<CubeTensor<CudaRuntime>>(),
+        (rhs as &dyn std::any::Any).downcast_ref::<CubeTensor<CudaRuntime>>(),
+        (out as &dyn std::any::Any).downcast_ref::<CubeTensor<CudaRuntime>>(),
+    ) else {
+        return Err(fail("cuBLASLt runs on CUDA only"));
+    };
+    if crate::graph::recording() {
+        return Err(fail("not inside a recorded CUDA graph"));
+    }
+    if !available() {
+        return Err(fail("libcublasLt could not be loaded"));
+    }
+    product(lhs, rhs, out).map_err(|reason| refuse(m, n, k, lhs.dtype, reason))
+}
+
+fn product(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    out: &CubeTensor<CudaRuntime>,
+) -> Result<(), String> {
+    let shape = lhs.meta.shape();
+    let rank = shape.len();
+    let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
+    let batch: usize = shape[..rank - 2].iter().product();
+    if m * n * k == 0 || batch == 0 {
+        return Ok(());
+    }
+    let (Some(input), Some(output)) = (cuda_type(lhs.dtype), cuda_type(out.dtype)) else {
+        return Err(format!("dtypes {:?} -> {:?}", lhs.dtype, out.dtype));
+    };
+    if rhs.dtype != lhs.dtype || lhs.dtype == DType::F32 {
+        return Err("bf16 or f16 inputs of one dtype only".into());
+    }
+    let batch_of = |t: &CubeTensor<CudaRuntime>| {
+        let rank = t.meta.shape().len();
+        batch_stride(&t.meta.shape()[..rank - 2], &t.meta.strides()[..rank - 2])
+    };
+    let (Some(lhs_batch), Some(rhs_batch), Some(out_batch)) = (batch_of(lhs), batch_of(rhs), batch_of(out)) else {
+        return Err("batch dimensions that do not collapse into one stride".into());
+    };
+    let (Some(ls), Some(rs), Some(os)) = (storage(lhs), storage(rhs), storage(out)) else {
+        return Err("an operand with neither unit stride".into());
+    };
+    if !os.3 {
+        return Err("a column-major output".into());
+    }
+    let client = &lhs.client;
+    let pointer = |t: &CubeTensor<CudaRuntime>| -> Result<u64, String> {
+        client.get_resource(t.handle.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))
+    };
+    let (lhs_ptr, rhs_ptr, out_ptr) = (pointer(lhs)?, pointer(rhs)?, pointer(out)?);
+    // Column-major: out^T [n, m] = rhs^T [n, k] @ lhs^T [k, m]; cuBLASLt's A is `rhs`, B `lhs`.
+    // Row-major `rhs` is already `rhs^T` column-major (no transpose); a transposed view needs one.
+    let operand = |(rows, cols, ld, row_major): (u64, u64, i64, bool), stride: i64, ptr: u64| Operand {
+        rows,
+        cols,
+        ld,
+        transposed: !row_major,
+        batch_stride: stride,
+        align: alignment(ptr),
+    };
+    let problem = Problem {
+        a: operand(rs, rhs_batch, rhs_ptr),
+        b: operand(ls, lhs_batch, lhs_ptr),
+        d: operand(os, out_batch, out_ptr),
+        batch: i32::try_from(batch).map_err(|_| "too many batches")?,
+        input: lhs.dtype,
+        output: out.dtype,
+    };
+    let ordinal = lhs.device.index;
+    let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
+    let key = (ordinal, std::thread::current().id());
+    if !lanes.contains_key(&key) {
+        lanes.insert(key, Lane::new(client, ordinal)?);
+    }
+    let lane = lanes.get_mut(&key).ok_or("no lane")?;
+    lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
+}
+
+/// A cuBLASLt call's result as our error text.
+fn lt_call(what: &'static str) -> impl Fn(lt::CublasError) -> String {
+    move |e| format!("{what}: {e:?}")
+}
+
+fn drv_call(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
+    move |e| format!("{what}: {e:?}")
+}
+
+/// The descriptors of one product, destroyed on drop.
+struct Descriptors {
+    desc: lts::cublasLtMatmulDesc_t,
+    layouts: [lts::cublasLtMatrixLayout_t; 3],
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: created by `Descriptors::new` and used only by the call that made them.
+        unsafe {
+            for layout in self.layouts {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
+            if !self.desc.is_null() {
+                let _ = lt::destroy_matmul_desc(self.desc);
+            }
+        }
+    }
+}
+
+impl Descriptors {
+    fn new(problem: &Problem, [input, output]: [lts::cudaDataType; 2]) -> Result<Self, String> {
+        let mut this = Self { desc: std::ptr::null_mut(), layouts: [std::ptr::null_mut(); 3] };
+        this.desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, lts::cudaDataType::CUDA_R_32F)
+            .map_err(lt_call("cublasLtMatmulDescCreate"))?;
+        for (attr, t) in [
+            (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, problem.a.transposed),
+            (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, problem.b.transposed),
+        ] {
+            // `cublasOperation_t`: 0 is N, 1 is T (an i32).
+            let value = i32::from(t);
+            // SAFETY: the attribute's value is an i32 read for its size.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    this.desc,
+                    attr,
+                    &value as *const _ as *const c_void,
+                    std::mem::size_of_val(&value),
+                )
+            }
+            .map_err(lt_call("cublasLtMatmulDescSetAttribute"))?;
+        }
+        for (i, (operand, dtype)) in [(problem.a, input), (problem.b, input), (problem.d, output)].into_iter().enumerate()
+        {
+            // D is stored as is (row-major out = column-major out^T); A and B as stored.
+            let layout = lt::create_matrix_layout(dtype, operand.rows, operand.cols, operand.ld)
+                .map_err(lt_call("cublasLtMatrixLayoutCreate"))?;
+            this.layouts[i] = layout;
+            if problem.batch > 1 {
+                let count = problem.batch;
+                let stride = operand.batch_stride;
+                // SAFETY: the values are an i32 and an i64, as these attributes take.
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        lts::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &count as *const i32 as *const c_void,
+                        4,
+                    )
+                    .map_err(lt_call("cublasLtMatrixLayoutSetAttribute"))?;
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        lts::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        &stride as *const i64 as *const c_void,
+                        8,
+                    )
+                    .map_err(lt_call("cublasLtMatrixLayoutSetAttribute"))?;
+                }
+            }
+        }
+        Ok(this)
+    }
+}
+
+impl Lane {
+    fn new(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Result<Self, String> {
+        crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
+        let handle = lt::create_handle().map_err(lt_call("cublasLtCreate"))?;
+        // SAFETY: plain driver calls in the current (primary) context; the stream and workspace
+        // live as long as the process (lanes are never dropped).
+        let (stream, workspace) = unsafe {
+            let stream =
+                drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(drv_call("cuStreamCreate"))?;
+            let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(drv_call("cuMemAlloc"))?;
+            (stream, workspace)
+        };
+        let flags = client.create_from_slice(&[0u8; 8]);
+        let flags_ptr =
+            client.get_resource(flags.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))?;
+        Ok(Self { ordinal, handle, stream, workspace, flags, flags_ptr, sequence: 0, algos: HashMap::new() })
+    }
+
+    /// cuBLASLt's first heuristic choice for `problem` (cached).
+    fn algo(
+        &mut self,
+        problem: &Problem,
+        descriptors: &Descriptors,
+    ) -> Result<lts::cublasLtMatmulAlgo_t, String> {
+        if let Some(algo) = self.algos.get(problem) {
+            return Ok(*algo);
+        }
+        let pref = lt::create_matmul_pref().map_err(lt_call("cublasLtMatmulPreferenceCreate"))?;
+        let result = (|| {
+            let workspace = WORKSPACE_BYTES as u64;
+            use lts::cublasLtMatmulPreferenceAttributes_t::*;
+            // SAFETY: each value is read for its size, as the attribute takes it.
+            unsafe {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &workspace as *const u64 as *const c_void,
+                    8,
+                )
+                .map_err(lt_call("cublasLtMatmulPreferenceSetAttribute"))?;
+                for (attr, align) in [
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, problem.a.align),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, problem.b.align),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, problem.d.align),
+                    (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, problem.d.align),
+                ] {
+                    lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, 4)
+                        .map_err(lt_call("cublasLtMatmulPreferenceSetAttribute"))?;
+                }
+                let [a, b, d] = descriptors.layouts;
+                lt::get_matmul_algo_heuristic(self.handle, descriptors.desc, a, b, d, d, pref)
+                    .map_err(lt_call("cublasLtMatmulAlgoGetHeuristic"))
+            }
+        })();
+        // SAFETY: created above, not used after this.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(pref);
+        }
+        let algo = result?.algo;
+        self.algos.insert(*problem, algo);
+        Ok(algo)
+    }
+
+    fn run(
+        &mut self,
+        client: &ComputeClient<CudaRuntime>,
+        problem: &Problem,
+        types: [lts::cudaDataType; 2],
+        [a, b, d]: [u64; 3],
+    ) -> Result<(), String> {
+        let descriptors = Descriptors::new(problem, types)?;
+        let algo = self.algo(problem, &descriptors)?;
+        crate::graph::make_current(self.ordinal).map_err(|e| e.to_string())?;
+        let n = self.sequence.wrapping_add(1);
+        self.sequence = n;
+        let flags = || unsafe { ArrayArg::<CudaRuntime>::from_raw_parts(self.flags.clone(), 2) };
+        // 1. CubeCL's stream says its earlier work has run.
+        signal_kernel::launch::<CudaRuntime>(client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), flags(), n);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let [la, lb, ld] = descriptors.layouts;
+        // SAFETY: the pointers are live CubeCL buffers of the sizes the layouts describe (the
+        // caller holds the tensors until the wait kernel is queued); the stream, handle and
+        // workspace are this lane's.
+        let product = unsafe {
+            drs::cuStreamWaitValue32_v2(
+                self.stream,
+                self.flags_ptr,
+                n,
+                drs::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+            .result()
+            .map_err(drv_call("cuStreamWaitValue32_v2"))
+            .and_then(|()| {
+                lt::matmul(
+                    self.handle,
+                    descriptors.desc,
+                    &alpha as *const f32 as *const c_void,
+                    &beta as *const f32 as *const c_void,
+                    a as *const c_void,
+                    la,
+                    b as *const c_void,
+                    lb,
+                    d as *const c_void,
+                    ld,
+                    d as *mut c_void,
+                    ld,
+                    &algo,
+                    self.workspace as *mut c_void,
+                    WORKSPACE_BYTES,
+                    self.stream as lts::cudaStream_t,
+                )
+                .map_err(lt_call("cublasLtMatmul"))
+            })
+        };
+        // 2. Our stream says the product has run (also after a failed launch, so that the wait
+        // below returns).
+        // SAFETY: the flag buffer lives in this lane.
+        let written = unsafe {
+            drs::cuStreamWriteValue32_v2(
+                self.stream,
+                self.flags_ptr + 4,
+                n,
+                drs::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+            .result()
+            .map_err(drv_call("cuStreamWriteValue32_v2"))
+        };
+        if written.is_ok() {
+            // 3. CubeCL's later work waits for it.
+            wait_kernel::launch::<CudaRuntime>(client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), flags(), n);
+        } else {
+            // Without the flag the order cannot be kept: wait here (for CubeCL's signal too).
+            let _ = client.flush();
+            // SAFETY: this lane's stream.
+            unsafe {
+                let _ = drv::stream::synchronize(self.stream);
+            }
+        }
+        product.and(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{kernel, GemmKernel};
+    use crate::cube::{float_strided, tensor, Cb};
+    use crate::gpu_test::{assert_close, seed};
+    use burn::tensor::{DType, Distribution, Tensor, TensorData};
+    use cubecl::cuda::CudaRuntime;
+
+    type B = Cb<CudaRuntime, f32, i32, u8>;
+
+    fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+        t.cast(DType::F32).into_data().to_vec::<f32>().expect("f32")
+    }
+
+    /// cuBLASLt against f64 products on the host of the same (rounded) inputs: odd sizes, the
+    /// weight's transposed view and row-major right operands, batches as the blocked attention
+    /// launches them, a slice at an offset (alignment below 16 bytes), bf16 and f16 in, the
+    /// input dtype or f32 out.
+    #[test]
+    fn cublaslt_matches_host_product() {
+        assert!(super::available(), "libcublasLt did not load: put its folder on LD_LIBRARY_PATH");
+        let device = Default::default();
+        seed::<B>(&device, "cublaslt");
+        // (batch, m, k, n, rhs as a transposed [n, k] view, f32 out, first row of lhs skipped)
+        let cases = [
+            (1, 37, 333, 1001, true, false, false),
+            (1, 257, 1152, 1536, true, false, false),
+            (1, 513, 640, 1536, true, false, true),
+            (3, 130, 72, 200, false, true, false),
+            (2, 5, 64, 513, true, true, false),
+            (4, 96, 256, 77, false, false, true),
+            (1, 1, 256, 17, false, false, false),
+        ];
+        for (batch, m, k, n, transposed, f32_out, offset) in cases {
+            for dtype in [DType::BF16, DType::F16] {
+                let normal = Distribution::Normal(0.0, 1.0);
+                let first = usize::from(offset);
+                let lhs = Tensor::<B, 3>::random([batch, m + first, k], normal, &device).cast(dtype);
+                let lhs = lhs.slice(burn::tensor::s![.., first.., ..]);
+                let small = Distribution::Normal(0.0, 0.05);
+                let rhs = match transposed {
+                    true => Tensor::<B, 3>::random([batch, n, k], small, &device).cast(dtype).swap_dims(1, 2),
+                    false => Tensor::<B, 3>::random([batch, k, n], small, &device).cast(dtype),
+                };
+                let out_dtype = if f32_out { DType::F32 } else { dtype };
+                let got = kernel::matmul(
+                    float_strided(lhs.clone()),
+                    float_strided(rhs.clone()),
+                    out_dtype,
+                    GemmKernel::CublasLt,
+                )
+                .expect("cuBLASLt takes the product");
+                let got = tensor::<CudaRuntime, f32, i32, u8, 3>(got);
+                assert_eq!(got.dtype(), out_dtype);
+                let (a, b) = (host(lhs), host(rhs));
+                let expected: Vec<f32> = (0..batch)
+                    .flat_map(|p| {
+                        let (a, b) = (&a, &b);
+                        (0..m * n).map(move |i| {
+                            let (r, c) = (i / n, i % n);
+                            (0..k).map(|j| a[(p * m + r) * k + j] as f64 * b[(p * k + j) * n + c] as f64).sum::<f64>()
+                                as f32
+                        })
+                    })
+                    .collect();
+                let expected = Tensor::<B, 3>::from_data(TensorData::new(expected, [batch, m, n]), &device);
+                // f32 out: the f32 accumulation alone; else one rounding to the output dtype.
+                let tol = if f32_out { 1e-4 } else { crate::gpu_test::tolerance(dtype) };
+                let what =
+                    format!("cublaslt b{batch} {m}x{k}x{n} {dtype:?} -> {out_dtype:?} transposed {transposed} offset {offset}");
+                assert_close(got, expected, tol, &what);
+            }
+        }
+    }
+}
