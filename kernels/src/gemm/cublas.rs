@@ -16,8 +16,10 @@
 //!
 //! 1. a one-thread CubeCL kernel writes the product's sequence number `n` into `flags[0]` (it
 //!    runs after everything CubeCL queued before it, the product's inputs included);
-//! 2. our stream waits for `flags[0] >= n` (`cuStreamWaitValue32`), runs the product, and writes
-//!    `n` into `flags[1]` (`cuStreamWriteValue32`, after the product completes);
+//! 2. on our stream a one-thread kernel waits for `flags[0] >= n`, the product runs, and a
+//!    one-thread kernel writes `n` into `flags[1]` (the driver's stream memory operations,
+//!    `cuStreamWaitValue32`, would do the same without kernels, but the H200 machines here
+//!    refuse them: `CUDA_ERROR_INVALID_VALUE`);
 //! 3. a one-thread CubeCL kernel spins until `flags[1] == n`, so everything CubeCL queues later
 //!    (the product's readers, and kernels that reuse its inputs' memory) runs after the product.
 //!
@@ -60,6 +62,20 @@ fn wait_kernel(flags: &Array<Atomic<u32>>, value: u32) {
     }
 }
 
+/// The two kernels our stream runs around a product (CUDA C, compiled once by NVRTC; the PTX is
+/// kept with the CUDA graphs' in the disk cache).
+const FLAG_KERNELS: &str = r#"
+extern "C" __global__ void burn_gemma_wait_flag(unsigned int* flag, unsigned int value) {
+    while ((int)(atomicAdd(flag, 0u) - value) < 0) {
+        __nanosleep(64);
+    }
+}
+extern "C" __global__ void burn_gemma_set_flag(unsigned int* flag, unsigned int value) {
+    __threadfence();
+    atomicExch(flag, value);
+}
+"#;
+
 /// One operand as cuBLASLt reads it (column-major).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Operand {
@@ -91,6 +107,9 @@ struct Lane {
     /// Two u32 flags in CubeCL's memory (kept alive here) and their device address.
     flags: Handle,
     flags_ptr: u64,
+    /// `burn_gemma_wait_flag` and `burn_gemma_set_flag`.
+    wait: drs::CUfunction,
+    set: drs::CUfunction,
     sequence: u32,
     algos: HashMap<Problem, lts::cublasLtMatmulAlgo_t>,
 }
@@ -345,6 +364,18 @@ impl Descriptors {
 impl Lane {
     fn new(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Result<Self, String> {
         crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
+        let arch = crate::graph::architecture(ordinal).map_err(|e| e.to_string())?;
+        let (ptx, _) = crate::graph::ptx(FLAG_KERNELS, arch, "flag kernels").map_err(|e| e.to_string())?;
+        // SAFETY: the PTX is NUL-terminated; the module lives as long as the process.
+        let (wait, set) = unsafe {
+            let module =
+                drv::module::load_data(ptx.as_ptr() as *const c_void).map_err(drv_call("cuModuleLoadData"))?;
+            let get = |name: &str| {
+                let name = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
+                drv::module::get_function(module, name).map_err(drv_call("cuModuleGetFunction"))
+            };
+            (get("burn_gemma_wait_flag")?, get("burn_gemma_set_flag")?)
+        };
         let handle = lt::create_handle().map_err(lt_call("cublasLtCreate"))?;
         // SAFETY: plain driver calls in the current (primary) context; the stream and workspace
         // live as long as the process (lanes are never dropped).
@@ -357,7 +388,7 @@ impl Lane {
         let flags = client.create_from_slice(&[0u8; 8]);
         let flags_ptr =
             client.get_resource(flags.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))?;
-        Ok(Self { ordinal, handle, stream, workspace, flags, flags_ptr, sequence: 0, algos: HashMap::new() })
+        Ok(Self { ordinal, handle, stream, workspace, flags, flags_ptr, wait, set, sequence: 0, algos: HashMap::new() })
     }
 
     /// cuBLASLt's first heuristic choice for `problem` (cached).
@@ -405,6 +436,18 @@ impl Lane {
         Ok(algo)
     }
 
+    /// Launches one of the flag kernels on this lane's stream.
+    ///
+    /// # Safety
+    ///
+    /// `flag` is this lane's flag buffer (or 4 bytes into it).
+    unsafe fn flag_kernel(&self, function: drs::CUfunction, flag: u64, value: u32) -> Result<(), String> {
+        let (mut flag, mut value) = (flag, value);
+        let mut params = [&mut flag as *mut u64 as *mut c_void, &mut value as *mut u32 as *mut c_void];
+        drv::launch_kernel(function, (1, 1, 1), (1, 1, 1), 0, self.stream, &mut params)
+            .map_err(drv_call("cuLaunchKernel"))
+    }
+
     fn run(
         &mut self,
         client: &ComputeClient<CudaRuntime>,
@@ -426,14 +469,7 @@ impl Lane {
         // caller holds the tensors until the wait kernel is queued); the stream, handle and
         // workspace are this lane's.
         let product = unsafe {
-            drs::cuStreamWaitValue32_v2(
-                self.stream,
-                self.flags_ptr,
-                n,
-                drs::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-            .result()
-            .map_err(drv_call("cuStreamWaitValue32_v2"))
+            self.flag_kernel(self.wait, self.flags_ptr, n)
             .and_then(|()| {
                 lt::matmul(
                     self.handle,
@@ -460,14 +496,7 @@ impl Lane {
         // below returns).
         // SAFETY: the flag buffer lives in this lane.
         let written = unsafe {
-            drs::cuStreamWriteValue32_v2(
-                self.stream,
-                self.flags_ptr + 4,
-                n,
-                drs::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-            )
-            .result()
-            .map_err(drv_call("cuStreamWriteValue32_v2"))
+            self.flag_kernel(self.set, self.flags_ptr + 4, n)
         };
         if written.is_ok() {
             // 3. CubeCL's later work waits for it.

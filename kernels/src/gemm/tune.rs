@@ -110,8 +110,12 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
     let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
     // Whether `rhs` is contiguous along `k` (a weight's transposed view) or along `n`.
     let rhs_layout = if rhs.meta.strides()[rank - 2] == 1 { "t" } else { "n" };
+    // Rows come padded to a multiple of `ROW_ALIGN` ([`super::pad`]); whether they are also a
+    // multiple of twice that is part of the class (a kernel with stages of 256 rows is checked,
+    // and slow, on the others).
+    let odd = if m.is_multiple_of(2 * super::ROW_ALIGN) { "" } else { "+" };
     format!(
-        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{} n{}{rhs_layout} k{k}",
+        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{}{odd} n{}{rhs_layout} k{k}",
         R::name(&lhs.client),
         hw.num_streaming_multiprocessors.unwrap_or(0),
         hw.max_shared_memory_size,
