@@ -12,20 +12,16 @@
 //! # Ordering with CubeCL's stream
 //!
 //! CubeCL launches on a stream of its own that it does not expose, so the products run on a
-//! stream of ours, ordered against CubeCL's by two flags in device memory, with no host wait:
+//! stream of ours, ordered by the host: CubeCL's queued work is waited for before the product
+//! (its inputs are written, and whatever used the output's memory before has run), and the
+//! product is waited for before returning (CubeCL's later work reads it, or reuses its inputs'
+//! memory). The two waits cost tens of microseconds of idle device per product; the tuner times
+//! the candidate with them, so it is chosen only where it is still faster (long prompts).
 //!
-//! 1. a one-thread CubeCL kernel writes the product's sequence number `n` into `flags[0]` (it
-//!    runs after everything CubeCL queued before it, the product's inputs included);
-//! 2. on our stream a one-thread kernel waits for `flags[0] >= n`, the product runs, and a
-//!    one-thread kernel writes `n` into `flags[1]` (the driver's stream memory operations,
-//!    `cuStreamWaitValue32`, would do the same without kernels, but the H200 machines here
-//!    refuse them: `CUDA_ERROR_INVALID_VALUE`);
-//! 3. a one-thread CubeCL kernel spins until `flags[1] == n`, so everything CubeCL queues later
-//!    (the product's readers, and kernels that reuse its inputs' memory) runs after the product.
-//!
-//! The output buffer is CubeCL's (allocated before step 1, so whatever used its memory before has
-//! run by step 2). Each host thread has its own stream, flags and workspace (CubeCL gives each
-//! thread its own stream too).
+//! Ordering on the device instead (a flag written by a CubeCL kernel and spun on by a kernel on
+//! our stream, and back) hung on the H200 (`docs/gpu-runs/2026-11-27-prefill`, call 2), and the
+//! driver's stream memory operations (`cuStreamWaitValue32`) are refused there with
+//! `CUDA_ERROR_INVALID_VALUE`. Each host thread has its own stream and workspace.
 
 use super::GemmError;
 use super::GemmKernel;
@@ -33,7 +29,6 @@ use burn::tensor::DType;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{result as drv, sys as drs};
 use std::collections::HashMap;
@@ -43,38 +38,6 @@ use std::sync::Mutex;
 /// Workspace for cuBLASLt's kernels (split-k and stream-k partials): NVIDIA recommends 32 MiB
 /// on Hopper.
 const WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Writes `value` into `flags[0]`: everything queued before it on CubeCL's stream has run.
-#[cube(launch)]
-fn signal_kernel(flags: &mut Array<u32>, value: u32) {
-    if ABSOLUTE_POS == 0 {
-        flags[0] = value;
-    }
-}
-
-/// Returns once `flags[1] == value` (our stream wrote it after the product).
-#[cube(launch)]
-fn wait_kernel(flags: &Array<Atomic<u32>>, value: u32) {
-    // An atomic read goes to L2 each time (no cached value is reused).
-    let mut seen = Atomic::load(&flags[1]);
-    while seen != value {
-        seen = Atomic::load(&flags[1]);
-    }
-}
-
-/// The two kernels our stream runs around a product (CUDA C, compiled once by NVRTC; the PTX is
-/// kept with the CUDA graphs' in the disk cache).
-const FLAG_KERNELS: &str = r#"
-extern "C" __global__ void burn_gemma_wait_flag(unsigned int* flag, unsigned int value) {
-    while ((int)(atomicAdd(flag, 0u) - value) < 0) {
-        __nanosleep(64);
-    }
-}
-extern "C" __global__ void burn_gemma_set_flag(unsigned int* flag, unsigned int value) {
-    __threadfence();
-    atomicExch(flag, value);
-}
-"#;
 
 /// One operand as cuBLASLt reads it (column-major).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -104,13 +67,6 @@ struct Lane {
     handle: lts::cublasLtHandle_t,
     stream: drs::CUstream,
     workspace: drs::CUdeviceptr,
-    /// Two u32 flags in CubeCL's memory (kept alive here) and their device address.
-    flags: Handle,
-    flags_ptr: u64,
-    /// `burn_gemma_wait_flag` and `burn_gemma_set_flag`.
-    wait: drs::CUfunction,
-    set: drs::CUfunction,
-    sequence: u32,
     algos: HashMap<Problem, lts::cublasLtMatmulAlgo_t>,
 }
 
@@ -270,7 +226,7 @@ fn product(
     let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
     let key = (ordinal, std::thread::current().id());
     if !lanes.contains_key(&key) {
-        lanes.insert(key, Lane::new(client, ordinal)?);
+        lanes.insert(key, Lane::new(ordinal)?);
     }
     let lane = lanes.get_mut(&key).ok_or("no lane")?;
     lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
@@ -362,20 +318,8 @@ impl Descriptors {
 }
 
 impl Lane {
-    fn new(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Result<Self, String> {
+    fn new(ordinal: usize) -> Result<Self, String> {
         crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
-        let arch = crate::graph::architecture(ordinal).map_err(|e| e.to_string())?;
-        let (ptx, _) = crate::graph::ptx(FLAG_KERNELS, arch, "flag kernels").map_err(|e| e.to_string())?;
-        // SAFETY: the PTX is NUL-terminated; the module lives as long as the process.
-        let (wait, set) = unsafe {
-            let module =
-                drv::module::load_data(ptx.as_ptr() as *const c_void).map_err(drv_call("cuModuleLoadData"))?;
-            let get = |name: &str| {
-                let name = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
-                drv::module::get_function(module, name).map_err(drv_call("cuModuleGetFunction"))
-            };
-            (get("burn_gemma_wait_flag")?, get("burn_gemma_set_flag")?)
-        };
         let handle = lt::create_handle().map_err(lt_call("cublasLtCreate"))?;
         // SAFETY: plain driver calls in the current (primary) context; the stream and workspace
         // live as long as the process (lanes are never dropped).
@@ -385,10 +329,7 @@ impl Lane {
             let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(drv_call("cuMemAlloc"))?;
             (stream, workspace)
         };
-        let flags = client.create_from_slice(&[0u8; 8]);
-        let flags_ptr =
-            client.get_resource(flags.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))?;
-        Ok(Self { ordinal, handle, stream, workspace, flags, flags_ptr, wait, set, sequence: 0, algos: HashMap::new() })
+        Ok(Self { ordinal, handle, stream, workspace, algos: HashMap::new() })
     }
 
     /// cuBLASLt's first heuristic choice for `problem` (cached).
@@ -436,18 +377,6 @@ impl Lane {
         Ok(algo)
     }
 
-    /// Launches one of the flag kernels on this lane's stream.
-    ///
-    /// # Safety
-    ///
-    /// `flag` is this lane's flag buffer (or 4 bytes into it).
-    unsafe fn flag_kernel(&self, function: drs::CUfunction, flag: u64, value: u32) -> Result<(), String> {
-        let (mut flag, mut value) = (flag, value);
-        let mut params = [&mut flag as *mut u64 as *mut c_void, &mut value as *mut u32 as *mut c_void];
-        drv::launch_kernel(function, (1, 1, 1), (1, 1, 1), 0, self.stream, &mut params)
-            .map_err(drv_call("cuLaunchKernel"))
-    }
-
     fn run(
         &mut self,
         client: &ComputeClient<CudaRuntime>,
@@ -458,58 +387,36 @@ impl Lane {
         let descriptors = Descriptors::new(problem, types)?;
         let algo = self.algo(problem, &descriptors)?;
         crate::graph::make_current(self.ordinal).map_err(|e| e.to_string())?;
-        let n = self.sequence.wrapping_add(1);
-        self.sequence = n;
-        let flags = || unsafe { ArrayArg::<CudaRuntime>::from_raw_parts(self.flags.clone(), 2) };
-        // 1. CubeCL's stream says its earlier work has run.
-        signal_kernel::launch::<CudaRuntime>(client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), flags(), n);
+        // CubeCL's work so far (the inputs, earlier users of the output's memory) first.
+        cubecl::future::block_on(client.sync()).map_err(|e| format!("sync: {e:?}"))?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [la, lb, ld] = descriptors.layouts;
         // SAFETY: the pointers are live CubeCL buffers of the sizes the layouts describe (the
-        // caller holds the tensors until the wait kernel is queued); the stream, handle and
-        // workspace are this lane's.
-        let product = unsafe {
-            self.flag_kernel(self.wait, self.flags_ptr, n)
-            .and_then(|()| {
-                lt::matmul(
-                    self.handle,
-                    descriptors.desc,
-                    &alpha as *const f32 as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    a as *const c_void,
-                    la,
-                    b as *const c_void,
-                    lb,
-                    d as *const c_void,
-                    ld,
-                    d as *mut c_void,
-                    ld,
-                    &algo,
-                    self.workspace as *mut c_void,
-                    WORKSPACE_BYTES,
-                    self.stream as lts::cudaStream_t,
-                )
-                .map_err(lt_call("cublasLtMatmul"))
-            })
-        };
-        // 2. Our stream says the product has run (also after a failed launch, so that the wait
-        // below returns).
-        // SAFETY: the flag buffer lives in this lane.
-        let written = unsafe {
-            self.flag_kernel(self.set, self.flags_ptr + 4, n)
-        };
-        if written.is_ok() {
-            // 3. CubeCL's later work waits for it.
-            wait_kernel::launch::<CudaRuntime>(client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), flags(), n);
-        } else {
-            // Without the flag the order cannot be kept: wait here (for CubeCL's signal too).
-            let _ = client.flush();
-            // SAFETY: this lane's stream.
-            unsafe {
-                let _ = drv::stream::synchronize(self.stream);
-            }
+        // caller holds the tensors until this returns); the stream, handle and workspace are
+        // this lane's, and the stream is synchronized before returning.
+        unsafe {
+            let product = lt::matmul(
+                self.handle,
+                descriptors.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                a as *const c_void,
+                la,
+                b as *const c_void,
+                lb,
+                d as *const c_void,
+                ld,
+                d as *mut c_void,
+                ld,
+                &algo,
+                self.workspace as *mut c_void,
+                WORKSPACE_BYTES,
+                self.stream as lts::cudaStream_t,
+            )
+            .map_err(lt_call("cublasLtMatmul"));
+            let synced = drv::stream::synchronize(self.stream).map_err(drv_call("cuStreamSynchronize"));
+            product.and(synced)
         }
-        product.and(written)
     }
 }
 
