@@ -57,10 +57,10 @@ struct Args {
     /// auto | on | off: decode steps replayed as one CUDA graph each (`auto`: on CUDA).
     #[arg(long, default_value = "auto")]
     cuda_graph: CudaGraph,
-    /// Prefill GEMM kernels the tuner leaves out, comma-separated names (e.g. `cublaslt`: CubeCL's
-    /// kernels alone).
-    #[arg(long, value_delimiter = ',')]
-    gemm_exclude: Vec<String>,
+    /// Prefill GEMM kernels the tuner chooses among, comma-separated names (`tuned`: the
+    /// default set of CubeCL kernels; e.g. `tuned,cublaslt` adds cuBLASLt on CUDA).
+    #[arg(long, value_delimiter = ',', default_value = "tuned")]
+    gemm_candidates: Vec<String>,
     /// Samples the host's call stacks (2 kHz) during the last rep's decode and writes them to
     /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
     #[arg(long)]
@@ -139,15 +139,15 @@ impl BackendTask for Bench {
             return Err(CliError::from("--prompt-len, --gen and --reps must be at least 1"));
         }
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
-        let excluded = a
-            .gemm_exclude
-            .iter()
-            .map(|name| {
-                burn_gemma_kernels::gemm::GemmKernel::from_name(name)
-                    .ok_or_else(|| CliError::from(format!("--gemm-exclude: no GEMM kernel named `{name}`")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        burn_gemma_kernels::gemm::tune::exclude(&excluded);
+        let mut candidates = Vec::new();
+        for name in &a.gemm_candidates {
+            match (name.as_str(), burn_gemma_kernels::gemm::GemmKernel::from_name(name)) {
+                ("tuned", _) => candidates.extend(burn_gemma_kernels::gemm::tune::TUNED),
+                (_, Some(kernel)) => candidates.push(kernel),
+                (_, None) => return Err(format!("--gemm-candidates: no GEMM kernel named `{name}`").into()),
+            }
+        }
+        burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }

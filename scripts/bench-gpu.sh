@@ -108,6 +108,10 @@ bundle() {
 }
 
 here=$(cd "$(dirname "$0")" && pwd)
+# cuBLASLt (a candidate of our prefill GEMM tuning) is loaded at run time: its folder on the path.
+cublaslt=$(find /usr/local /usr/lib /opt "$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)" \
+  -name 'libcublasLt.so*' 2>/dev/null | head -1)
+[ -n "$cublaslt" ] && export LD_LIBRARY_PATH=$(dirname "$cublaslt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
@@ -121,7 +125,7 @@ build_llama() {
       cmake --build build -j"$(nproc)" --target llama-bench llama-quantize >> "$OUT/llama-build.txt" 2>&1) ||
       { log "llama.cpp build failed (see llama-build.txt)"; return 1; }
   fi
-  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
 }
 
 prepare() {
@@ -182,7 +186,7 @@ EOF
 # Quantized weights (the files' own Q8_0 / Q4_K blocks on the device) with bf16 and int8 KV,
 # against llama.cpp with F16 and q8_0 KV, at each depth of $QDEPTHS.
 quant() {
-  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
   [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
   unpack
   copy_bandwidth
@@ -232,7 +236,7 @@ prepare4() {
 # $G4DEPTH): llama-bench with an F16 KV cache, ours with bf16 KV and the files' own blocks; then
 # our synthetic presets of $G4SYNTH (model:weights) where no file was written.
 gemma4() {
-  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
   unpack
   copy_bandwidth
   for m in $G4MODELS; do
@@ -267,7 +271,7 @@ for l in sys.stdin:
 # Prefill side by side: llama-bench pp512 and pp4096 (no generation) and ours on the same files,
 # then the time to first token of a 2k-token prompt on the real 270M ($MODEL_FILE, if there).
 prefill() {
-  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
   unpack
   for m in $PMODELS; do
     for q in $PFILES; do
@@ -384,7 +388,7 @@ hostprof() {
 }
 
 run() {
-  export LD_LIBRARY_PATH=$LCPP/build/bin PYTHONPATH=$LCPP/gguf-py
+  export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
   [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
   unpack
   copy_bandwidth

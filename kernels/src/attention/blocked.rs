@@ -15,7 +15,7 @@
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
 
-use super::AttentionOptions;
+use super::{kernel::Kv, AttentionMask, AttentionOptions};
 use crate::cube::{cube_index, cube_max, cube_sum, empty, grid, tanh_f32};
 use crate::gemm::{kernel::transposed, kernel::tuned_matmul, GemmError};
 use crate::graph::{arg, launch};
@@ -206,10 +206,25 @@ pub(crate) fn attention<R: CubeRuntime>(
             // Whole multiples of 64 keys where the range can grow backwards (the extra keys
             // are masked): fewer shape classes for the GEMM's tuning, none with a ragged `k`.
             let j_lo = j_hi.saturating_sub((j_hi - j_lo).next_multiple_of(KEY_ALIGN));
+            let keys = [b..b + 1, 0..kv_heads, j_lo..j_hi, 0..dim];
+            if kv_heads * groups * block * dim * (j_hi - j_lo) < crate::gemm::MIN_TUNED_MACS {
+                // Too small for the tuned kernels (the last block of a prompt a few tokens past
+                // a multiple of the block): CubeCL's per-unit GEMM runs such a product in one
+                // cube, 4.3 ms for the last query of a 513-token prompt on the H200
+                // (`docs/gpu-runs/2026-11-27-prefill`, call 4), where the tiled kernel takes
+                // microseconds.
+                let qb = slice(q.clone(), &[b..b + 1, 0..q_heads, i0..i1, 0..dim]);
+                let kv = Kv::Dense { k: slice(k.clone(), &keys), v: slice(v.clone(), &keys) };
+                let mask =
+                    AttentionMask { q_offset: mask.q_offset + i0, k_offset: mask.k_offset + j_lo, window: mask.window };
+                let ob = empty(q, [1, q_heads, block, dim], dtype);
+                let ob = super::tiled::attention(qb, kv, ob, &AttentionOptions { mask, ..*options });
+                place_rows(&ob, out, b, i0);
+                continue;
+            }
             // `[1, kv_heads, groups * block, dim]`: the block's queries, grouped by KV head.
             let qb = into_contiguous(slice(q.clone(), &[b..b + 1, 0..q_heads, i0..i1, 0..dim]));
             let qb = reshape(qb, Shape::new([1, kv_heads, groups * block, dim]));
-            let keys = [b..b + 1, 0..kv_heads, j_lo..j_hi, 0..dim];
             let scores = tuned_matmul(qb, transposed(slice(k.clone(), &keys)), DType::F32)?;
             let first = mask.q_offset + i0 - (mask.k_offset + j_lo);
             let probs = softmax_rows(&scores, dtype, [block, first], options);

@@ -15,8 +15,11 @@
 //! stream of ours, ordered by the host: CubeCL's queued work is waited for before the product
 //! (its inputs are written, and whatever used the output's memory before has run), and the
 //! product is waited for before returning (CubeCL's later work reads it, or reuses its inputs'
-//! memory). The two waits cost tens of microseconds of idle device per product; the tuner times
-//! the candidate with them, so it is chosen only where it is still faster (long prompts).
+//! memory). The product alone runs at up to 654 TFLOP/s on the H200 (Gemma 3 4B's gate|up at
+//! 4,096 rows, host waits included, `docs/gpu-runs/2026-11-27-prefill`), but the waits drain
+//! CubeCL's launch queue around every product, and a whole prompt ran slower than with CubeCL's
+//! kernels alone (1B F16 pp512 and pp4096), so it is not among the tuner's default candidates
+//! ([`super::tune::set_candidates`] adds it).
 //!
 //! Ordering on the device instead (a flag written by a CubeCL kernel and spun on by a kernel on
 //! our stream, and back) hung on the H200 (`docs/gpu-runs/2026-11-27-prefill`, call 2), and the

@@ -11,10 +11,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cublas;
-mod pad;
 pub mod tune;
-
-pub use pad::ROW_ALIGN;
 
 use crate::cube::{empty, Cb};
 use burn::tensor::{DType, Tensor};
@@ -241,19 +238,11 @@ pub(crate) mod kernel {
         let shape = lhs.meta.shape();
         let rank = shape.len();
         let macs = shape.iter().product::<usize>() * rhs.meta.shape()[rank - 1];
-        if !has_matrix_units(&lhs.client, lhs.dtype) || macs < MIN_TUNED_MACS {
-            return matmul(lhs, rhs, out_dtype, GemmKernel::Unit);
-        }
-        // The tiled kernels take rows in whole stages ([`super::pad`]): tuning times them (and
-        // cuBLASLt) on the padded rows, and cuBLASLt, which needs no padding, then runs on the
-        // rows as they are.
-        let m = shape[rank - 2];
-        let padded = super::pad::padded_rows(m);
-        let lhs_padded = super::pad::pad_rows(lhs.clone(), padded);
-        match tune::choose(&lhs_padded, &rhs, out_dtype).unwrap_or(GemmKernel::Unit) {
-            kernel @ (GemmKernel::Unit | GemmKernel::CublasLt) => matmul(lhs, rhs, out_dtype, kernel),
-            kernel => matmul(lhs_padded, rhs, out_dtype, kernel).map(|out| super::pad::take_rows(out, m)),
-        }
+        let kernel = match has_matrix_units(&lhs.client, lhs.dtype) && macs >= MIN_TUNED_MACS {
+            true => tune::choose(&lhs, &rhs, out_dtype).unwrap_or(GemmKernel::Unit),
+            false => GemmKernel::Unit,
+        };
+        matmul(lhs, rhs, out_dtype, kernel)
     }
 
     /// [`super::product`] on primitives (`x`, `w` contiguous, same dtype).

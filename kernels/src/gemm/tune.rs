@@ -26,10 +26,10 @@ use std::time::{Duration, Instant};
 /// some of them; the last runs where there is neither TMA nor `mma` (Vulkan's cooperative
 /// matrices). Candidates a device cannot launch are skipped.
 ///
-/// cuBLASLt ([`super::cublas`]) is the first candidate on CUDA where the library loads; other
-/// runtimes refuse it and skip it.
-pub const TUNED: [GemmKernel; 6] = [
-    GemmKernel::CublasLt,
+/// cuBLASLt ([`GemmKernel::CublasLt`]) is not among them by default: ordered against CubeCL's
+/// stream by host waits, it stalls the launch queue around every product, which the tuner's
+/// timing of the product alone does not see (see [`super::cublas`]); [`set_candidates`] adds it.
+pub const TUNED: [GemmKernel; 5] = [
     GemmKernel::SpecializedTma { tiles: TileKind::Mma },
     GemmKernel::SpecializedTma { tiles: TileKind::Cmma },
     GemmKernel::SimpleTma { tiles: TileKind::Cmma, multi_rows: true },
@@ -62,13 +62,14 @@ pub fn summary() -> TuningSummary {
     TuningSummary { path: cache_path(), ..guard.summary.clone() }
 }
 
-/// Leaves `kernels` out of tuning from now on in this process (cached choices of them are timed
-/// again): for measuring the others side by side, e.g. CubeCL's kernels without cuBLASLt.
-pub fn exclude(kernels: &[GemmKernel]) {
+/// The kernels tuning chooses among from now on in this process, in place of [`TUNED`] (e.g.
+/// `TUNED` and [`GemmKernel::CublasLt`]); cached choices of other kernels are timed again.
+/// Candidates a device cannot launch are still skipped.
+pub fn set_candidates(kernels: &[GemmKernel]) {
     let state = state();
     let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
-    guard.excluded = kernels.to_vec();
-    guard.choices.retain(|_, k| !kernels.contains(k));
+    guard.candidates = Some(kernels.to_vec());
+    guard.choices.retain(|_, k| kernels.contains(k));
 }
 
 /// `$BURN_GEMMA_CACHE/gemm-tune.txt` (the folder models are cached in), else
@@ -89,8 +90,8 @@ struct State {
     loaded: bool,
     /// Whether this process has said that it is tuning.
     announced: bool,
-    /// Candidates left out ([`exclude`]).
-    excluded: Vec<GemmKernel>,
+    /// The kernels tuning chooses among ([`set_candidates`]; [`TUNED`] where unset).
+    candidates: Option<Vec<GemmKernel>>,
     summary: TuningSummary,
 }
 
@@ -110,12 +111,8 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
     let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
     // Whether `rhs` is contiguous along `k` (a weight's transposed view) or along `n`.
     let rhs_layout = if rhs.meta.strides()[rank - 2] == 1 { "t" } else { "n" };
-    // Rows come padded to a multiple of `ROW_ALIGN` ([`super::pad`]); whether they are also a
-    // multiple of twice that is part of the class (a kernel with stages of 256 rows is checked,
-    // and slow, on the others).
-    let odd = if m.is_multiple_of(2 * super::ROW_ALIGN) { "" } else { "+" };
     format!(
-        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{}{odd} n{}{rhs_layout} k{k}",
+        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{} n{}{rhs_layout} k{k}",
         R::name(&lhs.client),
         hw.num_streaming_multiprocessors.unwrap_or(0),
         hw.max_shared_memory_size,
@@ -137,13 +134,13 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         guard.loaded = true;
         let loaded = load();
         guard.summary.cached = loaded.len();
-        let excluded = guard.excluded.clone();
-        guard.choices.extend(loaded.into_iter().filter(|(_, k)| !excluded.contains(k)));
+        let candidates = guard.candidates.clone().unwrap_or(TUNED.to_vec());
+        guard.choices.extend(loaded.into_iter().filter(|(_, k)| candidates.contains(k)));
     }
     if let Some(&kernel) = guard.choices.get(&key) {
         return Some(kernel);
     }
-    let excluded = guard.excluded.clone();
+    let candidates = guard.candidates.clone().unwrap_or(TUNED.to_vec());
     if !guard.announced {
         guard.announced = true;
         // Once per process: the first prompt on a new device waits for this (seconds to a minute).
@@ -156,7 +153,7 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
     let expected = matmul(lhs.clone(), rhs.clone(), out, GemmKernel::Unit).ok().and_then(|t| read(&t))?;
     let mut best: Option<(Duration, GemmKernel)> = None;
     let run = |kernel| matmul(lhs.clone(), rhs.clone(), out, kernel).ok().filter(|_| sync(lhs).is_ok());
-    for kernel in TUNED.into_iter().filter(|k| !excluded.contains(k)) {
+    for kernel in candidates {
         // The first launch compiles the kernel and is checked; a refusal (no TMA, no `mma`)
         // or a disagreement skips it.
         let Some(result) = run(kernel) else { continue };
