@@ -111,8 +111,7 @@ fn alignment(ptr: u64) -> u32 {
 /// The single stride of the batch dimensions (`0` for one batch), `None` where they do not
 /// collapse into one.
 fn batch_stride(shape: &[usize], strides: &[usize]) -> Option<i64> {
-    let dims: Vec<(usize, usize)> =
-        shape.iter().zip(strides).map(|(&n, &s)| (n, s)).filter(|&(n, _)| n > 1).collect();
+    let dims: Vec<(usize, usize)> = shape.iter().zip(strides).map(|(&n, &s)| (n, s)).filter(|&(n, _)| n > 1).collect();
     for pair in dims.windows(2) {
         if pair[0].1 != pair[1].1 * pair[1].0 {
             return None;
@@ -288,7 +287,8 @@ impl Descriptors {
             }
             .map_err(lt_call("cublasLtMatmulDescSetAttribute"))?;
         }
-        for (i, (operand, dtype)) in [(problem.a, input), (problem.b, input), (problem.d, output)].into_iter().enumerate()
+        for (i, (operand, dtype)) in
+            [(problem.a, input), (problem.b, input), (problem.d, output)].into_iter().enumerate()
         {
             // D is stored as is (row-major out = column-major out^T); A and B as stored.
             let layout = lt::create_matrix_layout(dtype, operand.rows, operand.cols, operand.ld)
@@ -336,11 +336,7 @@ impl Lane {
     }
 
     /// cuBLASLt's first heuristic choice for `problem` (cached).
-    fn algo(
-        &mut self,
-        problem: &Problem,
-        descriptors: &Descriptors,
-    ) -> Result<lts::cublasLtMatmulAlgo_t, String> {
+    fn algo(&mut self, problem: &Problem, descriptors: &Descriptors) -> Result<lts::cublasLtMatmulAlgo_t, String> {
         if let Some(algo) = self.algos.get(problem) {
             return Ok(*algo);
         }
@@ -491,8 +487,9 @@ mod tests {
                 let expected = Tensor::<B, 3>::from_data(TensorData::new(expected, [batch, m, n]), &device);
                 // f32 out: the f32 accumulation alone; else one rounding to the output dtype.
                 let tol = if f32_out { 1e-4 } else { crate::gpu_test::tolerance(dtype) };
-                let what =
-                    format!("cublaslt b{batch} {m}x{k}x{n} {dtype:?} -> {out_dtype:?} transposed {transposed} offset {offset}");
+                let what = format!(
+                    "cublaslt b{batch} {m}x{k}x{n} {dtype:?} -> {out_dtype:?} transposed {transposed} offset {offset}"
+                );
                 assert_close(got, expected, tol, &what);
             }
         }
