@@ -227,10 +227,10 @@ fn product(
     let ordinal = lhs.device.index;
     let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
     let key = (ordinal, std::thread::current().id());
-    if !lanes.contains_key(&key) {
-        lanes.insert(key, Lane::new(ordinal)?);
-    }
-    let lane = lanes.get_mut(&key).ok_or("no lane")?;
+    let lane = match lanes.entry(key) {
+        std::collections::hash_map::Entry::Occupied(lane) => lane.into_mut(),
+        std::collections::hash_map::Entry::Vacant(slot) => slot.insert(Lane::new(ordinal)?),
+    };
     lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
 }
 
