@@ -3,9 +3,9 @@
 //!
 //! Why a vendor library for this one operation: CubeCL 0.10's matmul kernels have no Hopper
 //! `wgmma` path and reach about 30% of the H200's bf16 rate on Gemma's products; cuBLASLt's
-//! kernels use `wgmma` with TMA-fed pipelines. It stays one candidate among CubeCL's, chosen only
-//! where the tuner measured it faster on the shape, and every other backend (and a machine
-//! without `libcublasLt`) keeps CubeCL's kernels.
+//! kernels use `wgmma` with TMA-fed pipelines. It is one candidate the tuner can choose among
+//! CubeCL's (off by default: see below), and every other backend (and a machine without
+//! `libcublasLt`) keeps CubeCL's kernels.
 //!
 //! The library is loaded at run time (`cudarc`'s `cublaslt` module); nothing links against it.
 //!
