@@ -167,18 +167,18 @@ pub(crate) fn matmul<R: burn_cubecl::CubeRuntime>(
     if !available() {
         return Err(fail("libcublasLt could not be loaded"));
     }
-    product(lhs, rhs, out).map_err(|reason| refuse(m, n, k, lhs.dtype, reason))
+    product(lhs, rhs, out, [m, n, k]).map_err(|reason| refuse(m, n, k, lhs.dtype, reason))
 }
 
+/// [`matmul`] on CUDA tensors, `[m, n, k]` read from them by the caller.
 fn product(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
     out: &CubeTensor<CudaRuntime>,
+    [m, n, k]: [usize; 3],
 ) -> Result<(), String> {
     let shape = lhs.meta.shape();
-    let rank = shape.len();
-    let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
-    let batch: usize = shape[..rank - 2].iter().product();
+    let batch: usize = shape[..shape.len() - 2].iter().product();
     if m * n * k == 0 || batch == 0 {
         return Ok(());
     }
@@ -234,12 +234,8 @@ fn product(
     lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
 }
 
-/// A cuBLASLt call's result as our error text.
-fn lt_call(what: &'static str) -> impl Fn(lt::CublasError) -> String {
-    move |e| format!("{what}: {e:?}")
-}
-
-fn drv_call(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
+/// A failed cuBLASLt or driver call as our error text, naming the call.
+fn call<E: std::fmt::Debug>(what: &'static str) -> impl Fn(E) -> String {
     move |e| format!("{what}: {e:?}")
 }
 
@@ -269,7 +265,7 @@ impl Descriptors {
     fn new(problem: &Problem, [input, output]: [lts::cudaDataType; 2]) -> Result<Self, String> {
         let mut this = Self { desc: std::ptr::null_mut(), layouts: [std::ptr::null_mut(); 3] };
         this.desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, lts::cudaDataType::CUDA_R_32F)
-            .map_err(lt_call("cublasLtMatmulDescCreate"))?;
+            .map_err(call("cublasLtMatmulDescCreate"))?;
         for (attr, t) in [
             (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, problem.a.transposed),
             (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, problem.b.transposed),
@@ -285,14 +281,14 @@ impl Descriptors {
                     std::mem::size_of_val(&value),
                 )
             }
-            .map_err(lt_call("cublasLtMatmulDescSetAttribute"))?;
+            .map_err(call("cublasLtMatmulDescSetAttribute"))?;
         }
         for (i, (operand, dtype)) in
             [(problem.a, input), (problem.b, input), (problem.d, output)].into_iter().enumerate()
         {
             // D is stored as is (row-major out = column-major out^T); A and B as stored.
             let layout = lt::create_matrix_layout(dtype, operand.rows, operand.cols, operand.ld)
-                .map_err(lt_call("cublasLtMatrixLayoutCreate"))?;
+                .map_err(call("cublasLtMatrixLayoutCreate"))?;
             this.layouts[i] = layout;
             if problem.batch > 1 {
                 let count = problem.batch;
@@ -305,14 +301,14 @@ impl Descriptors {
                         &count as *const i32 as *const c_void,
                         4,
                     )
-                    .map_err(lt_call("cublasLtMatrixLayoutSetAttribute"))?;
+                    .map_err(call("cublasLtMatrixLayoutSetAttribute"))?;
                     lt::set_matrix_layout_attribute(
                         layout,
                         lts::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                         &stride as *const i64 as *const c_void,
                         8,
                     )
-                    .map_err(lt_call("cublasLtMatrixLayoutSetAttribute"))?;
+                    .map_err(call("cublasLtMatrixLayoutSetAttribute"))?;
                 }
             }
         }
@@ -323,13 +319,12 @@ impl Descriptors {
 impl Lane {
     fn new(ordinal: usize) -> Result<Self, String> {
         crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
-        let handle = lt::create_handle().map_err(lt_call("cublasLtCreate"))?;
+        let handle = lt::create_handle().map_err(call("cublasLtCreate"))?;
         // SAFETY: plain driver calls in the current (primary) context; the stream and workspace
         // live as long as the process (lanes are never dropped).
         let (stream, workspace) = unsafe {
-            let stream =
-                drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(drv_call("cuStreamCreate"))?;
-            let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(drv_call("cuMemAlloc"))?;
+            let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(call("cuStreamCreate"))?;
+            let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(call("cuMemAlloc"))?;
             (stream, workspace)
         };
         Ok(Self { ordinal, handle, stream, workspace, algos: HashMap::new() })
@@ -340,7 +335,7 @@ impl Lane {
         if let Some(algo) = self.algos.get(problem) {
             return Ok(*algo);
         }
-        let pref = lt::create_matmul_pref().map_err(lt_call("cublasLtMatmulPreferenceCreate"))?;
+        let pref = lt::create_matmul_pref().map_err(call("cublasLtMatmulPreferenceCreate"))?;
         let result = (|| {
             let workspace = WORKSPACE_BYTES as u64;
             use lts::cublasLtMatmulPreferenceAttributes_t::*;
@@ -352,7 +347,7 @@ impl Lane {
                     &workspace as *const u64 as *const c_void,
                     8,
                 )
-                .map_err(lt_call("cublasLtMatmulPreferenceSetAttribute"))?;
+                .map_err(call("cublasLtMatmulPreferenceSetAttribute"))?;
                 for (attr, align) in [
                     (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, problem.a.align),
                     (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, problem.b.align),
@@ -360,11 +355,11 @@ impl Lane {
                     (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, problem.d.align),
                 ] {
                     lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, 4)
-                        .map_err(lt_call("cublasLtMatmulPreferenceSetAttribute"))?;
+                        .map_err(call("cublasLtMatmulPreferenceSetAttribute"))?;
                 }
                 let [a, b, d] = descriptors.layouts;
                 lt::get_matmul_algo_heuristic(self.handle, descriptors.desc, a, b, d, d, pref)
-                    .map_err(lt_call("cublasLtMatmulAlgoGetHeuristic"))
+                    .map_err(call("cublasLtMatmulAlgoGetHeuristic"))
             }
         })();
         // SAFETY: created above, not used after this.
@@ -412,8 +407,8 @@ impl Lane {
                 WORKSPACE_BYTES,
                 self.stream as lts::cudaStream_t,
             )
-            .map_err(lt_call("cublasLtMatmul"));
-            let synced = drv::stream::synchronize(self.stream).map_err(drv_call("cuStreamSynchronize"));
+            .map_err(call("cublasLtMatmul"));
+            let synced = drv::stream::synchronize(self.stream).map_err(call("cuStreamSynchronize"));
             product.and(synced)
         }
     }

@@ -95,6 +95,13 @@ struct State {
     summary: TuningSummary,
 }
 
+impl State {
+    /// The kernels tuning chooses among now.
+    fn candidates(&self) -> Vec<GemmKernel> {
+        self.candidates.clone().unwrap_or_else(|| TUNED.to_vec())
+    }
+}
+
 fn state() -> &'static Mutex<State> {
     static STATE: std::sync::OnceLock<Mutex<State>> = std::sync::OnceLock::new();
     STATE.get_or_init(|| Mutex::new(State::default()))
@@ -134,13 +141,13 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         guard.loaded = true;
         let loaded = load();
         guard.summary.cached = loaded.len();
-        let candidates = guard.candidates.clone().unwrap_or(TUNED.to_vec());
+        let candidates = guard.candidates();
         guard.choices.extend(loaded.into_iter().filter(|(_, k)| candidates.contains(k)));
     }
     if let Some(&kernel) = guard.choices.get(&key) {
         return Some(kernel);
     }
-    let candidates = guard.candidates.clone().unwrap_or(TUNED.to_vec());
+    let candidates = guard.candidates();
     if !guard.announced {
         guard.announced = true;
         // Once per process: the first prompt on a new device waits for this (seconds to a minute).
