@@ -538,6 +538,10 @@ impl<B: GemmaBackend> Generator<B> {
         }
         let capacity = needed.min(limit);
         let cache = self.take_cache(capacity)?;
+        // A reply's last token was sampled but never run through the model: it is in the
+        // context, not in the cache, so it runs first, ahead of the new ids.
+        let mut input = self.context.split_off(cache.len().min(self.context.len()));
+        input.extend_from_slice(ids);
         self.cache = Some(cache);
         let start = Instant::now();
         Ok(Run {
@@ -555,7 +559,7 @@ impl<B: GemmaBackend> Generator<B> {
             utf8: Utf8Stream::default(),
             text: String::new(),
             tokens: Vec::new(),
-            input: ids.to_vec(),
+            input,
             stop: None,
         })
     }

@@ -314,3 +314,18 @@ fn cuda_graph_generation_equals_eager() {
         println!("turn {turn}: {} tokens equal; {}", a.tokens.len(), a.stats);
     }
 }
+
+/// A chat's second turn continues exactly as the whole conversation (first turn, its reply and
+/// the second turn) run from an empty context: the cache holds every token of the context,
+/// the reply's last token included, at its position.
+#[test]
+fn chat_turns_continue_as_the_whole_conversation() {
+    let config = GenerationConfig { max_new_tokens: 5, ..Default::default() };
+    let mut g = tiny_generator();
+    g.chat("hello", &config, |_| {}).unwrap();
+    let second = g.chat("again", &config, |_| {}).unwrap();
+    let turns = g.context()[..g.context().len() - second.tokens.len()].to_vec();
+    let mut fresh = tiny_generator();
+    let whole = fresh.continue_ids(&turns, &config, |_| {}).unwrap();
+    assert_eq!(second.tokens, whole.tokens);
+}
