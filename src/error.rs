@@ -166,6 +166,11 @@ pub enum RequestError {
     /// [`crate::Generator::send_tool_responses`] with no responses.
     #[error("no tool responses to send")]
     NoToolResponses,
+    /// A draft model whose vocabulary is not the model's ([`crate::Generator::set_speculation`]).
+    #[error(
+        "the draft model has {draft} tokens in its vocabulary, the model {target}: drafts need the same vocabulary"
+    )]
+    DraftVocabulary { target: usize, draft: usize },
     /// Tool responses with no conversation to continue.
     #[error("no conversation to continue: start one with a chat turn")]
     NoConversation,

@@ -4,13 +4,18 @@ use crate::{
     chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
     error::{BackendError, RequestError, TokenizerError},
     sampling::{Sampler, SamplingConfig},
+    speculative::{
+        accept::{keeps, pick, residual},
+        Drafter, Drafts, Proposal, Speculation, SpeculationStats,
+    },
     tokenizer::Bos,
     Error, Gemma, GemmaBackend, GemmaConfig, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
-use burn_gemma_model::{CudaGraph, DecodeGraphs, GraphSetup, ModelError};
+use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ModelError};
 use std::{
+    collections::VecDeque,
     num::NonZeroUsize,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -94,6 +99,8 @@ pub struct Stats {
     /// device (included in `prefill`; once per shape, then read from the tuning cache, see
     /// `burn_gemma_kernels::gemm::tune`).
     pub gemm_tuning: Duration,
+    /// What drafting did, where a [`Speculation`] is set.
+    pub speculation: Option<SpeculationStats>,
 }
 
 impl Stats {
@@ -131,6 +138,16 @@ impl std::fmt::Display for Stats {
                 f,
                 " | prefill includes {:.0} ms choosing GEMM kernels for new shapes (cached for later runs)",
                 self.gemm_tuning.as_secs_f64() * 1e3
+            )?;
+        }
+        if let Some(spec) = &self.speculation {
+            write!(
+                f,
+                " | speculative: {}/{} drafts accepted ({:.0}%), {:.2} tokens per model step",
+                spec.accepted,
+                spec.drafted,
+                spec.acceptance_rate() * 100.0,
+                self.generated_tokens.saturating_sub(1) as f64 / spec.target_steps.max(1) as f64
             )?;
         }
         if self.graph_steps > 0 {
@@ -210,6 +227,11 @@ struct Run {
     tokens: Vec<u32>,
     /// What the next step runs through the model.
     input: Vec<u32>,
+    /// Tokens a verify step produced, handed out one per step: `(id, whether the cache holds
+    /// it)` (kept drafts are in the cache, the model's own last token is not).
+    queue: VecDeque<(u32, bool)>,
+    /// A draft model's sampler: the request's settings, draws of its own.
+    draft_sampler: Sampler,
     stop: Option<StopReason>,
 }
 
@@ -300,6 +322,10 @@ pub struct Generator<B: GemmaBackend> {
     template: ChatTemplate,
     /// How a conversation opens (see [`Generator::set_system`]).
     system: SystemTurn,
+    /// Drafting, where set ([`Generator::set_speculation`]).
+    speculation: Option<Speculation<B>>,
+    /// Taken before the last verify step: takes back cached drafts the context did not keep.
+    rewind: Option<Checkpoint<B>>,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -319,7 +345,23 @@ impl<B: GemmaBackend> Generator<B> {
             interrupt: Arc::new(AtomicBool::new(false)),
             graphs: None,
             graph_off: None,
+            speculation: None,
+            rewind: None,
         })
+    }
+
+    /// Drafts tokens for the model to verify from here on (see [`crate::speculative`]), or
+    /// stops drafting (`None`). Greedy output is the same token for token; sampled output keeps
+    /// the model's distribution. A draft model must share the model's vocabulary.
+    pub fn set_speculation(&mut self, speculation: Option<Speculation<B>>) -> Result<(), Error> {
+        if let Some(Drafter::Model(draft)) = speculation.as_ref().map(Speculation::drafter) {
+            let (target, drafter) = (self.model.config().vocab_size, draft.model().config().vocab_size);
+            if target != drafter {
+                return Err(RequestError::DraftVocabulary { target, draft: drafter }.into());
+            }
+        }
+        self.speculation = speculation;
+        Ok(())
     }
 
     /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
@@ -351,6 +393,7 @@ impl<B: GemmaBackend> Generator<B> {
     /// Forgets the conversation; the cache memory is reused.
     pub fn reset(&mut self) {
         self.context.clear();
+        self.rewind = None;
         if let Some(cache) = &mut self.cache {
             cache.reset();
         }
@@ -537,6 +580,7 @@ impl<B: GemmaBackend> Generator<B> {
             .into());
         }
         let capacity = needed.min(limit);
+        self.settle_cache();
         let cache = self.take_cache(capacity)?;
         // A reply's last token was sampled but never run through the model: it is in the
         // context, not in the cache, so it runs first, ahead of the new ids.
@@ -555,11 +599,20 @@ impl<B: GemmaBackend> Generator<B> {
             start,
             decode_start: start,
             tuning_before: burn_gemma_kernels::gemm::tune::summary().time,
-            stats: Stats { prompt_tokens: ids.len(), ..Default::default() },
+            stats: Stats {
+                prompt_tokens: ids.len(),
+                speculation: self.speculation.as_ref().map(|_| SpeculationStats::default()),
+                ..Default::default()
+            },
             utf8: Utf8Stream::default(),
             text: String::new(),
             tokens: Vec::new(),
             input,
+            queue: VecDeque::new(),
+            draft_sampler: Sampler::new(SamplingConfig {
+                seed: config.sampling.seed ^ 0x5eed_d4af,
+                ..config.sampling.clone()
+            })?,
             stop: None,
         })
     }
@@ -587,7 +640,18 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     fn next_token(&mut self, run: &mut Run) -> Result<Option<Token>, Error> {
+        if let Some((token, cached)) = run.queue.pop_front() {
+            return Ok(self.take_token(run, token, cached));
+        }
         let step = run.tokens.len();
+        if step > 0 {
+            if let Some(spec) = &mut run.stats.speculation {
+                spec.target_steps += 1;
+            }
+            if let Some((token, cached)) = self.speculative_step(run)? {
+                return Ok(self.take_token(run, token, cached));
+            }
+        }
         let vocab = self.model.config().vocab_size;
         let draws = run.sampler.draws(1);
         let mut token = None;
@@ -625,24 +689,157 @@ impl<B: GemmaBackend> Generator<B> {
             run.stats.gemm_tuning = burn_gemma_kernels::gemm::tune::summary().time.saturating_sub(run.tuning_before);
             run.decode_start = Instant::now();
         }
+        Ok(self.take_token(run, token, false))
+    }
+
+    /// Hands out `token`: ends the run where it is a stop token or the last the run may make,
+    /// else makes it the next step's input (or, where the cache already holds it, a kept
+    /// draft, part of the context).
+    fn take_token(&mut self, run: &mut Run, token: u32, cached: bool) -> Option<Token> {
         run.tokens.push(token);
-        if run.stops.contains(&token) {
-            self.context.push(token);
+        let text = if run.stops.contains(&token) {
             run.stop = Some(StopReason::StopToken(token));
-            return Ok(None);
-        }
-        let text = run.utf8.push(self.tokenizer.token_bytes(token));
-        run.text.push_str(&text);
-        if run.tokens.len() >= run.max_new_tokens {
+            None
+        } else {
+            let text = run.utf8.push(self.tokenizer.token_bytes(token));
+            run.text.push_str(&text);
+            if run.tokens.len() >= run.max_new_tokens {
+                run.stop = Some(StopReason::MaxTokens);
+            } else if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
+                run.stop = Some(StopReason::ContextFull);
+            }
+            Some(text)
+        };
+        if run.stop.is_some() || cached {
             self.context.push(token);
-            run.stop = Some(StopReason::MaxTokens);
-        } else if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
-            self.context.push(token);
-            run.stop = Some(StopReason::ContextFull);
         } else {
             run.input = vec![token];
         }
-        Ok(Some(Token { id: token, text }))
+        if run.stop.is_some() {
+            // Kept drafts after this one are in the cache, not in the context.
+            run.queue.clear();
+            self.settle_cache();
+        }
+        text.map(|text| Token { id: token, text })
+    }
+
+    /// Takes the cache back to a prefix of the context where it holds drafts the context did
+    /// not keep (a run that stopped part way through a verify step's tokens); where the last
+    /// checkpoint cannot, empties it (the next request then runs the whole context again).
+    fn settle_cache(&mut self) {
+        let keep = self.context.len();
+        let Some(cache) = self.cache.as_mut() else { return };
+        if cache.len() > keep {
+            let rewound = self.rewind.as_ref().is_some_and(|c| cache.rewind(c, keep).is_ok());
+            if !rewound {
+                cache.reset();
+            }
+        }
+    }
+
+    /// A step with drafts: the drafter proposes up to the step's length, the model scores the
+    /// pending token and every draft in one forward pass, the longest agreeing prefix is kept
+    /// and the model's own next token follows it. Returns the first token (the rest wait in
+    /// the run's queue); `None` where nothing was drafted (the step runs as usual).
+    fn speculative_step(&mut self, run: &mut Run) -> Result<Option<(u32, bool)>, Error> {
+        let Some(mut spec) = self.speculation.take() else { return Ok(None) };
+        let result = self.draft_and_verify(run, &mut spec);
+        self.speculation = Some(spec);
+        result
+    }
+
+    fn draft_and_verify(&mut self, run: &mut Run, spec: &mut Speculation<B>) -> Result<Option<(u32, bool)>, Error> {
+        let Some(cache) = self.cache.as_ref() else { return Ok(None) };
+        // The verify step writes the pending token and the drafts; the drafts beyond what the
+        // run may still make, or the cache can take back, are not worth drafting.
+        let room = cache.capacity().saturating_sub(cache.len() + run.input.len());
+        let left = run.max_new_tokens.saturating_sub(run.tokens.len() + 1);
+        let k = spec.next_length().min(room).min(left).min(cache.checkpoint_limit().saturating_sub(run.input.len()));
+        if k == 0 || run.input.len() != 1 {
+            return Ok(None);
+        }
+        let sequence: Vec<u32> = self.context.iter().chain(&run.input).copied().collect();
+        let drafts = match &mut spec.drafter {
+            Drafter::PromptLookup(lookup) => {
+                let tokens = lookup.draft(&sequence, k);
+                Drafts { proposals: vec![Proposal::Certain; tokens.len()], tokens }
+            }
+            Drafter::Model(model) => model.draft(&sequence, k, &mut run.draft_sampler, run.prefill_chunk)?,
+        };
+        if drafts.tokens.is_empty() {
+            return Ok(None);
+        }
+        let drafted = drafts.tokens.len();
+        let mut cache = self.take_cache(run.capacity)?;
+        let verified = (|| {
+            let checkpoint = cache.checkpoint(1 + drafted)?;
+            let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
+            let logits = self.model.forward(token_tensor(&ids, &self.model.device()), &mut cache)?;
+            Ok::<_, Error>((checkpoint, logits))
+        })();
+        self.cache = Some(cache);
+        let (checkpoint, logits) = verified?;
+        self.context.append(&mut run.input);
+        let (kept, next) = self.judge(run, logits, &drafts)?;
+        let keep = self.context.len() + kept;
+        if let Some(cache) = self.cache.as_mut() {
+            cache.rewind(&checkpoint, keep)?;
+        }
+        self.rewind = Some(checkpoint);
+        if let Some(stats) = &mut run.stats.speculation {
+            stats.verify_steps += 1;
+            stats.drafted += drafted;
+            stats.accepted += kept;
+        }
+        spec.adapt(drafted, kept);
+        let vocab = self.model.config().vocab_size;
+        let next = checked_token(i64::from(next), vocab, run.tokens.len() + kept)?;
+        run.queue.extend(drafts.tokens[..kept].iter().map(|&t| (t, true)));
+        run.queue.push_back((next, false));
+        Ok(run.queue.pop_front())
+    }
+
+    /// How many drafts the model keeps, and its own token after them, from the logits of the
+    /// verify step (`[1, 1 + drafts, vocab]`: row `i` predicts what follows draft `i`, row 0
+    /// what follows the pending token). Greedy: the drafts equal to the model's choices.
+    /// Sampled: the rejection rule of [`crate::speculative::accept`].
+    fn judge(&self, run: &mut Run, logits: Tensor<B, 3>, drafts: &Drafts) -> Result<(usize, u32), Error> {
+        let [_, rows, vocab] = logits.dims();
+        let row = |i: usize| logits.clone().slice([0..1, i..i + 1, 0..vocab]).reshape([1, vocab]);
+        let history = |i: usize| -> Vec<u32> { self.context.iter().chain(&drafts.tokens[..i]).copied().collect() };
+        let sampler = &mut run.sampler;
+        let step = run.tokens.len();
+        if sampler.is_greedy() {
+            // The model's choice after each draft, as a step without drafts would make it.
+            let choices = if sampler.penalizes() {
+                (0..rows)
+                    .map(|i| {
+                        first_sampled(sampler.sample_with_draws(row(i), &history(i), &[0.0])?).map_err(Error::from)
+                    })
+                    .collect::<Result<Vec<_>, Error>>()?
+            } else {
+                let all = logits.clone().reshape([rows, vocab]);
+                sampled_ids(sampler.sample_with_draws(all, &[], &vec![0.0; rows])?)?
+            };
+            let kept = drafts.tokens.iter().zip(&choices).take_while(|(&d, &c)| i64::from(d) == c).count();
+            let next = checked_token(choices[kept], vocab, step + kept)?;
+            return Ok((kept, next));
+        }
+        for (i, (&token, proposal)) in drafts.tokens.iter().zip(&drafts.proposals).enumerate() {
+            let target = sampler.host_distribution(row(i), &history(i))?;
+            if target.is_empty() {
+                return Err(Error::NonFiniteLogits { step: step + i });
+            }
+            if !keeps(&target, token, proposal, sampler.uniform()) {
+                let rest = residual(&target, token, proposal);
+                let next = pick(&rest, sampler.uniform()).ok_or(Error::NonFiniteLogits { step: step + i })?;
+                return Ok((i, next));
+            }
+        }
+        let kept = drafts.tokens.len();
+        let target = sampler.host_distribution(row(kept), &history(kept))?;
+        let next = pick(&target, sampler.uniform()).ok_or(Error::NonFiniteLogits { step: step + kept })?;
+        Ok((kept, next))
     }
 
     /// Whether decode steps replay a CUDA graph in `mode` with this sampler: `On` where it

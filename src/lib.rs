@@ -38,6 +38,7 @@ pub mod safetensors;
 pub mod sampling;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod speculative;
 pub mod stop_text;
 pub mod tokenizer;
 

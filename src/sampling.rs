@@ -217,6 +217,33 @@ impl Sampler {
         }
     }
 
+    /// Whether tokens are chosen greedily (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.config.temperature == 0.0
+    }
+
+    /// [`Sampler::distribution`] of one row of device logits (`[1, vocab]`), read back and
+    /// penalized for `history`. Empty where a logit is not finite.
+    pub fn host_distribution<B: GemmaBackend>(
+        &self,
+        logits: Tensor<B, 2>,
+        history: &[u32],
+    ) -> Result<Vec<(u32, f32)>, Error> {
+        let read = |reason: String| crate::BackendError::ReadBack { what: "the logits", reason };
+        let data = logits.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<f32>();
+        let mut row = data.into_vec::<f32>().map_err(|e| read(format!("{e:?}")))?;
+        if row.iter().any(|l| !l.is_finite()) {
+            return Ok(Vec::new());
+        }
+        self.penalize(&mut row, history);
+        Ok(self.distribution(&row))
+    }
+
+    /// One uniform draw in [0, 1) from the sampler's generator.
+    pub fn uniform(&mut self) -> f32 {
+        self.draw()
+    }
+
     /// Whether the repetition penalty changes anything (it runs as eager tensor operations).
     pub fn penalizes(&self) -> bool {
         self.config.repeat_penalty != 1.0

@@ -3,12 +3,14 @@
 
 use super::paged::{BlockPool, PagedLayout, PrefixCache, Reservation, Source};
 use super::prefix::{NodeKey, PrefixIndex};
+use super::rewind::{ring_slots, Checkpoint};
 use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
     AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout, ReadBackError,
 };
+use std::ops::Range;
 
 /// The score settings of a layer's attention: scale and optional logit softcap.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -245,6 +247,33 @@ impl<B: GemmaBackend> LayerCache<B> {
             Err(_) => store,
         });
         checked.map_err(|mismatch| ModelError::CacheMismatch(mismatch.to_string()))
+    }
+
+    /// For a ring: the rows of the slots positions `span` (at most the ring's slots) occupy,
+    /// in position order and in f32; nothing for a full store, which a rewind leaves as it is.
+    fn saved(&self, span: &Range<usize>) -> Result<Option<StoredRows<B>>, ModelError> {
+        let Span::Ring(w) = self.span else { return Ok(None) };
+        if span.is_empty() {
+            return Ok(None);
+        }
+        let store = self.store.as_ref().ok_or(ModelError::CacheLost)?;
+        let (keys, values): (Vec<_>, Vec<_>) =
+            ring_slots(span, w).into_iter().map(|(slots, _)| B::kv_read(store, slots, DType::F32)).unzip();
+        Ok(Some(StoredRows { keys: Tensor::cat(keys, 2), values: Tensor::cat(values, 2) }))
+    }
+
+    /// Puts back what `saved` (from [`LayerCache::saved`] over positions from `start`) holds
+    /// for the slots of positions `rejected`.
+    fn restore(&mut self, saved: &StoredRows<B>, start: usize, rejected: Range<usize>) -> Result<(), ModelError> {
+        let Span::Ring(w) = self.span else { return Ok(()) };
+        let mut store = self.store.take().ok_or(ModelError::CacheLost)?;
+        let base = rejected.start - start;
+        for (slots, offset) in ring_slots(&rejected, w) {
+            let rows = s![.., .., base + offset..base + offset + slots.len(), ..];
+            store = B::kv_write(store, saved.keys.clone().slice(rows), saved.values.clone().slice(rows), slots.start);
+        }
+        self.store = Some(store);
+        Ok(())
     }
 
     /// Every slot of the store, in f32.
@@ -624,6 +653,67 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Marks `new_tokens` positions as processed (after every layer appended them).
     pub(crate) fn advance(&mut self, new_tokens: usize) {
         self.len += new_tokens;
+    }
+
+    /// Most positions a [`KvCache::checkpoint`] covers: the fewest slots of a sliding-window
+    /// ring (a ring's positions further ahead would overwrite what the span itself wrote), or
+    /// the capacity where no layer has a ring.
+    pub fn checkpoint_limit(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|layer| match layer.span {
+                Span::Ring(w) => Some(w),
+                Span::Full => None,
+            })
+            .min()
+            .unwrap_or(self.capacity)
+    }
+
+    /// Keeps what writing the next `ahead` positions (from the cache's length) overwrites in
+    /// the sliding-window rings, so that [`KvCache::rewind`] can take any of those positions
+    /// back: speculative decoding writes every drafted position in its verify step and rewinds
+    /// the rejected ones. `ahead` is at most [`KvCache::checkpoint_limit`]; a paged cache takes
+    /// no checkpoints.
+    pub fn checkpoint(&self, ahead: usize) -> Result<Checkpoint<B>, ModelError> {
+        if self.paging.is_some() {
+            return Err(ModelError::InvalidInput(
+                "a paged KV cache takes no checkpoints: rewind a sequence in a cache of its own".into(),
+            ));
+        }
+        let limit = self.checkpoint_limit();
+        if ahead > limit {
+            return Err(ModelError::InvalidInput(format!(
+                "a checkpoint over {ahead} positions ahead, more than the {limit} slots of the smallest sliding \
+                 window"
+            )));
+        }
+        let span = self.len..self.len + ahead;
+        let rings = self.layers.iter().map(|layer| layer.saved(&span)).collect::<Result<_, _>>()?;
+        Ok(Checkpoint { cache: self.id, span, rings })
+    }
+
+    /// Takes the cache back to `len` positions, as if those after it had never been written:
+    /// `len` and the cache's length lie within `checkpoint`'s span (taken of this cache, which
+    /// has written no further since). A refused rewind changes nothing.
+    pub fn rewind(&mut self, checkpoint: &Checkpoint<B>, len: usize) -> Result<(), ModelError> {
+        let span = checkpoint.span();
+        if checkpoint.cache != self.id || checkpoint.rings.len() != self.layers.len() {
+            return Err(ModelError::InvalidInput("a checkpoint of another KV cache".into()));
+        }
+        if !(span.start <= len && len <= self.len && self.len <= span.end) {
+            return Err(ModelError::InvalidInput(format!(
+                "a rewind to {len} positions of a cache holding {}, with a checkpoint over positions {span:?}",
+                self.len
+            )));
+        }
+        let rejected = len..self.len;
+        for (layer, saved) in self.layers.iter_mut().zip(&checkpoint.rings) {
+            if let Some(saved) = saved {
+                layer.restore(saved, span.start, rejected.clone())?;
+            }
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Bytes the keys and values occupy on the device.

@@ -5,10 +5,12 @@
 pub mod cache;
 pub mod paged;
 mod prefix;
+pub mod rewind;
 pub mod ring;
 
 pub use cache::{KvCache, LayerCache, PrefixStats, Scores, StoredRows};
 pub use paged::{PagedLayout, PrefixCache, Reservation};
+pub use rewind::Checkpoint;
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, Architecture, LayerType};

@@ -1,0 +1,298 @@
+//! Speculative decoding on tiny random models: greedy output with any drafter is the output
+//! without, token for token; sampled output keeps the model's distribution; the KV cache takes
+//! back rejected drafts across a sliding window's wrap.
+
+mod common;
+
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn_gemma::{
+    backends::NdArray,
+    sampling::Sampler,
+    speculative::{DraftLength, DraftModel, Drafter, PromptLookup, Speculation, SpeculationStats},
+    Checkpoint, Error, Gemma, GenerationConfig, GenerationOutput, Generator, ModelOptions, RequestError,
+    SamplingConfig,
+};
+use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
+use std::num::NonZeroUsize;
+
+type B = NdArray;
+
+fn model(name: &str) -> Gemma<B> {
+    let dir = common::fixtures().join(name);
+    Checkpoint::open(&dir)
+        .unwrap()
+        .load(common::dense_f32::<B>(&Default::default()))
+        .map(burn_gemma::Loaded::into_parts)
+        .unwrap()
+        .0
+}
+
+fn generator(name: &str) -> Generator<B> {
+    Generator::new(model(name), common::tiny_tokenizer()).unwrap()
+}
+
+fn ids(tokens: &[u32]) -> Tensor<B, 2, Int> {
+    let data: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+    Tensor::from_data(TensorData::new(data, [1, tokens.len()]), &Default::default())
+}
+
+/// A prompt that repeats itself, so that prompt lookup finds matches from the start.
+fn prompt() -> Vec<u32> {
+    let phrase: Vec<u32> = (300..312).collect();
+    [vec![2], phrase.clone(), vec![400, 401], phrase].concat()
+}
+
+fn greedy(max_new_tokens: usize) -> GenerationConfig {
+    GenerationConfig { max_new_tokens, ..Default::default() }
+}
+
+fn k(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap()
+}
+
+fn run(name: &str, speculation: Option<Speculation<B>>, config: &GenerationConfig) -> GenerationOutput {
+    let mut g = generator(name);
+    g.set_speculation(speculation).unwrap();
+    g.continue_ids(&prompt(), config, |_| {}).unwrap()
+}
+
+fn stats(out: &GenerationOutput) -> SpeculationStats {
+    out.stats.speculation.expect("speculation stats")
+}
+
+/// Prompt lookup on every tiny architecture with a sliding window (8 positions: 100 tokens
+/// wrap it a dozen times, and a refused draft is rewound in the ring): the same tokens as
+/// without drafts, with drafts both kept and refused along the way.
+#[test]
+fn prompt_lookup_keeps_greedy_output() {
+    let config = greedy(100);
+    for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma2", "tiny-gemma/gemma4-e", "tiny-gemma/gemma4-dense"] {
+        let plain = run(name, None, &config);
+        assert!(plain.tokens.len() > 24, "{name}: only {} tokens, the window never wraps", plain.tokens.len());
+        for length in [DraftLength::Fixed(k(4)), DraftLength::Adaptive { max: k(7) }] {
+            // Suffixes down to one token: drafts on the less repetitive models too.
+            let lookup = Speculation::new(Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }), length);
+            let out = run(name, Some(lookup), &config);
+            assert_eq!(out.tokens, plain.tokens, "{name}, {length:?}");
+            assert_eq!(out.text, plain.text, "{name}");
+            let s = stats(&out);
+            assert!(s.accepted > 0 && s.accepted < s.drafted, "{name}, {length:?}: {s:?}");
+            // Every kept draft saved a model step.
+            assert_eq!(s.target_steps + s.accepted, out.tokens.len() - 1, "{name}: {s:?}");
+        }
+    }
+}
+
+/// A draft model: the target itself (every draft kept: the upper bound) and another random
+/// model of the same vocabulary (most refused): greedy output as without drafts.
+#[test]
+fn draft_models_keep_greedy_output() {
+    let config = greedy(60);
+    for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e"] {
+        let plain = run(name, None, &config);
+        let other = name.replace("tiny-gemma/", "tiny-gemma-seed8/");
+        for (draft, all_kept) in [(name.to_string(), true), (other, false)] {
+            let drafter = Drafter::Model(Box::new(DraftModel::new(model(&draft))));
+            let out = run(name, Some(Speculation::new(drafter, DraftLength::Fixed(k(5)))), &config);
+            assert_eq!(out.tokens, plain.tokens, "{name} drafted by {draft}");
+            let s = stats(&out);
+            assert!(s.verify_steps > 0, "{name} drafted by {draft}: {s:?}");
+            if all_kept {
+                assert_eq!(s.accepted, s.drafted, "{name} drafting for itself: {s:?}");
+            } else {
+                assert!(s.accepted < s.drafted, "{name} drafted by {draft}: {s:?}");
+            }
+        }
+    }
+}
+
+/// With a repetition penalty each draft is judged with the history before it.
+#[test]
+fn penalized_greedy_output_is_kept() {
+    let config = GenerationConfig {
+        max_new_tokens: 50,
+        sampling: SamplingConfig { repeat_penalty: 1.3, repeat_last_n: 16, ..Default::default() },
+        ..Default::default()
+    };
+    let name = "tiny-gemma/gemma3";
+    let plain = run(name, None, &config);
+    let lookup =
+        Speculation::new(Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }), DraftLength::Fixed(k(3)));
+    let out = run(name, Some(lookup), &config);
+    assert_eq!(out.tokens, plain.tokens);
+    assert!(stats(&out).verify_steps > 0);
+}
+
+/// A chat with drafts: later turns continue from what the cache kept, the same as without.
+#[test]
+fn chat_turns_with_drafts_match_without() {
+    let config = greedy(20);
+    let mut plain = generator("tiny-gemma/gemma3");
+    let mut drafted = generator("tiny-gemma/gemma3");
+    drafted.set_speculation(Some(Speculation::prompt_lookup(k(4)))).unwrap();
+    for message in ["w300 w301 w302 w300 w301", "again w300 w301", "w302"] {
+        let a = plain.chat(message, &config, |_| {}).unwrap();
+        let b = drafted.chat(message, &config, |_| {}).unwrap();
+        assert_eq!(a.tokens, b.tokens, "{message}");
+    }
+    assert_eq!(plain.context(), drafted.context());
+}
+
+/// The cache taken back past drafts a verify step wrote, where they straddle the ring of an
+/// 8-position window (positions 14..20 overwrite slots 6, 7, 0, 1, 2, 3, which held positions
+/// the next queries still see): the logits that follow are those of a cache that never saw them.
+#[test]
+fn rewind_across_a_window_wrap() {
+    let model = model("tiny-gemma/gemma3");
+    let prefix: Vec<u32> = (0..14).map(|i| 300 + (i * 7) % 50).collect();
+    let drafts: Vec<u32> = vec![401, 402, 403, 404, 405, 406];
+    let next: Vec<u32> = vec![450, 451, 452, 453, 454, 455, 456, 457, 458, 459];
+    for kept in 0..=drafts.len() {
+        let mut rewound = model.new_cache(1, 64).unwrap();
+        model.forward(ids(&prefix), &mut rewound).unwrap();
+        let checkpoint = rewound.checkpoint(drafts.len()).unwrap();
+        model.forward(ids(&drafts), &mut rewound).unwrap();
+        rewound.rewind(&checkpoint, prefix.len() + kept).unwrap();
+        let got = model.forward(ids(&next), &mut rewound).unwrap();
+
+        let mut clean = model.new_cache(1, 64).unwrap();
+        model.forward(ids(&prefix), &mut clean).unwrap();
+        if kept > 0 {
+            model.forward(ids(&drafts[..kept]), &mut clean).unwrap();
+        }
+        let want = model.forward(ids(&next), &mut clean).unwrap();
+        let diff = (got - want).abs().max().into_scalar();
+        // f32 on the same kernels: what is left is the drafts' chunk length changing sums.
+        assert!(diff < 1e-4, "{kept} drafts kept: logits differ by {diff}");
+    }
+    // A rewind outside the checkpoint's span is refused and changes nothing.
+    let mut cache = model.new_cache(1, 64).unwrap();
+    model.forward(ids(&prefix), &mut cache).unwrap();
+    let checkpoint = cache.checkpoint(3).unwrap();
+    model.forward(ids(&drafts[..2]), &mut cache).unwrap();
+    assert!(cache.rewind(&checkpoint, prefix.len() - 1).is_err());
+    assert_eq!(cache.len(), prefix.len() + 2);
+    // More positions ahead than the window holds cannot be taken back.
+    assert!(cache.checkpoint(9).is_err());
+}
+
+/// Weights between two random models: `(1 - mix) * a + mix * b`, tensor by tensor. A draft
+/// model blended a little away from its target proposes the target's likely tokens with other
+/// probabilities: its drafts are kept and refused alike, so both halves of the rule show.
+struct Blend {
+    a: RandomWeights,
+    b: RandomWeights,
+    mix: f32,
+}
+
+impl<Bk: Backend> WeightSource<Bk> for Blend {
+    fn load<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        kind: WeightKind,
+        dtype: DType,
+        device: &Bk::Device,
+    ) -> Result<Tensor<Bk, D>, ModelError> {
+        let a = WeightSource::<Bk>::load(&mut self.a, name, shape, kind, dtype, device)?;
+        let b = WeightSource::<Bk>::load(&mut self.b, name, shape, kind, dtype, device)?;
+        Ok(a.mul_scalar(1.0 - self.mix) + b.mul_scalar(self.mix))
+    }
+
+    fn load_row_chunks(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        rows: usize,
+        dtype: DType,
+        device: &Bk::Device,
+    ) -> Result<Vec<Tensor<Bk, 2>>, ModelError> {
+        let a = WeightSource::<Bk>::load_row_chunks(&mut self.a, name, shape, rows, dtype, device)?;
+        let b = WeightSource::<Bk>::load_row_chunks(&mut self.b, name, shape, rows, dtype, device)?;
+        Ok(a.into_iter().zip(b).map(|(a, b)| a.mul_scalar(1.0 - self.mix) + b.mul_scalar(self.mix)).collect())
+    }
+}
+
+/// Sampled decoding with a draft model near the target: the second token (the first a verify
+/// step makes: a kept draft or a redraw from the residual) follows the target's own
+/// distribution given the first. Chi-square over many seeds, against the target's
+/// probabilities (computed apart, by a forward pass and the sampler's filters).
+#[test]
+fn sampled_output_keeps_the_model_distribution() {
+    let sampling = |seed| SamplingConfig { temperature: 1.0, top_k: Some(5), seed, ..Default::default() };
+    let config = |seed| GenerationConfig { max_new_tokens: 3, sampling: sampling(seed), ..Default::default() };
+    let shape = model("tiny-gemma/gemma3").config().clone();
+    let device = Default::default();
+    let target = || Gemma::<B>::random(shape.clone(), 1, &ModelOptions::default(), &device).unwrap();
+    // 5% of another model: about 70% of drafts kept. (Redrawing refused drafts from the
+    // target instead of the residual gives a chi-square near 110 here.)
+    let blend = Blend { a: RandomWeights::new(1), b: RandomWeights::new(2), mix: 0.05 };
+    let draft = Gemma::<B>::load(shape.clone(), &mut { blend }, &ModelOptions::default(), &device).unwrap();
+    let mut g = Generator::new(target(), common::tiny_tokenizer()).unwrap();
+    g.set_speculation(Some(Speculation::new(
+        Drafter::Model(Box::new(DraftModel::new(draft))),
+        DraftLength::Fixed(k(3)),
+    )))
+    .unwrap();
+    let prompt = prompt();
+    let fresh: u64 = rand::random();
+    eprintln!("fresh seed base: {fresh}");
+    for base in [1_000_000u64, fresh] {
+        let runs = 2000;
+        let mut accepted = SpeculationStats::default();
+        let outputs: Vec<Vec<u32>> = (0..runs)
+            .map(|i| {
+                g.reset();
+                let out = g.continue_ids(&prompt, &config(base.wrapping_add(i)), |_| {}).unwrap();
+                let s = stats(&out);
+                accepted.drafted += s.drafted;
+                accepted.accepted += s.accepted;
+                out.tokens
+            })
+            .collect();
+        // Both halves of the rule ran: drafts kept and drafts refused.
+        assert!(accepted.accepted > 0 && accepted.accepted < accepted.drafted, "base {base}: {accepted:?}");
+        // The commonest first token; the second's frequencies given it.
+        let mut first = std::collections::BTreeMap::<u32, usize>::new();
+        for out in &outputs {
+            *first.entry(out[0]).or_default() += 1;
+        }
+        let (&t1, _) = first.iter().max_by_key(|e| e.1).unwrap();
+        let seconds: Vec<u32> = outputs.iter().filter(|o| o[0] == t1 && o.len() >= 2).map(|o| o[1]).collect();
+        let target = target();
+        let mut cache = target.new_cache(1, 64).unwrap();
+        let context: Vec<u32> = prompt.iter().copied().chain([t1]).collect();
+        let logits = target.forward(ids(&context), &mut cache).unwrap();
+        let vocab = logits.dims()[2];
+        let row: Vec<f32> =
+            logits.slice([0..1, context.len() - 1..context.len(), 0..vocab]).into_data().to_vec().unwrap();
+        let p = Sampler::new(sampling(0)).unwrap().distribution(&row);
+        assert_eq!(p.len(), 5);
+        let n = seconds.len();
+        assert!(n > 300, "base {base}: only {n} runs began with {t1}");
+        let chi2: f64 = p
+            .iter()
+            .map(|&(token, prob)| {
+                let observed = seconds.iter().filter(|&&t| t == token).count() as f64;
+                let expected = f64::from(prob) * n as f64;
+                (observed - expected).powi(2) / expected
+            })
+            .sum();
+        let outside = seconds.iter().filter(|t| !p.iter().any(|c| c.0 == **t)).count();
+        assert_eq!(outside, 0, "base {base}: tokens outside the model's top 5");
+        // The 0.999 quantile of chi-square with 4 degrees of freedom.
+        assert!(chi2 < 18.467, "base {base}: chi-square {chi2:.2} over {n} runs, distribution {p:?}, {accepted:?}");
+        eprintln!("base {base}: chi-square {chi2:.2} over {n} runs, {accepted:?}");
+    }
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused() {
+    let mut g = generator("tiny-gemma/gemma3");
+    let mut config = g.model().config().clone();
+    config.vocab_size = 600;
+    let other = Gemma::<B>::random(config, 3, &ModelOptions::default(), &Default::default()).unwrap();
+    let drafter = Drafter::Model(Box::new(DraftModel::new(other)));
+    let err = g.set_speculation(Some(Speculation::new(drafter, DraftLength::Fixed(k(2))))).unwrap_err();
+    assert!(matches!(err, Error::Request(RequestError::DraftVocabulary { target: 512, draft: 600 })), "{err}");
+}
