@@ -4,6 +4,7 @@
 //! cargo run --release --example generate -- --prompt "The capital of France is"
 //! cargo run --release --example generate -- --chat            # interactive multi-turn chat
 //! cargo run --release --example generate -- --model gemma4.gguf --chat --thinking --prompt "Why is the sky blue?"
+//! cargo run --release --example generate -- --draft ngram --prompt "Repeat after me: ..."  # prompt lookup
 //! ```
 //!
 //! stdout receives exactly the generated text; progress, the chosen backend and the final
@@ -17,6 +18,7 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
+    speculative::{DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig,
     StopReason,
 };
@@ -83,9 +85,42 @@ struct Args {
     /// bounds the device memory their activations take.
     #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: std::num::NonZeroUsize,
+    /// Speculative decoding: `ngram` (prompt lookup: continue earlier occurrences of the last
+    /// tokens; pays off when the reply copies from the prompt) or `model:PATH` (a smaller Gemma
+    /// of the same vocabulary, e.g. Gemma 3 270M for Gemma 3 1B+). Greedy output is unchanged;
+    /// sampled output keeps the model's distribution.
+    #[arg(long)]
+    draft: Option<DraftArg>,
+    /// Most tokens drafted per step.
+    #[arg(long, default_value_t = std::num::NonZeroUsize::new(5).expect("5 is not zero"))]
+    draft_tokens: std::num::NonZeroUsize,
+    /// Adapt the draft length to how many drafts are kept, up to --draft-tokens.
+    #[arg(long)]
+    draft_adaptive: bool,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
+}
+
+/// Where `--draft` takes drafts from.
+#[derive(Debug, Clone)]
+enum DraftArg {
+    PromptLookup,
+    Model(PathBuf),
+}
+
+impl std::str::FromStr for DraftArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ngram" => Ok(Self::PromptLookup),
+            _ => match s.strip_prefix("model:") {
+                Some(path) if !path.is_empty() => Ok(Self::Model(PathBuf::from(path))),
+                _ => Err(format!("expected `ngram` or `model:PATH`, got {s:?}")),
+            },
+        }
+    }
 }
 
 fn progress_bar(message: &str) -> ProgressBar {
@@ -152,6 +187,34 @@ impl BackendTask for Run {
             );
         }
         let mut generator = Generator::new(model, tokenizer)?;
+        if let Some(draft) = &self.args.draft {
+            let drafter = match draft {
+                DraftArg::PromptLookup => Drafter::PromptLookup(PromptLookup::default()),
+                DraftArg::Model(path) => {
+                    let checkpoint = Checkpoint::open(path)?;
+                    let bar = progress_bar("draft");
+                    let progress = bar.clone();
+                    let options = LoadOptions::<B>::new()
+                        .device(device.clone())
+                        .dtype(dtype)
+                        .weights(weights)
+                        .kv_cache(kv_cache)
+                        .progress(move |p| {
+                            progress.set_length(p.total as u64);
+                            progress.set_position(p.loaded as u64);
+                        });
+                    let Loaded { model, .. } = checkpoint.load(options)?;
+                    bar.finish_and_clear();
+                    eprintln!("draft model: {} ({} layers)", path.display(), model.num_layers());
+                    Drafter::Model(Box::new(DraftModel::new(model)))
+                }
+            };
+            let length = match self.args.draft_adaptive {
+                true => DraftLength::Adaptive { max: self.args.draft_tokens },
+                false => DraftLength::Fixed(self.args.draft_tokens),
+            };
+            generator.set_speculation(Some(Speculation::new(drafter, length)))?;
+        }
         let flag = generator.interrupt_flag();
         let interrupt = self.interrupt.clone();
         // Forward the process-wide Ctrl-C flag to the generator.
@@ -255,6 +318,14 @@ fn real_main(args: Args) -> Result<(), CliError> {
     }
     if args.max_new_tokens == 0 {
         return Err(CliError::from("--max-new-tokens must be at least 1"));
+    }
+    if let Some(DraftArg::Model(path)) = &args.draft {
+        if !path.exists() {
+            return Err(CliError::from(format!("draft model path {} does not exist", path.display())));
+        }
+    }
+    if args.draft_adaptive && args.draft.is_none() {
+        return Err(CliError::from("--draft-adaptive adapts a draft: add --draft ngram or --draft model:PATH"));
     }
     let prompt = match &args.prompt {
         Some(p) => Some(p.clone()),

@@ -774,7 +774,7 @@ impl<B: GemmaBackend> Generator<B> {
         let verified = (|| {
             let checkpoint = cache.checkpoint(1 + drafted)?;
             let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
-            let logits = self.model.forward(token_tensor(&ids, &self.model.device()), &mut cache)?;
+            let logits = self.model.forward_each(token_tensor(&ids, &self.model.device()), &mut cache)?;
             Ok::<_, Error>((checkpoint, logits))
         })();
         self.cache = Some(cache);

@@ -196,3 +196,61 @@ fn real_model_short_cases_on_wgpu() {
     let loaded = load::<burn_gemma::backends::Wgpu>(&device, WeightFormat::Dense);
     check_cases(&loaded, &device, &["capital", "code", "story", "unicode", "chat"], DENSE);
 }
+
+/// The verify step of speculative decoding ([`burn_gemma::Gemma::forward_each`]) on the real
+/// model with its own blocks on the CPU: every row's logits are, bit for bit, those of a
+/// one-token step at its position, past the sliding window's wrap (512 positions) too.
+#[test]
+fn verify_rows_equal_one_token_steps_on_candle_cpu() {
+    let device = Default::default();
+    let loaded = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native);
+    let model = &loaded.model;
+    let tokens: Vec<u32> = (0..530u32).map(|i| 1000 + (i * 7919) % 5000).collect();
+    for start in [40usize, 508, 520] {
+        let prefix = &tokens[..start];
+        let chunk = &tokens[start..start + 6];
+        let ids = |t: &[u32]| token_tensor::<burn_gemma::backends::Candle>(t, &device);
+        let mut together = model.new_cache(1, 600).unwrap();
+        model.forward(ids(prefix), &mut together).unwrap();
+        let mut steps = model.new_cache(1, 600).unwrap();
+        model.forward(ids(prefix), &mut steps).unwrap();
+        let rows = model.forward_each(ids(chunk), &mut together).unwrap();
+        for (i, &t) in chunk.iter().enumerate() {
+            let one = model.forward(ids(&[t]), &mut steps).unwrap();
+            let vocab = one.dims()[2];
+            let row = rows.clone().slice([0..1, i..i + 1, 0..vocab]);
+            let diff = (row - one).abs().max().into_scalar();
+            assert_eq!(diff, 0.0, "position {}: the verify row differs from the step by {diff}", start + i);
+        }
+    }
+}
+
+/// Prompt lookup on the real model (its own blocks, on the CPU): the same greedy text as
+/// without drafts, on a prompt the reply copies and on free text, and most drafts kept where
+/// the reply copies.
+#[test]
+fn prompt_lookup_keeps_real_greedy_output_on_candle_cpu() {
+    use burn_gemma::{speculative::Speculation, GenerationConfig, Generator};
+    let device = Default::default();
+    let loaded = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native);
+    let tokenizer = Checkpoint::open(common::real_model()).unwrap().tokenizer().unwrap();
+    let mut g = Generator::new(loaded.model, tokenizer).unwrap();
+    let copy = "Rewrite the following passage exactly, word for word:\n\nThe old lighthouse stood on the northern \
+                cliff for more than two hundred years. Every night its keeper climbed the spiral stairs, trimmed the \
+                wick, and watched the beam sweep across the dark water.\n\nRewritten passage:\n";
+    let free = "Write a short story about a dragon who learns to paint.";
+    let config = GenerationConfig { max_new_tokens: 64, ..Default::default() };
+    for (prompt, copies) in [(copy, true), (free, false)] {
+        g.set_speculation(None).unwrap();
+        let plain = g.chat(prompt, &config, |_| {}).unwrap();
+        g.reset();
+        g.set_speculation(Some(Speculation::prompt_lookup(std::num::NonZeroUsize::new(5).unwrap()))).unwrap();
+        let drafted = g.chat(prompt, &config, |_| {}).unwrap();
+        g.reset();
+        assert_eq!(drafted.tokens, plain.tokens, "{prompt:?}");
+        let stats = drafted.stats.speculation.unwrap();
+        if copies {
+            assert!(stats.acceptance_rate() > 0.5, "{stats:?}");
+        }
+    }
+}

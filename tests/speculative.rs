@@ -4,7 +4,7 @@
 
 mod common;
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
 use burn_gemma::{
     backends::NdArray,
     sampling::Sampler,
@@ -295,4 +295,42 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
     let drafter = Drafter::Model(Box::new(DraftModel::new(other)));
     let err = g.set_speculation(Some(Speculation::new(drafter, DraftLength::Fixed(k(2))))).unwrap_err();
     assert!(matches!(err, Error::Request(RequestError::DraftVocabulary { target: 512, draft: 600 })), "{err}");
+}
+
+/// The verify step's rows ([`Gemma::forward_each`]) equal one-token steps, on chunks
+/// straddling the 8-position window's wrap, for models with and without KV sharing: within
+/// f32 rounding here, where the dense products of 7 rows and of 1 sum in different orders (bit
+/// for bit with block weights on the CPU: `real_model.rs`).
+#[test]
+fn verify_rows_equal_one_token_steps() {
+    verify_rows::<B>();
+    verify_rows::<burn_gemma::backends::Candle>();
+}
+
+fn verify_rows<Bk: burn_gemma::GemmaBackend>() {
+    let device = Default::default();
+    for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma2"] {
+        let model: Gemma<Bk> = Checkpoint::open(common::fixtures().join(name))
+            .unwrap()
+            .load(common::dense_f32::<Bk>(&device))
+            .map(burn_gemma::Loaded::into_parts)
+            .unwrap()
+            .0;
+        let ids = |t: &[u32]| burn_gemma::generation::token_tensor::<Bk>(t, &device);
+        let tokens: Vec<u32> = (0..40u32).map(|i| 300 + (i * 37) % 200).collect();
+        for start in [2usize, 5, 6, 13, 20] {
+            let (prefix, chunk) = (&tokens[..start], &tokens[start..start + 7]);
+            let mut together = model.new_cache(1, 64).unwrap();
+            let mut steps = model.new_cache(1, 64).unwrap();
+            model.forward(ids(prefix), &mut together).unwrap();
+            model.forward(ids(prefix), &mut steps).unwrap();
+            let rows = model.forward_each(ids(chunk), &mut together).unwrap();
+            for (i, &t) in chunk.iter().enumerate() {
+                let one = model.forward(ids(&[t]), &mut steps).unwrap();
+                let vocab = one.dims()[2];
+                let diff: f32 = (rows.clone().slice([0..1, i..i + 1, 0..vocab]) - one).abs().max().into_scalar().elem();
+                assert!(diff < 1e-4, "{name}: position {} after a prefix of {start}: {diff}", start + i);
+            }
+        }
+    }
 }

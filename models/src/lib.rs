@@ -23,7 +23,7 @@ pub mod projection;
 pub mod rope;
 pub mod weights;
 
-pub use attention::{Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, Reservation, StoredRows};
+pub use attention::{Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, StoredRows};
 pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
 pub use config::{Architecture, GemmaConfig, LayerType, MoeConfig, NormScale, RopeConfig};

@@ -5,6 +5,7 @@
 //! activations overflow f16. Matrix products run in the weight dtype.
 
 use crate::{
+    attention::cache::QueryRows,
     decoder_layer::DecoderLayer,
     embedding::{embed_scale, Embedding},
     moe::MoeBlock,
@@ -345,6 +346,18 @@ impl<B: GemmaBackend> Gemma<B> {
     pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
         let hidden = self.hidden_states(ids, cache)?;
         Ok(self.lm_head(hidden))
+    }
+
+    /// [`Gemma::forward`] with each position's attention on its own ([`QueryRows::Each`]):
+    /// the logits of row `i` are those a one-position step at it computes, where the rest of
+    /// the model is the same row by row (the block products of fewer than 16 rows on the
+    /// CPU). Speculative decoding verifies drafts with it, so that greedy choices are those of
+    /// decoding without drafts.
+    pub fn forward_each(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        cache.set_query_rows(QueryRows::Each);
+        let logits = self.forward(ids, cache);
+        cache.set_query_rows(QueryRows::Together);
+        logits
     }
 
     /// Like [`Gemma::forward`] but returns only the last position's logits, `[batch, vocab]`.

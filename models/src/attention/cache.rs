@@ -8,7 +8,8 @@ use super::ring::{ring_writes, window_in_order, Span};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
-    AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout, ReadBackError,
+    step, AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout,
+    ReadBackError,
 };
 use std::ops::Range;
 
@@ -34,9 +35,12 @@ pub struct LayerCache<B: GemmaBackend> {
     span: Span,
     /// Where later layers share this layer's keys (Gemma 4): what the last chunk of a ring
     /// attended over (the previous window and the chunk's own rows), for them to attend over
-    /// too; the ring itself no longer holds the first rows once the chunk is written.
-    shared_chunk: Option<SharedChunk<B>>,
+    /// too; the ring itself no longer holds the first rows once the chunk is written. One for
+    /// the whole chunk, or one per row ([`QueryRows::Each`]).
+    shared_chunk: Option<Vec<SharedChunk<B>>>,
     shared: bool,
+    /// How a chunk's rows attend ([`KvCache::set_query_rows`]).
+    query_rows: QueryRows,
     /// What the store holds right after its next write ([`KvCache::pin_next_write`]).
     pinned: Pin<B>,
     /// In a paged cache: its pool's index, and the pool's table as last uploaded.
@@ -88,6 +92,7 @@ impl<B: GemmaBackend> LayerCache<B> {
             span: Span::new(plan.window, plan.shape.capacity),
             shared_chunk: None,
             shared: plan.shared,
+            query_rows: QueryRows::Together,
             pinned: Pin(None),
             pool: plan.paged.map(|p| p.pool),
             blocks: None,
@@ -150,7 +155,8 @@ impl<B: GemmaBackend> LayerCache<B> {
     }
 
     /// Appends the keys and values of positions `position..position + t` and attends to them
-    /// and the layer's earlier positions (causal, within the layer's window).
+    /// and the layer's earlier positions (causal, within the layer's window), all rows in one
+    /// attention call or each on its own ([`QueryRows`]).
     ///
     /// - `q`: `[batch, q_heads, t, head_dim]`; `keys`, `values`: `[batch, kv_heads, t, head_dim]`;
     /// - returns `[batch, q_heads, t, head_dim]`.
@@ -165,13 +171,32 @@ impl<B: GemmaBackend> LayerCache<B> {
         self.check_unpaged()?;
         let t = keys.dims()[2];
         let pinned = self.pinned.take();
+        let rows = self.query_rows;
         match self.span {
             Span::Full => self.update(|store| {
                 let store = pinned.apply(B::kv_write(store, keys, values, position));
-                let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
-                let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask))?;
+                let out = match rows {
+                    QueryRows::Together => {
+                        let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
+                        B::grouped_attention(q, store.view(position + t), &scores.with(mask))?
+                    }
+                    // What a one-position step at each row's position reads.
+                    QueryRows::Each => each_row(q, |i| {
+                        let (visible, mask) = step::decode_visible(position + i, usize::MAX, None);
+                        (store.view(visible), scores.with(mask))
+                    })?,
+                };
                 Ok((out, store))
             }),
+            Span::Ring(w) if rows == QueryRows::Each && t <= w => {
+                let shared = self.shared;
+                let (out, chunks) = self.update(|store| {
+                    let (out, chunks, store) = ring_each_row(store, q, keys, values, position, w, scores, shared)?;
+                    Ok(((out, chunks), pinned.apply(store)))
+                })?;
+                self.shared_chunk = chunks;
+                Ok(out)
+            }
             Span::Ring(w) => {
                 let shared = self.shared;
                 let (out, chunk) = self.update(|store| {
@@ -190,7 +215,7 @@ impl<B: GemmaBackend> LayerCache<B> {
                     let (all_k, all_v) = (Tensor::cat(old_k, 2), Tensor::cat(old_v, 2));
                     let mask =
                         AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
-                    let chunk = shared.then(|| SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask });
+                    let chunk = shared.then(|| vec![SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask }]);
                     let kv = KvView::Dense { keys: all_k, values: all_v };
                     let out = B::grouped_attention(q, kv, &scores.with(mask))?;
                     let mut store = store;
@@ -217,15 +242,30 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         self.check_unpaged()?;
+        let rows = self.query_rows;
         match (self.span, &self.shared_chunk) {
-            (Span::Ring(_), Some(chunk)) => {
+            (Span::Ring(_), Some(chunks)) if chunks.len() == 1 => {
+                let chunk = &chunks[0];
                 let kv = KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() };
                 Ok(B::grouped_attention(q, kv, &scores.with(chunk.mask))?)
             }
+            (Span::Ring(_), Some(chunks)) if chunks.len() == t => Ok(each_row(q, |i| {
+                let chunk = &chunks[i];
+                (KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() }, scores.with(chunk.mask))
+            })?),
             _ => {
-                let mask = AttentionMask { q_offset: position, k_offset: 0, window: self.span.window() };
+                let window = self.span.window();
                 self.update(|store| {
-                    let out = B::grouped_attention(q, store.view(position + t), &scores.with(mask))?;
+                    let out = match rows {
+                        QueryRows::Together => {
+                            let mask = AttentionMask { q_offset: position, k_offset: 0, window };
+                            B::grouped_attention(q, store.view(position + t), &scores.with(mask))?
+                        }
+                        QueryRows::Each => each_row(q, |i| {
+                            let mask = AttentionMask { q_offset: position + i, k_offset: 0, window };
+                            (store.view(position + i + 1), scores.with(mask))
+                        })?,
+                    };
                     Ok((out, store))
                 })
             }
@@ -282,6 +322,84 @@ impl<B: GemmaBackend> LayerCache<B> {
         let (keys, values) = B::kv_read(store, 0..store.shape()[2], DType::F32);
         Ok(StoredRows { keys, values })
     }
+}
+
+/// How the rows of a chunk of several positions attend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueryRows {
+    /// All rows in one attention call (prompts).
+    #[default]
+    Together,
+    /// Each row on its own, over exactly the keys a one-position step at its position reads,
+    /// in the same order: each row's output is the one such a step computes, bit for bit,
+    /// where the rest of the step is the same row by row (speculative decoding's verify step,
+    /// whose greedy choices must be those of decoding without drafts).
+    Each,
+}
+
+/// `[batch, q_heads, t, head_dim]`: row `i` of `q` attended over what `view(i)` gives.
+fn each_row<'a, B: GemmaBackend>(
+    q: Tensor<B, 4>,
+    view: impl Fn(usize) -> (KvView<'a, B>, AttentionOptions),
+) -> Result<Tensor<B, 4>, ReadBackError> {
+    let t = q.dims()[2];
+    let outs = (0..t)
+        .map(|i| {
+            let (kv, options) = view(i);
+            B::grouped_attention(q.clone().slice(s![.., .., i..i + 1, ..]), kv, &options)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::cat(outs, 2))
+}
+
+/// A ring's chunk with each row on its own ([`QueryRows::Each`]; `t <= w`): the chunk is
+/// written first, and row `i` (position `p = position + i`) attends over what a one-position
+/// step at `p` reads (`LayerCache::decode`): the ring's first `min(p + 1, w)` slots as they lie
+/// right after that step's write, i.e. with the slots of the chunk's later positions still
+/// holding what they held before the chunk. Returns the output, the per-row views for
+/// KV-sharing layers (`shared`), and the store.
+#[allow(clippy::too_many_arguments)]
+fn ring_each_row<B: GemmaBackend>(
+    store: KvStore<B>,
+    q: Tensor<B, 4>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    position: usize,
+    w: usize,
+    scores: Scores,
+    shared: bool,
+) -> Result<(Tensor<B, 4>, Option<Vec<SharedChunk<B>>>, KvStore<B>), ReadBackError> {
+    let (t, dtype) = (keys.dims()[2], q.dtype());
+    let span = position..position + t;
+    // What the chunk's slots hold before it writes them, in the chunk's position order.
+    let (before_k, before_v): (Vec<_>, Vec<_>) =
+        ring_slots(&span, w).into_iter().map(|(slots, _)| B::kv_read(&store, slots, dtype)).unzip();
+    let (before_k, before_v) = (Tensor::cat(before_k, 2), Tensor::cat(before_v, 2));
+    let mut store = store;
+    for (rows, slot) in ring_writes(position, t, w) {
+        let rows = s![.., .., rows, ..];
+        store = B::kv_write(store, keys.clone().slice(rows), values.clone().slice(rows), slot);
+    }
+    let (ring_k, ring_v) = B::kv_read(&store, 0..w, dtype);
+    let mut rows = Vec::with_capacity(t);
+    for i in 0..t {
+        let p = position + i;
+        let (visible, mask) = step::decode_visible(p, w, Some(w));
+        let (mut k, mut v) = (ring_k.clone(), ring_v.clone());
+        for (slots, offset) in ring_slots(&(p + 1..span.end), w) {
+            let saved = s![.., .., i + 1 + offset..i + 1 + offset + slots.len(), ..];
+            let slots = s![.., .., slots, ..];
+            k = k.slice_assign(slots, before_k.clone().slice(saved));
+            v = v.slice_assign(slots, before_v.clone().slice(saved));
+        }
+        let visible = s![.., .., 0..visible, ..];
+        rows.push(SharedChunk { keys: k.slice(visible), values: v.slice(visible), mask });
+    }
+    let out = each_row(q, |i| {
+        let row = &rows[i];
+        (KvView::Dense { keys: row.keys.clone(), values: row.values.clone() }, scores.with(row.mask))
+    })?;
+    Ok((out, shared.then_some(rows), store))
 }
 
 /// What a paged cache's prefix index holds ([`KvCache::prefix_stats`]).
@@ -653,6 +771,14 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Marks `new_tokens` positions as processed (after every layer appended them).
     pub(crate) fn advance(&mut self, new_tokens: usize) {
         self.len += new_tokens;
+    }
+
+    /// How the rows of the next multi-position chunks attend (until set again): together (the
+    /// default) or each on its own, as a one-position step computes it ([`QueryRows`]).
+    pub fn set_query_rows(&mut self, rows: QueryRows) {
+        for layer in &mut self.layers {
+            layer.query_rows = rows;
+        }
     }
 
     /// Most positions a [`KvCache::checkpoint`] covers: the fewest slots of a sliding-window

@@ -8,7 +8,7 @@ mod prefix;
 pub mod rewind;
 pub mod ring;
 
-pub use cache::{KvCache, LayerCache, PrefixStats, Scores, StoredRows};
+pub use cache::{KvCache, LayerCache, PrefixStats, QueryRows, Scores, StoredRows};
 pub use paged::{PagedLayout, PrefixCache, Reservation};
 pub use rewind::Checkpoint;
 
