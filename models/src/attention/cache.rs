@@ -191,8 +191,9 @@ impl<B: GemmaBackend> LayerCache<B> {
             Span::Ring(w) if rows == QueryRows::Each && t <= w => {
                 let shared = self.shared;
                 let (out, chunks) = self.update(|store| {
-                    let (out, chunks, store) = ring_each_row(store, q, keys, values, position, w, scores, shared)?;
-                    Ok(((out, chunks), pinned.apply(store)))
+                    let chunk = Chunk { q, keys, values, position };
+                    let EachRow { out, shared, store } = ring_each_row(store, chunk, w, scores, shared)?;
+                    Ok(((out, shared), pinned.apply(store)))
                 })?;
                 self.shared_chunk = chunks;
                 Ok(out)
@@ -358,17 +359,14 @@ fn each_row<'a, B: GemmaBackend>(
 /// right after that step's write, i.e. with the slots of the chunk's later positions still
 /// holding what they held before the chunk. Returns the output, the per-row views for
 /// KV-sharing layers (`shared`), and the store.
-#[allow(clippy::too_many_arguments)]
 fn ring_each_row<B: GemmaBackend>(
     store: KvStore<B>,
-    q: Tensor<B, 4>,
-    keys: Tensor<B, 4>,
-    values: Tensor<B, 4>,
-    position: usize,
+    chunk: Chunk<B>,
     w: usize,
     scores: Scores,
     shared: bool,
-) -> Result<(Tensor<B, 4>, Option<Vec<SharedChunk<B>>>, KvStore<B>), ReadBackError> {
+) -> Result<EachRow<B>, ReadBackError> {
+    let Chunk { q, keys, values, position } = chunk;
     let (t, dtype) = (keys.dims()[2], q.dtype());
     let span = position..position + t;
     // What the chunk's slots hold before it writes them, in the chunk's position order.
@@ -399,7 +397,23 @@ fn ring_each_row<B: GemmaBackend>(
         let row = &rows[i];
         (KvView::Dense { keys: row.keys.clone(), values: row.values.clone() }, scores.with(row.mask))
     })?;
-    Ok((out, shared.then_some(rows), store))
+    Ok(EachRow { out, shared: shared.then_some(rows), store })
+}
+
+/// A layer's chunk of rows at positions `position..`: `q` `[batch, q_heads, t, head_dim]`,
+/// `keys` and `values` `[batch, kv_heads, t, head_dim]`.
+struct Chunk<B: GemmaBackend> {
+    q: Tensor<B, 4>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    position: usize,
+}
+
+/// What [`ring_each_row`] leaves: the output, each row's view for KV-sharing layers, the store.
+struct EachRow<B: GemmaBackend> {
+    out: Tensor<B, 4>,
+    shared: Option<Vec<SharedChunk<B>>>,
+    store: KvStore<B>,
 }
 
 /// What a paged cache's prefix index holds ([`KvCache::prefix_stats`]).

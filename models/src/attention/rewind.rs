@@ -48,10 +48,13 @@ pub(crate) fn ring_slots(span: &Range<usize>, w: usize) -> Vec<(Range<usize>, us
 mod tests {
     use super::*;
 
+    /// `(slots, offset in the span)` per range.
+    type Slots = Vec<(Range<usize>, usize)>;
+
     #[test]
     fn slots_of_a_span_in_position_order() {
-        // (span, w) -> (slots, offset in the span)
-        let table: [(Range<usize>, usize, Vec<(Range<usize>, usize)>); 4] = [
+        // (span, w) -> slots
+        let table: [(Range<usize>, usize, Slots); 4] = [
             (0..3, 8, vec![(0..3, 0)]),
             (6..10, 8, vec![(6..8, 0), (0..2, 2)]),
             (16..20, 4, vec![(0..4, 0)]),
