@@ -581,6 +581,9 @@ impl<B: GemmaBackend> Generator<B> {
         }
         let capacity = needed.min(limit);
         self.settle_cache();
+        if let Some(spec) = &mut self.speculation {
+            spec.restart();
+        }
         let cache = self.take_cache(capacity)?;
         // A reply's last token was sampled but never run through the model: it is in the
         // context, not in the cache, so it runs first, ahead of the new ids.
@@ -750,6 +753,9 @@ impl<B: GemmaBackend> Generator<B> {
 
     fn draft_and_verify(&mut self, run: &mut Run, spec: &mut Speculation<B>) -> Result<Option<(u32, bool)>, Error> {
         let Some(cache) = self.cache.as_ref() else { return Ok(None) };
+        if !spec.drafts_now() {
+            return Ok(None);
+        }
         // The verify step writes the pending token and the drafts; the drafts beyond what the
         // run may still make, or the cache can take back, are not worth drafting.
         let room = cache.capacity().saturating_sub(cache.len() + run.input.len());

@@ -8,7 +8,7 @@ use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, Tens
 use burn_gemma::{
     backends::NdArray,
     sampling::Sampler,
-    speculative::{DraftLength, DraftModel, Drafter, PromptLookup, Speculation, SpeculationStats},
+    speculative::{DraftLength, DraftModel, Drafter, Misses, PromptLookup, Speculation, SpeculationStats},
     Checkpoint, Error, Gemma, GenerationConfig, GenerationOutput, Generator, ModelOptions, RequestError,
     SamplingConfig,
 };
@@ -71,7 +71,8 @@ fn prompt_lookup_keeps_greedy_output() {
         assert!(plain.tokens.len() > 24, "{name}: only {} tokens, the window never wraps", plain.tokens.len());
         for length in [DraftLength::Fixed(k(4)), DraftLength::Adaptive { max: k(7) }] {
             // Suffixes down to one token: drafts on the less repetitive models too.
-            let lookup = Speculation::new(Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }), length);
+            let lookup = Speculation::new(Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }), length)
+                .with_misses(Misses::KeepDrafting);
             let out = run(name, Some(lookup), &config);
             assert_eq!(out.tokens, plain.tokens, "{name}, {length:?}");
             assert_eq!(out.text, plain.text, "{name}");
@@ -93,7 +94,8 @@ fn draft_models_keep_greedy_output() {
         let other = name.replace("tiny-gemma/", "tiny-gemma-seed8/");
         for (draft, all_kept) in [(name.to_string(), true), (other, false)] {
             let drafter = Drafter::Model(Box::new(DraftModel::new(model(&draft))));
-            let out = run(name, Some(Speculation::new(drafter, DraftLength::Fixed(k(5)))), &config);
+            let speculation = Speculation::new(drafter, DraftLength::Fixed(k(5))).with_misses(Misses::KeepDrafting);
+            let out = run(name, Some(speculation), &config);
             assert_eq!(out.tokens, plain.tokens, "{name} drafted by {draft}");
             let s = stats(&out);
             assert!(s.verify_steps > 0, "{name} drafted by {draft}: {s:?}");

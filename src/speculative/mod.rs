@@ -48,6 +48,17 @@ impl DraftLength {
     }
 }
 
+/// What drafting does after a verify step that kept no draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Misses {
+    /// Pause drafting for 1, 2, 4, ... up to [`MAX_PAUSE`] steps (reset by a kept draft): a
+    /// drafter that is always wrong then costs a verify step only now and then.
+    #[default]
+    Backoff,
+    /// Draft at every step whatever was kept.
+    KeepDrafting,
+}
+
 /// A drafter and how much it drafts, as a [`crate::Generator`] uses them.
 #[derive(Debug)]
 pub struct Speculation<B: GemmaBackend> {
@@ -55,11 +66,24 @@ pub struct Speculation<B: GemmaBackend> {
     length: DraftLength,
     /// What the next step drafts (moves with [`DraftLength::Adaptive`]).
     current: usize,
+    misses: Misses,
+    /// Steps left without drafts, and the length of the last such pause ([`Misses::Backoff`]).
+    pause: usize,
+    backoff: usize,
 }
+
+/// The longest pause in drafting after verify steps that kept nothing.
+pub const MAX_PAUSE: usize = 32;
 
 impl<B: GemmaBackend> Speculation<B> {
     pub fn new(drafter: Drafter<B>, length: DraftLength) -> Self {
-        Self { drafter, current: length.initial(), length }
+        Self { drafter, current: length.initial(), length, misses: Misses::default(), pause: 0, backoff: 0 }
+    }
+
+    /// What drafting does after a verify step that kept nothing (default [`Misses::Backoff`]).
+    pub fn with_misses(mut self, misses: Misses) -> Self {
+        self.misses = misses;
+        self
     }
 
     /// Prompt lookup with its default n-grams, drafting up to `k` tokens.
@@ -77,12 +101,87 @@ impl<B: GemmaBackend> Speculation<B> {
         self.current
     }
 
-    /// Adjusts an adaptive length after a step that drafted `drafted` tokens and kept `kept`.
+    /// Back to the first step's length, without a pause (a new request).
+    pub(crate) fn restart(&mut self) {
+        self.current = self.length.initial();
+        self.pause = 0;
+        self.backoff = 0;
+    }
+
+    /// Whether this step drafts (counts a paused step down).
+    pub(crate) fn drafts_now(&mut self) -> bool {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// Adjusts an adaptive length after a step that drafted `drafted` tokens and kept `kept`,
+    /// and pauses drafting after one that kept none.
     pub(crate) fn adapt(&mut self, drafted: usize, kept: usize) {
+        if kept == 0 && self.misses == Misses::Backoff {
+            self.backoff = (self.backoff * 2).clamp(1, MAX_PAUSE);
+            self.pause = self.backoff;
+        } else {
+            self.backoff = 0;
+        }
         if let DraftLength::Adaptive { max } = self.length {
             self.current = if kept == drafted { self.current + 2 } else { self.current.saturating_sub(1) };
             self.current = self.current.clamp(1, max.get());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::NdArray;
+
+    fn lookup(length: DraftLength) -> Speculation<NdArray> {
+        Speculation::new(Drafter::PromptLookup(PromptLookup::default()), length)
+    }
+
+    #[test]
+    fn drafting_pauses_longer_after_each_step_that_kept_nothing() {
+        let mut s = lookup(DraftLength::Fixed(NonZeroUsize::MIN));
+        let mut pauses = Vec::new();
+        for _ in 0..8 {
+            assert!(s.drafts_now());
+            s.adapt(1, 0);
+            let mut paused = 0;
+            while !s.drafts_now() {
+                paused += 1;
+            }
+            pauses.push(paused);
+        }
+        assert_eq!(pauses, vec![1, 2, 4, 8, 16, 32, 32, 32]);
+        // A kept draft ends the backoff.
+        s.adapt(3, 1);
+        assert!(s.drafts_now());
+        s.adapt(3, 0);
+        assert!(!s.drafts_now());
+        assert!(s.drafts_now());
+        let mut always = lookup(DraftLength::Fixed(NonZeroUsize::MIN)).with_misses(Misses::KeepDrafting);
+        always.adapt(1, 0);
+        assert!(always.drafts_now());
+    }
+
+    #[test]
+    fn adaptive_length_follows_what_is_kept() {
+        let max = NonZeroUsize::new(7).unwrap();
+        let mut s = lookup(DraftLength::Adaptive { max });
+        assert_eq!(s.next_length(), 4);
+        s.adapt(4, 4);
+        assert_eq!(s.next_length(), 6);
+        s.adapt(6, 6);
+        assert_eq!(s.next_length(), 7);
+        s.adapt(7, 3);
+        assert_eq!(s.next_length(), 6);
+        for _ in 0..10 {
+            s.adapt(1, 0);
+        }
+        assert_eq!(s.next_length(), 1);
     }
 }
 
