@@ -202,8 +202,18 @@ impl<B: GemmaBackend> TokenStream<'_, B> {
     /// Stops here and returns what was generated (the text includes the rest of a character
     /// left split by the last token).
     pub fn finish(mut self) -> GenerationOutput {
-        let (output, _) = self.run.take().map_or_else(|| (GenerationOutput::empty(), String::new()), Run::finish);
-        output
+        let Some(run) = self.run.take() else { return GenerationOutput::empty() };
+        self.generator.keep_yielded(&run);
+        run.finish().0
+    }
+}
+
+impl<B: GemmaBackend> Drop for TokenStream<'_, B> {
+    /// The conversation keeps every token the stream yielded.
+    fn drop(&mut self) {
+        if let Some(run) = self.run.take() {
+            self.generator.keep_yielded(&run);
+        }
     }
 }
 
@@ -543,7 +553,8 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// Like [`Generator::generate`], as an iterator of tokens: each `next()` runs one step.
-    /// Dropping the stream stops generation there; the conversation keeps what was run.
+    /// Dropping the stream stops generation there; the conversation keeps every token it
+    /// yielded.
     pub fn generate_stream(&mut self, prompt: &str, config: &GenerationConfig) -> Result<TokenStream<'_, B>, Error> {
         let ids = self.prompt_ids(prompt)?;
         self.reset();
@@ -724,6 +735,14 @@ impl<B: GemmaBackend> Generator<B> {
             self.settle_cache();
         }
         text.map(|text| Token { id: token, text })
+    }
+
+    /// Where a run ends before it stopped (a stream dropped or finished early): its last
+    /// token, handed out but not yet run, joins the context (the next request runs it first).
+    fn keep_yielded(&mut self, run: &Run) {
+        if run.stop.is_none() && !run.tokens.is_empty() {
+            self.context.extend_from_slice(&run.input);
+        }
     }
 
     /// Takes the cache back to a prefix of the context where it holds drafts the context did

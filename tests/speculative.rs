@@ -336,3 +336,26 @@ fn verify_rows<Bk: burn_gemma::GemmaBackend>() {
         }
     }
 }
+
+/// A stream dropped while a verify step's kept drafts are still queued (they are in the cache,
+/// not in the context): the next request takes the cache back to the context first, and
+/// continues as it does without drafts.
+#[test]
+fn a_stream_dropped_among_kept_drafts_leaves_the_cache_at_the_context() {
+    let name = "tiny-gemma/gemma3";
+    // The model drafting for itself: every draft kept, five queued after each verify step.
+    let itself = || Speculation::new(Drafter::Model(Box::new(DraftModel::new(model(name)))), DraftLength::Fixed(k(5)));
+    let config = greedy(100);
+    let more = [300u32, 301, 302];
+    for taken in [7usize, 9, 14, 20, 33] {
+        let (mut plain, mut drafted) = (generator(name), generator(name));
+        drafted.set_speculation(Some(itself())).unwrap();
+        let a: Vec<u32> = plain.stream_ids(&prompt(), &config).unwrap().take(taken).map(|t| t.unwrap().id).collect();
+        let b: Vec<u32> = drafted.stream_ids(&prompt(), &config).unwrap().take(taken).map(|t| t.unwrap().id).collect();
+        assert_eq!(a, b, "the first {taken} tokens");
+        let a = plain.continue_ids(&more, &greedy(30), |_| {}).unwrap();
+        let b = drafted.continue_ids(&more, &greedy(30), |_| {}).unwrap();
+        assert_eq!(a.tokens, b.tokens, "the request after a stream dropped at {taken} tokens");
+        assert_eq!(plain.context(), drafted.context());
+    }
+}
