@@ -817,8 +817,6 @@ impl<B: GemmaBackend> Generator<B> {
             stats.accepted += kept;
         }
         spec.adapt(drafted, kept);
-        let vocab = self.model.config().vocab_size;
-        let next = checked_token(i64::from(next), vocab, run.tokens.len() + kept)?;
         run.queue.extend(drafts.tokens[..kept].iter().map(|&t| (t, true)));
         run.queue.push_back((next, false));
         Ok(run.queue.pop_front())
