@@ -5,6 +5,7 @@
 //! cargo run --release --example generate -- --chat            # interactive multi-turn chat
 //! cargo run --release --example generate -- --model gemma4.gguf --chat --thinking --prompt "Why is the sky blue?"
 //! cargo run --release --example generate -- --draft ngram --prompt "Repeat after me: ..."  # prompt lookup
+//! cargo run --release --example generate -- --model gemma-4-E2B-it --draft assistant:gemma-4-E2B-it-assistant --chat
 //! ```
 //!
 //! stdout receives exactly the generated text; progress, the chosen backend and the final
@@ -18,9 +19,9 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
-    speculative::{DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
-    Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions, Loaded, SamplingConfig,
-    StopReason,
+    speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
+    AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
+    Loaded, SamplingConfig, StopReason,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -86,9 +87,10 @@ struct Args {
     #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: std::num::NonZeroUsize,
     /// Speculative decoding: `ngram` (prompt lookup: continue earlier occurrences of the last
-    /// tokens; pays off when the reply copies from the prompt) or `model:PATH` (a smaller Gemma
-    /// of the same vocabulary, e.g. Gemma 3 270M for Gemma 3 1B+). Greedy output is unchanged;
-    /// sampled output keeps the model's distribution.
+    /// tokens; pays off when the reply copies from the prompt), `model:PATH` (a smaller Gemma
+    /// of the same vocabulary, e.g. Gemma 3 270M for Gemma 3 1B+) or `assistant:PATH` (the
+    /// model's Gemma 4 assistant, `gemma-4-*-it-assistant`: HF directory or GGUF). Greedy output
+    /// is unchanged; sampled output keeps the model's distribution.
     #[arg(long)]
     draft: Option<DraftArg>,
     /// Most tokens drafted per step.
@@ -107,18 +109,29 @@ struct Args {
 enum DraftArg {
     PromptLookup,
     Model(PathBuf),
+    Assistant(PathBuf),
+}
+
+impl DraftArg {
+    /// The checkpoint a drafter loads.
+    fn path(&self) -> Option<&PathBuf> {
+        match self {
+            Self::PromptLookup => None,
+            Self::Model(path) | Self::Assistant(path) => Some(path),
+        }
+    }
 }
 
 impl std::str::FromStr for DraftArg {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "ngram" => Ok(Self::PromptLookup),
-            _ => match s.strip_prefix("model:") {
-                Some(path) if !path.is_empty() => Ok(Self::Model(PathBuf::from(path))),
-                _ => Err(format!("expected `ngram` or `model:PATH`, got {s:?}")),
-            },
+        let path = |prefix: &str| s.strip_prefix(prefix).filter(|p| !p.is_empty()).map(PathBuf::from);
+        match (s, path("model:"), path("assistant:")) {
+            ("ngram", ..) => Ok(Self::PromptLookup),
+            (_, Some(path), _) => Ok(Self::Model(path)),
+            (_, _, Some(path)) => Ok(Self::Assistant(path)),
+            _ => Err(format!("expected `ngram`, `model:PATH` or `assistant:PATH`, got {s:?}")),
         }
     }
 }
@@ -207,6 +220,23 @@ impl BackendTask for Run {
                     bar.finish_and_clear();
                     eprintln!("draft model: {} ({} layers)", path.display(), model.num_layers());
                     Drafter::Model(Box::new(DraftModel::new(model)))
+                }
+                DraftArg::Assistant(path) => {
+                    let checkpoint = AssistantCheckpoint::open(path)?;
+                    let bar = progress_bar("assistant");
+                    let progress = bar.clone();
+                    let options =
+                        LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).progress(
+                            move |p| {
+                                progress.set_length(p.total as u64);
+                                progress.set_position(p.loaded as u64);
+                            },
+                        );
+                    let assistant = checkpoint.load(options)?;
+                    bar.finish_and_clear();
+                    let layers = assistant.config().text.num_hidden_layers;
+                    eprintln!("assistant: {} ({layers} layers)", path.display());
+                    Drafter::Assistant(Box::new(AssistantDrafter::new(assistant)))
                 }
             };
             let length = match self.args.draft_adaptive {
@@ -319,13 +349,15 @@ fn real_main(args: Args) -> Result<(), CliError> {
     if args.max_new_tokens == 0 {
         return Err(CliError::from("--max-new-tokens must be at least 1"));
     }
-    if let Some(DraftArg::Model(path)) = &args.draft {
+    if let Some(path) = args.draft.as_ref().and_then(DraftArg::path) {
         if !path.exists() {
             return Err(CliError::from(format!("draft model path {} does not exist", path.display())));
         }
     }
     if args.draft_adaptive && args.draft.is_none() {
-        return Err(CliError::from("--draft-adaptive adapts a draft: add --draft ngram or --draft model:PATH"));
+        return Err(CliError::from(
+            "--draft-adaptive adapts a draft: add --draft ngram, --draft model:PATH or --draft assistant:PATH",
+        ));
     }
     let prompt = match &args.prompt {
         Some(p) => Some(p.clone()),

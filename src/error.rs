@@ -171,6 +171,16 @@ pub enum RequestError {
         "the draft model has {draft} tokens in its vocabulary, the model {target}: drafts need the same vocabulary"
     )]
     DraftVocabulary { target: usize, draft: usize },
+    /// A Gemma 4 assistant that does not fit the model ([`crate::Generator::set_speculation`]).
+    #[error("{0}")]
+    AssistantMismatch(String),
+    /// `CudaGraph::On` with a Gemma 4 assistant drafting (it reads the model's hidden states,
+    /// which a replayed step does not give).
+    #[error(
+        "--cuda-graph on cannot run with an assistant drafting (it reads the model's hidden states, which a \
+         replayed step does not keep): use --cuda-graph auto"
+    )]
+    CudaGraphWithAssistant,
     /// Tool responses with no conversation to continue.
     #[error("no conversation to continue: start one with a chat turn")]
     NoConversation,

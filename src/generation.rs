@@ -13,7 +13,7 @@ use crate::{
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
-use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ModelError};
+use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ModelError, QueryRows};
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
@@ -199,6 +199,12 @@ impl<B: GemmaBackend> Iterator for TokenStream<'_, B> {
 }
 
 impl<B: GemmaBackend> TokenStream<'_, B> {
+    /// The generator between steps, read only (its context holds the tokens the model has
+    /// run, not the drafts still queued).
+    pub fn generator(&self) -> &Generator<B> {
+        self.generator
+    }
+
     /// Stops here and returns what was generated (the text includes the rest of a character
     /// left split by the last token).
     pub fn finish(mut self) -> GenerationOutput {
@@ -336,6 +342,15 @@ pub struct Generator<B: GemmaBackend> {
     speculation: Option<Speculation<B>>,
     /// Taken before the last verify step: takes back cached drafts the context did not keep.
     rewind: Option<Checkpoint<B>>,
+    /// The model's last final hidden state, where a Gemma 4 assistant drafts from it.
+    target_hidden: Option<TargetHidden<B>>,
+}
+
+/// The model's final hidden state (after its norm, `[1, hidden]`) at `position`: the state whose
+/// logits chose the token at `position + 1`.
+struct TargetHidden<B: GemmaBackend> {
+    position: usize,
+    hidden: Tensor<B, 2>,
 }
 
 impl<B: GemmaBackend> Generator<B> {
@@ -357,6 +372,7 @@ impl<B: GemmaBackend> Generator<B> {
             graph_off: None,
             speculation: None,
             rewind: None,
+            target_hidden: None,
         })
     }
 
@@ -364,14 +380,29 @@ impl<B: GemmaBackend> Generator<B> {
     /// stops drafting (`None`). Greedy output is the same token for token; sampled output keeps
     /// the model's distribution. A draft model must share the model's vocabulary.
     pub fn set_speculation(&mut self, speculation: Option<Speculation<B>>) -> Result<(), Error> {
-        if let Some(Drafter::Model(draft)) = speculation.as_ref().map(Speculation::drafter) {
-            let (target, drafter) = (self.model.config().vocab_size, draft.model().config().vocab_size);
-            if target != drafter {
-                return Err(RequestError::DraftVocabulary { target, draft: drafter }.into());
+        match speculation.as_ref().map(Speculation::drafter) {
+            Some(Drafter::Model(draft)) => {
+                let (target, drafter) = (self.model.config().vocab_size, draft.model().config().vocab_size);
+                if target != drafter {
+                    return Err(RequestError::DraftVocabulary { target, draft: drafter }.into());
+                }
             }
+            Some(Drafter::Assistant(drafter)) => {
+                let fits = drafter.assistant().check_target(&self.model);
+                fits.map_err(|e| RequestError::AssistantMismatch(e.to_string()))?;
+            }
+            _ => {}
         }
         self.speculation = speculation;
+        self.target_hidden = None;
         Ok(())
+    }
+
+    /// The model's last final hidden state (after its norm, `[1, hidden]`) and its position,
+    /// where a Gemma 4 assistant drafts from it (`None` otherwise): the state whose logits chose
+    /// the token at the next position.
+    pub fn last_hidden_state(&self) -> Option<(usize, Tensor<B, 2>)> {
+        self.target_hidden.as_ref().map(|h| (h.position, h.hidden.clone()))
     }
 
     /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
@@ -404,6 +435,7 @@ impl<B: GemmaBackend> Generator<B> {
     pub fn reset(&mut self) {
         self.context.clear();
         self.rewind = None;
+        self.target_hidden = None;
         if let Some(cache) = &mut self.cache {
             cache.reset();
         }
@@ -689,10 +721,18 @@ impl<B: GemmaBackend> Generator<B> {
             None => {
                 let device = self.model.device();
                 let mut cache = self.take_cache(run.capacity)?;
-                let logits = prefill(&self.model, &mut cache, &run.input, run.prefill_chunk, &device);
+                let chunk = run.prefill_chunk;
+                let result = match self.reads_hidden_states() {
+                    true => {
+                        prefill_hidden(&self.model, &mut cache, &run.input, chunk, &device).map(|(l, h)| (l, Some(h)))
+                    }
+                    false => prefill(&self.model, &mut cache, &run.input, chunk, &device).map(|l| (l, None)),
+                };
                 self.cache = Some(cache);
-                let logits = logits?;
+                let (logits, hidden) = result?;
                 self.context.extend_from_slice(&run.input);
+                let position = self.context.len() - 1;
+                self.target_hidden = hidden.map(|hidden| TargetHidden { position, hidden });
                 first_sampled(run.sampler.sample_with_draws(logits, &self.context, &draws)?)?
             }
         };
@@ -790,6 +830,14 @@ impl<B: GemmaBackend> Generator<B> {
                 Drafts { proposals: vec![Proposal::Certain; tokens.len()], tokens }
             }
             Drafter::Model(model) => model.draft(&sequence, k, &mut run.draft_sampler, run.prefill_chunk)?,
+            Drafter::Assistant(assistant) => {
+                // Drafts start from the state that chose the pending token.
+                let Some(last) = self.target_hidden.as_ref().filter(|h| h.position + 1 == cache.len()) else {
+                    return Ok(None);
+                };
+                let pending = (run.input[0], last.hidden.clone());
+                assistant.draft(&self.model, cache, pending, &sequence, k, &mut run.draft_sampler)?
+            }
         };
         if drafts.tokens.is_empty() {
             return Ok(None);
@@ -799,11 +847,12 @@ impl<B: GemmaBackend> Generator<B> {
         let verified = (|| {
             let checkpoint = cache.checkpoint(1 + drafted)?;
             let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
-            let logits = self.model.forward_each(token_tensor(&ids, &self.model.device()), &mut cache)?;
-            Ok::<_, Error>((checkpoint, logits))
+            let ids = token_tensor(&ids, &self.model.device());
+            let hidden = self.model.forward_hidden(ids, &mut cache, QueryRows::Each)?;
+            Ok::<_, Error>((checkpoint, self.model.logits(hidden.clone()), hidden))
         })();
         self.cache = Some(cache);
-        let (checkpoint, logits) = verified?;
+        let (checkpoint, logits, hidden) = verified?;
         self.context.append(&mut run.input);
         let (kept, next) = self.judge(run, logits, &drafts)?;
         let keep = self.context.len() + kept;
@@ -811,6 +860,12 @@ impl<B: GemmaBackend> Generator<B> {
             cache.rewind(&checkpoint, keep)?;
         }
         self.rewind = Some(checkpoint);
+        if spec.drafter.reads_hidden_states() {
+            // Row `kept` chose `next`.
+            let [_, _, width] = hidden.dims();
+            let row = hidden.slice([0..1, kept..kept + 1, 0..width]).reshape([1, width]);
+            self.target_hidden = Some(TargetHidden { position: keep - 1, hidden: row });
+        }
         if let Some(stats) = &mut run.stats.speculation {
             stats.verify_steps += 1;
             stats.drafted += drafted;
@@ -865,12 +920,21 @@ impl<B: GemmaBackend> Generator<B> {
         Ok((kept, next))
     }
 
+    /// Whether the drafter starts from the model's final hidden states (a Gemma 4 assistant):
+    /// every step then keeps its last one.
+    fn reads_hidden_states(&self) -> bool {
+        self.speculation.as_ref().is_some_and(|s| s.drafter.reads_hidden_states())
+    }
+
     /// Whether decode steps replay a CUDA graph in `mode` with this sampler: `On` where it
     /// cannot is an error; `Auto` stays eager (the repetition penalty runs as eager tensor
     /// operations, and backends other than CUDA have no graphs).
     fn graph_plan(&mut self, mode: CudaGraph, sampler: &Sampler) -> Result<bool, Error> {
+        let reads_hidden = self.reads_hidden_states();
         match mode {
             CudaGraph::Off => Ok(false),
+            CudaGraph::On if reads_hidden => Err(RequestError::CudaGraphWithAssistant.into()),
+            CudaGraph::Auto if reads_hidden => Ok(false),
             CudaGraph::On if sampler.penalizes() => Err(RequestError::CudaGraphWithPenalty.into()),
             CudaGraph::Auto if sampler.penalizes() || self.graph_off.is_some() => Ok(false),
             CudaGraph::On => {
@@ -1001,6 +1065,26 @@ pub(crate) fn sampled_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec
     let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
     let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
     ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
+}
+
+/// [`prefill`], returning the last position's logits and final hidden state (`[1, hidden]`).
+pub(crate) fn prefill_hidden<B: GemmaBackend>(
+    model: &Gemma<B>,
+    cache: &mut KvCache<B>,
+    input: &[u32],
+    chunk: NonZeroUsize,
+    device: &B::Device,
+) -> Result<(Tensor<B, 2>, Tensor<B, 2>), Error> {
+    let chunk = chunk.get();
+    let last = input.len().saturating_sub(1) / chunk * chunk;
+    for filling in input[..last].chunks(chunk) {
+        model.forward_last(token_tensor(filling, device), cache)?;
+    }
+    let hidden = model.forward_hidden(token_tensor(&input[last..], device), cache, QueryRows::Together)?;
+    let [batch, seq, width] = hidden.dims();
+    let hidden = hidden.slice([0..batch, seq - 1..seq, 0..width]);
+    let logits = model.logits(hidden.clone());
+    Ok((logits.reshape([batch, model.config().vocab_size]), hidden.reshape([batch, width])))
 }
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's

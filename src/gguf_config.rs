@@ -4,7 +4,8 @@
 
 use crate::gguf::{GgufFile, Value};
 use burn_gemma_model::{
-    config::default_layer_types, Architecture, GemmaConfig, LayerType, ModelError, MoeConfig, RopeConfig,
+    config::default_layer_types, Architecture, AssistantConfig, GemmaConfig, LayerType, ModelError, MoeConfig,
+    RopeConfig,
 };
 
 fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
@@ -30,25 +31,11 @@ pub(crate) fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelErro
     };
     let float = |k: &str| meta(file, &key(k)).and_then(Value::as_f64);
 
-    // Per-layer values (Gemma 4 writes some keys as one entry per layer): the first entry, and
-    // the entries themselves.
-    let per_layer = |k: &'static str| -> Result<Option<Vec<usize>>, ModelError> {
-        match meta(file, &key(k)) {
-            None => Ok(None),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| v.as_u64().and_then(|n| usize::try_from(n).ok()))
-                .collect::<Option<Vec<_>>>()
-                .filter(|v| !v.is_empty())
-                .map(Some)
-                .ok_or(ModelError::InvalidConfig { field: k, reason: "must be unsigned integers".into() }),
-            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(|n| Some(vec![n])).ok_or_else(|| {
-                ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }
-            }),
-        }
-    };
+    let per_layer = |k: &'static str| per_layer_values(file, arch_name, k);
     if arch == Architecture::Gemma4 {
-        return gemma4_config_from_gguf(file, arch_name, &per_layer);
+        let config = gemma4_config_from_gguf(file, arch_name, &per_layer)?;
+        config.validate()?;
+        return Ok(config);
     }
     let hidden_size = required("embedding_length")?;
     let num_attention_heads = required("attention.head_count")?;
@@ -121,11 +108,49 @@ pub(crate) fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelErro
     Ok(config)
 }
 
+/// A per-layer value (Gemma 4 writes some keys as one entry per layer): its entries, one for a
+/// single value.
+fn per_layer_values(file: &GgufFile, arch_name: &str, k: &'static str) -> Result<Option<Vec<usize>>, ModelError> {
+    match meta(file, &format!("{arch_name}.{k}")) {
+        None => Ok(None),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().and_then(|n| usize::try_from(n).ok()))
+            .collect::<Option<Vec<_>>>()
+            .filter(|v| !v.is_empty())
+            .map(Some)
+            .ok_or(ModelError::InvalidConfig { field: k, reason: "must be unsigned integers".into() }),
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(|n| Some(vec![n])).ok_or_else(|| {
+            ModelError::InvalidConfig { field: k, reason: format!("must be an unsigned integer, found {v:?}") }
+        }),
+    }
+}
+
+/// A Gemma 4 assistant's config from llama.cpp's `gemma4-assistant` metadata: the Gemma 4 keys
+/// of its stack, `embedding_length_out` the target's hidden size. llama.cpp's converter leaves
+/// out the masked lm_head (`masked_embedding.*`), so the lm_head is the whole table, as
+/// llama.cpp runs it.
+pub(crate) fn assistant_config_from_gguf(file: &GgufFile) -> Result<AssistantConfig, ModelError> {
+    let arch_name = "gemma4-assistant";
+    let per_layer = |k: &'static str| per_layer_values(file, arch_name, k);
+    let mut text = gemma4_config_from_gguf(file, arch_name, &per_layer)?;
+    text.num_kv_shared_layers = text.num_hidden_layers;
+    let field = "embedding_length_out";
+    let backbone_hidden_size = meta(file, &format!("{arch_name}.{field}"))
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })?;
+    let config = AssistantConfig { text, backbone_hidden_size, ordered_embeddings: None };
+    config.validate()?;
+    Ok(config)
+}
+
 /// A Gemma 4 config from llama.cpp's `gemma4` metadata: head sizes `key_length` (full layers)
 /// and `key_length_swa`, KV heads and MLP widths per layer, the sliding pattern as one flag per
 /// layer, `shared_kv_layers`, `embedding_length_per_layer_input`, the expert counts; the share
 /// of rotating pairs from the `rope_freqs` tensor (1 for a rotating pair, 1e30 for one left as
-/// it is), and the full layers' values-from-keys from the missing `attn_v` tensors.
+/// it is), and the full layers' values-from-keys from the missing `attn_v` tensors. Not yet
+/// validated: a model and an assistant validate it each as theirs.
 fn gemma4_config_from_gguf(
     file: &GgufFile,
     arch_name: &str,
@@ -235,7 +260,6 @@ fn gemma4_config_from_gguf(
         vocab_size_per_layer_input,
         moe,
     };
-    config.validate()?;
     Ok(config)
 }
 

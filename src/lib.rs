@@ -44,14 +44,15 @@ pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
-    BatchGraphs, CudaGraph, Gemma, GemmaConfig, GraphSetup, KvCache, KvFormat, ModelError, ModelOptions, PagedLayout,
-    PrefixCache, PrefixStats, Reservation, StepInputs, StoredRows, WeightFormat, WeightSource,
+    AssistantConfig, BatchGraphs, CudaGraph, Gemma, Gemma4Assistant, GemmaConfig, GraphSetup, KvCache, KvFormat,
+    ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StoredRows, WeightFormat,
+    WeightSource,
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{
     EagerReason, GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
 };
 pub use load_options::{LoadOptions, LoadProgress};
-pub use loader::{Checkpoint, LoadReport, Loaded};
+pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};

@@ -10,9 +10,10 @@ use crate::{
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
 use burn_gemma_model::{
+    assistant::config::ASSISTANT_MODEL_TYPES,
     config::NormScale,
     weights::{matrix_dims, quantize, row_chunks, WeightKind},
-    Architecture, Gemma, GemmaConfig, ModelError, WeightSource,
+    Architecture, AssistantConfig, Gemma, Gemma4Assistant, GemmaConfig, ModelError, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -52,6 +53,79 @@ pub struct LoadReport {
     pub unused_tensors: Vec<String>,
 }
 
+/// What `Checkpoint::open` says of a Gemma 4 assistant.
+const ASSISTANT_AS_MODEL: &str = "this is a Gemma 4 assistant, a drafter for a Gemma 4 model: open it with \
+     AssistantCheckpoint (the CLI's --draft assistant:PATH)";
+
+/// llama.cpp's architecture name of Gemma 4 assistants.
+const ASSISTANT_GGUF_ARCH: &str = "gemma4-assistant";
+
+fn gguf_architecture(file: &GgufFile) -> &str {
+    meta(file, "general.architecture").and_then(Value::as_str).unwrap_or("")
+}
+
+/// `config.json` of an HF directory: its path and text.
+fn read_config(dir: &Path) -> Result<(PathBuf, String), Error> {
+    let config_path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
+    Ok((config_path, text))
+}
+
+/// Whether a `config.json` describes a Gemma 4 assistant.
+fn is_assistant_config(text: &str) -> bool {
+    let value = serde_json::from_str::<serde_json::Value>(text).ok();
+    let model_type = value.as_ref().and_then(|v| v.get("model_type")).and_then(|t| t.as_str());
+    model_type.is_some_and(|t| ASSISTANT_MODEL_TYPES.contains(&t))
+}
+
+/// The safetensors of an HF directory (`model.safetensors`, or the shards its index names).
+fn open_hf_weights(dir: &Path) -> Result<Format, Error> {
+    let index_path = dir.join("model.safetensors.index.json");
+    let shard_names: Vec<String> = if index_path.exists() {
+        let text =
+            std::fs::read_to_string(&index_path).map_err(|source| Error::Io { path: index_path.clone(), source })?;
+        let index: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::NotAModel { path: index_path.clone(), reason: format!("index is not JSON: {e}") })?;
+        let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::NotAModel {
+            path: index_path.clone(),
+            reason: "index has no `weight_map` object".into(),
+        })?;
+        let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+        names.sort();
+        names.dedup();
+        names
+    } else {
+        vec!["model.safetensors".to_string()]
+    };
+    let mut shards = Vec::with_capacity(shard_names.len());
+    let mut index = HashMap::new();
+    for name in &shard_names {
+        if name.contains('/') || name.contains('\\') || name.contains("..") {
+            return Err(Error::NotAModel {
+                path: index_path.clone(),
+                reason: format!("shard name {name:?} leaves the directory"),
+            });
+        }
+        let shard_path = dir.join(name);
+        if !shard_path.exists() {
+            return Err(Error::NotAModel { path: dir.to_path_buf(), reason: format!("missing weights file {name}") });
+        }
+        let file = SafetensorsFile::open(&shard_path)
+            .map_err(|source| Error::Safetensors { path: shard_path.clone(), source: Box::new(source) })?;
+        for tensor in file.tensors().keys() {
+            if index.insert(tensor.clone(), shards.len()).is_some() {
+                return Err(Error::NotAModel {
+                    path: shard_path.clone(),
+                    reason: format!("tensor `{tensor}` is in two shards"),
+                });
+            }
+        }
+        shards.push(file);
+    }
+    Ok(Format::Hf { shards, index })
+}
+
 impl Checkpoint {
     /// Opens a GGUF file or an HF directory and validates its config.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
@@ -65,67 +139,25 @@ impl Checkpoint {
     }
 
     fn open_hf_dir(dir: PathBuf) -> Result<Self, Error> {
-        let config_path = dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&config_path).map_err(|source| Error::Io { path: config_path.clone(), source })?;
+        let (config_path, text) = read_config(&dir)?;
+        if is_assistant_config(&text) {
+            return Err(Error::NotAModel { path: dir, reason: ASSISTANT_AS_MODEL.into() });
+        }
         let config =
             GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
-
-        let index_path = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|source| Error::Io { path: index_path.clone(), source })?;
-            let index: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::NotAModel {
-                path: index_path.clone(),
-                reason: format!("index is not JSON: {e}"),
-            })?;
-            let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::NotAModel {
-                path: index_path.clone(),
-                reason: "index has no `weight_map` object".into(),
-            })?;
-            let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
-            names.sort();
-            names.dedup();
-            names
-        } else {
-            vec!["model.safetensors".to_string()]
-        };
-        let mut shards = Vec::with_capacity(shard_names.len());
-        let mut index = HashMap::new();
-        for name in &shard_names {
-            if name.contains('/') || name.contains('\\') || name.contains("..") {
-                return Err(Error::NotAModel {
-                    path: index_path.clone(),
-                    reason: format!("shard name {name:?} leaves the directory"),
-                });
-            }
-            let shard_path = dir.join(name);
-            if !shard_path.exists() {
-                return Err(Error::NotAModel { path: dir.clone(), reason: format!("missing weights file {name}") });
-            }
-            let file = SafetensorsFile::open(&shard_path)
-                .map_err(|source| Error::Safetensors { path: shard_path.clone(), source: Box::new(source) })?;
-            for tensor in file.tensors().keys() {
-                if index.insert(tensor.clone(), shards.len()).is_some() {
-                    return Err(Error::NotAModel {
-                        path: shard_path.clone(),
-                        reason: format!("tensor `{tensor}` is in two shards"),
-                    });
-                }
-            }
-            shards.push(file);
-        }
-        Ok(Self { path: dir, format: Format::Hf { shards, index }, config })
+        Ok(Self { format: open_hf_weights(&dir)?, path: dir, config })
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self, Error> {
         let file =
             GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source: Box::new(source) })?;
+        if gguf_architecture(&file) == ASSISTANT_GGUF_ARCH {
+            return Err(Error::NotAModel { path, reason: ASSISTANT_AS_MODEL.into() });
+        }
         let config = crate::gguf_config::config_from_gguf(&file)
             .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
         Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
     }
-
     /// The checkpoint's path.
     pub fn path(&self) -> &Path {
         &self.path
@@ -168,7 +200,13 @@ impl Checkpoint {
                 progress(LoadProgress { loaded, total });
             }
         };
-        let mut source = Source { checkpoint: self, used: HashSet::new(), progress: &mut report, total };
+        let mut source = Source {
+            format: &self.format,
+            arch: self.config.model_type,
+            used: HashSet::new(),
+            progress: &mut report,
+            total,
+        };
         let model = Gemma::load(self.config.clone(), &mut source, &options, &device)?;
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
@@ -196,8 +234,83 @@ impl Checkpoint {
     }
 }
 
+/// An opened Gemma 4 assistant (an HF `gemma4_assistant` directory or llama.cpp's
+/// `gemma4-assistant` GGUF), validated but not yet loaded: the drafter of
+/// [`crate::speculative::Drafter::Assistant`].
+pub struct AssistantCheckpoint {
+    path: PathBuf,
+    format: Format,
+    config: AssistantConfig,
+}
+
+impl AssistantCheckpoint {
+    /// Opens an assistant's GGUF file or HF directory and validates its config.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref().to_path_buf();
+        let meta = std::fs::metadata(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let not_assistant = |path: PathBuf| Error::NotAModel {
+            path,
+            reason: "not a Gemma 4 assistant (an HF gemma4_assistant checkpoint or a gemma4-assistant GGUF)".into(),
+        };
+        if meta.is_dir() {
+            let (config_path, text) = read_config(&path)?;
+            if !is_assistant_config(&text) {
+                return Err(not_assistant(path));
+            }
+            let config = AssistantConfig::from_hf_json(&text)
+                .map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
+            Ok(Self { format: open_hf_weights(&path)?, path, config })
+        } else {
+            let file =
+                GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source: Box::new(source) })?;
+            if gguf_architecture(&file) != ASSISTANT_GGUF_ARCH {
+                return Err(not_assistant(path));
+            }
+            let config = crate::gguf_config::assistant_config_from_gguf(&file)
+                .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
+            Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
+        }
+    }
+
+    /// The checkpoint's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &AssistantConfig {
+        &self.config
+    }
+
+    /// Loads the assistant as `options` say (device, dtype, weight format, progress; it has no
+    /// KV cache of its own: it reads its target's). Use the target's dtype.
+    pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma4Assistant<B>, Error> {
+        let (options, device, mut progress) = options.into_parts();
+        crate::backends::check_dtype::<B>(&device, options.dtype)?;
+        let c = &self.config;
+        // Per layer: q, o, q_norm, gate, up, down, four norms, the scalar; the table, the final
+        // norm, the two projections, the masked lm_head's centroids and ordering.
+        let masked = if c.ordered_embeddings.is_some() { 2 } else { 0 };
+        let total = 11 * c.text.num_hidden_layers + 4 + masked;
+        let mut report = |loaded: usize, total: usize| {
+            if let Some(progress) = progress.as_mut() {
+                progress(LoadProgress { loaded, total });
+            }
+        };
+        let mut source = Source {
+            format: &self.format,
+            arch: Architecture::Gemma4,
+            used: HashSet::new(),
+            progress: &mut report,
+            total,
+        };
+        Ok(Gemma4Assistant::load(c.clone(), &mut source, &options, &device)?)
+    }
+}
+
 struct Source<'a, F: FnMut(usize, usize)> {
-    checkpoint: &'a Checkpoint,
+    format: &'a Format,
+    arch: Architecture,
     used: HashSet<String>,
     progress: &'a mut F,
     total: usize,
@@ -217,6 +330,11 @@ fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
         "model.embed_tokens_per_layer.weight" => return Some("per_layer_token_embd.weight".into()),
         "model.per_layer_model_projection.weight" => return Some("per_layer_model_proj.weight".into()),
         "model.per_layer_projection_norm.weight" => return Some("per_layer_proj_norm.weight".into()),
+        // Gemma 4 assistants.
+        "pre_projection.weight" => return Some("nextn.pre_projection.weight".into()),
+        "post_projection.weight" => return Some("nextn.post_projection.weight".into()),
+        "masked_embedding.centroids.weight" => return Some("masked_embd_centroids.weight".into()),
+        "masked_embedding.token_ordering" => return Some("masked_embd_ordering".into()),
         _ => {}
     }
     let rest = name.strip_prefix("model.layers.")?;
@@ -271,7 +389,7 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
             expected: shape.to_vec(),
             actual: actual.to_vec(),
         };
-        let data = match &self.checkpoint.format {
+        let data = match self.format {
             Format::Hf { shards, index } => {
                 let (stored, shard) = hf_candidates(name)
                     .into_iter()
@@ -282,20 +400,35 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                 if info.shape() != shape {
                     return Err(mismatch(info.shape()));
                 }
-                let stored_dtype = match info.dtype() {
-                    Dtype::F32 => DType::F32,
-                    Dtype::F16 => DType::F16,
-                    Dtype::BF16 => DType::BF16,
-                    other => {
+                let stored_dtype = match (info.dtype(), kind) {
+                    (Dtype::F32, _) => DType::F32,
+                    (Dtype::F16, _) => DType::F16,
+                    (Dtype::BF16, _) => DType::BF16,
+                    (Dtype::I64, WeightKind::Indices) => DType::I64,
+                    (Dtype::I32, WeightKind::Indices) => DType::I32,
+                    (other, _) => {
                         return Err(ModelError::UnsupportedTensorDtype { name: stored, dtype: format!("{other:?}") })
                     }
                 };
                 let bytes = file.bytes(&stored).ok_or_else(|| ModelError::MissingTensor(stored.clone()))?.to_vec();
                 self.used.insert(stored);
-                TensorData::from_bytes_vec(bytes, shape.to_vec(), stored_dtype)
+                let data = TensorData::from_bytes_vec(bytes, shape.to_vec(), stored_dtype);
+                if kind == WeightKind::Indices {
+                    // Ids as exact floats: refused past 2^24.
+                    let ids = data
+                        .convert::<i64>()
+                        .into_vec::<i64>()
+                        .map_err(|e| ModelError::Source(format!("{e:?}").into()))?;
+                    if let Some(id) = ids.iter().find(|&&id| !(0..1 << 24).contains(&id)) {
+                        return Err(ModelError::Source(format!("{name} holds {id}, not a token id").into()));
+                    }
+                    TensorData::new(ids.into_iter().map(|id| id as f32).collect::<Vec<_>>(), shape.to_vec())
+                } else {
+                    data
+                }
             }
             Format::Gguf(file) => {
-                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+                let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let mut values = file.dequantize(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
                 if kind == WeightKind::Norm(NormScale::OnePlusWeight) {
                     // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
@@ -344,7 +477,7 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
     ) -> Result<HostQuantized, ModelError> {
         let dims = matrix_dims(shape)
             .ok_or_else(|| ModelError::InvalidInput(format!("`{name}`: shape {shape:?} is not a matrix")))?;
-        match &self.checkpoint.format {
+        match self.format {
             Format::Hf { .. } => {
                 let data = self.host_data(name, shape, WeightKind::Matrix)?;
                 let values = data
@@ -354,7 +487,7 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
                 quantize(name, &values, dims, format)
             }
             Format::Gguf(file) => {
-                let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+                let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let q = file.quantized(&stored, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 self.mark_used(stored);
                 Ok(q)
@@ -363,8 +496,8 @@ impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
     }
 
     fn load_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Option<GgmlBlocks>, ModelError> {
-        let Format::Gguf(file) = &self.checkpoint.format else { return Ok(None) };
-        let stored = Self::gguf_tensor(file, self.checkpoint.config.model_type, name, shape)?;
+        let Format::Gguf(file) = self.format else { return Ok(None) };
+        let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
         let blocks = file.blocks(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
         if blocks.is_some() {
             self.mark_used(stored);

@@ -51,6 +51,8 @@ fn bad_flags_fail_cleanly() {
         (vec!["--dtype", "f8"], "unknown dtype"),
         (vec!["--thinking"], "add --chat"),
         (vec!["--system", "Be brief."], "add --chat"),
+        (vec!["--draft", "assistant:/nonexistent/assistant"], "does not exist"),
+        (vec!["--draft", "model:/nonexistent/draft.gguf"], "does not exist"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["--model", model.as_str(), "--prompt", "hi"];
@@ -60,6 +62,11 @@ fn bad_flags_fail_cleanly() {
         assert!(stdout.is_empty(), "{flags:?}: stdout {stdout:?}");
         assert!(stderr.contains("error:") && stderr.contains(needle), "{flags:?}: {stderr}");
     }
+    // A Gemma 4 assistant given as the model: said so, with where it goes.
+    let assistant = common::fixtures().join("tiny-gemma-assistant/gemma4-e").display().to_string();
+    let (code, _, stderr) = run(&["--model", &assistant, "--prompt", "hi", "--backend", "ndarray"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("Gemma 4 assistant") && stderr.contains("--draft assistant:PATH"), "{stderr}");
     let (code, _, stderr) = run(&["--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("does not exist"), "{stderr}");

@@ -166,6 +166,17 @@ pub struct GemmaConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// Where a model's layers get their keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvSource {
+    /// From its own layers: the first compute them, the last `num_kv_shared_layers` attend over
+    /// the cache of an earlier layer of their type.
+    Layers,
+    /// From another model: every layer attends over the cache of that model (a Gemma 4
+    /// assistant over its target's, `num_kv_shared_layers == num_hidden_layers`).
+    Target,
+}
+
 pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidConfig { field, reason: reason.into() }
 }
@@ -246,6 +257,11 @@ impl GemmaConfig {
 
     /// Checks every value before anything is allocated.
     pub fn validate(&self) -> Result<(), ModelError> {
+        self.validate_for(KvSource::Layers)
+    }
+
+    /// [`GemmaConfig::validate`] for a model whose keys and values come from `kv`.
+    pub fn validate_for(&self, kv: KvSource) -> Result<(), ModelError> {
         const MAX_DIM: usize = 1 << 20;
         for (field, value) in [
             ("vocab_size", self.vocab_size),
@@ -296,7 +312,7 @@ impl GemmaConfig {
                 "must end with a full_attention layer (Gemma 4's last layer is global)",
             ));
         }
-        self.check_gemma4_parts()?;
+        self.check_gemma4_parts(kv)?;
         if self.layer_types.contains(&LayerType::SlidingAttention) && self.sliding_window.is_none_or(|w| w == 0) {
             return Err(invalid("sliding_window", "must be a positive integer when layers use sliding attention"));
         }
@@ -334,16 +350,26 @@ impl GemmaConfig {
     }
 
     /// Checks KV sharing, per-layer embeddings and the expert block.
-    fn check_gemma4_parts(&self) -> Result<(), ModelError> {
+    fn check_gemma4_parts(&self, kv: KvSource) -> Result<(), ModelError> {
         let layers = self.num_hidden_layers;
-        if self.num_kv_shared_layers >= layers {
+        if kv == KvSource::Target && self.num_kv_shared_layers != layers {
+            return Err(invalid(
+                "num_kv_shared_layers",
+                format!(
+                    "({}) must be num_hidden_layers ({layers}): every layer of an assistant attends over its \
+                     target's keys",
+                    self.num_kv_shared_layers
+                ),
+            ));
+        }
+        if kv == KvSource::Layers && self.num_kv_shared_layers >= layers {
             return Err(invalid(
                 "num_kv_shared_layers",
                 format!("({}) leaves no layer of the {layers} to produce keys and values", self.num_kv_shared_layers),
             ));
         }
         for layer in self.first_kv_shared_layer()..layers {
-            if self.kv_producer(layer).is_none() {
+            if kv == KvSource::Layers && self.kv_producer(layer).is_none() {
                 let kind = self.layer_types[layer];
                 return Err(invalid(
                     "num_kv_shared_layers",
@@ -406,6 +432,12 @@ impl GemmaConfig {
     /// does).
     pub fn first_kv_shared_layer(&self) -> usize {
         self.num_hidden_layers - self.num_kv_shared_layers.min(self.num_hidden_layers)
+    }
+
+    /// Whether layer `layer` computes keys and values of its own (before
+    /// [`Self::first_kv_shared_layer`]).
+    pub fn owns_kv(&self, layer: usize) -> bool {
+        layer < self.first_kv_shared_layer()
     }
 
     /// For a KV-sharing layer, the layer whose cache it attends over: the last layer of the same

@@ -2,7 +2,7 @@
 //! MLP between their norms, Gemma 4's expert block and per-layer input, the layer scalar.
 
 use crate::{
-    attention::{Attention, LayerCache},
+    attention::{Attention, LayerKv},
     mlp::Mlp,
     moe::MoeBlock,
     norm::{ResidualStream, RmsNorm},
@@ -107,12 +107,12 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         &'a self,
         stream: ResidualStream<'a, B>,
         rope: &RopeTables<B>,
-        cache: &mut LayerCache<B>,
+        kv: LayerKv<'_, B>,
         position: &StepPosition<B>,
         per_layer_input: Option<(Tensor<B, 4>, usize)>,
     ) -> Result<ResidualStream<'a, B>, ModelError> {
         let (stream, h) = stream.norm(&self.input_layernorm);
-        let h = self.self_attn.forward(h, rope, cache, position)?;
+        let h = self.self_attn.forward(h, rope, kv, position)?;
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
         let h = self.mlp.forward(h);

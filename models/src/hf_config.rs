@@ -355,134 +355,141 @@ impl TryFrom<HfConfig> for GemmaConfig {
     type Error = ModelError;
 
     fn try_from(hf: HfConfig) -> Result<Self, ModelError> {
-        let top_type = hf.model_type.as_deref().unwrap_or("");
-        let c = &hf.text;
-        let model_type = match c.model_type.as_deref() {
-            Some(t) if !t.is_empty() => t,
-            _ if hf.nested && top_type == "gemma4" => "gemma4_text",
-            _ if hf.nested && top_type == "gemma4_unified" => "gemma4_unified_text",
-            _ if hf.nested => "gemma3_text",
-            _ => top_type,
-        };
-        // Gemma 4 12B's config class: other defaults, no per-layer inputs, no experts.
-        let unified = model_type.starts_with("gemma4_unified");
-        if model_type.is_empty() {
-            return Err(invalid("model_type", "is missing"));
-        }
-        let arch = Architecture::from_name(model_type)?;
-        let gemma4 = arch == Architecture::Gemma4;
-
-        let activation = c.hidden_activation.as_deref().or(c.hidden_act.as_deref()).unwrap_or("gelu_pytorch_tanh");
-        // Gemma 1 configs say `gelu`; every Gemma checkpoint was trained with the tanh approximation,
-        // which transformers also uses for them.
-        if !matches!(activation, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu") {
-            return Err(ModelError::UnsupportedConfig { field: "hidden_activation", value: activation.to_string() });
-        }
-        if c.tie_word_embeddings == Some(false) {
-            return Err(ModelError::UnsupportedConfig { field: "tie_word_embeddings", value: "false".into() });
-        }
-        if let Some(mode) = c.use_bidirectional_attention.as_ref().filter(|m| m.text_is_bidirectional()) {
-            let mode = match mode {
-                Bidirectional::Flag(on) => on.to_string(),
-                Bidirectional::Mode(mode) => format!("{mode:?}"),
-            };
-            return Err(ModelError::UnsupportedConfig {
-                field: "use_bidirectional_attention",
-                value: format!("{mode} (text generation is causal)"),
-            });
-        }
-
-        let hidden_size = missing("hidden_size", c.hidden_size)?;
-        let num_attention_heads = missing("num_attention_heads", c.num_attention_heads)?;
-        let num_hidden_layers = missing("num_hidden_layers", c.num_hidden_layers)?;
-        let head_dim = match c.head_dim {
-            Some(d) => d,
-            None if num_attention_heads > 0 => hidden_size / num_attention_heads,
-            None => 0,
-        };
-        let layer_types = c.layer_types(arch, num_hidden_layers)?;
-        let (rope_full_attention, rope_sliding_attention) = c.ropes(arch)?;
-        let num_key_value_heads = c.num_key_value_heads.unwrap_or(num_attention_heads);
-        let attention_k_eq_v = gemma4 && c.attention_k_eq_v == Some(true);
-        let (global_head_dim, num_global_key_value_heads) = if gemma4 {
-            c.gemma4_full_shape(&layer_types, (head_dim, num_key_value_heads), attention_k_eq_v)?
-        } else {
-            (head_dim, num_key_value_heads)
-        };
-        if unified {
-            for (field, present) in [
-                ("hidden_size_per_layer_input", c.hidden_size_per_layer_input.is_some_and(|w| w > 0)),
-                ("enable_moe_block", c.enable_moe_block == Some(true)),
-            ] {
-                if present {
-                    return Err(ModelError::UnsupportedConfig {
-                        field,
-                        value: format!("in a {model_type} config (that model has none)"),
-                    });
-                }
-            }
-        }
-        let moe = if gemma4 && c.enable_moe_block == Some(true) {
-            let need = |key: &'static str, v: Option<usize>| {
-                v.ok_or_else(|| invalid(key, "is missing (enable_moe_block is true)"))
-            };
-            Some(MoeConfig {
-                num_experts: need("num_experts", c.num_experts)?,
-                top_k_experts: need("top_k_experts", c.top_k_experts)?,
-                moe_intermediate_size: need("moe_intermediate_size", c.moe_intermediate_size)?,
-            })
-        } else {
-            None
-        };
-        // HF's Gemma 4 text config defaults to 256-wide per-layer inputs; Gemma 4 12B has none.
-        let per_layer_width = match (gemma4, unified) {
-            (true, false) => c.hidden_size_per_layer_input.unwrap_or(256),
-            _ => 0,
-        };
-        // The table's rows only matter where there is a table.
-        let per_layer_rows = if per_layer_width > 0 { c.vocab_size_per_layer_input.unwrap_or(262_144) } else { 0 };
-
-        let config = GemmaConfig {
-            model_type: arch,
-            vocab_size: missing("vocab_size", c.vocab_size)?,
-            hidden_size,
-            intermediate_size: missing("intermediate_size", c.intermediate_size)?,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            global_head_dim,
-            num_global_key_value_heads,
-            rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
-            max_position_embeddings: c.max_position_embeddings.unwrap_or(match (gemma4, unified) {
-                (true, true) => 262_144,
-                (true, false) => 131_072,
-                _ => 8192,
-            }),
-            // Gemma 4 attends with a scale of 1 (its QK-norm sets the magnitude) and no softcap.
-            query_pre_attn_scalar: if gemma4 { 1.0 } else { c.query_pre_attn_scalar.unwrap_or(head_dim as f64) },
-            attn_logit_softcapping: if gemma4 { None } else { c.attn_logit_softcapping },
-            final_logit_softcapping: c.final_logit_softcapping,
-            sliding_window: match arch {
-                Architecture::Gemma => None,
-                Architecture::Gemma4 => Some(c.sliding_window.unwrap_or(if unified { 1024 } else { 512 })),
-                _ => c.sliding_window,
-            },
-            layer_types,
-            rope_full_attention,
-            rope_sliding_attention,
-            bos_token_id: c.bos_token_id.or(hf.bos_token_id).unwrap_or(2),
-            eos_token_id: c.eos_token_id.clone().or(hf.eos_token_id.clone()).map_or(vec![1], TokenIds::into_vec),
-            attention_k_eq_v,
-            num_kv_shared_layers: if gemma4 { c.num_kv_shared_layers.unwrap_or(0) } else { 0 },
-            use_double_wide_mlp: gemma4 && c.use_double_wide_mlp == Some(true),
-            hidden_size_per_layer_input: per_layer_width,
-            vocab_size_per_layer_input: per_layer_rows,
-            moe,
-        };
+        let config = resolve(hf)?;
         config.validate()?;
         Ok(config)
     }
+}
+
+/// The [`GemmaConfig`] an HF config describes, HF's defaults filled in, not yet validated (a
+/// Gemma 4 assistant's text config is validated as one: [`crate::KvSource::Target`]).
+pub(crate) fn resolve(hf: HfConfig) -> Result<GemmaConfig, ModelError> {
+    let top_type = hf.model_type.as_deref().unwrap_or("");
+    let c = &hf.text;
+    let model_type = match c.model_type.as_deref() {
+        Some(t) if !t.is_empty() => t,
+        _ if hf.nested && top_type == "gemma4" => "gemma4_text",
+        _ if hf.nested && top_type == "gemma4_unified" => "gemma4_unified_text",
+        _ if hf.nested => "gemma3_text",
+        _ => top_type,
+    };
+    // Gemma 4 12B's config class: other defaults, no per-layer inputs, no experts.
+    let unified = model_type.starts_with("gemma4_unified");
+    if model_type.is_empty() {
+        return Err(invalid("model_type", "is missing"));
+    }
+    let arch = Architecture::from_name(model_type)?;
+    let gemma4 = arch == Architecture::Gemma4;
+
+    let activation = c.hidden_activation.as_deref().or(c.hidden_act.as_deref()).unwrap_or("gelu_pytorch_tanh");
+    // Gemma 1 configs say `gelu`; every Gemma checkpoint was trained with the tanh approximation,
+    // which transformers also uses for them.
+    if !matches!(activation, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu") {
+        return Err(ModelError::UnsupportedConfig { field: "hidden_activation", value: activation.to_string() });
+    }
+    if c.tie_word_embeddings == Some(false) {
+        return Err(ModelError::UnsupportedConfig { field: "tie_word_embeddings", value: "false".into() });
+    }
+    if let Some(mode) = c.use_bidirectional_attention.as_ref().filter(|m| m.text_is_bidirectional()) {
+        let mode = match mode {
+            Bidirectional::Flag(on) => on.to_string(),
+            Bidirectional::Mode(mode) => format!("{mode:?}"),
+        };
+        return Err(ModelError::UnsupportedConfig {
+            field: "use_bidirectional_attention",
+            value: format!("{mode} (text generation is causal)"),
+        });
+    }
+
+    let hidden_size = missing("hidden_size", c.hidden_size)?;
+    let num_attention_heads = missing("num_attention_heads", c.num_attention_heads)?;
+    let num_hidden_layers = missing("num_hidden_layers", c.num_hidden_layers)?;
+    let head_dim = match c.head_dim {
+        Some(d) => d,
+        None if num_attention_heads > 0 => hidden_size / num_attention_heads,
+        None => 0,
+    };
+    let layer_types = c.layer_types(arch, num_hidden_layers)?;
+    let (rope_full_attention, rope_sliding_attention) = c.ropes(arch)?;
+    let num_key_value_heads = c.num_key_value_heads.unwrap_or(num_attention_heads);
+    let attention_k_eq_v = gemma4 && c.attention_k_eq_v == Some(true);
+    let (global_head_dim, num_global_key_value_heads) = if gemma4 {
+        c.gemma4_full_shape(&layer_types, (head_dim, num_key_value_heads), attention_k_eq_v)?
+    } else {
+        (head_dim, num_key_value_heads)
+    };
+    if unified {
+        for (field, present) in [
+            ("hidden_size_per_layer_input", c.hidden_size_per_layer_input.is_some_and(|w| w > 0)),
+            ("enable_moe_block", c.enable_moe_block == Some(true)),
+        ] {
+            if present {
+                return Err(ModelError::UnsupportedConfig {
+                    field,
+                    value: format!("in a {model_type} config (that model has none)"),
+                });
+            }
+        }
+    }
+    let moe = if gemma4 && c.enable_moe_block == Some(true) {
+        let need = |key: &'static str, v: Option<usize>| {
+            v.ok_or_else(|| invalid(key, "is missing (enable_moe_block is true)"))
+        };
+        Some(MoeConfig {
+            num_experts: need("num_experts", c.num_experts)?,
+            top_k_experts: need("top_k_experts", c.top_k_experts)?,
+            moe_intermediate_size: need("moe_intermediate_size", c.moe_intermediate_size)?,
+        })
+    } else {
+        None
+    };
+    // HF's Gemma 4 text config defaults to 256-wide per-layer inputs; Gemma 4 12B has none.
+    let per_layer_width = match (gemma4, unified) {
+        (true, false) => c.hidden_size_per_layer_input.unwrap_or(256),
+        _ => 0,
+    };
+    // The table's rows only matter where there is a table.
+    let per_layer_rows = if per_layer_width > 0 { c.vocab_size_per_layer_input.unwrap_or(262_144) } else { 0 };
+
+    let config = GemmaConfig {
+        model_type: arch,
+        vocab_size: missing("vocab_size", c.vocab_size)?,
+        hidden_size,
+        intermediate_size: missing("intermediate_size", c.intermediate_size)?,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        global_head_dim,
+        num_global_key_value_heads,
+        rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
+        max_position_embeddings: c.max_position_embeddings.unwrap_or(match (gemma4, unified) {
+            (true, true) => 262_144,
+            (true, false) => 131_072,
+            _ => 8192,
+        }),
+        // Gemma 4 attends with a scale of 1 (its QK-norm sets the magnitude) and no softcap.
+        query_pre_attn_scalar: if gemma4 { 1.0 } else { c.query_pre_attn_scalar.unwrap_or(head_dim as f64) },
+        attn_logit_softcapping: if gemma4 { None } else { c.attn_logit_softcapping },
+        final_logit_softcapping: c.final_logit_softcapping,
+        sliding_window: match arch {
+            Architecture::Gemma => None,
+            Architecture::Gemma4 => Some(c.sliding_window.unwrap_or(if unified { 1024 } else { 512 })),
+            _ => c.sliding_window,
+        },
+        layer_types,
+        rope_full_attention,
+        rope_sliding_attention,
+        bos_token_id: c.bos_token_id.or(hf.bos_token_id).unwrap_or(2),
+        eos_token_id: c.eos_token_id.clone().or(hf.eos_token_id.clone()).map_or(vec![1], TokenIds::into_vec),
+        attention_k_eq_v,
+        num_kv_shared_layers: if gemma4 { c.num_kv_shared_layers.unwrap_or(0) } else { 0 },
+        use_double_wide_mlp: gemma4 && c.use_double_wide_mlp == Some(true),
+        hidden_size_per_layer_input: per_layer_width,
+        vocab_size_per_layer_input: per_layer_rows,
+        moe,
+    };
+    Ok(config)
 }
 
 #[cfg(test)]

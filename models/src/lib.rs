@@ -6,6 +6,7 @@
 //! The hot operations go through [`burn_gemma_kernels::GemmaBackend`], so the same code runs on
 //! every backend.
 
+pub mod assistant;
 pub mod attention;
 pub mod batch_graph;
 pub mod config;
@@ -23,10 +24,11 @@ pub mod projection;
 pub mod rope;
 pub mod weights;
 
+pub use assistant::{AssistantConfig, DraftInput, DraftOutput, Gemma4Assistant, OrderedEmbeddings};
 pub use attention::{Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, StoredRows};
 pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
-pub use config::{Architecture, GemmaConfig, LayerType, MoeConfig, NormScale, RopeConfig};
+pub use config::{Architecture, GemmaConfig, KvSource, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;

@@ -5,7 +5,7 @@
 //! activations overflow f16. Matrix products run in the weight dtype.
 
 use crate::{
-    attention::cache::QueryRows,
+    attention::{cache::QueryRows, LayerKv},
     decoder_layer::DecoderLayer,
     embedding::{embed_scale, Embedding},
     moe::MoeBlock,
@@ -264,7 +264,7 @@ impl<B: GemmaBackend> Gemma<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             let input = per_layer.as_ref().map(|inputs| (inputs.clone(), i));
             let rope = rope.get(layer.self_attn.settings.layer_type);
-            stream = layer.forward(stream, rope, cache.layer_mut(i), position, input)?;
+            stream = layer.forward(stream, rope, LayerKv::Cache(cache.layer_mut(i)), position, input)?;
         }
         let (_, hidden) = stream.norm(&self.norm);
         Ok(hidden)
@@ -330,8 +330,9 @@ impl<B: GemmaBackend> Gemma<B> {
         })
     }
 
-    /// Logits (f32) of hidden states `[batch, seq, hidden]` -> `[batch, seq, vocab]`.
-    fn lm_head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// Logits (f32) of final hidden states `[batch, seq, hidden]` ([`Gemma::forward_hidden`])
+    /// -> `[batch, seq, vocab]`.
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
         let hidden = hidden.reshape([batch * seq, h]);
         let logits = self.embed_tokens.project(hidden).cast(DType::F32).reshape([batch, seq, self.config.vocab_size]);
@@ -345,7 +346,29 @@ impl<B: GemmaBackend> Gemma<B> {
     /// of every position, `[batch, seq, vocab]` (f32).
     pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
         let hidden = self.hidden_states(ids, cache)?;
-        Ok(self.lm_head(hidden))
+        Ok(self.logits(hidden))
+    }
+
+    /// Runs `ids` (`[batch, seq]`) after the positions already in `cache` and returns the final
+    /// hidden states (after the last norm) of every position, `[batch, seq, hidden]` in the
+    /// activation dtype ([`Gemma::logits`] makes logits of them); `rows`: how the positions
+    /// attend (see [`Gemma::forward_each`]).
+    pub fn forward_hidden(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+        rows: QueryRows,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        cache.set_query_rows(rows);
+        let hidden = self.hidden_states(ids, cache);
+        cache.set_query_rows(QueryRows::Together);
+        hidden
+    }
+
+    /// The input embedding of `ids` (`[batch, seq]` -> `[batch, seq, hidden]`, scaled by
+    /// `sqrt(hidden)`, in the activation dtype): what a Gemma 4 assistant reads of its target.
+    pub(crate) fn embed_scaled(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_tokens.embed(ids, embed_scale(self.config.hidden_size, self.dtype), self.dtype)
     }
 
     /// [`Gemma::forward`] with each position's attention on its own ([`QueryRows::Each`]):
@@ -354,10 +377,7 @@ impl<B: GemmaBackend> Gemma<B> {
     /// CPU). Speculative decoding verifies drafts with it, so that greedy choices are those of
     /// decoding without drafts.
     pub fn forward_each(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
-        cache.set_query_rows(QueryRows::Each);
-        let logits = self.forward(ids, cache);
-        cache.set_query_rows(QueryRows::Together);
-        logits
+        Ok(self.logits(self.forward_hidden(ids, cache, QueryRows::Each)?))
     }
 
     /// Like [`Gemma::forward`] but returns only the last position's logits, `[batch, vocab]`.
@@ -365,7 +385,7 @@ impl<B: GemmaBackend> Gemma<B> {
         let hidden = self.hidden_states(ids, cache)?;
         let [batch, seq, h] = hidden.dims();
         let last = hidden.slice([0..batch, seq - 1..seq, 0..h]);
-        Ok(self.lm_head(last).reshape([batch, self.config.vocab_size]))
+        Ok(self.logits(last).reshape([batch, self.config.vocab_size]))
     }
 
     /// The device the weights live on.

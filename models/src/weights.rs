@@ -52,6 +52,9 @@ pub enum WeightKind {
     Norm(NormScale),
     /// A multiplier whose neutral value is 1 (Gemma 4's `layer_scalar`, router scales).
     Scale,
+    /// Token ids stored as integers (a Gemma 4 assistant's `token_ordering`), loaded as their
+    /// exact f32 values (ids below 2^24).
+    Indices,
 }
 
 /// A provider of named weights.
@@ -193,6 +196,16 @@ impl<B: Backend> WeightSource<B> for RandomWeights {
             WeightKind::Matrix => {
                 B::seed(device, seed);
                 Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 0.02), device).cast(dtype)
+            }
+            WeightKind::Indices => {
+                // A permutation of `0..n` (Fisher-Yates, drawn from the seed).
+                let n = shape.iter().product::<usize>();
+                let mut ids: Vec<f32> = (0..n).map(|i| i as f32).collect();
+                let mut draws = RandomWeights::new(seed);
+                for i in (1..n).rev() {
+                    ids.swap(i, (draws.next_seed() % (i as u64 + 1)) as usize);
+                }
+                Tensor::from_data(burn::tensor::TensorData::new(ids, shape), device)
             }
         })
     }

@@ -126,7 +126,7 @@ impl<B: GemmaBackend> DraftModel<B> {
 
 /// The draft token of `logits` (`[1, vocab]`, f32) and what it was drawn from: the sampler's
 /// greedy choice on the device, or a draw from its distribution on the host.
-fn choose<B: GemmaBackend>(
+pub(super) fn choose<B: GemmaBackend>(
     logits: Tensor<B, 2>,
     history: &[u32],
     sampler: &mut Sampler,

@@ -5,14 +5,17 @@
 //! and sampled decoding keeps the model's distribution ([`accept`]'s rule).
 //!
 //! Drafters: [`PromptLookup`] (the continuation of an earlier occurrence of the last tokens;
-//! no model) and [`DraftModel`] (a smaller Gemma of the same vocabulary). Set one on a
+//! no model), [`DraftModel`] (a smaller Gemma of the same vocabulary) and [`AssistantDrafter`]
+//! (a Gemma 4 assistant, reading the model's own hidden states and KV cache). Set one on a
 //! [`crate::Generator`] with [`crate::Generator::set_speculation`].
 
 pub mod accept;
+mod assistant;
 mod draft_model;
 mod ngram;
 
 pub use accept::Proposal;
+pub use assistant::AssistantDrafter;
 pub use draft_model::{DraftModel, Drafts};
 pub use ngram::PromptLookup;
 
@@ -26,6 +29,15 @@ pub enum Drafter<B: GemmaBackend> {
     PromptLookup(PromptLookup),
     /// A smaller Gemma with the target's vocabulary, running a KV cache of its own.
     Model(Box<DraftModel<B>>),
+    /// A Gemma 4 assistant of the model (`gemma-4-*-it-assistant`).
+    Assistant(Box<AssistantDrafter<B>>),
+}
+
+impl<B: GemmaBackend> Drafter<B> {
+    /// Whether drafts start from the model's final hidden states (which steps then keep).
+    pub(crate) fn reads_hidden_states(&self) -> bool {
+        matches!(self, Self::Assistant(_))
+    }
 }
 
 /// How many tokens each step drafts.

@@ -9,7 +9,7 @@ use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
     step, AttentionMask, AttentionOptions, BlockTable, GemmaBackend, KvFormat, KvStore, KvView, QkvLayout,
-    ReadBackError,
+    ReadBackError, StepPosition,
 };
 use std::ops::Range;
 
@@ -271,6 +271,21 @@ impl<B: GemmaBackend> LayerCache<B> {
                 })
             }
         }
+    }
+
+    /// Another model's query over this layer's positions before `position`, read only: `q`
+    /// (`[batch, q_heads, 1, head_dim]`, rotated at `position`) attends over what a
+    /// one-position step at `position - 1` reads, a ring's whole window ending there (a Gemma 4
+    /// assistant drafting at the position after its target's last). Returns `[batch, q_heads,
+    /// 1, head_dim]`.
+    pub fn attend_before(&self, q: Tensor<B, 4>, position: usize, scores: Scores) -> Result<Tensor<B, 4>, ModelError> {
+        let last = position
+            .checked_sub(1)
+            .ok_or_else(|| ModelError::InvalidInput("a query before position 0 attends over nothing".into()))?;
+        let store = self.store.as_ref().ok_or(ModelError::CacheLost)?;
+        let view = KvView::Decode { store, position: StepPosition::Host(last), blocks: self.blocks.as_ref() };
+        let mask = AttentionMask { q_offset: 0, k_offset: 0, window: self.span.window() };
+        Ok(B::grouped_attention(q, view, &scores.with(mask))?)
     }
 
     /// Bytes on the device.
@@ -771,6 +786,11 @@ impl<B: GemmaBackend> KvCache<B> {
     /// layer it shares).
     pub(crate) fn layer_mut(&mut self, layer: usize) -> &mut LayerCache<B> {
         &mut self.layers[self.layer_of[layer]]
+    }
+
+    /// The cache decoder layer `layer` reads, read only.
+    pub fn layer(&self, layer: usize) -> Option<&LayerCache<B>> {
+        self.layers.get(*self.layer_of.get(layer)?)
     }
 
     /// Fails unless `new_tokens` more positions fit.

@@ -17,6 +17,19 @@ use crate::{weights::WeightSource, Architecture, LayerType};
 use burn::{module::Module, tensor::Tensor};
 use burn_gemma_kernels::{GemmaBackend, HeadNorms, KvRows, QkvLayout, RopeTables, StepPosition, ValueNorm};
 
+/// Where a layer's attention finds its keys and values.
+#[derive(Debug)]
+pub enum LayerKv<'a, B: GemmaBackend> {
+    /// Its cache (a KV-sharing layer: the one of the layer it shares): a layer with keys of
+    /// its own writes the step's positions there; the step attends over them and the earlier
+    /// positions.
+    Cache(&'a mut LayerCache<B>),
+    /// Another model's layer cache, read only: the step's one position attends over the
+    /// positions before it (a Gemma 4 assistant over its target's cache, HF's
+    /// `shared_kv_states`).
+    Before(&'a LayerCache<B>),
+}
+
 /// Shape and behaviour of one attention layer, from the config.
 #[derive(Debug, Clone)]
 pub struct AttentionSettings {
@@ -57,7 +70,7 @@ impl<B: GemmaBackend> Attention<B> {
         let layer_type = c.layer_types[index];
         let (hidden, d) = (c.hidden_size, c.head_dim_of(layer_type));
         let (heads, kv_heads) = (c.num_attention_heads, c.kv_heads_of(layer_type));
-        let kv = if c.kv_producer(index).is_some() {
+        let kv = if !c.owns_kv(index) {
             KvRows::Shared
         } else if c.values_from_keys(layer_type) {
             KvRows::FromKeys
@@ -101,19 +114,37 @@ impl<B: GemmaBackend> Attention<B> {
     }
 
     /// `[batch, seq, hidden]` at positions `position..position + seq` -> `[batch, seq, hidden]`,
-    /// appending this layer's keys and values to `cache` (a KV-sharing layer gets the cache of
-    /// the layer it shares, which ran before it, and appends nothing); `rope`: the tables of the
-    /// layer type. A position on the device (a replayed decode step) is read by the kernels there.
+    /// appending this layer's keys and values to the cache of `kv` (a KV-sharing layer gets the
+    /// cache of the layer it shares, which ran before it, and appends nothing; see [`LayerKv`]);
+    /// `rope`: the tables of the layer type. A position on the device (a replayed decode step)
+    /// is read by the kernels there.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
-        cache: &mut LayerCache<B>,
+        kv: LayerKv<'_, B>,
         position: &StepPosition<B>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let s = &self.settings;
         let [batch, seq, _] = x.dims();
         let qkv = self.qkv_proj.forward(x);
+        let cache = match kv {
+            LayerKv::Cache(cache) => cache,
+            LayerKv::Before(cache) => {
+                if seq != 1 || s.kv != KvRows::Shared {
+                    return Err(ModelError::InvalidInput(format!(
+                        "attention over another model's cache takes one position of a layer without keys of its \
+                         own; got {seq} positions"
+                    )));
+                }
+                let position = position.resolve()?;
+                let q = qkv.reshape([batch, 1, s.num_heads, s.head_dim]).swap_dims(1, 2);
+                let norm = self.q_norm.as_ref().map(|n| (n.weight.val(), n.eps));
+                let q = B::qk_norm_rope(q, rope, position, norm);
+                let out = cache.attend_before(q, position, s.scores)?;
+                return Ok(self.o_proj.forward(out.reshape([batch, 1, s.num_heads * s.head_dim])));
+            }
+        };
         let out = if seq == 1 {
             // Decode: one kernel splits, normalizes, rotates and appends. With one position the
             // `[batch, heads, 1, d]` result is already in `[batch, 1, heads, d]` order.
