@@ -13,7 +13,8 @@ use burn_gemma_model::{
     assistant::config::ASSISTANT_MODEL_TYPES,
     config::NormScale,
     weights::{matrix_dims, quantize, row_chunks, WeightKind},
-    Architecture, AssistantConfig, Gemma, Gemma4Assistant, GemmaConfig, ModelError, WeightSource,
+    Architecture, AssistantConfig, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, GemmaConfig, ModelError,
+    WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -25,6 +26,8 @@ pub struct Checkpoint {
     path: PathBuf,
     format: Format,
     config: GemmaConfig,
+    /// A multimodal Gemma 3 checkpoint's vision tower and projector.
+    vision: Option<Gemma3VisionConfig>,
 }
 
 enum Format {
@@ -143,9 +146,11 @@ impl Checkpoint {
         if is_assistant_config(&text) {
             return Err(Error::NotAModel { path: dir, reason: ASSISTANT_AS_MODEL.into() });
         }
-        let config =
-            GemmaConfig::from_hf_json(&text).map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
-        Ok(Self { format: open_hf_weights(&dir)?, path: dir, config })
+        let config = GemmaConfig::from_hf_json(&text)
+            .map_err(|e| Error::Config { path: config_path.clone(), source: Box::new(e) })?;
+        let vision = Gemma3VisionConfig::from_hf_json(&text, config.hidden_size)
+            .map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
+        Ok(Self { format: open_hf_weights(&dir)?, path: dir, config, vision })
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self, Error> {
@@ -156,8 +161,45 @@ impl Checkpoint {
         }
         let config = crate::gguf_config::config_from_gguf(&file)
             .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
-        Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
+        Ok(Self { path, format: Format::Gguf(Box::new(file)), config, vision: None })
     }
+
+    /// The vision config of a multimodal checkpoint (Gemma 3's SigLIP tower and projector), or
+    /// `None` for a text model.
+    pub fn vision_config(&self) -> Option<&Gemma3VisionConfig> {
+        self.vision.as_ref()
+    }
+
+    /// Loads the vision tower and projector of a multimodal checkpoint (device, dtype and weight
+    /// format from `options`: use the text model's). Fails for a checkpoint without them.
+    pub fn load_vision<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
+        let Some(config) = self.vision.clone() else {
+            return Err(Error::NotAModel {
+                path: self.path.clone(),
+                reason: "this checkpoint has no vision tower (a multimodal Gemma 3 config.json has a vision_config)"
+                    .into(),
+            });
+        };
+        let (options, device, mut progress) = options.into_parts();
+        crate::backends::check_dtype::<B>(&device, options.dtype)?;
+        // Per layer: two norms and four projections of two tensors each; the patch and position
+        // embeddings, the final norm; the projector's two.
+        let total = 16 * config.vision.num_hidden_layers + 7;
+        let mut report = |loaded: usize, total: usize| {
+            if let Some(progress) = progress.as_mut() {
+                progress(LoadProgress { loaded, total });
+            }
+        };
+        let mut source = Source {
+            format: &self.format,
+            arch: self.config.model_type,
+            used: HashSet::new(),
+            progress: &mut report,
+            total,
+        };
+        Ok(Gemma3Vision::load(config, &mut source, &options, &device)?)
+    }
+
     /// The checkpoint's path.
     pub fn path(&self) -> &Path {
         &self.path
@@ -317,9 +359,18 @@ struct Source<'a, F: FnMut(usize, usize)> {
 }
 
 /// HF names of multimodal checkpoints put the text model under another prefix.
-fn hf_candidates(name: &str) -> [String; 3] {
+/// A vision tower's weights go by transformers 5.x's names (`model.vision_tower.*`,
+/// `model.multi_modal_projector.*`); checkpoints saved by 4.x (most of those published) keep
+/// them at the top level, the tower under `vision_tower.vision_model`.
+fn hf_candidates(name: &str) -> Vec<String> {
     let rest = name.strip_prefix("model.").unwrap_or(name);
-    [name.to_string(), format!("model.language_model.{rest}"), format!("language_model.{name}")]
+    if let Some(tower) = rest.strip_prefix("vision_tower.") {
+        return vec![name.to_string(), format!("vision_tower.vision_model.{tower}")];
+    }
+    if rest.starts_with("multi_modal_projector.") {
+        return vec![name.to_string(), rest.to_string()];
+    }
+    vec![name.to_string(), format!("model.language_model.{rest}"), format!("language_model.{name}")]
 }
 
 /// GGUF tensor name of an HF weight name.

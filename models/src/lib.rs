@@ -22,6 +22,7 @@ pub mod norm;
 pub mod per_layer;
 pub mod projection;
 pub mod rope;
+pub mod vision;
 pub mod weights;
 
 pub use assistant::{AssistantConfig, DraftInput, DraftOutput, Gemma4Assistant, OrderedEmbeddings};
@@ -32,5 +33,6 @@ pub use config::{Architecture, GemmaConfig, KvSource, LayerType, MoeConfig, Norm
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;
-pub use model::{Gemma, ModelOptions, StepInputs};
+pub use model::{Gemma, ImageEmbeds, ModelOptions, StepInputs};
+pub use vision::{Gemma3Vision, Gemma3VisionConfig};
 pub use weights::{RandomWeights, WeightFormat, WeightSource};

@@ -76,6 +76,17 @@ impl<B: GemmaBackend> StepInputs<B> {
     }
 }
 
+/// An image's embeddings in a chunk of input ids (Gemma 3): they replace the embeddings of the
+/// chunk's rows `start..start + n` (the image's soft tokens), which attend to each other both
+/// ways ([`Gemma::forward_hidden_with_images`]).
+#[derive(Debug, Clone)]
+pub struct ImageEmbeds<B: GemmaBackend> {
+    /// The first row, within the chunk.
+    pub start: usize,
+    /// `[n, hidden]`: one row per soft token ([`crate::vision::Gemma3Vision::image_features`]).
+    pub features: Tensor<B, 2>,
+}
+
 /// How a model sits on the device: the activation dtype, how the weight matrices are kept and
 /// how the KV cache stores keys and values.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -230,6 +241,16 @@ impl<B: GemmaBackend> Gemma<B> {
 
     /// Final hidden states (after the last norm), `[batch, seq, hidden]` in the model dtype.
     fn hidden_states(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
+        self.hidden_states_with(ids, &[], cache)
+    }
+
+    /// [`Gemma::hidden_states`] with images placed in the chunk.
+    fn hidden_states_with(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        images: &[ImageEmbeds<B>],
+        cache: &mut KvCache<B>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let [batch, seq] = ids.dims();
         if seq == 0 {
             return Err(ModelError::InvalidInput("empty token sequence".into()));
@@ -243,7 +264,7 @@ impl<B: GemmaBackend> Gemma<B> {
         self.check_cache(cache)?;
         cache.check_room(seq)?;
         let position = cache.len();
-        let hidden = self.layers_forward(ids, cache, &StepPosition::Host(position))?;
+        let hidden = self.layers_forward(ids, images, cache, &StepPosition::Host(position))?;
         cache.advance(seq);
         Ok(hidden)
     }
@@ -253,12 +274,19 @@ impl<B: GemmaBackend> Gemma<B> {
     fn layers_forward(
         &self,
         ids: Tensor<B, 2, Int>,
+        images: &[ImageEmbeds<B>],
         cache: &mut KvCache<B>,
         position: &StepPosition<B>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
-        let embedded =
+        let mut embedded =
             self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
+        for image in images {
+            // HF's `masked_scatter` of the image features over the soft tokens' embeddings.
+            let [n, width] = image.features.dims();
+            let rows = [0..1, image.start..image.start + n, 0..width];
+            embedded = embedded.slice_assign(rows, image.features.clone().cast(self.dtype).unsqueeze::<3>());
+        }
         let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
         let mut stream = ResidualStream::new(embedded, self.dtype);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -322,7 +350,7 @@ impl<B: GemmaBackend> Gemma<B> {
         self.check_cache(cache)?;
         cache.sync_blocks();
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
-        let hidden = self.layers_forward(inputs.ids.clone(), cache, &position)?;
+        let hidden = self.layers_forward(inputs.ids.clone(), &[], cache, &position)?;
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
         Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
@@ -362,6 +390,42 @@ impl<B: GemmaBackend> Gemma<B> {
         cache.set_query_rows(rows);
         let hidden = self.hidden_states(ids, cache);
         cache.set_query_rows(QueryRows::Together);
+        hidden
+    }
+
+    /// [`Gemma::forward_hidden`] over a chunk holding images (Gemma 3, one sequence): each
+    /// image's features replace the embeddings of its soft tokens, which attend to each other
+    /// both ways (HF's `token_type_ids`); an image's tokens must all be in the chunk.
+    pub fn forward_hidden_with_images(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        images: &[ImageEmbeds<B>],
+        cache: &mut KvCache<B>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
+        let [batch, seq] = ids.dims();
+        if batch != 1 {
+            return Err(ModelError::InvalidInput(format!("images go into one sequence at a time, got {batch}")));
+        }
+        if self.config.num_kv_shared_layers > 0 || self.config.hidden_size_per_layer_input > 0 {
+            return Err(ModelError::InvalidInput("images are read for Gemma 3 models".into()));
+        }
+        let mut end = 0;
+        let mut blocks = Vec::with_capacity(images.len());
+        for image in images {
+            let [n, width] = image.features.dims();
+            if image.start < end || image.start + n > seq || n == 0 || width != self.config.hidden_size {
+                return Err(ModelError::InvalidInput(format!(
+                    "image features [{n}, {width}] at row {} do not fit a chunk of {seq} positions of width {} \
+                     after the previous image (ending at row {end})",
+                    image.start, self.config.hidden_size
+                )));
+            }
+            end = image.start + n;
+            blocks.push(cache.len() + image.start..cache.len() + end);
+        }
+        cache.set_bidirectional(&blocks);
+        let hidden = self.hidden_states_with(ids, images, cache);
+        cache.set_bidirectional(&[]);
         hidden
     }
 

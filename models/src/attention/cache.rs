@@ -41,6 +41,9 @@ pub struct LayerCache<B: GemmaBackend> {
     shared: bool,
     /// How a chunk's rows attend ([`KvCache::set_query_rows`]).
     query_rows: QueryRows,
+    /// Positions of the next chunk that attend to each other both ways, block by block (an
+    /// image's soft tokens, [`KvCache::set_bidirectional`]).
+    bidirectional: Vec<Range<usize>>,
     /// What the store holds right after its next write ([`KvCache::pin_next_write`]).
     pinned: Pin<B>,
     /// In a paged cache: its pool's index, and the pool's table as last uploaded.
@@ -93,6 +96,7 @@ impl<B: GemmaBackend> LayerCache<B> {
             shared_chunk: None,
             shared: plan.shared,
             query_rows: QueryRows::Together,
+            bidirectional: Vec::new(),
             pinned: Pin(None),
             pool: plan.paged.map(|p| p.pool),
             blocks: None,
@@ -170,12 +174,22 @@ impl<B: GemmaBackend> LayerCache<B> {
     ) -> Result<Tensor<B, 4>, ModelError> {
         self.check_unpaged()?;
         let t = keys.dims()[2];
+        let blocks = self.take_bidirectional(position, t)?;
         let pinned = self.pinned.take();
         let rows = self.query_rows;
         match self.span {
             Span::Full => self.update(|store| {
                 let store = pinned.apply(B::kv_write(store, keys, values, position));
                 let out = match rows {
+                    QueryRows::Together if !blocks.is_empty() => by_segment(q, position, &blocks, |rows, block| {
+                        // A block's rows see every key up to its end.
+                        let (end, q_pos) = match block {
+                            Some(end) => (end, end - 1),
+                            None => (position + t, position + rows.start),
+                        };
+                        let mask = AttentionMask { q_offset: q_pos, k_offset: 0, window: None };
+                        vec![(store.view(end), scores.with(mask))]
+                    })?,
                     QueryRows::Together => {
                         let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
                         B::grouped_attention(q, store.view(position + t), &scores.with(mask))?
@@ -188,7 +202,7 @@ impl<B: GemmaBackend> LayerCache<B> {
                 };
                 Ok((out, store))
             }),
-            Span::Ring(w) if rows == QueryRows::Each && t <= w => {
+            Span::Ring(w) if rows == QueryRows::Each && t <= w && blocks.is_empty() => {
                 let shared = self.shared;
                 let (out, chunks) = self.update(|store| {
                     let chunk = Chunk { q, keys, values, position };
@@ -217,8 +231,29 @@ impl<B: GemmaBackend> LayerCache<B> {
                     let mask =
                         AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
                     let chunk = shared.then(|| vec![SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask }]);
-                    let kv = KvView::Dense { keys: all_k, values: all_v };
-                    let out = B::grouped_attention(q, kv, &scores.with(mask))?;
+                    let out = if blocks.is_empty() {
+                        B::grouped_attention(q, KvView::Dense { keys: all_k, values: all_v }, &scores.with(mask))?
+                    } else {
+                        let k_offset = mask.k_offset;
+                        by_segment(q, position, &blocks, |rows, block| {
+                            let dense = |end: usize| {
+                                let keys = s![.., .., 0..end - k_offset, ..];
+                                KvView::Dense { keys: all_k.clone().slice(keys), values: all_v.clone().slice(keys) }
+                            };
+                            let window = |q_offset, window| scores.with(AttentionMask { q_offset, k_offset, window });
+                            match block {
+                                None => vec![(dense(position + t), window(position + rows.start, Some(w)))],
+                                // Every key of the window before the block's last row is in the
+                                // window of each of its rows: one call up to the block's end.
+                                Some(end) if end <= k_offset + w => vec![(dense(end), window(end - 1, None))],
+                                // Row `i` sees keys after `i - w` up to the block's end: at the
+                                // end's position, a window wider by the rows after `i`.
+                                Some(end) => (position + rows.start..position + rows.end)
+                                    .map(|i| (dense(end), window(end - 1, Some(w + end - 1 - i))))
+                                    .collect(),
+                            }
+                        })?
+                    };
                     let mut store = store;
                     for (rows, slot) in ring_writes(position, t, w) {
                         let rows = s![.., .., rows, ..];
@@ -243,6 +278,11 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         self.check_unpaged()?;
+        if !self.take_bidirectional(position, t)?.is_empty() {
+            return Err(ModelError::InvalidInput(
+                "image tokens in a model with KV-sharing layers (Gemma 4's images are not read yet)".into(),
+            ));
+        }
         let rows = self.query_rows;
         match (self.span, &self.shared_chunk) {
             (Span::Ring(_), Some(chunks)) if chunks.len() == 1 => {
@@ -271,6 +311,23 @@ impl<B: GemmaBackend> LayerCache<B> {
                 })
             }
         }
+    }
+
+    /// The bidirectional blocks set for a chunk at `position..position + t` (cleared): each
+    /// must lie inside the chunk, and rows attending each on their own take none.
+    fn take_bidirectional(&mut self, position: usize, t: usize) -> Result<Vec<Range<usize>>, ModelError> {
+        let blocks = std::mem::take(&mut self.bidirectional);
+        if let Some(b) = blocks.iter().find(|b| b.start < position || b.end > position + t || b.is_empty()) {
+            return Err(ModelError::InvalidInput(format!(
+                "image tokens at positions {b:?} are not all in the chunk at {position}..{}: an image's tokens run in \
+                 one chunk",
+                position + t
+            )));
+        }
+        if !blocks.is_empty() && self.query_rows == QueryRows::Each {
+            return Err(ModelError::InvalidInput("image tokens in a chunk whose rows attend each on their own".into()));
+        }
+        Ok(blocks)
     }
 
     /// Another model's query over this layer's positions before `position`, read only: `q`
@@ -351,6 +408,47 @@ pub enum QueryRows {
     /// where the rest of the step is the same row by row (speculative decoding's verify step,
     /// whose greedy choices must be those of decoding without drafts).
     Each,
+}
+
+/// `[batch, q_heads, t, head_dim]` of a chunk at `position` with bidirectional `blocks`
+/// (absolute, in order, inside the chunk): its rows split into runs outside the blocks and the
+/// blocks; `attend(rows, block_end)` gives for each run (rows relative to the chunk; the block's
+/// end for a block) the views and masks its rows attend with: one for the whole run, or one per
+/// row.
+fn by_segment<'a, B: GemmaBackend>(
+    q: Tensor<B, 4>,
+    position: usize,
+    blocks: &[Range<usize>],
+    mut attend: impl FnMut(Range<usize>, Option<usize>) -> Vec<(KvView<'a, B>, AttentionOptions)>,
+) -> Result<Tensor<B, 4>, ReadBackError> {
+    let t = q.dims()[2];
+    let mut runs = Vec::new();
+    let mut at = 0;
+    for b in blocks {
+        let (start, end) = (b.start - position, b.end - position);
+        if start > at {
+            runs.push((at..start, None));
+        }
+        runs.push((start..end, Some(b.end)));
+        at = end;
+    }
+    if at < t {
+        runs.push((at..t, None));
+    }
+    let mut outs = Vec::new();
+    for (rows, block) in runs {
+        let views = attend(rows.clone(), block);
+        let q_rows = q.clone().slice(s![.., .., rows.clone(), ..]);
+        if views.len() == 1 {
+            let (kv, options) = views.into_iter().next().expect("one view");
+            outs.push(B::grouped_attention(q_rows, kv, &options)?);
+        } else {
+            for (i, (kv, options)) in views.into_iter().enumerate() {
+                outs.push(B::grouped_attention(q_rows.clone().slice(s![.., .., i..i + 1, ..]), kv, &options)?);
+            }
+        }
+    }
+    Ok(Tensor::cat(outs, 2))
 }
 
 /// `[batch, q_heads, t, head_dim]`: row `i` of `q` attended over what `view(i)` gives.
@@ -812,6 +910,17 @@ impl<B: GemmaBackend> KvCache<B> {
     pub fn set_query_rows(&mut self, rows: QueryRows) {
         for layer in &mut self.layers {
             layer.query_rows = rows;
+        }
+    }
+
+    /// Positions of the next chunk whose rows attend to each other both ways, block by block
+    /// (absolute positions, in order, each inside the chunk): an image's soft tokens (HF's
+    /// `token_type_ids`). Rows of a block see every key up to the block's end (and a sliding
+    /// layer's window before their own position); the other rows attend causally. Used by the
+    /// next chunk only.
+    pub fn set_bidirectional(&mut self, blocks: &[Range<usize>]) {
+        for layer in &mut self.layers {
+            layer.bidirectional = blocks.to_vec();
         }
     }
 
