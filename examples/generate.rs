@@ -19,6 +19,7 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
+    images::Pixels,
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
     Loaded, SamplingConfig, StopReason,
@@ -99,6 +100,11 @@ struct Args {
     /// Adapt the draft length to how many drafts are kept, up to --draft-tokens.
     #[arg(long)]
     draft_adaptive: bool,
+    /// A picture for the model to read (repeatable; a multimodal Gemma 3 checkpoint, HF
+    /// directory): placed where the prompt says `<start_of_image>`, else before the prompt; in
+    /// a chat, in the first turn.
+    #[arg(long = "image")]
+    images: Vec<PathBuf>,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -168,6 +174,12 @@ impl BackendTask for Run {
             "backend: {name}, device: {device:?}{threads}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
         );
         let checkpoint = Checkpoint::open(&self.model_path)?;
+        if !self.args.images.is_empty() && checkpoint.vision_config().is_none() {
+            return Err(CliError::from(format!(
+                "--image needs a multimodal model (a Gemma 3 checkpoint with a vision tower); {} has none",
+                self.model_path.display()
+            )));
+        }
         if dtype == DType::F16 {
             eprintln!("note: f16 weights with an f32 residual stream (Gemma activations overflow f16)");
         }
@@ -183,6 +195,13 @@ impl BackendTask for Run {
         let Loaded { model, report } = checkpoint.load(options)?;
         bar.finish_and_clear();
         let tokenizer = checkpoint.tokenizer()?;
+        let vision = match self.args.images.is_empty() {
+            true => None,
+            false => {
+                let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
+                Some(checkpoint.load_vision(options)?)
+            }
+        };
         // Unmaps the file: what stays resident is the model.
         drop(checkpoint);
         if let Some(rss) = resident_bytes().filter(|_| name.contains("CPU")) {
@@ -245,6 +264,15 @@ impl BackendTask for Run {
             };
             generator.set_speculation(Some(Speculation::new(drafter, length)))?;
         }
+        let mut images = Vec::new();
+        if let Some(vision) = vision {
+            let size = vision.config().vision.image_size;
+            for path in &self.args.images {
+                images.push(Pixels::from_path(path, size).map_err(Error::from)?);
+            }
+            eprintln!("images: {} at {size}x{size}", images.len());
+            generator.set_vision(Some(vision))?;
+        }
         let flag = generator.interrupt_flag();
         let interrupt = self.interrupt.clone();
         // Forward the process-wide Ctrl-C flag to the generator.
@@ -281,10 +309,11 @@ impl BackendTask for Run {
         };
         match self.prompt {
             Some(prompt) => {
-                let output = if self.args.chat {
-                    generator.chat(&prompt, &self.generation, &mut emit)?
-                } else {
-                    generator.generate(&prompt, &self.generation, &mut emit)?
+                let output = match (self.args.chat, images.is_empty()) {
+                    (true, true) => generator.chat(&prompt, &self.generation, &mut emit)?,
+                    (false, true) => generator.generate(&prompt, &self.generation, &mut emit)?,
+                    (true, false) => generator.chat_with_images(&prompt, &images, &self.generation, &mut emit)?,
+                    (false, false) => generator.generate_with_images(&prompt, &images, &self.generation, &mut emit)?,
                 };
                 eprintln!();
                 if output.stop == StopReason::Interrupted {
@@ -313,7 +342,11 @@ impl BackendTask for Run {
                     if line.trim().is_empty() {
                         break;
                     }
-                    let output = generator.chat(line, &self.generation, &mut emit)?;
+                    // The pictures go into the first turn.
+                    let output = match std::mem::take(&mut images) {
+                        pictures if pictures.is_empty() => generator.chat(line, &self.generation, &mut emit)?,
+                        pictures => generator.chat_with_images(line, &pictures, &self.generation, &mut emit)?,
+                    };
                     emit("\n"); // separates replies in the transcript
                     eprintln!("{}", output.stats);
                 }
@@ -348,6 +381,9 @@ fn real_main(args: Args) -> Result<(), CliError> {
     }
     if args.max_new_tokens == 0 {
         return Err(CliError::from("--max-new-tokens must be at least 1"));
+    }
+    if let Some(path) = args.images.iter().find(|p| !p.is_file()) {
+        return Err(CliError::from(format!("image {} does not exist", path.display())));
     }
     if let Some(path) = args.draft.as_ref().and_then(DraftArg::path) {
         if !path.exists() {

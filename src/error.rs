@@ -34,6 +34,8 @@ pub enum Error {
     NonFiniteLogits { step: usize },
     #[error("backend: {0}")]
     Backend(#[from] BackendError),
+    #[error("image: {0}")]
+    Image(#[from] crate::images::ImageError),
 }
 
 impl From<ModelError> for Error {

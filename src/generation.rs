@@ -3,6 +3,7 @@
 use crate::{
     chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
     error::{BackendError, RequestError, TokenizerError},
+    images::{ImageError, Pixels},
     sampling::{Sampler, SamplingConfig},
     speculative::{
         accept::{keeps, pick, residual},
@@ -13,7 +14,9 @@ use crate::{
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
-use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ModelError, QueryRows};
+use burn_gemma_model::{
+    Checkpoint, CudaGraph, DecodeGraphs, Gemma3Vision, GraphSetup, ImageEmbeds, ModelError, QueryRows,
+};
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
@@ -344,6 +347,11 @@ pub struct Generator<B: GemmaBackend> {
     rewind: Option<Checkpoint<B>>,
     /// The model's last final hidden state, where a Gemma 4 assistant drafts from it.
     target_hidden: Option<TargetHidden<B>>,
+    /// The vision tower and projector, where images are read ([`Generator::set_vision`]).
+    vision: Option<Gemma3Vision<B>>,
+    /// The features of the request's images, by the row of the run's input where their soft
+    /// tokens start (placed by the prompt's prefill).
+    pending_images: Vec<ImageEmbeds<B>>,
 }
 
 /// The model's final hidden state (after its norm, `[1, hidden]`) at `position`: the state whose
@@ -373,6 +381,8 @@ impl<B: GemmaBackend> Generator<B> {
             speculation: None,
             rewind: None,
             target_hidden: None,
+            vision: None,
+            pending_images: Vec::new(),
         })
     }
 
@@ -403,6 +413,115 @@ impl<B: GemmaBackend> Generator<B> {
     /// the token at the next position.
     pub fn last_hidden_state(&self) -> Option<(usize, Tensor<B, 2>)> {
         self.target_hidden.as_ref().map(|h| (h.position, h.hidden.clone()))
+    }
+
+    /// Reads images from here on: a multimodal Gemma 3's vision tower and projector
+    /// ([`crate::Checkpoint::load_vision`]), or none.
+    pub fn set_vision(&mut self, vision: Option<Gemma3Vision<B>>) -> Result<(), Error> {
+        if let Some(v) = &vision {
+            let c = v.config();
+            let (hidden, vocab) = (self.model.config().hidden_size, self.model.config().vocab_size);
+            if c.text_hidden_size != hidden || c.image_token_index as usize >= vocab {
+                return Err(ImageError::VisionMismatch(format!(
+                    "the vision tower projects to {} and marks images with token {}; the model is {hidden} wide with \
+                     {vocab} tokens",
+                    c.text_hidden_size, c.image_token_index
+                ))
+                .into());
+            }
+        }
+        self.vision = vision;
+        Ok(())
+    }
+
+    /// The vision tower, where set.
+    pub fn vision(&self) -> Option<&Gemma3Vision<B>> {
+        self.vision.as_ref()
+    }
+
+    /// Like [`Generator::continue_ids`] with pictures: `ids` holds a run of the image soft token
+    /// (`image_token_index`, `mm_tokens_per_image` of them) for each picture, in order; each
+    /// run's embeddings are the picture's features, its tokens attending to each other both ways.
+    pub fn continue_ids_with_images(
+        &mut self,
+        ids: &[u32],
+        images: &[Pixels],
+        config: &GenerationConfig,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
+        let mut run = self.start_with_images(ids, images, config)?;
+        while let Some(token) = self.step(&mut run) {
+            let token = token?;
+            if !token.text.is_empty() {
+                on_text(&token.text);
+            }
+        }
+        let (output, rest) = run.finish();
+        if !rest.is_empty() {
+            on_text(&rest);
+        }
+        Ok(output)
+    }
+
+    /// Like [`Generator::generate`] with pictures: each `<start_of_image>` in `prompt` takes the
+    /// next picture (where the prompt has none, the pictures go first), expanded as Gemma 3's
+    /// processor does (`\n\n<start_of_image>`, the soft tokens, `<end_of_image>\n\n`).
+    pub fn generate_with_images(
+        &mut self,
+        prompt: &str,
+        images: &[Pixels],
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
+        if prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt.into());
+        }
+        let text = self.image_text(prompt, images.len())?;
+        let ids = self.tokenizer.encode(&text, Bos::Prepend)?;
+        self.reset();
+        self.continue_ids_with_images(&ids, images, config, on_text)
+    }
+
+    /// Like [`Generator::chat`] with pictures in the user's turn (before the message unless it
+    /// places them with `<start_of_image>`).
+    pub fn chat_with_images(
+        &mut self,
+        message: &str,
+        images: &[Pixels],
+        config: &GenerationConfig,
+        on_text: impl FnMut(&str),
+    ) -> Result<GenerationOutput, Error> {
+        if message.trim().is_empty() {
+            return Err(RequestError::EmptyMessage.into());
+        }
+        let text = self.image_text(message, images.len())?;
+        let ids = self.turn_ids(&text)?;
+        self.continue_ids_with_images(&ids, images, config, on_text)
+    }
+
+    /// `text` with its `<start_of_image>` places (or `count` of them first) expanded into
+    /// Gemma 3's image sequences.
+    fn image_text(&self, text: &str, count: usize) -> Result<String, Error> {
+        const BOI: &str = "<start_of_image>";
+        let vision = self.vision.as_ref().ok_or(ImageError::NoVision)?;
+        let c = vision.config();
+        for (piece, id) in [
+            (BOI, c.boi_token_index),
+            ("<end_of_image>", c.eoi_token_index),
+            ("<image_soft_token>", c.image_token_index),
+        ] {
+            if self.tokenizer.token_id(piece) != Some(id) {
+                return Err(ImageError::VisionMismatch(format!("the tokenizer has no {piece} token of id {id}")).into());
+            }
+        }
+        let places = text.matches(BOI).count();
+        let text = match places {
+            0 => BOI.repeat(count) + text,
+            _ if places == count => text.to_string(),
+            _ => return Err(ImageError::Count { images: count, places }.into()),
+        };
+        let sequence = format!("\n\n{BOI}{}<end_of_image>\n\n", "<image_soft_token>".repeat(c.mm_tokens_per_image));
+        Ok(text.replace(BOI, &sequence))
     }
 
     /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
@@ -607,7 +726,14 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// Checks a request and sets up its run: the cache sized for it, nothing run yet.
     fn start(&mut self, ids: &[u32], config: &GenerationConfig) -> Result<Run, Error> {
+        self.start_with_images(ids, &[], config)
+    }
+
+    /// [`Generator::start`] with the features of `images` for the soft-token runs of `ids`
+    /// (computed before anything else changes).
+    fn start_with_images(&mut self, ids: &[u32], images: &[Pixels], config: &GenerationConfig) -> Result<Run, Error> {
         check_input(ids, config, self.model.config().vocab_size)?;
+        let features = self.image_features(ids, images)?;
         let sampler = Sampler::new(config.sampling.clone())?;
         let graph = self.graph_plan(config.cuda_graph, &sampler)?;
         let needed = self.context.len() + ids.len() + config.max_new_tokens;
@@ -631,7 +757,10 @@ impl<B: GemmaBackend> Generator<B> {
         // A reply's last token was sampled but never run through the model: it is in the
         // context, not in the cache, so it runs first, ahead of the new ids.
         let mut input = self.context.split_off(cache.len().min(self.context.len()));
+        let offset = input.len();
         input.extend_from_slice(ids);
+        self.pending_images =
+            features.into_iter().map(|(start, features)| ImageEmbeds { start: offset + start, features }).collect();
         self.cache = Some(cache);
         let start = Instant::now();
         Ok(Run {
@@ -661,6 +790,53 @@ impl<B: GemmaBackend> Generator<B> {
             })?,
             stop: None,
         })
+    }
+
+    /// The features of each picture, by the row of `ids` where its soft tokens start.
+    fn image_features(&self, ids: &[u32], images: &[Pixels]) -> Result<Vec<(usize, Tensor<B, 2>)>, Error> {
+        let Some(vision) = self.vision.as_ref() else {
+            return match images.is_empty() {
+                true => Ok(Vec::new()),
+                false => Err(ImageError::NoVision.into()),
+            };
+        };
+        let c = vision.config();
+        let token = c.image_token_index;
+        let starts: Vec<usize> =
+            (0..ids.len()).filter(|&i| ids[i] == token && (i == 0 || ids[i - 1] != token)).collect();
+        if starts.len() != images.len() {
+            return Err(ImageError::Count { images: images.len(), places: starts.len() }.into());
+        }
+        if images.is_empty() {
+            return Ok(Vec::new());
+        }
+        for &start in &starts {
+            let run = ids[start..].iter().take_while(|&&t| t == token).count();
+            if run != c.mm_tokens_per_image {
+                return Err(ImageError::VisionMismatch(format!(
+                    "an image takes {} soft tokens; the prompt has a run of {run} at {start}",
+                    c.mm_tokens_per_image
+                ))
+                .into());
+            }
+        }
+        let device = self.model.device();
+        let size = c.vision.image_size;
+        if let Some(bad) = images.iter().find(|p| p.size != size || p.values.len() != 3 * size * size) {
+            return Err(ImageError::VisionMismatch(format!(
+                "pictures for this tower are prepared at {size} pixels a side, got one at {}",
+                bad.size
+            ))
+            .into());
+        }
+        let pixels = Tensor::cat(images.iter().map(|p| p.to_tensor::<B>(&device)).collect(), 0);
+        let features = vision.image_features(pixels)?;
+        let [n, tokens, width] = features.dims();
+        Ok(starts
+            .into_iter()
+            .zip(0..n)
+            .map(|(start, i)| (start, features.clone().slice([i..i + 1, 0..tokens, 0..width]).reshape([tokens, width])))
+            .collect())
     }
 
     /// One step of `run`: the next token and its text, `None` once the run has stopped. An
@@ -722,14 +898,11 @@ impl<B: GemmaBackend> Generator<B> {
                 let device = self.model.device();
                 let mut cache = self.take_cache(run.capacity)?;
                 let chunk = run.prefill_chunk;
-                let result = match self.reads_hidden_states() {
-                    true => {
-                        prefill_hidden(&self.model, &mut cache, &run.input, chunk, &device).map(|(l, h)| (l, Some(h)))
-                    }
-                    false => prefill(&self.model, &mut cache, &run.input, chunk, &device).map(|l| (l, None)),
-                };
+                let images = std::mem::take(&mut self.pending_images);
+                let result = prefill_with_images(&self.model, &mut cache, &run.input, &images, chunk, &device);
                 self.cache = Some(cache);
                 let (logits, hidden) = result?;
+                let hidden = self.reads_hidden_states().then_some(hidden);
                 self.context.extend_from_slice(&run.input);
                 let position = self.context.len() - 1;
                 self.target_hidden = hidden.map(|hidden| TargetHidden { position, hidden });
@@ -1067,24 +1240,47 @@ pub(crate) fn sampled_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec
     ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
 }
 
-/// [`prefill`], returning the last position's logits and final hidden state (`[1, hidden]`).
-pub(crate) fn prefill_hidden<B: GemmaBackend>(
+/// [`prefill`] with pictures (`images`: their features by the row of `input` where their soft
+/// tokens start, in order), returning the last position's logits and final hidden state
+/// (`[1, hidden]`). A chunk that would end inside a picture's tokens runs on to its end.
+pub(crate) fn prefill_with_images<B: GemmaBackend>(
     model: &Gemma<B>,
     cache: &mut KvCache<B>,
     input: &[u32],
+    images: &[ImageEmbeds<B>],
     chunk: NonZeroUsize,
     device: &B::Device,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), Error> {
-    let chunk = chunk.get();
-    let last = input.len().saturating_sub(1) / chunk * chunk;
-    for filling in input[..last].chunks(chunk) {
-        model.forward_last(token_tensor(filling, device), cache)?;
+    let mut start = 0;
+    loop {
+        let mut end = (start + chunk.get()).min(input.len());
+        if let Some(image) = images.iter().find(|i| i.start < end && i.start + i.features.dims()[0] > end) {
+            end = image.start + image.features.dims()[0];
+        }
+        let ids = token_tensor(&input[start..end], device);
+        let hidden = if end == input.len() || images.iter().any(|i| (start..end).contains(&i.start)) {
+            let here: Vec<ImageEmbeds<B>> = images
+                .iter()
+                .filter(|i| (start..end).contains(&i.start))
+                .map(|i| ImageEmbeds { start: i.start - start, features: i.features.clone() })
+                .collect();
+            match here.is_empty() {
+                true => model.forward_hidden(ids, cache, QueryRows::Together)?,
+                false => model.forward_hidden_with_images(ids, &here, cache)?,
+            }
+        } else {
+            model.forward_last(ids, cache)?;
+            start = end;
+            continue;
+        };
+        if end == input.len() {
+            let [batch, seq, width] = hidden.dims();
+            let hidden = hidden.slice([0..batch, seq - 1..seq, 0..width]);
+            let logits = model.logits(hidden.clone());
+            return Ok((logits.reshape([batch, model.config().vocab_size]), hidden.reshape([batch, width])));
+        }
+        start = end;
     }
-    let hidden = model.forward_hidden(token_tensor(&input[last..], device), cache, QueryRows::Together)?;
-    let [batch, seq, width] = hidden.dims();
-    let hidden = hidden.slice([0..batch, seq - 1..seq, 0..width]);
-    let logits = model.logits(hidden.clone());
-    Ok((logits.reshape([batch, model.config().vocab_size]), hidden.reshape([batch, width])))
 }
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's

@@ -32,6 +32,7 @@ pub mod fetch;
 pub mod generation;
 pub mod gguf;
 mod gguf_config;
+pub mod images;
 mod load_options;
 pub mod loader;
 pub mod safetensors;

@@ -53,6 +53,7 @@ fn bad_flags_fail_cleanly() {
         (vec!["--system", "Be brief."], "add --chat"),
         (vec!["--draft", "assistant:/nonexistent/assistant"], "does not exist"),
         (vec!["--draft", "model:/nonexistent/draft.gguf"], "does not exist"),
+        (vec!["--image", "/nonexistent/picture.png"], "does not exist"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["--model", model.as_str(), "--prompt", "hi"];
@@ -67,6 +68,11 @@ fn bad_flags_fail_cleanly() {
     let (code, _, stderr) = run(&["--model", &assistant, "--prompt", "hi", "--backend", "ndarray"]);
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("Gemma 4 assistant") && stderr.contains("--draft assistant:PATH"), "{stderr}");
+    // Pictures for a text model.
+    let picture = common::fixtures().join("tiny-gemma-vision/gemma3/image.png").display().to_string();
+    let (code, _, stderr) = run(&["--model", &model, "--prompt", "hi", "--backend", "ndarray", "--image", &picture]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("--image needs a multimodal model"), "{stderr}");
     let (code, _, stderr) = run(&["--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("does not exist"), "{stderr}");

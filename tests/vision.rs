@@ -104,3 +104,142 @@ fn gemma3_images_match_hf_on_wgpu() {
 fn gemma3_images_match_hf_on_cuda() {
     vision_matches_hf::<burn_gemma::backends::Cuda>(&Default::default());
 }
+
+/// The picture of the fixture resized and normalized as HF's PIL image processor does. Both
+/// resample in 8 bits and round: a value may differ by one level (2/255 after normalizing).
+#[test]
+fn preprocessing_matches_hf_pil_processor() {
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let reference = common::read_json(dir.join("reference.json"));
+    let pixels = burn_gemma::images::Pixels::from_path(dir.join("image.png"), 56).unwrap();
+    let want = floats(&reference["preprocessed"]);
+    let step = 2.0 / 255.0;
+    let off: Vec<f32> = pixels.values.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+    let worst = off.iter().copied().fold(0.0, f32::max);
+    let differing = off.iter().filter(|&&e| e > 1e-6).count();
+    println!("preprocessed: {differing} of {} values differ, at most {worst:.2e}", want.len());
+    assert!(worst <= step + 1e-6, "a value {worst:.4} from HF's");
+}
+
+fn fixture_pixels(reference: &serde_json::Value) -> Vec<burn_gemma::images::Pixels> {
+    let images = reference["images"].as_array().unwrap();
+    images.iter().map(|i| burn_gemma::images::Pixels { size: 56, values: floats(&i["pixel_values"]) }).collect()
+}
+
+fn vision_generator() -> (burn_gemma::Generator<NdArray>, serde_json::Value) {
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let mut g = burn_gemma::Generator::new(model, common::tiny_tokenizer()).unwrap();
+    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap())).unwrap();
+    (g, common::read_json(dir.join("reference.json")))
+}
+
+/// The generator places each picture at its run of soft tokens: HF's greedy continuation, with
+/// prompt chunks of every size (a chunk that would end inside a picture runs on to its end).
+#[test]
+fn generation_with_images_continues_as_hf() {
+    let (mut g, reference) = vision_generator();
+    let pixels = fixture_pixels(&reference);
+    for prompt in reference["prompts"].as_array().unwrap() {
+        let ids = common::ids(&prompt["input_ids"]);
+        let n = prompt["images"].as_u64().unwrap() as usize;
+        let want = common::ids(&prompt["greedy_ids"]);
+        for chunk in [1, 3, 7, 64] {
+            let config = burn_gemma::GenerationConfig {
+                max_new_tokens: want.len(),
+                prefill_chunk: std::num::NonZeroUsize::new(chunk).unwrap(),
+                ..Default::default()
+            };
+            g.reset();
+            let out = g.continue_ids_with_images(&ids, &pixels[..n], &config, |_| {}).unwrap();
+            assert_eq!(out.tokens, want, "{n} images, chunks of {chunk}");
+        }
+    }
+}
+
+#[test]
+fn pictures_that_do_not_fit_are_refused() {
+    use burn_gemma::{images::ImageError, Error};
+    let (mut g, reference) = vision_generator();
+    let pixels = fixture_pixels(&reference);
+    let ids = common::ids(&reference["prompts"][1]["input_ids"]);
+    let config = burn_gemma::GenerationConfig { max_new_tokens: 2, ..Default::default() };
+    // Two places, one picture.
+    let err = g.continue_ids_with_images(&ids, &pixels[..1], &config, |_| {}).unwrap_err();
+    assert!(matches!(err, Error::Image(ImageError::Count { images: 1, places: 2 })), "{err}");
+    // A picture prepared for another tower.
+    let small = burn_gemma::images::Pixels { size: 28, values: vec![0.0; 3 * 28 * 28] };
+    let err = g.continue_ids_with_images(&ids, &[small.clone(), small], &config, |_| {}).unwrap_err();
+    assert!(matches!(err, Error::Image(ImageError::VisionMismatch(_))), "{err}");
+    // A run of soft tokens shorter than an image's.
+    let short: Vec<u32> = ids.iter().copied().filter(|&t| t != 510).chain([510, 510]).collect();
+    let err = g.continue_ids_with_images(&short, &pixels[..1], &config, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("soft tokens"), "{err}");
+    // The generator still works after each refusal.
+    g.reset();
+    let out = g.continue_ids_with_images(&ids, &pixels, &config, |_| {}).unwrap();
+    assert_eq!(out.tokens, common::ids(&reference["prompts"][1]["greedy_ids"])[..2]);
+    // The text helpers need the tokenizer's image tokens (the tiny vocabulary has none).
+    let err = g.generate_with_images("describe", &pixels[..1], &config, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("<start_of_image>"), "{err}");
+    // A model without a tower.
+    g.set_vision(None).unwrap();
+    let err = g.continue_ids_with_images(&ids, &pixels, &config, |_| {}).unwrap_err();
+    assert!(matches!(err, Error::Image(ImageError::NoVision)), "{err}");
+}
+
+/// A PNG chunk: length, type, data, CRC-32 (IEEE).
+fn png_chunk(kind: &[u8; 4], data: &[u8]) -> Vec<u8> {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &byte in kind.iter().chain(data) {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    let mut out = (data.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    out.extend_from_slice(&(!crc).to_be_bytes());
+    out
+}
+
+/// A PNG claiming `width x height` RGB pixels, with an empty pixel stream.
+fn png_header(width: u32, height: u32) -> Vec<u8> {
+    let mut ihdr = width.to_be_bytes().to_vec();
+    ihdr.extend_from_slice(&height.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    png.extend(png_chunk(b"IHDR", &ihdr));
+    // An empty zlib stream: the header reads; the pixels are missing.
+    png.extend(png_chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]));
+    png.extend(png_chunk(b"IEND", &[]));
+    png
+}
+
+#[test]
+fn bad_pictures_give_clear_errors() {
+    use burn_gemma::images::{ImageError, Pixels};
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let good = std::fs::read(dir.join("image.png")).unwrap();
+    assert!(Pixels::from_bytes(&good, 56).is_ok());
+    // Truncated.
+    let err = Pixels::from_bytes(&good[..good.len() / 2], 56).unwrap_err();
+    assert!(matches!(err, ImageError::Decode(_)), "{err}");
+    // Not a picture; nothing at all.
+    let err = Pixels::from_bytes(b"GIF? no, plain text", 56).unwrap_err();
+    assert!(matches!(err, ImageError::Decode(_)), "{err}");
+    assert!(matches!(Pixels::from_bytes(&[], 56).unwrap_err(), ImageError::Decode(_)));
+    // Huge dimensions: refused from the header, before any pixel is allocated.
+    let err = Pixels::from_bytes(&png_header(100_000, 80_000), 56).unwrap_err();
+    assert!(matches!(err, ImageError::TooLarge { width: 100_000, height: 80_000 }), "{err}");
+    // Zero-sized.
+    let err = Pixels::from_bytes(&png_header(0, 10), 56).unwrap_err();
+    assert!(matches!(err, ImageError::Empty { .. } | ImageError::Decode(_)), "{err}");
+    println!("zero-sized: {err}");
+    // A missing file names its path.
+    let err = Pixels::from_path("/nonexistent/picture.png", 56).unwrap_err();
+    assert!(err.to_string().contains("/nonexistent/picture.png"), "{err}");
+}
