@@ -22,7 +22,7 @@ use burn_gemma::{
     images::Pixels,
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
-    Loaded, SamplingConfig, StopReason,
+    Loaded, MmprojCheckpoint, SamplingConfig, StopReason,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -105,6 +105,10 @@ struct Args {
     /// a chat, in the first turn.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
+    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 text GGUF: its SigLIP tower
+    /// and projector, for --image.
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -174,9 +178,10 @@ impl BackendTask for Run {
             "backend: {name}, device: {device:?}{threads}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
         );
         let checkpoint = Checkpoint::open(&self.model_path)?;
-        if !self.args.images.is_empty() && checkpoint.vision_config().is_none() {
+        if !self.args.images.is_empty() && checkpoint.vision_config().is_none() && self.args.mmproj.is_none() {
             return Err(CliError::from(format!(
-                "--image needs a multimodal model (a Gemma 3 checkpoint with a vision tower); {} has none",
+                "--image needs a multimodal model (an HF Gemma 3 checkpoint with a vision tower, or a GGUF with \
+                 --mmproj); {} has none",
                 self.model_path.display()
             )));
         }
@@ -195,9 +200,13 @@ impl BackendTask for Run {
         let Loaded { model, report } = checkpoint.load(options)?;
         bar.finish_and_clear();
         let tokenizer = checkpoint.tokenizer()?;
-        let vision = match self.args.images.is_empty() {
-            true => None,
-            false => {
+        let vision = match (self.args.images.is_empty(), &self.args.mmproj) {
+            (true, _) => None,
+            (false, Some(mmproj)) => {
+                let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
+                Some(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?)
+            }
+            (false, None) => {
                 let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
                 Some(checkpoint.load_vision(options)?)
             }
@@ -381,6 +390,12 @@ fn real_main(args: Args) -> Result<(), CliError> {
     }
     if args.max_new_tokens == 0 {
         return Err(CliError::from("--max-new-tokens must be at least 1"));
+    }
+    if let Some(path) = args.mmproj.as_ref().filter(|p| !p.is_file()) {
+        return Err(CliError::from(format!("projector {} does not exist", path.display())));
+    }
+    if args.mmproj.is_some() && args.images.is_empty() {
+        return Err(CliError::from("--mmproj reads pictures: add --image PATH"));
     }
     if let Some(path) = args.images.iter().find(|p| !p.is_file()) {
         return Err(CliError::from(format!("image {} does not exist", path.display())));

@@ -4,8 +4,8 @@
 
 use crate::gguf::{GgufFile, Value};
 use burn_gemma_model::{
-    config::default_layer_types, Architecture, AssistantConfig, GemmaConfig, LayerType, ModelError, MoeConfig,
-    RopeConfig,
+    config::default_layer_types, vision::SiglipConfig, Architecture, AssistantConfig, Gemma3VisionConfig, GemmaConfig,
+    LayerType, ModelError, MoeConfig, RopeConfig,
 };
 
 fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
@@ -274,4 +274,60 @@ fn token_id(file: &GgufFile, key: &'static str, default: u32) -> Result<u32, Mod
             Err(ModelError::InvalidConfig { field: key, reason: format!("must be an unsigned integer, found {v:?}") })
         }
     }
+}
+
+/// Gemma 3's vision config from llama.cpp's projector GGUF (`mmproj`, `clip.projector_type`
+/// `gemma3`): the tower's `clip.vision.*` keys, the pooling from `projector.scale_factor`
+/// (patches per soft token along a side, 4 by default), the text width from
+/// `mm.input_projection`; the image token ids are the text model's (`ids`: `<start_of_image>`,
+/// `<end_of_image>`, `<image_soft_token>`).
+pub(crate) fn gemma3_vision_config_from_gguf(
+    file: &GgufFile,
+    (boi, eoi, image): (u32, u32, u32),
+) -> Result<Gemma3VisionConfig, ModelError> {
+    let projector = meta(file, "clip.vision.projector_type")
+        .or_else(|| meta(file, "clip.projector_type"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if projector != "gemma3" {
+        return Err(ModelError::UnsupportedConfig {
+            field: "clip.projector_type",
+            value: format!("{projector:?} (Gemma 3's projector is \"gemma3\")"),
+        });
+    }
+    let uint = |field: &'static str| -> Result<usize, ModelError> {
+        meta(file, field)
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })
+    };
+    let vision = SiglipConfig {
+        hidden_size: uint("clip.vision.embedding_length")?,
+        intermediate_size: uint("clip.vision.feed_forward_length")?,
+        num_hidden_layers: uint("clip.vision.block_count")?,
+        num_attention_heads: uint("clip.vision.attention.head_count")?,
+        num_channels: 3,
+        image_size: uint("clip.vision.image_size")?,
+        patch_size: uint("clip.vision.patch_size")?,
+        layer_norm_eps: meta(file, "clip.vision.attention.layer_norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-6),
+        hidden_act: "gelu_pytorch_tanh".into(),
+        vision_use_head: false,
+    };
+    let scale = meta(file, "clip.vision.projector.scale_factor").and_then(Value::as_u64).unwrap_or(4) as usize;
+    let side = vision.patches_per_side() / scale.max(1);
+    let text_hidden_size = file
+        .tensors()
+        .get("mm.input_projection.weight")
+        .and_then(|t| t.shape().get(1).copied())
+        .ok_or(ModelError::MissingTensor("mm.input_projection.weight".into()))?;
+    let config = Gemma3VisionConfig {
+        vision,
+        mm_tokens_per_image: side * side,
+        image_token_index: image,
+        boi_token_index: boi,
+        eoi_token_index: eoi,
+        text_hidden_size,
+    };
+    config.validate()?;
+    Ok(config)
 }

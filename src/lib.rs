@@ -54,6 +54,6 @@ pub use generation::{
     EagerReason, GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
 };
 pub use load_options::{LoadOptions, LoadProgress};
-pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded};
+pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojCheckpoint};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};

@@ -350,6 +350,71 @@ impl AssistantCheckpoint {
     }
 }
 
+/// An opened llama.cpp vision projector GGUF (`mmproj`, Gemma 3's `gemma3` projector): the
+/// SigLIP tower and projector that go beside a Gemma 3 text GGUF.
+pub struct MmprojCheckpoint {
+    path: PathBuf,
+    format: Format,
+    config: Gemma3VisionConfig,
+}
+
+impl MmprojCheckpoint {
+    /// Opens and validates a projector GGUF; `tokenizer` is the text model's, whose
+    /// `<start_of_image>`, `<end_of_image>` and `<image_soft_token>` mark images in prompts.
+    pub fn open(path: impl AsRef<Path>, tokenizer: &Tokenizer) -> Result<Self, Error> {
+        let path = path.as_ref().to_path_buf();
+        let file =
+            GgufFile::open(&path).map_err(|source| Error::Gguf { path: path.clone(), source: Box::new(source) })?;
+        if gguf_architecture(&file) != "clip" {
+            return Err(Error::NotAModel {
+                path,
+                reason: "not a vision projector GGUF (general.architecture \"clip\", llama.cpp's mmproj files)".into(),
+            });
+        }
+        let id = |piece: &str| {
+            tokenizer.token_id(piece).ok_or_else(|| Error::NotAModel {
+                path: path.clone(),
+                reason: format!("the text model's tokenizer has no {piece} token to mark images with"),
+            })
+        };
+        let ids = (id("<start_of_image>")?, id("<end_of_image>")?, id("<image_soft_token>")?);
+        let config = crate::gguf_config::gemma3_vision_config_from_gguf(&file, ids)
+            .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
+        Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
+    }
+
+    /// The checkpoint's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &Gemma3VisionConfig {
+        &self.config
+    }
+
+    /// Loads the tower and projector (device, dtype and weight format from `options`: use the
+    /// text model's).
+    pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
+        let (options, device, mut progress) = options.into_parts();
+        crate::backends::check_dtype::<B>(&device, options.dtype)?;
+        let total = 16 * self.config.vision.num_hidden_layers + 7;
+        let mut report = |loaded: usize, total: usize| {
+            if let Some(progress) = progress.as_mut() {
+                progress(LoadProgress { loaded, total });
+            }
+        };
+        let mut source = Source {
+            format: &self.format,
+            arch: Architecture::Gemma3,
+            used: HashSet::new(),
+            progress: &mut report,
+            total,
+        };
+        Ok(Gemma3Vision::load(self.config.clone(), &mut source, &options, &device)?)
+    }
+}
+
 struct Source<'a, F: FnMut(usize, usize)> {
     format: &'a Format,
     arch: Architecture,
@@ -373,9 +438,44 @@ fn hf_candidates(name: &str) -> Vec<String> {
     vec![name.to_string(), format!("model.language_model.{rest}"), format!("language_model.{name}")]
 }
 
+/// llama.cpp's projector-GGUF name (`mmproj`) of a Gemma 3 vision weight (`model.vision_tower.*`
+/// without its prefix).
+fn mmproj_name(tower: &str) -> Option<String> {
+    let fixed = match tower {
+        "embeddings.patch_embedding.weight" => Some("v.patch_embd.weight"),
+        "embeddings.patch_embedding.bias" => Some("v.patch_embd.bias"),
+        "embeddings.position_embedding.weight" => Some("v.position_embd.weight"),
+        "post_layernorm.weight" => Some("v.post_ln.weight"),
+        "post_layernorm.bias" => Some("v.post_ln.bias"),
+        _ => None,
+    };
+    if let Some(fixed) = fixed {
+        return Some(fixed.into());
+    }
+    let (layer, rest) = tower.strip_prefix("encoder.layers.")?.split_once('.')?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    let part = match part {
+        "layer_norm1" => "ln1",
+        "layer_norm2" => "ln2",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.out_proj" => "attn_out",
+        "mlp.fc1" => "ffn_up",
+        "mlp.fc2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{part}.{suffix}"))
+}
+
 /// GGUF tensor name of an HF weight name.
 fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
+    if let Some(tower) = name.strip_prefix("model.vision_tower.") {
+        return mmproj_name(tower);
+    }
     match name {
+        "model.multi_modal_projector.mm_input_projection_weight" => return Some("mm.input_projection.weight".into()),
+        "model.multi_modal_projector.mm_soft_emb_norm.weight" => return Some("mm.soft_emb_norm.weight".into()),
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
         "model.embed_tokens_per_layer.weight" => return Some("per_layer_token_embd.weight".into()),

@@ -54,6 +54,7 @@ fn bad_flags_fail_cleanly() {
         (vec!["--draft", "assistant:/nonexistent/assistant"], "does not exist"),
         (vec!["--draft", "model:/nonexistent/draft.gguf"], "does not exist"),
         (vec!["--image", "/nonexistent/picture.png"], "does not exist"),
+        (vec!["--mmproj", "/nonexistent/mmproj.gguf"], "does not exist"),
     ];
     for (flags, needle) in cases {
         let mut args = vec!["--model", model.as_str(), "--prompt", "hi"];

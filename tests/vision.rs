@@ -243,3 +243,151 @@ fn bad_pictures_give_clear_errors() {
     let err = Pixels::from_path("/nonexistent/picture.png", 56).unwrap_err();
     assert!(err.to_string().contains("/nonexistent/picture.png"), "{err}");
 }
+
+/// The tiny vocabulary with Gemma 3's image tokens at the fixture's ids (508, 509, 510).
+fn tokenizer_with_image_tokens() -> burn_gemma::Tokenizer {
+    let base = common::tiny_tokenizer();
+    let mut tokens: Vec<String> =
+        (0..512).map(|id| String::from_utf8_lossy(base.token_bytes(id)).into_owned()).collect();
+    let mut types = vec![1; 512];
+    for (id, piece) in
+        [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (4, "<start_of_turn>"), (5, "<end_of_turn>")]
+    {
+        tokens[id] = piece.into();
+        types[id] = 3;
+    }
+    for b in 0..=255usize {
+        tokens[6 + b] = format!("<0x{b:02X}>");
+        types[6 + b] = 6;
+    }
+    for (id, piece) in [(508, "<start_of_image>"), (509, "<end_of_image>"), (510, "<image_soft_token>")] {
+        tokens[id] = piece.into();
+        types[id] = 3;
+    }
+    for (id, token) in tokens.iter_mut().enumerate().skip(262).take(508 - 262) {
+        *token = format!("w{id}");
+    }
+    tokens[511] = "w511".into();
+    let scores = (0..512).map(|i| -(i as f32)).collect();
+    burn_gemma::Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
+}
+
+/// llama.cpp's projector GGUF of the fixture (its converter's names, metadata and the soft
+/// embedding norm stored as `1 + w`) gives HF's image features.
+#[test]
+fn gemma3_mmproj_gguf_matches_hf() {
+    use common::gguf::{GgufWriter, Meta};
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let reference = common::read_json(dir.join("reference.json"));
+    let config = common::read_json(dir.join("config.json"));
+    let v = &config["vision_config"];
+    let u = |k: &str| v[k].as_u64().unwrap() as u32;
+    let mut g = GgufWriter::default();
+    g.meta("general.architecture", Meta::Str("clip".into()));
+    g.meta("clip.projector_type", Meta::Str("gemma3".into()));
+    g.meta("clip.vision.embedding_length", Meta::U32(u("hidden_size")));
+    g.meta("clip.vision.feed_forward_length", Meta::U32(u("intermediate_size")));
+    g.meta("clip.vision.block_count", Meta::U32(u("num_hidden_layers")));
+    g.meta("clip.vision.attention.head_count", Meta::U32(u("num_attention_heads")));
+    g.meta("clip.vision.attention.layer_norm_epsilon", Meta::F32(1e-6));
+    g.meta("clip.vision.image_size", Meta::U32(u("image_size")));
+    g.meta("clip.vision.patch_size", Meta::U32(u("patch_size")));
+    // 4 patches a side, 2 soft tokens a side.
+    g.meta("clip.vision.projector.scale_factor", Meta::U32(2));
+    let tensors = common::f32_tensors(&std::fs::read(dir.join("model.safetensors")).unwrap());
+    for (hf, (shape, mut values)) in tensors {
+        let name = if let Some(tower) = hf.strip_prefix("model.vision_tower.") {
+            let fixed = [
+                ("embeddings.patch_embedding.weight", "v.patch_embd.weight"),
+                ("embeddings.patch_embedding.bias", "v.patch_embd.bias"),
+                ("embeddings.position_embedding.weight", "v.position_embd.weight"),
+                ("post_layernorm.weight", "v.post_ln.weight"),
+                ("post_layernorm.bias", "v.post_ln.bias"),
+            ];
+            match fixed.iter().find(|(h, _)| *h == tower) {
+                Some((_, g)) => g.to_string(),
+                None => {
+                    let (layer, rest) = tower.strip_prefix("encoder.layers.").unwrap().split_once('.').unwrap();
+                    let (part, suffix) = rest.rsplit_once('.').unwrap();
+                    let part = match part {
+                        "layer_norm1" => "ln1",
+                        "layer_norm2" => "ln2",
+                        "self_attn.q_proj" => "attn_q",
+                        "self_attn.k_proj" => "attn_k",
+                        "self_attn.v_proj" => "attn_v",
+                        "self_attn.out_proj" => "attn_out",
+                        "mlp.fc1" => "ffn_up",
+                        "mlp.fc2" => "ffn_down",
+                        other => panic!("unmapped {other}"),
+                    };
+                    format!("v.blk.{layer}.{part}.{suffix}")
+                }
+            }
+        } else if hf == "model.multi_modal_projector.mm_input_projection_weight" {
+            "mm.input_projection.weight".into()
+        } else if hf == "model.multi_modal_projector.mm_soft_emb_norm.weight" {
+            values.iter_mut().for_each(|w| *w += 1.0);
+            "mm.soft_emb_norm.weight".into()
+        } else {
+            continue;
+        };
+        g.tensor(&name, shape, values);
+    }
+    let out = std::env::temp_dir().join(format!("burn-gemma-mmproj-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let path = out.join("mmproj.gguf");
+    std::fs::write(&path, g.bytes()).unwrap();
+
+    let tokenizer = tokenizer_with_image_tokens();
+    let mmproj = burn_gemma::MmprojCheckpoint::open(&path, &tokenizer).unwrap_or_else(|e| panic!("{e}"));
+    let hf = Checkpoint::open(&dir).unwrap();
+    // The same config, the norm epsilon stored as an f32.
+    let (mut got, want) = (mmproj.config().clone(), hf.vision_config().unwrap());
+    assert!((got.vision.layer_norm_eps - want.vision.layer_norm_eps).abs() < 1e-12);
+    got.vision.layer_norm_eps = want.vision.layer_norm_eps;
+    assert_eq!(&got, want);
+    let device = Default::default();
+    let vision = mmproj.load(common::dense_f32::<NdArray>(&device)).unwrap();
+    for (i, image) in reference["images"].as_array().unwrap().iter().enumerate() {
+        let pixels =
+            Tensor::<NdArray, 4>::from_data(TensorData::new(floats(&image["pixel_values"]), [1, 3, 56, 56]), &device);
+        let err = max_error(&values(vision.image_features(pixels).unwrap()), &floats(&image["features"]));
+        println!("mmproj image {i}: features within {err:.2e} of HF");
+        assert!(err <= TOLERANCE, "image {i}: {err:.2e}");
+    }
+    // Not a projector; a tokenizer without image tokens.
+    let err = burn_gemma::MmprojCheckpoint::open(dir.join("model.safetensors"), &tokenizer).err().unwrap();
+    println!("{err}");
+    let err = burn_gemma::MmprojCheckpoint::open(&path, &common::tiny_tokenizer()).err().unwrap();
+    assert!(err.to_string().contains("<start_of_image>"), "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The text helpers with a vocabulary that has the image tokens: `<start_of_image>` in the
+/// prompt (or none: the pictures go first) expands to Gemma 3's image sequence, and generation
+/// gives what the same ids give through `continue_ids_with_images`.
+#[test]
+fn prompts_with_image_places_expand_as_gemma3_processor() {
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let tokenizer = tokenizer_with_image_tokens();
+    let mut g = burn_gemma::Generator::new(model, tokenizer_with_image_tokens()).unwrap();
+    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap())).unwrap();
+    let reference = common::read_json(dir.join("reference.json"));
+    let pixels = fixture_pixels(&reference);
+    let config = burn_gemma::GenerationConfig { max_new_tokens: 4, ..Default::default() };
+    let out = g.generate_with_images("w300 <start_of_image> w301", &pixels[..1], &config, |_| {}).unwrap();
+    let soft = "<image_soft_token>".repeat(4);
+    let text = format!("w300 \n\n<start_of_image>{soft}<end_of_image>\n\n w301");
+    let ids = tokenizer.encode(&text, burn_gemma::Bos::Prepend).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == 510).count(), 4);
+    g.reset();
+    let same = g.continue_ids_with_images(&ids, &pixels[..1], &config, |_| {}).unwrap();
+    assert_eq!(out.tokens, same.tokens);
+    // No place in the prompt: the pictures go first; two places for one picture: refused.
+    assert!(g.generate_with_images("w300", &pixels[..2], &config, |_| {}).is_ok());
+    let err = g.generate_with_images("<start_of_image><start_of_image>", &pixels[..1], &config, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("1 images for 2 places"), "{err}");
+}
