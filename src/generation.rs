@@ -687,20 +687,9 @@ impl<B: GemmaBackend> Generator<B> {
         &mut self,
         ids: &[u32],
         config: &GenerationConfig,
-        mut on_text: impl FnMut(&str),
+        on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
-        let mut run = self.start(ids, config)?;
-        while let Some(token) = self.step(&mut run) {
-            let token = token?;
-            if !token.text.is_empty() {
-                on_text(&token.text);
-            }
-        }
-        let (output, rest) = run.finish();
-        if !rest.is_empty() {
-            on_text(&rest);
-        }
-        Ok(output)
+        self.continue_ids_with_images(ids, &[], config, on_text)
     }
 
     /// Like [`Generator::generate`], as an iterator of tokens: each `next()` runs one step.

@@ -439,12 +439,12 @@ fn by_segment<'a, B: GemmaBackend>(
     for (rows, block) in runs {
         let views = attend(rows.clone(), block);
         let q_rows = q.clone().slice(s![.., .., rows.clone(), ..]);
-        if views.len() == 1 {
-            let (kv, options) = views.into_iter().next().expect("one view");
-            outs.push(B::grouped_attention(q_rows, kv, &options)?);
-        } else {
-            for (i, (kv, options)) in views.into_iter().enumerate() {
-                outs.push(B::grouped_attention(q_rows.clone().slice(s![.., .., i..i + 1, ..]), kv, &options)?);
+        match <[_; 1]>::try_from(views) {
+            Ok([(kv, options)]) => outs.push(B::grouped_attention(q_rows, kv, &options)?),
+            Err(views) => {
+                for (i, (kv, options)) in views.into_iter().enumerate() {
+                    outs.push(B::grouped_attention(q_rows.clone().slice(s![.., .., i..i + 1, ..]), kv, &options)?);
+                }
             }
         }
     }
