@@ -65,6 +65,11 @@ struct Args {
     /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
     #[arg(long)]
     host_profile: Option<std::path::PathBuf>,
+    /// Keeps only the first N layers of a `synthetic:` preset (its layer pattern and every
+    /// matrix shape unchanged): a large model's per-layer kernels timed without building all of
+    /// its random weights on the host.
+    #[arg(long)]
+    layers: Option<std::num::NonZeroUsize>,
 }
 
 struct Bench(Args);
@@ -155,7 +160,16 @@ impl BackendTask for Bench {
         let model = match a.model.strip_prefix("synthetic:") {
             Some(preset) => {
                 let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
-                Gemma::<B>::load(GemmaConfig::preset(preset)?, &mut RandomWeights::new(a.seed), &options, &device)?
+                let mut config = GemmaConfig::preset(preset)?;
+                if let Some(layers) = a.layers {
+                    let layers = layers.get().min(config.num_hidden_layers);
+                    if config.num_kv_shared_layers > 0 {
+                        return Err(CliError::from("--layers does not apply to presets with KV-sharing layers"));
+                    }
+                    config.num_hidden_layers = layers;
+                    config.layer_types.truncate(layers);
+                }
+                Gemma::<B>::load(config, &mut RandomWeights::new(a.seed), &options, &device)?
             }
             None => {
                 let options =

@@ -255,7 +255,8 @@ mod gpu {
     /// products of the separate matrices.
     pub fn project_gelu_pairs<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         let seed = seed::<B>(device, "project_gelu_pairs");
-        let shapes = [(1, 1152, 6912), (3, 640, 36), (8, 96, 4), (2, 2560, 1028), (9, 64, 12), (12, 160, 20)];
+        let shapes =
+            [(1, 1152, 6912), (3, 640, 36), (8, 96, 4), (2, 2560, 1028), (2, 4096, 1056), (9, 64, 12), (12, 160, 20)];
         for (i, (n, inp, m)) in shapes.into_iter().enumerate() {
             let x = Tensor::<B, 2>::random([n, inp], Distribution::Normal(0.0, 1.0), device).cast(dtype);
             let tol =

@@ -67,6 +67,10 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             (1, 1152, 6912),
             (1, 64, 9000),
             (3, 64, 4500),
+            // Few features over long rows: row groups split over several planes (four
+            // features per plane and four planes per group, then one or two features per plane).
+            (1, 4096, 2100),
+            (2, 3072, 300),
             (9, 160, 75),
             (17, 64, 33),
             (70, 352, 129),

@@ -2,21 +2,25 @@
 //! activation rows).
 //!
 //! - `gemv_into`: decode-sized products (at most [`crate::linear::GEMV_MAX_ROWS`] activation rows).
-//!   Each cube owns `ROWS` output features, each plane of 32 units one, two or four of them; the
-//!   units stride over the rows in vectors of up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so
-//!   a plane reads 512 consecutive bytes of each row per step and every code byte once; each
+//!   Each cube owns `ROWS` output features, in row groups of one, two or four features served
+//!   by one plane of 32 units or, for matrices with few features and long rows, by `splits`
+//!   planes together (see `work_split`); the group's units stride over the rows in vectors of
+//!   up to 4 words (16 bytes: 16 Q8 or 32 Q4 codes, so a plane reads 512 consecutive bytes of
+//!   each row per step and every code byte once; each
 //!   unit loads up to four such vectors per row before using any, see `gemv_unroll`), with
 //!   the vector's block scale (and offset) per row. The matching activations are loaded in
 //!   vectors as wide as the runtime allows, converted to f32 and summed once for all the rows of
 //!   the plane; the codes become floats `1 + code / 2^bits` by a shift and a mask (see
 //!   `unit_code`), and the activation sum turns their dot products into the weights' (f32
 //!   throughout). Sums are added as in the dense kernel (`plane_sum` on 32-wide planes, else a
-//!   shared-memory tree).
+//!   shared-memory tree); a split group's plane totals meet in shared memory.
 
-#![allow(clippy::manual_div_ceil)]
+// Kernel code cannot call `div_ceil` or `is_multiple_of` (not CubeCL intrinsics).
+#![allow(clippy::manual_div_ceil, clippy::manual_is_multiple_of)]
 
 use super::device::Packed;
 use crate::cube::{cube_index, grid, planes_of_32};
+use crate::gelu::kernel::gelu_mul_f32;
 use crate::graph::{arg, launch};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::Epilogue;
@@ -61,6 +65,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[comptime] q4: bool,
     #[comptime] plane: bool,
     #[comptime] pairs: bool,
+    #[comptime] splits: usize,
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -78,8 +83,11 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     let blocks = blocks as usize;
     let k = words as usize * per_word;
     let unit = UNIT_POS_X as usize;
-    let lane = unit % LANES;
-    let first = cube_index() * ROWS + (unit / LANES) * per_plane;
+    // A row group (`per_plane` features) is served by `splits` planes striding over the row
+    // together: consecutive units read consecutive code vectors.
+    let group_units = comptime!(LANES * splits);
+    let lane = unit % group_units;
+    let first = cube_index() * ROWS + (unit / group_units) * per_plane;
     let slots = comptime!(m * per_plane);
     let mut acc = Array::<f32>::new(slots);
     #[unroll]
@@ -87,10 +95,15 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         acc[s] = 0.0f32;
     }
     // The rows this plane serves, clamped to the last row so that every unit runs the same loop and reaches the reduction.
-    let mut row_at = Array::<usize>::new(per_plane);
+    // Where the rows this plane serves start (codes, scales), clamped to the last row so that
+    // every unit runs the same loop and reaches the reduction.
+    let mut code_at = Array::<usize>::new(per_plane);
+    let mut scale_at = Array::<usize>::new(per_plane);
     #[unroll]
     for r in 0..per_plane {
-        row_at[r] = min(first + r, n_out - 1);
+        let row = min(first + r, n_out - 1);
+        code_at[r] = row * vectors;
+        scale_at[r] = row * blocks;
     }
     // `unroll` code vectors per row and step, all loaded before any is used.
     let loaded = comptime!(unroll * per_plane);
@@ -104,22 +117,22 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         #[unroll]
         for u in 0..unroll {
             // Past the row's end a unit re-reads its last vector and discards it below.
-            let v = min(v0 + u * LANES, vectors - 1);
+            let v = min(v0 + u * group_units, vectors - 1);
             // A vector never straddles two blocks: one scale (and offset) per row.
             let block = (v * nw) / words_per_block;
             #[unroll]
             for r in 0..per_plane {
                 let at = comptime!(u * per_plane + r);
-                cw[at] = codes[row_at[r] * vectors + v];
-                scale[at] = f32::cast_from(scales[row_at[r] * blocks + block]);
+                cw[at] = codes[code_at[r] + v];
+                scale[at] = f32::cast_from(scales[scale_at[r] + block]);
                 if q4 {
-                    offset[at] = f32::cast_from(offsets[row_at[r] * blocks + block]);
+                    offset[at] = f32::cast_from(offsets[scale_at[r] + block]);
                 }
             }
         }
         #[unroll]
         for u in 0..unroll {
-            let v = v0 + u * LANES;
+            let v = v0 + u * group_units;
             if v < vectors {
                 #[unroll]
                 for s in 0..slots {
@@ -160,25 +173,150 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
                 }
             }
         }
-        v0 += comptime!(unroll * LANES);
+        v0 += comptime!(unroll * group_units);
     }
-    reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
+    if comptime!(splits > 1) {
+        split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
+    } else {
+        reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
+    }
+}
+
+/// [`reduce_and_store`] for row groups served by `splits` planes: the `LANES * splits` partial
+/// sums of each (activation row, feature) pair are added (each plane's by `plane_sum` when
+/// `plane`, then the planes' totals through shared memory; else a shared-memory tree over the
+/// group's units), and the group's first unit writes the totals, or with `pairs` hands them to
+/// the GELU epilogue as the unsplit kernel does.
+#[allow(clippy::too_many_arguments, clippy::collapsible_else_if)]
+#[cube]
+fn split_reduce_and_store<F: Float>(
+    acc: &Array<f32>,
+    out: &mut Array<F>,
+    place: OutPlace,
+    first: usize,
+    n_out: usize,
+    #[comptime] m: usize,
+    #[comptime] per_plane: usize,
+    #[comptime] plane: bool,
+    #[comptime] pairs: bool,
+    #[comptime] splits: usize,
+) {
+    let slots = comptime!(m * per_plane);
+    let group_units = comptime!(LANES * splits);
+    let groups = comptime!(ROWS / per_plane);
+    let unit = UNIT_POS_X as usize;
+    let group = unit / group_units;
+    let lane = unit % group_units;
+    let local = first - cube_index() * ROWS;
+    let mut totals = SharedMemory::<F>::new(comptime!(if pairs { m * ROWS } else { 1usize }));
+    // Slot `s` of unit `lane` (or of plane `lane / LANES`) of group `group`.
+    let mut partial =
+        SharedMemory::<f32>::new(comptime!(if plane { groups * splits * slots } else { groups * group_units * slots }));
+    if plane {
+        #[unroll]
+        for s in 0..slots {
+            let total = plane_sum(acc[s]);
+            if lane % LANES == 0 {
+                partial[(group * splits + lane / LANES) * slots + s] = total;
+            }
+        }
+        sync_cube();
+    } else {
+        #[unroll]
+        for s in 0..slots {
+            partial[(group * group_units + lane) * slots + s] = acc[s];
+        }
+        sync_cube();
+        // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = groups * group_units).
+        let mut stride = CUBE_DIM_X as usize / comptime!(2 * groups);
+        while stride > 0 {
+            if lane < stride {
+                #[unroll]
+                for s in 0..slots {
+                    let at = (group * group_units + lane) * slots + s;
+                    partial[at] = partial[at] + partial[at + stride * slots];
+                }
+            }
+            sync_cube();
+            stride /= 2;
+        }
+    }
+    if lane == 0 {
+        #[unroll]
+        for t in 0..m {
+            #[unroll]
+            for r in 0..per_plane {
+                let s = comptime!(t * per_plane + r);
+                let mut total = 0.0f32;
+                if plane {
+                    #[unroll]
+                    for p in 0..splits {
+                        total += partial[(group * splits + p) * slots + s];
+                    }
+                } else {
+                    total = partial[group * group_units * slots + s];
+                }
+                if pairs {
+                    totals[t * ROWS + local + r] = F::cast_from(total);
+                } else {
+                    if first + r < n_out {
+                        out[t * place.stride as usize + place.offset as usize + first + r] = F::cast_from(total);
+                    }
+                }
+            }
+        }
+    }
+    if pairs {
+        sync_cube();
+        let half = comptime!(ROWS / 2);
+        if unit < m * half {
+            let (t, c) = (unit / half, unit % half);
+            let gate = f32::cast_from(totals[t * ROWS + c]);
+            let up = f32::cast_from(totals[t * ROWS + half + c]);
+            out[t * place.stride as usize + place.offset as usize + cube_index() * half + c] =
+                F::cast_from(gelu_mul_f32(gate, up));
+        }
+    }
 }
 
 /// Planes per streaming multiprocessor a quantized GEMV keeps busy before its planes take
 /// several output features each (128 multiprocessors assumed where the runtime does not say).
 const PLANES_PER_SM: usize = 16;
 
-/// Output features per plane of the quantized GEMV for `n` activation rows: four (two for
-/// three or more rows, whose per-unit sums take `2 * n * features` registers), each
-/// activation then loaded, converted and summed once for all of them - while enough planes
-/// remain; fewer features per plane otherwise. H100, ncu, Q8: 1 x 2560 -> 10240 went from
-/// 20.8 to 18.0 us with four (2,560 planes), 1 x 640 -> 52,428 from 34.9 to 27.7 us, while
-/// 1 x 10240 -> 2560 (640 planes left) went from 27.1 to 35.7 us.
-fn rows_per_plane<R: CubeRuntime>(client: &ComputeClient<R>, n: usize, out_features: usize) -> usize {
+/// The quantized GEMV's work split for `n` activation rows: output features per plane and
+/// planes per row group (`splits`, which stride over the row together).
+///
+/// Features per plane: four (two for three or more rows, whose per-unit sums take `2 * n *
+/// features` registers), so that each activation is loaded, converted and summed once for all
+/// of them; splits: for one or two rows, enough planes per row group to keep `PLANES_PER_SM`
+/// planes per multiprocessor busy (each unit keeping at least one code vector per row).
+/// Measured on the H200 (ncu, Gemma 3 12B q4 decode, `docs/gpu-runs/2026-11-27-gemv`): four
+/// features per plane reached 1,888 GB/s on gate|up (30,720 features) and 3,310 GB/s on the
+/// LM head, while the 3,840-feature products, at one feature per plane to keep enough planes,
+/// reached 1,167 GB/s with the units 66% busy converting activations once per feature; split
+/// four ways they keep four features per plane and reached 1,430 GB/s (16.4 us against 20.0 us
+/// per product; a 12B-shaped q4 token 7.7% faster, q8 9.1%).
+fn work_split<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    n: usize,
+    out_features: usize,
+    vectors: usize,
+) -> (usize, usize) {
     let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(128, |s| s as usize);
+    let wanted = PLANES_PER_SM * sms;
     let most = if n <= 2 { 4 } else { 2 };
-    [4, 2].into_iter().filter(|&r| r <= most).find(|&r| out_features / r >= PLANES_PER_SM * sms).unwrap_or(1)
+    let max_split = if n <= 2 { [8, 4, 2].into_iter().find(|&s| vectors >= LANES * s).unwrap_or(1) } else { 1 };
+    for per_plane in [4, 2, 1].into_iter().filter(|&p| p <= most) {
+        let groups = out_features.div_ceil(per_plane);
+        let mut splits = 1;
+        while splits <= max_split {
+            if groups * splits >= wanted {
+                return (per_plane, splits);
+            }
+            splits *= 2;
+        }
+    }
+    (1, max_split)
 }
 
 /// Code vectors each unit loads per row before using any: enough 16-byte loads in flight per
@@ -213,13 +351,13 @@ pub fn gemv_into<R: CubeRuntime>(
     // Up to 4 words (16 bytes) per code load: a divisor of the row, and of the block (4 or
     // 8 words); activations in loads of up to 16 bytes dividing the vector's codes.
     let (nw, nx) = w.load_vectors(&x);
-    let per_plane = rows_per_plane(&x.client, n, out_features);
+    let (per_plane, splits) = work_split(&x.client, n, out_features, row_words as usize / nw);
     let unroll = gemv_unroll(per_plane, n);
     let stride = out.meta.shape()[1] as u32;
     launch!(qgemv_kernel(
         &x.client,
         grid(out_features.div_ceil(ROWS)),
-        CubeDim::new_1d((ROWS / per_plane * LANES) as u32),
+        CubeDim::new_1d((ROWS / per_plane * LANES * splits) as u32),
         nw,
         nx,
         arg(&x),
@@ -237,6 +375,7 @@ pub fn gemv_into<R: CubeRuntime>(
         q4,
         planes_of_32(&x.client),
         pairs,
+        splits,
         dtypes,
     ));
 }
