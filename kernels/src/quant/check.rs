@@ -71,6 +71,8 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             // features per plane and four planes per group, then one or two features per plane).
             (1, 4096, 2100),
             (2, 3072, 300),
+            // As many splits as a cube's size allows (eight would need 2,048 units).
+            (1, 4096, 100),
             (9, 160, 75),
             (17, 64, 33),
             (70, 352, 129),

@@ -302,21 +302,32 @@ fn work_split<R: CubeRuntime>(
     out_features: usize,
     vectors: usize,
 ) -> (usize, usize) {
-    let sms = client.properties().hardware.num_streaming_multiprocessors.map_or(128, |s| s as usize);
+    let hardware = &client.properties().hardware;
+    let sms = hardware.num_streaming_multiprocessors.map_or(128, |s| s as usize);
     let wanted = PLANES_PER_SM * sms;
     let most = if n <= 2 { 4 } else { 2 };
     let max_split = if n <= 2 { [8, 4, 2].into_iter().find(|&s| vectors >= LANES * s).unwrap_or(1) } else { 1 };
+    // A cube is `ROWS / per_plane` groups of `splits` planes: within the runtime's cube size
+    // (the unsplit kernel's 256 units always are).
+    let max_units = (hardware.max_units_per_cube as usize).max(ROWS * LANES);
+    let splits_for = |per_plane: usize| {
+        let mut s = max_split;
+        while s > 1 && ROWS / per_plane * LANES * s > max_units {
+            s /= 2;
+        }
+        s
+    };
     for per_plane in [4, 2, 1].into_iter().filter(|&p| p <= most) {
         let groups = out_features.div_ceil(per_plane);
         let mut splits = 1;
-        while splits <= max_split {
+        while splits <= splits_for(per_plane) {
             if groups * splits >= wanted {
                 return (per_plane, splits);
             }
             splits *= 2;
         }
     }
-    (1, max_split)
+    (1, splits_for(1))
 }
 
 /// Code vectors each unit loads per row before using any: enough 16-byte loads in flight per
