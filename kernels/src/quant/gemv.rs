@@ -319,8 +319,9 @@ fn work_split<R: CubeRuntime>(
     };
     for per_plane in [4, 2, 1].into_iter().filter(|&p| p <= most) {
         let groups = out_features.div_ceil(per_plane);
+        let most_splits = splits_for(per_plane);
         let mut splits = 1;
-        while splits <= splits_for(per_plane) {
+        while splits <= most_splits {
             if groups * splits >= wanted {
                 return (per_plane, splits);
             }
