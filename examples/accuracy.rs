@@ -1,7 +1,7 @@
 //! Accuracy of quantized weights and KV caches on the real model, against an f32 reference.
 //!
 //! ```text
-//! cargo run --release --features cuda --example accuracy -- --backend cuda \
+//! cargo run --release --features cuda,tools --example accuracy -- --backend cuda \
 //!     --fixture tests/fixtures/gemma3-270m-reference.json
 //! ```
 //!

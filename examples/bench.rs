@@ -1,7 +1,7 @@
 //! Prefill and decode speed of a Gemma model on one backend, llama-bench style.
 //!
 //! ```text
-//! cargo run --release --features cuda --example bench -- \
+//! cargo run --release --features cuda,tools --example bench -- \
 //!     --model synthetic:gemma3-1b --backend cuda --dtype bf16 --prompt-len 512 --gen 128 --depth 0 --reps 5
 //! ```
 //!

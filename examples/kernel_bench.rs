@@ -1,7 +1,7 @@
 //! Times every `GemmaBackend` kernel against its plain-Burn reference and reports effective
 //! bandwidth next to the device's measured copy bandwidth.
 //!
-//! `cargo run --release --features cuda --example kernel_bench -- --backend cuda --dtype bf16`
+//! `cargo run --release --features cuda,tools --example kernel_bench -- --backend cuda --dtype bf16`
 //!
 //! Sections (`--section`): `kernels` (each kernel on prefill-sized inputs against its
 //! reference), `decode` (every decode kernel on the shapes of the Gemma 3 models, 1 and 8

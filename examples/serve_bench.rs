@@ -3,7 +3,7 @@
 //! generating `--gen` tokens greedily.
 //!
 //! ```text
-//! cargo run --release --features cuda --example serve_bench -- \
+//! cargo run --release --features cuda,tools --example serve_bench -- \
 //!     --model model.gguf --backend cuda --dtype bf16 --streams 1,8,32,64 --prompt-len 512 --gen 128
 //! ```
 //!

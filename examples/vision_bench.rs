@@ -2,8 +2,8 @@
 //! adds to the time to first token, before the soft tokens' prefill).
 //!
 //! ```text
-//! cargo run --release --example vision_bench -- --backend candle --reps 3
-//! cargo run --release --features cuda --example vision_bench -- --backend cuda --dtype bf16 --images 4
+//! cargo run --release --features tools --example vision_bench -- --backend candle --reps 3
+//! cargo run --release --features cuda,tools --example vision_bench -- --backend cuda --dtype bf16 --images 4
 //! ```
 //!
 //! `--model` is a multimodal Gemma 3 HF directory; without it, random weights in the published

@@ -29,7 +29,7 @@ if [ ! -x "$lcpp/build/bin/llama-bench" ]; then
 fi
 # BENCH_BIN: an already built bench executable (any feature set that includes the CPU backends).
 bench=${BENCH_BIN:-target/release/examples/bench}
-[ -n "${BENCH_BIN:-}" ] || cargo build --release --example bench
+[ -n "${BENCH_BIN:-}" ] || cargo build --release --features tools --example bench
 files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
   # The default model's cached path (fetched on first use).

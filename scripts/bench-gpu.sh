@@ -22,7 +22,7 @@
 #                                          (sampled stacks, synthetic models, $HOSTPROF)
 #   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), the
 #                                          tiny-model parity tests through CUDA, then CUDA-graph decode
-#                                          against eager decode (tests/cuda_graph.rs, generation.rs)
+#                                          against eager decode (tests/integration/cuda_graph.rs, generation.rs)
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
 #                                          entry (model:weights, GGUF files from `prepare` by name)
@@ -74,7 +74,7 @@ bundle() {
     mkdir -p .git/info
     grep -qxF "/.gpu-bench/" .git/info/exclude 2>/dev/null || echo "/.gpu-bench/" >> .git/info/exclude
   fi
-  cargo build --release --features cuda,host-profile --example bench --example kernel_bench --example accuracy
+  cargo build --release --features cuda,host-profile,tools --example bench --example kernel_bench --example accuracy
   # The bench keeps its symbol table: `hostprof` names the functions the host spends time in.
   strip --strip-debug -o .gpu-bench/bench target/release/examples/bench && gzip -9 .gpu-bench/bench
   for exe in kernel_bench accuracy; do
@@ -84,15 +84,11 @@ bundle() {
   tests=$(cargo test --release -p burn-gemma-kernels --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["lib"]][0])')
   strip -o .gpu-bench/kernel_tests "$tests" && gzip -9 .gpu-bench/kernel_tests
-  tests=$(cargo test --release -p burn-gemma --test tiny_models --features cuda --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
-  strip -o .gpu-bench/tiny_models "$tests" && gzip -9 .gpu-bench/tiny_models
+  # The integration tests' binary (tests/integration): its CUDA tests of the tiny models, and
   # CUDA-graph decode against eager decode (tiny models, a random 1B; the generator's chat turns).
-  for t in cuda_graph generation; do
-    tests=$(cargo test --release -p burn-gemma --test $t --features cuda --no-run --message-format=json 2>/dev/null |
-      python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
-    strip -o .gpu-bench/$t "$tests" && gzip -9 .gpu-bench/$t
-  done
+  tests=$(cargo test --release -p burn-gemma --test integration --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+  strip -o .gpu-bench/integration "$tests" && gzip -9 .gpu-bench/integration
   cp -r tests/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
@@ -310,13 +306,15 @@ kernel_tests() {
   unpack
   /tmp/burn-gemma-kernel-tests --test-threads 1 > "$OUT/kernel-tests.txt" 2>&1; local rc=$?
   grep -E "^test |test result" "$OUT/kernel-tests.txt"
-  gzip -dc "$here/tiny_models.gz" > /tmp/burn-gemma-tiny-models && chmod +x /tmp/burn-gemma-tiny-models
-  BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-tiny-models --test-threads 1 --nocapture cuda > "$OUT/tiny-models.txt" 2>&1 || rc=1
-  grep -E "^test |test result" "$OUT/tiny-models.txt"
-  for t in cuda_graph generation; do
-    gzip -dc "$here/$t.gz" > /tmp/burn-gemma-$t && chmod +x /tmp/burn-gemma-$t
-    BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-$t --test-threads 1 --nocapture graph > "$OUT/$t.txt" 2>&1 || rc=1
-    grep -E "^test |test result|steps equal|turn" "$OUT/$t.txt"
+  gzip -dc "$here/integration.gz" > /tmp/burn-gemma-integration && chmod +x /tmp/burn-gemma-integration
+  # Each subject's tests by exact name: tiny_models' CUDA ones, cuda_graph's and generation's graph ones.
+  local subject filter names
+  for subject in tiny_models:cuda cuda_graph:graph generation:graph; do
+    filter=${subject#*:}; subject=${subject%%:*}
+    names=$(/tmp/burn-gemma-integration --list 2>/dev/null | sed -n "s/^\(${subject}::.*${filter}.*\): test$/\1/p")
+    # shellcheck disable=SC2086
+    BURN_GEMMA_FIXTURES=$here /tmp/burn-gemma-integration --test-threads 1 --nocapture --exact $names > "$OUT/$subject.txt" 2>&1 || rc=1
+    grep -E "^test |test result|steps equal|turn" "$OUT/$subject.txt"
   done
   return $rc
 }

@@ -10,7 +10,7 @@ rm -rf .gpu-bin .gpu-run && mkdir -p .gpu-bin .gpu-run/fixtures
 mkdir -p .git/info
 grep -qxF "/.gpu-bin/" .git/info/exclude 2>/dev/null || echo "/.gpu-bin/" >> .git/info/exclude
 grep -qxF "/.gpu-run/" .git/info/exclude 2>/dev/null || echo "/.gpu-run/" >> .git/info/exclude
-cargo build --release --features cuda --example kernel_bench --example bench
+cargo build --release --features cuda,tools --example kernel_bench --example bench
 cp target/release/examples/kernel_bench target/release/examples/bench .gpu-bin/
 test_exe() {
   cargo test --release --no-run "$@" --message-format=json 2>/dev/null | python3 -c '
@@ -24,9 +24,9 @@ for line in sys.stdin:
         print(m["executable"])' | tail -1
 }
 cp "$(test_exe -p burn-gemma-kernels --lib --features cuda)" .gpu-bin/kernel_tests
-cp "$(test_exe -p burn-gemma --test tiny_models --features cuda)" .gpu-bin/tiny_models
+cp "$(test_exe -p burn-gemma --test integration --features cuda)" .gpu-bin/integration
 strip .gpu-bin/*
-for f in bench kernel_bench kernel_tests tiny_models; do gzip -9 -c ".gpu-bin/$f" > ".gpu-run/$f.gz"; done
+for f in bench kernel_bench kernel_tests integration; do gzip -9 -c ".gpu-bin/$f" > ".gpu-run/$f.gz"; done
 cp -r "$fixtures/tiny-gemma" .gpu-run/fixtures/
 cp scripts/gpu-kernels-run.sh .gpu-run/run.sh
 du -sh .gpu-run

@@ -134,7 +134,7 @@ fn piece_bytes(piece: &str) -> Vec<u8> {
 impl Tokenizer {
     /// Loads a Hugging Face `tokenizer.json`. The text is checked as JSON first (syntax, and
     /// nesting at most 128 deep), since the tokenizers crate panics on some malformed files
-    /// (found by `tests/fuzz.rs`); a panic left inside it is turned into an error as well.
+    /// (found by `tests/process/fuzz.rs`); a panic left inside it is turned into an error as well.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
         let fail = |reason: String| TokenizerError::File { path: path.into(), reason };
         let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;

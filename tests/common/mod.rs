@@ -14,6 +14,12 @@ pub fn fixtures() -> PathBuf {
     }
 }
 
+/// `BURN_GEMMA_LONG_TESTS=1`: the tests that shorten their work by default (cases of the real
+/// model on wgpu, ...) run all of it.
+pub fn long_tests() -> bool {
+    std::env::var_os("BURN_GEMMA_LONG_TESTS").is_some_and(|v| v == "1")
+}
+
 /// The real Gemma 3 270M GGUF: `$BURN_GEMMA_MODEL`, else the default model, fetched through the
 /// library (`fetch::default_model`, as the README's first command does) when it is not cached.
 /// The fetch runs once per test binary; a failure fails the test that asked.

@@ -1,7 +1,7 @@
 //! The generator on a real (tiny) model: seeded determinism, reset, stop tokens, chat history,
 //! context limits and non-finite logits.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 use burn_gemma::{

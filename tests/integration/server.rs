@@ -4,7 +4,7 @@
 //! 200 requests at 32 concurrent all answered once, the engine's counters back to zero, and a
 //! clean shutdown.
 
-mod common;
+use crate::common;
 
 use burn::tensor::DType;
 use burn_gemma::{

@@ -3,14 +3,14 @@
 //! logits of prompts with one and two images (each image's soft tokens attending to each other
 //! both ways, the first image past the sliding window), greedy continuations.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::{backends::NdArray, generation::token_tensor, Checkpoint, GemmaBackend, ImageEmbeds};
 use burn_gemma_model::QueryRows;
 
 /// Bound on image features and logits: f32 against HF's f32 run, as the tiny text models' logits
-/// (tests/tiny_models.rs).
+/// (tests/integration/tiny_models.rs).
 const TOLERANCE: f32 = 1e-4;
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {

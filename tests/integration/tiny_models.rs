@@ -1,6 +1,6 @@
 //! Tiny random Gemma 1/2/3/4 checkpoints against HF transformers' full logits.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::generation::token_tensor;

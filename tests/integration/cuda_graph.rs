@@ -5,7 +5,7 @@
 //! cache reset, greedy and with temperature sampling.
 #![cfg(feature = "cuda")]
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;

@@ -3,7 +3,7 @@
 //! by scripts/make_assistant_fixtures.py), greedy output with the assistant drafting equal to
 //! greedy output without, checks of what fits, and llama.cpp's GGUF of an assistant.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Tensor};
 use burn_gemma::{
@@ -27,7 +27,7 @@ const FIXTURES: [(&str, &str); 2] = [
 
 /// The bound on every draft logit, f32 against HF's f32 run (the committed logits are rounded to
 /// 6 decimals). The tiny targets' own logits are held to 1e-3 over 40 positions
-/// (tests/tiny_models.rs: Gemma 4's attention at scale 1 grows product errors with every
+/// (tests/integration/tiny_models.rs: Gemma 4's attention at scale 1 grows product errors with every
 /// position); drafting rounds read at most 21.
 const TOLERANCE: f32 = 1e-4;
 
@@ -160,7 +160,7 @@ fn greedy_output_with_the_assistant_equals_greedy_output_without() {
 
 /// Sampled output with the assistant drafting runs both halves of the acceptance rule and keeps
 /// the model's tokens in the vocabulary; the rule itself is tested against the model's
-/// distribution in tests/speculative.rs.
+/// distribution in tests/integration/speculative.rs.
 #[test]
 fn sampled_output_with_the_assistant_runs() {
     let sampling = burn_gemma::SamplingConfig { temperature: 1.0, top_k: Some(8), seed: 7, ..Default::default() };

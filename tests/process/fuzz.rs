@@ -10,7 +10,7 @@
 //! `FUZZ_SEED=S` fixes the base seed (default: the clock, printed); a failing case prints the
 //! `FUZZ_REPLAY=target:seed` that runs it alone.
 
-mod common;
+use crate::common;
 
 use burn_gemma::{
     backends::NdArray, generation::token_tensor, Checkpoint, GemmaConfig, GenerationConfig, Generator, Tokenizer,
@@ -629,6 +629,7 @@ fn allocation_cap(input_len: usize) -> usize {
 
 #[test]
 fn mutated_inputs_end_in_errors_or_loads() {
+    let _alone = crate::alone();
     let cases: usize = std::env::var("FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000);
     let base: u64 = std::env::var("FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)

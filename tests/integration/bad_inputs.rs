@@ -1,6 +1,6 @@
 //! Malformed checkpoints give a typed error naming the problem, never a panic.
 
-mod common;
+use crate::common;
 
 use burn_gemma::{backends::NdArray, Checkpoint};
 use std::path::PathBuf;

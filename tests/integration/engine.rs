@@ -3,7 +3,7 @@
 //! mid-run, sliding windows wrapping), bad requests refused with their reason, a full queue
 //! refused, cancellation and shutdown.
 
-mod common;
+use crate::common;
 
 use burn::tensor::DType;
 use burn_gemma::{

@@ -1,7 +1,7 @@
 //! The generate example as a user runs it: bad flags fail with a clear message and exit code,
 //! never a panic; a good run prints exactly the generated text on stdout.
 
-mod common;
+use crate::common;
 
 use std::{path::PathBuf, process::Command};
 

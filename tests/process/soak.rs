@@ -4,7 +4,7 @@
 //! the first generation (backends that report it). Device faults: a KV cache past the device's
 //! memory, and a request past the model's context.
 
-mod common;
+use crate::common;
 
 use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig};
 
@@ -103,12 +103,14 @@ fn soak<B: GemmaBackend>(device: B::Device) {
 
 #[test]
 fn thousand_generations_on_ndarray() {
+    let _shared = crate::shared();
     soak::<burn_gemma::backends::NdArray>(Default::default());
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn thousand_generations_on_wgpu() {
+    let _shared = crate::shared();
     soak::<burn_gemma::backends::Wgpu>(Default::default());
 }
 
@@ -143,23 +145,27 @@ fn device_faults<B: GemmaBackend>(device: B::Device) {
 
 #[test]
 fn device_faults_on_ndarray() {
+    let _shared = crate::shared();
     device_faults::<burn_gemma::backends::NdArray>(Default::default());
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn device_faults_on_wgpu() {
+    let _shared = crate::shared();
     device_faults::<burn_gemma::backends::Wgpu>(Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn thousand_generations_on_cuda() {
+    let _shared = crate::shared();
     soak::<burn_gemma::backends::Cuda>(Default::default());
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn device_faults_on_cuda() {
+    let _shared = crate::shared();
     device_faults::<burn_gemma::backends::Cuda>(Default::default());
 }

@@ -4,7 +4,7 @@
 //! proportional RoPE), loaded back, and must give the logits of the same checkpoint read from
 //! safetensors, and HF's.
 
-mod common;
+use crate::common;
 
 use burn_gemma::generation::token_tensor;
 use burn_gemma::{backends::NdArray, Checkpoint};

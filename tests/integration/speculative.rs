@@ -2,7 +2,7 @@
 //! without, token for token; sampled output keeps the model's distribution; the KV cache takes
 //! back rejected drafts across a sliding window's wrap.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
 use burn_gemma::{
