@@ -4,6 +4,7 @@
 use crate::{
     error::TokenizerError,
     gguf::{GgufFile, Value},
+    load_options::ProgressFn,
     safetensors::{Dtype, SafetensorsFile},
     Error, LoadOptions, LoadProgress, Tokenizer,
 };
@@ -14,7 +15,7 @@ use burn_gemma_model::{
     config::NormScale,
     weights::{matrix_dims, quantize, row_chunks, WeightKind},
     Architecture, AssistantConfig, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, GemmaConfig, ModelError,
-    WeightSource,
+    ModelOptions, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -180,23 +181,8 @@ impl Checkpoint {
                     .into(),
             });
         };
-        let (options, device, mut progress) = options.into_parts();
-        crate::backends::check_dtype::<B>(&device, options.dtype)?;
-        // Per layer: two norms and four projections of two tensors each; the patch and position
-        // embeddings, the final norm; the projector's two.
-        let total = 16 * config.vision.num_hidden_layers + 7;
-        let mut report = |loaded: usize, total: usize| {
-            if let Some(progress) = progress.as_mut() {
-                progress(LoadProgress { loaded, total });
-            }
-        };
-        let mut source = Source {
-            format: &self.format,
-            arch: self.config.model_type,
-            used: HashSet::new(),
-            progress: &mut report,
-            total,
-        };
+        let total = vision_tensors(&config);
+        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
         Ok(Gemma3Vision::load(config, &mut source, &options, &device)?)
     }
 
@@ -234,21 +220,8 @@ impl Checkpoint {
     /// Loads the model as `options` say (device, dtype, weight and KV-cache formats, progress;
     /// see [`LoadOptions`] for the defaults).
     pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Loaded<B>, Error> {
-        let (options, device, mut progress) = options.into_parts();
-        crate::backends::check_dtype::<B>(&device, options.dtype)?;
-        let total = self.tensors_to_load();
-        let mut report = |loaded: usize, total: usize| {
-            if let Some(progress) = progress.as_mut() {
-                progress(LoadProgress { loaded, total });
-            }
-        };
-        let mut source = Source {
-            format: &self.format,
-            arch: self.config.model_type,
-            used: HashSet::new(),
-            progress: &mut report,
-            total,
-        };
+        let (mut source, options, device) =
+            Source::open(&self.format, self.config.model_type, self.tensors_to_load(), options)?;
         let model = Gemma::load(self.config.clone(), &mut source, &options, &device)?;
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
@@ -327,25 +300,12 @@ impl AssistantCheckpoint {
     /// Loads the assistant as `options` say (device, dtype, weight format, progress; it has no
     /// KV cache of its own: it reads its target's). Use the target's dtype.
     pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma4Assistant<B>, Error> {
-        let (options, device, mut progress) = options.into_parts();
-        crate::backends::check_dtype::<B>(&device, options.dtype)?;
         let c = &self.config;
         // Per layer: q, o, q_norm, gate, up, down, four norms, the scalar; the table, the final
         // norm, the two projections, the masked lm_head's centroids and ordering.
         let masked = if c.ordered_embeddings.is_some() { 2 } else { 0 };
         let total = 11 * c.text.num_hidden_layers + 4 + masked;
-        let mut report = |loaded: usize, total: usize| {
-            if let Some(progress) = progress.as_mut() {
-                progress(LoadProgress { loaded, total });
-            }
-        };
-        let mut source = Source {
-            format: &self.format,
-            arch: Architecture::Gemma4,
-            used: HashSet::new(),
-            progress: &mut report,
-            total,
-        };
+        let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma4, total, options)?;
         Ok(Gemma4Assistant::load(c.clone(), &mut source, &options, &device)?)
     }
 }
@@ -396,31 +356,50 @@ impl MmprojCheckpoint {
     /// Loads the tower and projector (device, dtype and weight format from `options`: use the
     /// text model's).
     pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
-        let (options, device, mut progress) = options.into_parts();
-        crate::backends::check_dtype::<B>(&device, options.dtype)?;
-        let total = 16 * self.config.vision.num_hidden_layers + 7;
-        let mut report = |loaded: usize, total: usize| {
-            if let Some(progress) = progress.as_mut() {
-                progress(LoadProgress { loaded, total });
-            }
-        };
-        let mut source = Source {
-            format: &self.format,
-            arch: Architecture::Gemma3,
-            used: HashSet::new(),
-            progress: &mut report,
-            total,
-        };
+        let total = vision_tensors(&self.config);
+        let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma3, total, options)?;
         Ok(Gemma3Vision::load(self.config.clone(), &mut source, &options, &device)?)
     }
 }
 
-struct Source<'a, F: FnMut(usize, usize)> {
+/// Tensors a Gemma 3 vision tower and projector load: per layer two norms and four projections
+/// of two tensors each; the patch and position embeddings, the final norm; the projector's two.
+fn vision_tensors(config: &Gemma3VisionConfig) -> usize {
+    16 * config.vision.num_hidden_layers + 7
+}
+
+/// The tensors of one checkpoint as a [`WeightSource`]: the stored names read so far, progress
+/// reported to the load's callback after each.
+struct Source<'a> {
     format: &'a Format,
     arch: Architecture,
     used: HashSet<String>,
-    progress: &'a mut F,
+    progress: Option<ProgressFn>,
+    /// Tensors the load will read, for the progress reports.
     total: usize,
+}
+
+impl<'a> Source<'a> {
+    /// A source over `format` for a load of `total` tensors with `options`, and the options'
+    /// model settings and device, the dtype checked on the device: what every loader starts with.
+    fn open<B: GemmaBackend>(
+        format: &'a Format,
+        arch: Architecture,
+        total: usize,
+        options: LoadOptions<B>,
+    ) -> Result<(Self, ModelOptions, B::Device), Error> {
+        let (options, device, progress) = options.into_parts();
+        crate::backends::check_dtype::<B>(&device, options.dtype)?;
+        Ok((Self { format, arch, used: HashSet::new(), progress, total }, options, device))
+    }
+
+    /// Reports the tensors read so far.
+    fn report(&mut self) {
+        let (loaded, total) = (self.used.len(), self.total);
+        if let Some(progress) = self.progress.as_mut() {
+            progress(LoadProgress { loaded, total });
+        }
+    }
 }
 
 /// HF names of multimodal checkpoints put the text model under another prefix.
@@ -531,7 +510,7 @@ fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
     Some(format!("blk.{layer}.{gguf}.weight"))
 }
 
-impl<F: FnMut(usize, usize)> Source<'_, F> {
+impl Source<'_> {
     /// The tensor `name` on the host, in its stored dtype (GGUF: dequantized to f32), with HF
     /// conventions.
     fn host_data(&mut self, name: &str, shape: &[usize], kind: WeightKind) -> Result<TensorData, ModelError> {
@@ -590,12 +569,12 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
                 TensorData::new(values, shape.to_vec())
             }
         };
-        (self.progress)(self.used.len(), self.total);
+        self.report();
         Ok(data)
     }
 }
 
-impl<F: FnMut(usize, usize)> Source<'_, F> {
+impl Source<'_> {
     /// The GGUF name of the HF tensor `name`, its shape checked against `shape`.
     fn gguf_tensor(file: &GgufFile, arch: Architecture, name: &str, shape: &[usize]) -> Result<String, ModelError> {
         let stored = gguf_name(name, arch).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -614,11 +593,11 @@ impl<F: FnMut(usize, usize)> Source<'_, F> {
     /// Marks the stored tensor `stored` read and reports progress.
     fn mark_used(&mut self, stored: String) {
         self.used.insert(stored);
-        (self.progress)(self.used.len(), self.total);
+        self.report();
     }
 }
 
-impl<B: Backend, F: FnMut(usize, usize)> WeightSource<B> for Source<'_, F> {
+impl<B: Backend> WeightSource<B> for Source<'_> {
     fn load_host_quantized(
         &mut self,
         name: &str,

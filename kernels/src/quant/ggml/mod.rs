@@ -9,7 +9,8 @@
 //! The product of a [`GgmlMatrix`] ([`product`]): for decode-sized inputs, candle's block dot
 //! products: the activations are quantized per block of the weight's type (to Q8_0, Q8_1 or
 //! Q8_K, as llama.cpp does on the CPU), then integer dot products run with AVX2 or NEON where
-//! candle has them for the type (Q4_0, Q8_0, Q2_K to Q6_K) and scalar code otherwise; their
+//! candle has them for the type (Q4_0, Q8_0, Q2_K to Q6_K), with this crate's AVX2 kernel for Q5_0
+//! ([`q5_0`]), and scalar code otherwise; their
 //! difference to the dequantized dense product is that activation rounding, under 1% of a
 //! product's magnitude (tested below). Prompts multiply in f32 over the weights dequantized in
 //! chunks ([`product::DENSE_ROWS`]).
@@ -17,6 +18,7 @@
 //! x86-64-v3.
 
 pub mod product;
+pub mod q5_0;
 
 use super::{HostQuantized, QuantError, QuantFormat, BLOCK};
 use crate::Epilogue;
@@ -158,13 +160,14 @@ impl GgmlBlocks {
         }
     }
 
-    /// The blocks in the type candle multiplies fastest among those that hold them exactly: Q5_0
-    /// as Q8_0 (the same scales, the 5-bit codes as int8), since candle has no SIMD dot product
-    /// for Q5_0 and its scalar one is several times slower than the Q8_0 one despite reading
-    /// 5.5 bits per weight instead of 8.5; every other type as it is.
+    /// The blocks in the type the CPU product ([`product`]) multiplies fastest among those that
+    /// hold them exactly: every type as it is, except Q5_0 on a CPU without AVX2 and FMA, widened
+    /// to Q8_0 (the same scales, the 5-bit codes as int8): there the Q5_0 dot product is the scalar
+    /// one ([`q5_0`]), several times slower than candle's Q8_0 one despite reading 5.5 bits per
+    /// weight instead of 8.5.
     pub fn for_candle(self) -> Result<Self, QuantError> {
         match self.dtype {
-            GgmlDType::Q5_0 => Ok(Self::from_quantized(&self.to_format(QuantFormat::Q8)?)),
+            GgmlDType::Q5_0 if !q5_0::simd() => Ok(Self::from_quantized(&self.to_format(QuantFormat::Q8)?)),
             _ => Ok(self),
         }
     }
