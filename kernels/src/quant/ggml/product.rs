@@ -195,6 +195,21 @@ mod tests {
             .collect()
     }
 
+    /// How far two summation orders of the Q5_0 x Q8_0 dot product of activations `x` and dequantized
+    /// weights `w` may differ: 2 (blocks + 8) roundings of the sum of the terms' magnitudes,
+    /// bounded by |w| (|x| + its block's largest |x| / 127).
+    fn q5_0_order_bound(x: &[f32], w: &[f32]) -> f64 {
+        let magnitude: f64 = x
+            .chunks_exact(32)
+            .zip(w.chunks_exact(32))
+            .map(|(xb, wb)| {
+                let step = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                xb.iter().zip(wb).map(|(x, w)| (w.abs() as f64) * (x.abs() as f64 + step)).sum::<f64>()
+            })
+            .sum();
+        2.0 * (x.len() / 32 + 8) as f64 * f32::EPSILON as f64 * magnitude
+    }
+
     /// Decode-sized products (under [`DENSE_ROWS`] rows) are candle's matmul, bit for bit (Q5_0
     /// through our AVX2 dot product: up to the rounding of its summation order).
     #[test]
@@ -222,25 +237,12 @@ mod tests {
                 assert!(got.iter().all(|v| v.is_finite()), "{dtype:?} m {m}");
                 if dtype == GgmlDType::Q5_0 && super::super::q5_0::simd() {
                     // Our AVX2 Q5_0 dot product sums its blocks in eight lanes, candle's scalar
-                    // one in order: equal up to 2 (blocks + 8) roundings of the sum of the terms'
-                    // magnitudes, bounded by |w| (|x| + its block's largest |x| / 127).
+                    // one in order: equal up to `q5_0_order_bound`.
                     let dense = random_blocks(dtype, rows, cols, seed).dequantize().expect("dequantizes");
-                    let blocks = cols / 32;
                     for i in 0..m {
-                        let row = &x[i * cols..(i + 1) * cols];
                         for j in 0..rows {
-                            let magnitude: f64 = row
-                                .chunks_exact(32)
-                                .zip(dense[j * cols..(j + 1) * cols].chunks_exact(32))
-                                .map(|(xb, wb)| {
-                                    let step = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
-                                    xb.iter()
-                                        .zip(wb)
-                                        .map(|(x, w)| (w.abs() as f64) * (x.abs() as f64 + step))
-                                        .sum::<f64>()
-                                })
-                                .sum();
-                            let bound = 2.0 * (blocks + 8) as f64 * f32::EPSILON as f64 * magnitude;
+                            let bound =
+                                q5_0_order_bound(&x[i * cols..(i + 1) * cols], &dense[j * cols..(j + 1) * cols]);
                             let (g, e) = (got[i * rows + j] as f64, expected[i * rows + j] as f64);
                             assert!((g - e).abs() <= bound, "{dtype:?} m {m} ({i}, {j}): {g} vs candle's {e}");
                         }

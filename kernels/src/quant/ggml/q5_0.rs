@@ -62,18 +62,21 @@ fn reference_dot(_n: usize, w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f32 {
     reference(bytes(w), bytes(x))
 }
 
+/// The 32 codes `(nibble | fifth bit << 4) - 16` of one raw Q5_0 block.
+fn codes(block: &[u8]) -> [i32; BLOCK] {
+    let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+    std::array::from_fn(|j| {
+        let nibble = if j < 16 { block[6 + j] & 15 } else { block[6 + j - 16] >> 4 };
+        (nibble | (((high >> j) & 1) as u8) << 4) as i32 - 16
+    })
+}
+
 /// The plain dot product over raw blocks: per block the integer sum of code products, times both
 /// scales, summed in block order (candle's scalar Q5_0 dot product, bit for bit).
 pub fn reference(w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0f32;
     for (w, x) in w.chunks_exact(Q5_0_BYTES).zip(x.chunks_exact(Q8_0_BYTES)) {
-        let high = u32::from_le_bytes([w[2], w[3], w[4], w[5]]);
-        let mut int = 0i32;
-        for j in 0..BLOCK {
-            let nibble = if j < 16 { w[6 + j] & 15 } else { w[6 + j - 16] >> 4 };
-            let code = (nibble | (((high >> j) & 1) as u8) << 4) as i32 - 16;
-            int += code * x[2 + j] as i8 as i32;
-        }
+        let int: i32 = codes(w).iter().zip(&x[2..]).map(|(&code, &a)| code * a as i8 as i32).sum();
         sum += int as f32 * scale(w) * scale(x);
     }
     sum
@@ -154,20 +157,22 @@ mod tests {
         (w, x)
     }
 
+    /// Raw Q5_0 bytes as candle's blocks (owned, aligned copies).
+    fn as_blocks(w: &[u8]) -> Vec<BlockQ5_0> {
+        w.chunks_exact(Q5_0_BYTES)
+            // SAFETY: each chunk is one whole 22-byte Q5_0 block; BlockQ5_0 is `#[repr(C)]` plain
+            // data (any bytes are valid), read unaligned into an owned copy.
+            .map(|b| unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<BlockQ5_0>()) })
+            .collect()
+    }
+
     /// The reference is candle's scalar Q5_0 dot product, bit for bit.
     #[test]
     fn reference_is_candles_dot_product() {
         let seed = seed();
         for blocks in [2, 6, 20] {
             let (w, x) = rows(blocks, seed ^ blocks as u64);
-            // SAFETY: `w` holds whole 22-byte Q5_0 blocks (from `random_blocks`); BlockQ5_0 is
-            // `#[repr(C)]` plain data of alignment 2 or less, and a Vec<u8> of it is read with
-            // `read_unaligned` into an owned, aligned copy.
-            let w_blocks: Vec<BlockQ5_0> = w
-                .chunks_exact(Q5_0_BYTES)
-                .map(|b| unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<BlockQ5_0>()) })
-                .collect();
-            let candle = BlockQ5_0::vec_dot(blocks * BLOCK, &w_blocks, &x);
+            let candle = BlockQ5_0::vec_dot(blocks * BLOCK, &as_blocks(&w), &x);
             let ours = reference(&w, bytes(&x));
             assert!(ours.is_finite());
             assert_eq!(ours.to_bits(), candle.to_bits(), "{blocks} blocks: {ours} vs candle's {candle}");
@@ -186,12 +191,7 @@ mod tests {
         let dot = dot_fn();
         for blocks in [1, 3, 7, 20, 81] {
             let (w, x) = rows(blocks, seed ^ (blocks as u64) << 8);
-            let w_blocks: Vec<BlockQ5_0> = w
-                .chunks_exact(Q5_0_BYTES)
-                // SAFETY: as in `reference_is_candles_dot_product`.
-                .map(|b| unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<BlockQ5_0>()) })
-                .collect();
-            let got = dot(blocks * BLOCK, &w_blocks, &x);
+            let got = dot(blocks * BLOCK, &as_blocks(&w), &x);
             let want = reference(&w, bytes(&x));
             // Sum of |term| over every code product, in f64.
             let xb = bytes(&x);
@@ -199,14 +199,8 @@ mod tests {
                 .chunks_exact(Q5_0_BYTES)
                 .zip(xb.chunks_exact(Q8_0_BYTES))
                 .map(|(wb, xb)| {
-                    let high = u32::from_le_bytes([wb[2], wb[3], wb[4], wb[5]]);
-                    let ints: f64 = (0..BLOCK)
-                        .map(|j| {
-                            let nibble = if j < 16 { wb[6 + j] & 15 } else { wb[6 + j - 16] >> 4 };
-                            let code = (nibble | (((high >> j) & 1) as u8) << 4) as i32 - 16;
-                            (code * xb[2 + j] as i8 as i32).abs() as f64
-                        })
-                        .sum();
+                    let ints: f64 =
+                        codes(wb).iter().zip(&xb[2..]).map(|(&code, &a)| (code * a as i8 as i32).abs() as f64).sum();
                     ints * (scale(wb) * scale(xb)).abs() as f64
                 })
                 .sum();
