@@ -31,6 +31,13 @@ use std::time::{Duration, Instant};
 /// The program's errors: the library's, or a message about its command line.
 type CliError = Box<dyn std::error::Error>;
 
+/// `--cublaslt-order`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CublasOrder {
+    Device,
+    Host,
+}
+
 #[derive(Parser, Clone)]
 struct Args {
     /// GGUF file, HF directory, `default` (the default model, fetched once), or
@@ -57,10 +64,17 @@ struct Args {
     /// auto | on | off: decode steps replayed as one CUDA graph each (`auto`: on CUDA).
     #[arg(long, default_value = "auto")]
     cuda_graph: CudaGraph,
-    /// Prefill GEMM kernels the tuner chooses among, comma-separated names (`tuned`: the
-    /// default set of CubeCL kernels; e.g. `tuned,cublaslt` adds cuBLASLt on CUDA).
-    #[arg(long, value_delimiter = ',', default_value = "tuned")]
+    /// Prefill GEMM kernels the tuner chooses among, comma-separated names (`default`: CubeCL's
+    /// tuned kernels and cuBLASLt on CUDA; `tuned`: CubeCL's alone).
+    #[arg(long, value_delimiter = ',', default_value = "default")]
     gemm_candidates: Vec<String>,
+    /// device | host: how cuBLASLt's products (where the tuner chose it) are ordered against
+    /// CubeCL's stream (`burn_gemma_kernels::gemm::cublas::order`; CUDA builds only).
+    #[arg(long, value_enum, default_value_t = CublasOrder::Device)]
+    cublaslt_order: CublasOrder,
+    /// Fewest multiply-adds (millions) of a product for which the tuner times cuBLASLt.
+    #[arg(long, default_value_t = burn_gemma_kernels::gemm::tune::DEFAULT_CUBLASLT_FLOOR / 1_000_000)]
+    cublaslt_floor_m: usize,
     /// Samples the host's call stacks (2 kHz) during the last rep's decode and writes them to
     /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
     #[arg(long)]
@@ -147,12 +161,25 @@ impl BackendTask for Bench {
         let mut candidates = Vec::new();
         for name in &a.gemm_candidates {
             match (name.as_str(), burn_gemma_kernels::gemm::GemmKernel::from_name(name)) {
+                ("default", _) => candidates.extend(burn_gemma_kernels::gemm::tune::DEFAULT),
                 ("tuned", _) => candidates.extend(burn_gemma_kernels::gemm::tune::TUNED),
                 (_, Some(kernel)) => candidates.push(kernel),
                 (_, None) => return Err(format!("--gemm-candidates: no GEMM kernel named `{name}`").into()),
             }
         }
         burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
+        burn_gemma_kernels::gemm::tune::set_cublaslt_floor(a.cublaslt_floor_m.saturating_mul(1_000_000));
+        #[cfg(feature = "cuda")]
+        {
+            use burn_gemma_kernels::gemm::cublas::{set_ordering, Ordering};
+            set_ordering(match a.cublaslt_order {
+                CublasOrder::Device => Ordering::Device,
+                CublasOrder::Host => Ordering::Host,
+            });
+        }
+        // cuBLASLt exists in CUDA builds only.
+        #[cfg(not(feature = "cuda"))]
+        let _ = a.cublaslt_order;
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }

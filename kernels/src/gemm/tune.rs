@@ -20,15 +20,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The kernels tuning chooses among: on the H100 (`docs/gpu-runs/2026-11-24-prefill`,
+/// CubeCL's kernels tuning chooses among: on the H100 (`docs/gpu-runs/2026-11-24-prefill`,
 /// `gemm-sweep.md`) the best of the first four is within 6% of the best of all twenty
 /// candidates on every Gemma 3 1B/4B product at 512 and 4,096 rows, and each is the fastest on
 /// some of them; the last runs where there is neither TMA nor `mma` (Vulkan's cooperative
 /// matrices). Candidates a device cannot launch are skipped.
-///
-/// cuBLASLt ([`GemmKernel::CublasLt`]) is not among them by default: ordered against CubeCL's
-/// stream by host waits, it stalls the launch queue around every product, which the tuner's
-/// timing of the product alone does not see (see [`super::cublas`]); [`set_candidates`] adds it.
 pub const TUNED: [GemmKernel; 5] = [
     GemmKernel::SpecializedTma { tiles: TileKind::Mma },
     GemmKernel::SpecializedTma { tiles: TileKind::Cmma },
@@ -36,6 +32,20 @@ pub const TUNED: [GemmKernel; 5] = [
     GemmKernel::OrderedDouble { tiles: TileKind::Mma, rows: 8 },
     GemmKernel::Simple { tiles: TileKind::Cmma, multi_rows: true },
 ];
+
+/// The default candidates: [`TUNED`] and cuBLASLt ([`GemmKernel::CublasLt`], CUDA only; it
+/// refuses elsewhere and is skipped), the latter for products of at least
+/// [`DEFAULT_CUBLASLT_FLOOR`] multiply-adds.
+pub const DEFAULT: [GemmKernel; 6] = [TUNED[0], TUNED[1], TUNED[2], TUNED[3], TUNED[4], GemmKernel::CublasLt];
+
+/// Fewest multiply-adds (batch included) of a product for which cuBLASLt is timed, by default.
+/// Measured on the H200 (`docs/gpu-runs/2026-11-27-order`, call 4, whole prompts): with no
+/// floor the tuner also chose cuBLASLt for the blocked attention's smaller products, and Gemma
+/// 3 1B's prompts ran 0.59-0.75x CubeCL's kernels alone (each cuBLASLt product waits for
+/// CubeCL's device thread once, which a small product cannot repay where the launches, not
+/// the GPU, set the pace); with this floor 1B ran 1.00-1.01x, 4B 1.04x (pp512) and 1.87x
+/// (pp4096), and 12B (no floor, nearly all its products above it) 2.4x and 2.3x.
+pub const DEFAULT_CUBLASLT_FLOOR: usize = 16_000_000_000;
 
 /// Timed samples per candidate (after one launch that compiles and checks it), each
 /// [`BATCH`] launches then one synchronization; the fastest sample counts.
@@ -62,8 +72,8 @@ pub fn summary() -> TuningSummary {
     TuningSummary { path: cache_path(), ..guard.summary.clone() }
 }
 
-/// The kernels tuning chooses among from now on in this process, in place of [`TUNED`] (e.g.
-/// `TUNED` and [`GemmKernel::CublasLt`]); cached choices of other kernels are timed again.
+/// The kernels tuning chooses among from now on in this process, in place of [`DEFAULT`] (e.g.
+/// [`TUNED`] alone: CubeCL's kernels); cached choices of other kernels are timed again.
 /// Candidates a device cannot launch are still skipped.
 pub fn set_candidates(kernels: &[GemmKernel]) {
     let state = state();
@@ -83,6 +93,15 @@ pub fn cache_path() -> Option<PathBuf> {
     Some(folder.join("gemm-tune.txt"))
 }
 
+/// Fewest multiply-adds of a product for which cuBLASLt is timed ([`set_cublaslt_floor`]).
+static CUBLASLT_FLOOR: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(DEFAULT_CUBLASLT_FLOOR);
+
+/// Sets the fewest multiply-adds (batch included) of a product for which cuBLASLt is a
+/// candidate ([`DEFAULT_CUBLASLT_FLOOR`] by default); choices already made stand.
+pub fn set_cublaslt_floor(macs: usize) {
+    CUBLASLT_FLOOR.store(macs, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[derive(Default)]
 struct State {
     /// Choices by key (loaded from the file on first use).
@@ -90,7 +109,7 @@ struct State {
     loaded: bool,
     /// Whether this process has said that it is tuning.
     announced: bool,
-    /// The kernels tuning chooses among ([`set_candidates`]; [`TUNED`] where unset).
+    /// The kernels tuning chooses among ([`set_candidates`]; [`DEFAULT`] where unset).
     candidates: Option<Vec<GemmKernel>>,
     summary: TuningSummary,
 }
@@ -98,7 +117,7 @@ struct State {
 impl State {
     /// The kernels tuning chooses among now.
     fn candidates(&self) -> Vec<GemmKernel> {
-        self.candidates.clone().unwrap_or_else(|| TUNED.to_vec())
+        self.candidates.clone().unwrap_or_else(|| DEFAULT.to_vec())
     }
 }
 
@@ -130,24 +149,38 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
 }
 
 /// The kernel for `lhs @ rhs` (as [`matmul`] takes them) on this device: the cached choice for
-/// the shape class, or the fastest of [`TUNED`] timed now on these operands whose result agrees
+/// the shape class, or the fastest candidate ([`DEFAULT`]) timed now on these operands whose result agrees
 /// with [`GemmKernel::Unit`]'s (a candidate CubeCL launches but computes wrongly for some shape
 /// is never chosen); `None` when no candidate launches and agrees.
 pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> Option<GemmKernel> {
-    let key = key(lhs, rhs, out);
     let state = state();
     let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
+    // cuBLASLt is a candidate for the class where its multiply-adds (`m` rounded up as in the
+    // key) reach the floor; such classes are keyed apart (` lt`), so that choices made without
+    // it (in an earlier version's cache file) are timed again with it.
+    let shape = lhs.meta.shape();
+    let rank = shape.len();
+    let macs = shape[..rank - 2].iter().product::<usize>()
+        * shape[rank - 2].next_power_of_two()
+        * shape[rank - 1]
+        * rhs.meta.shape()[rank - 1];
+    let floor = CUBLASLT_FLOOR.load(std::sync::atomic::Ordering::Relaxed);
+    let mut candidates = guard.candidates();
+    candidates.retain(|&k| k != GemmKernel::CublasLt || macs >= floor);
+    let mut key = key(lhs, rhs, out);
+    if candidates.contains(&GemmKernel::CublasLt) {
+        key.push_str(" lt");
+    }
     if !guard.loaded {
         guard.loaded = true;
         let loaded = load();
         guard.summary.cached = loaded.len();
-        let candidates = guard.candidates();
-        guard.choices.extend(loaded.into_iter().filter(|(_, k)| candidates.contains(k)));
+        let all = guard.candidates();
+        guard.choices.extend(loaded.into_iter().filter(|(_, k)| all.contains(k)));
     }
     if let Some(&kernel) = guard.choices.get(&key) {
         return Some(kernel);
     }
-    let candidates = guard.candidates();
     if !guard.announced {
         guard.announced = true;
         // Once per process: the first prompt on a new device waits for this (seconds to a minute).

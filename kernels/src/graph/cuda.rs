@@ -29,7 +29,7 @@ pub(crate) fn make_current(ordinal: usize) -> Result<(), GraphError> {
 }
 
 /// The device's compute capability as `major * 10 + minor`.
-fn architecture(ordinal: usize) -> Result<u32, GraphError> {
+pub(crate) fn architecture(ordinal: usize) -> Result<u32, GraphError> {
     use sys::CUdevice_attribute::*;
     let device = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
     // SAFETY: read-only attribute queries of a valid device.
@@ -85,7 +85,7 @@ fn ptx_cache_dir() -> Option<PathBuf> {
 
 /// NVRTC over `source` (as cubecl-cuda's `compile_kernel`), or the cached PTX of an earlier
 /// run. Returns the PTX (NUL-terminated) and whether it came from the cache.
-fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool), GraphError> {
+pub(crate) fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool), GraphError> {
     let arch_option =
         if arch >= 90 { format!("--gpu-architecture=sm_{arch}a") } else { format!("--gpu-architecture=sm_{arch}") };
     let include = format!("--include-path={}", cubecl::cuda::install::include_path().display());

@@ -29,7 +29,7 @@ mod cuda;
 mod recorder;
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::make_current;
+pub(crate) use cuda::{architecture, make_current, ptx};
 
 use burn::tensor::{backend::Backend, Int, Tensor};
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};

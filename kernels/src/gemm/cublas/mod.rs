@@ -1,10 +1,14 @@
 //! The prefill products through NVIDIA's cuBLASLt, one more candidate of the shape tuner
-//! ([`super::tune`]) on CUDA.
+//! ([`super::tune`]) on CUDA, timed for products of at least
+//! [`super::tune::DEFAULT_CUBLASLT_FLOOR`] multiply-adds.
 //!
 //! Why a vendor library for this one operation: CubeCL 0.10's matmul kernels have no Hopper
 //! `wgmma` path and reach about 30% of the H200's bf16 rate on Gemma's products; cuBLASLt's
-//! kernels use `wgmma` with TMA-fed pipelines. It is one candidate the tuner can choose among
-//! CubeCL's (off by default: see below), and every other backend (and a machine without
+//! kernels use `wgmma` with TMA-fed pipelines. Whole prompts on the H200
+//! (`docs/gpu-runs/2026-11-27-order`, call 4, random bf16 weights): Gemma 3 4B pp4096 24,365 ->
+//! 45,529 tok/s, 12B (16 of its layers) pp4096 26,060 -> 59,367 and pp512 19,589 -> 47,742;
+//! 1B unchanged (its products are small, and stay on CubeCL's kernels). It is chosen only where
+//! the tuner timed it faster on the shape, and every other backend (and a machine without
 //! `libcublasLt`) keeps CubeCL's kernels.
 //!
 //! The library is loaded at run time (`cudarc`'s `cublaslt` module); nothing links against it.
@@ -12,19 +16,16 @@
 //! # Ordering with CubeCL's stream
 //!
 //! CubeCL launches on a stream of its own that it does not expose, so the products run on a
-//! stream of ours, ordered by the host: CubeCL's queued work is waited for before the product
-//! (its inputs are written, and whatever used the output's memory before has run), and the
-//! product is waited for before returning (CubeCL's later work reads it, or reuses its inputs'
-//! memory). The product alone runs at up to 654 TFLOP/s on the H200 (Gemma 3 4B's gate|up at
-//! 4,096 rows, host waits included, `docs/gpu-runs/2026-11-27-prefill`), but the waits drain
-//! CubeCL's launch queue around every product, and a whole prompt ran slower than with CubeCL's
-//! kernels alone (1B F16 pp512 and pp4096), so it is not among the tuner's default candidates
-//! ([`super::tune::set_candidates`] adds it).
-//!
-//! Ordering on the device instead (a flag written by a CubeCL kernel and spun on by a kernel on
-//! our stream, and back) hung on the H200 (`docs/gpu-runs/2026-11-27-prefill`, call 2), and the
-//! driver's stream memory operations (`cuStreamWaitValue32`) are refused there with
-//! `CUDA_ERROR_INVALID_VALUE`. Each host thread has its own stream and workspace.
+//! stream of ours, ordered against CubeCL's by one of two means ([`order`]): flags in device
+//! memory polled by one-thread kernels on both streams (the default), or host waits. With host
+//! waits the product alone ran at up to 654 TFLOP/s on the H200 (Gemma 3 4B's gate|up at 4,096
+//! rows, `docs/gpu-runs/2026-11-27-prefill`) but whole prompts ran slower than with CubeCL's
+//! kernels alone (each wait drains CubeCL's launch queue). Each host thread has its own stream,
+//! workspace and flags.
+
+pub mod order;
+
+pub use order::{ordering, set_ordering, Ordering};
 
 use super::GemmError;
 use super::GemmKernel;
@@ -71,6 +72,12 @@ struct Lane {
     stream: drs::CUstream,
     workspace: drs::CUdeviceptr,
     algos: HashMap<Problem, lts::cublasLtMatmulAlgo_t>,
+    /// The SMs cuBLASLt plans for: the device's less two, left to the ordering polls.
+    sm_target: i32,
+    /// Device-side ordering, made on first use; `None` also after a poll gave up.
+    flags: Option<order::Flags>,
+    /// A poll gave up: this lane orders by host waits from then on.
+    host_only: bool,
 }
 
 // SAFETY: a lane's raw handles are used only by the thread that made it (lanes are keyed by
@@ -202,36 +209,47 @@ fn product(
         return Err("a column-major output".into());
     }
     let client = &lhs.client;
-    let pointer = |t: &CubeTensor<CudaRuntime>| -> Result<u64, String> {
-        client.get_resource(t.handle.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))
-    };
-    let (lhs_ptr, rhs_ptr, out_ptr) = (pointer(lhs)?, pointer(rhs)?, pointer(out)?);
-    // Column-major: out^T [n, m] = rhs^T [n, k] @ lhs^T [k, m]; cuBLASLt's A is `rhs`, B `lhs`.
-    // Row-major `rhs` is already `rhs^T` column-major (no transpose); a transposed view needs one.
-    let operand = |(rows, cols, ld, row_major): (u64, u64, i64, bool), stride: i64, ptr: u64| Operand {
-        rows,
-        cols,
-        ld,
-        transposed: !row_major,
-        batch_stride: stride,
-        align: alignment(ptr),
-    };
-    let problem = Problem {
-        a: operand(rs, rhs_batch, rhs_ptr),
-        b: operand(ls, lhs_batch, lhs_ptr),
-        d: operand(os, out_batch, out_ptr),
-        batch: i32::try_from(batch).map_err(|_| "too many batches")?,
-        input: lhs.dtype,
-        output: out.dtype,
-    };
     let ordinal = lhs.device.index;
-    let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(0);
+    let batch = i32::try_from(batch).map_err(|_| "too many batches")?;
+    // The lane of the calling thread (one per CubeCL stream), chosen before the task moves to
+    // CubeCL's device thread.
     let key = (ordinal, std::thread::current().id());
-    let lane = match lanes.entry(key) {
-        std::collections::hash_map::Entry::Occupied(lane) => lane.into_mut(),
-        std::collections::hash_map::Entry::Vacant(slot) => slot.insert(Lane::new(ordinal)?),
+    // On CubeCL's device thread, in order with the launches queued before it: everything they
+    // launch has been submitted to CUDA when this runs, and the pointer lookups and CubeCL's
+    // ordering kernels run inline, so the calling thread waits once per product (four round
+    // trips to the device thread each cost prompts on small models: `docs/gpu-runs/2026-11-27-order`).
+    let task = || -> Result<(), String> {
+        let pointer = |t: &CubeTensor<CudaRuntime>| -> Result<u64, String> {
+            client.get_resource(t.handle.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))
+        };
+        let (lhs_ptr, rhs_ptr, out_ptr) = (pointer(lhs)?, pointer(rhs)?, pointer(out)?);
+        // Column-major: out^T [n, m] = rhs^T [n, k] @ lhs^T [k, m]; cuBLASLt's A is `rhs`, B
+        // `lhs`. Row-major `rhs` is already `rhs^T` column-major; a transposed view needs one.
+        let operand = |(rows, cols, ld, row_major): (u64, u64, i64, bool), stride: i64, ptr: u64| Operand {
+            rows,
+            cols,
+            ld,
+            transposed: !row_major,
+            batch_stride: stride,
+            align: alignment(ptr),
+        };
+        let problem = Problem {
+            a: operand(rs, rhs_batch, rhs_ptr),
+            b: operand(ls, lhs_batch, lhs_ptr),
+            d: operand(os, out_batch, out_ptr),
+            batch,
+            input: lhs.dtype,
+            output: out.dtype,
+        };
+        let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
+        let lane = match lanes.entry(key) {
+            std::collections::hash_map::Entry::Occupied(lane) => lane.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => slot.insert(Lane::new(ordinal, sms)?),
+        };
+        lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
     };
-    lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
+    client.exclusive(task).map_err(|e| format!("CubeCL's device thread: {e:?}"))?
 }
 
 /// A failed cuBLASLt or driver call as our error text, naming the call.
@@ -262,16 +280,18 @@ impl Drop for Descriptors {
 }
 
 impl Descriptors {
-    fn new(problem: &Problem, [input, output]: [lts::cudaDataType; 2]) -> Result<Self, String> {
+    /// `sm_target`: the SMs cuBLASLt's heuristic and persistent kernels plan for.
+    fn new(problem: &Problem, [input, output]: [lts::cudaDataType; 2], sm_target: i32) -> Result<Self, String> {
         let mut this = Self { desc: std::ptr::null_mut(), layouts: [std::ptr::null_mut(); 3] };
         this.desc = lt::create_matmul_desc(lts::cublasComputeType_t::CUBLAS_COMPUTE_32F, lts::cudaDataType::CUDA_R_32F)
             .map_err(call("cublasLtMatmulDescCreate"))?;
-        for (attr, t) in [
-            (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, problem.a.transposed),
-            (lts::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, problem.b.transposed),
-        ] {
+        use lts::cublasLtMatmulDescAttributes_t::*;
+        for (attr, value) in [
             // `cublasOperation_t`: 0 is N, 1 is T (an i32).
-            let value = i32::from(t);
+            (CUBLASLT_MATMUL_DESC_TRANSA, i32::from(problem.a.transposed)),
+            (CUBLASLT_MATMUL_DESC_TRANSB, i32::from(problem.b.transposed)),
+            (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, sm_target),
+        ] {
             // SAFETY: the attribute's value is an i32 read for its size.
             unsafe {
                 lt::set_matmul_desc_attribute(
@@ -317,8 +337,9 @@ impl Descriptors {
 }
 
 impl Lane {
-    fn new(ordinal: usize) -> Result<Self, String> {
+    fn new(ordinal: usize, sms: u32) -> Result<Self, String> {
         crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
+        let sm_target = i32::try_from(sms.saturating_sub(2).max(1)).unwrap_or(i32::MAX);
         let handle = lt::create_handle().map_err(call("cublasLtCreate"))?;
         // SAFETY: plain driver calls in the current (primary) context; the stream and workspace
         // live as long as the process (lanes are never dropped).
@@ -327,7 +348,7 @@ impl Lane {
             let workspace = drv::malloc_sync(WORKSPACE_BYTES).map_err(call("cuMemAlloc"))?;
             (stream, workspace)
         };
-        Ok(Self { ordinal, handle, stream, workspace, algos: HashMap::new() })
+        Ok(Self { ordinal, handle, stream, workspace, algos: HashMap::new(), sm_target, flags: None, host_only: false })
     }
 
     /// cuBLASLt's first heuristic choice for `problem` (cached).
@@ -376,20 +397,54 @@ impl Lane {
         client: &ComputeClient<CudaRuntime>,
         problem: &Problem,
         types: [lts::cudaDataType; 2],
-        [a, b, d]: [u64; 3],
+        pointers: [u64; 3],
     ) -> Result<(), String> {
-        let descriptors = Descriptors::new(problem, types)?;
+        let descriptors = Descriptors::new(problem, types, self.sm_target)?;
+        // A problem's first run is ordered by host waits: it loads cuBLASLt's kernel for it, which
+        // must not happen while a poll runs (see [`order`]).
+        let first = !self.algos.contains_key(problem);
         let algo = self.algo(problem, &descriptors)?;
         crate::graph::make_current(self.ordinal).map_err(|e| e.to_string())?;
-        // CubeCL's work so far (the inputs, earlier users of the output's memory) first.
-        cubecl::future::block_on(client.sync()).map_err(|e| format!("sync: {e:?}"))?;
+        if first || self.host_only || order::ordering() == Ordering::Host {
+            // CubeCL's work so far (the inputs, earlier users of the output's memory) first.
+            cubecl::future::block_on(client.sync()).map_err(|e| format!("sync: {e:?}"))?;
+            let product = self.launch(&descriptors, &algo, pointers);
+            // SAFETY: this lane's stream.
+            let synced = unsafe { drv::stream::synchronize(self.stream) }.map_err(call("cuStreamSynchronize"));
+            return product.and(synced);
+        }
+        let flags = match self.flags.as_mut() {
+            Some(flags) => flags,
+            None => self.flags.insert(order::Flags::new(client, self.ordinal)?),
+        };
+        let n = flags.before(client, self.stream)?;
+        let product = self.launch(&descriptors, &algo, pointers);
+        let flags = self.flags.as_mut().ok_or("the ordering flags went missing")?;
+        let after = flags.after(client, self.stream, n);
+        if flags.sequence() % order::CHECK_EVERY == 0 {
+            if let Err(e) = flags.check() {
+                self.host_only = true;
+                self.flags = None;
+                return Err(e);
+            }
+        }
+        product.and(after)
+    }
+
+    /// Queues the product on this lane's stream.
+    fn launch(
+        &self,
+        descriptors: &Descriptors,
+        algo: &lts::cublasLtMatmulAlgo_t,
+        [a, b, d]: [u64; 3],
+    ) -> Result<(), String> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [la, lb, ld] = descriptors.layouts;
         // SAFETY: the pointers are live CubeCL buffers of the sizes the layouts describe (the
-        // caller holds the tensors until this returns); the stream, handle and workspace are
-        // this lane's, and the stream is synchronized before returning.
+        // caller holds the tensors until CubeCL's later work is ordered after the product); the
+        // stream, handle and workspace are this lane's.
         unsafe {
-            let product = lt::matmul(
+            lt::matmul(
                 self.handle,
                 descriptors.desc,
                 &alpha as *const f32 as *const c_void,
@@ -402,16 +457,32 @@ impl Lane {
                 ld,
                 d as *mut c_void,
                 ld,
-                &algo,
+                algo,
                 self.workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 self.stream as lts::cudaStream_t,
             )
-            .map_err(call("cublasLtMatmul"));
-            let synced = drv::stream::synchronize(self.stream).map_err(call("cuStreamSynchronize"));
-            product.and(synced)
+        }
+        .map_err(call("cublasLtMatmul"))
+    }
+}
+
+/// Device-side ordering's checks (run by the CUDA kernel tests; the marks are read by
+/// [`order::Flags::check`]).
+#[cfg(test)]
+pub(crate) fn check_marks() -> Result<(), String> {
+    let lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
+    for lane in lanes.values() {
+        // Lanes run on CubeCL's device thread; this test thread needs the context too.
+        crate::graph::make_current(lane.ordinal).map_err(|e| e.to_string())?;
+        if let Some(flags) = &lane.flags {
+            flags.check()?;
+        }
+        if lane.host_only {
+            return Err("a lane fell back to host ordering".into());
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -459,14 +530,17 @@ mod tests {
                     false => Tensor::<B, 3>::random([batch, k, n], small, &device).cast(dtype),
                 };
                 let out_dtype = if f32_out { DType::F32 } else { dtype };
-                let got = kernel::matmul(
-                    float_strided(lhs.clone()),
-                    float_strided(rhs.clone()),
-                    out_dtype,
-                    GemmKernel::CublasLt,
-                )
-                .expect("cuBLASLt takes the product");
-                let got = tensor::<CudaRuntime, f32, i32, u8, 3>(got);
+                // The first run of a problem is ordered by host waits, the second on the device.
+                let [first_run, got] = [0, 1].map(|_| {
+                    let got = kernel::matmul(
+                        float_strided(lhs.clone()),
+                        float_strided(rhs.clone()),
+                        out_dtype,
+                        GemmKernel::CublasLt,
+                    )
+                    .expect("cuBLASLt takes the product");
+                    tensor::<CudaRuntime, f32, i32, u8, 3>(got)
+                });
                 assert_eq!(got.dtype(), out_dtype);
                 let (a, b) = (host(lhs), host(rhs));
                 let expected: Vec<f32> = (0..batch)
@@ -485,8 +559,56 @@ mod tests {
                 let what = format!(
                     "cublaslt b{batch} {m}x{k}x{n} {dtype:?} -> {out_dtype:?} transposed {transposed} offset {offset}"
                 );
+                assert_close(first_run, expected.clone(), tol, &format!("{what} (first run)"));
                 assert_close(got, expected, tol, &what);
             }
         }
+        super::check_marks().expect("no ordering poll gave up");
+    }
+
+    /// Device-side ordering under memory reuse: each step's product reads operands CubeCL has
+    /// just written, a CubeCL kernel reads the product at once, and the product's buffer is
+    /// dropped so that the next step's CubeCL kernels reuse its memory. Any step run out of order
+    /// reads or leaves stale values; each step is checked against an f64 host product of its
+    /// inputs as read back.
+    #[test]
+    fn cublaslt_device_order_keeps_dependencies() {
+        assert!(super::available(), "libcublasLt did not load: put its folder on LD_LIBRARY_PATH");
+        assert_eq!(super::ordering(), super::Ordering::Device, "device ordering is the default");
+        let device = Default::default();
+        seed::<B>(&device, "cublaslt-order");
+        let (m, k, n, steps) = (77, 320, 448, 40);
+        let dtype = DType::BF16;
+        let w = Tensor::<B, 2>::random([n, k], Distribution::Normal(0.0, 0.05), &device).cast(dtype);
+        let mut kept = Vec::new();
+        for step in 0..steps {
+            let x = Tensor::<B, 2>::random([m, k], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let y = kernel::matmul(
+                float_strided(x.clone()),
+                float_strided(w.clone().transpose()),
+                DType::F32,
+                GemmKernel::CublasLt,
+            )
+            .expect("cuBLASLt takes the product");
+            let y = tensor::<CudaRuntime, f32, i32, u8, 2>(y);
+            // Read at once by CubeCL; `y` is dropped here and its memory reused next step.
+            let z = y * 2.0 + (step as f64);
+            kept.push((x, z));
+        }
+        let wt = host(w);
+        for (step, (x, z)) in kept.into_iter().enumerate() {
+            let a = host(x);
+            let expected: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    let dot = (0..k).map(|j| a[r * k + j] as f64 * wt[c * k + j] as f64).sum::<f64>();
+                    (2.0 * dot + step as f64) as f32
+                })
+                .collect();
+            let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [m, n]), &device);
+            // f32 accumulation of k = 320 bf16 products (exact in f32), doubled: 1e-4 relative.
+            assert_close(z, expected, 1e-4, &format!("device-ordered step {step}"));
+        }
+        super::check_marks().expect("no ordering poll gave up");
     }
 }
