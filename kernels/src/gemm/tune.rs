@@ -165,8 +165,10 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         * shape[rank - 1]
         * rhs.meta.shape()[rank - 1];
     let floor = CUBLASLT_FLOOR.load(std::sync::atomic::Ordering::Relaxed);
+    // cuBLASLt runs on CUDA only: elsewhere it is not a candidate (nor in the key).
+    let cuda = R::name(&lhs.client) == "cuda";
     let mut candidates = guard.candidates();
-    candidates.retain(|&k| k != GemmKernel::CublasLt || macs >= floor);
+    candidates.retain(|&k| k != GemmKernel::CublasLt || (cuda && macs >= floor));
     let mut key = key(lhs, rhs, out);
     if candidates.contains(&GemmKernel::CublasLt) {
         key.push_str(" lt");
