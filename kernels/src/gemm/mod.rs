@@ -6,7 +6,7 @@
 //! reads it (no transposed copy before or after the product).
 //!
 //! [`GemmKernel`] names the candidates. Prefill takes, where the device multiplies the dtype on
-//! matrix units, the fastest of [`tune::TUNED`] for the product's shape, timed once and cached
+//! matrix units, the fastest of [`tune::DEFAULT`] for the product's shape, timed once and cached
 //! on disk ([`tune`]); elsewhere (f32, or no matrix units: lavapipe) CubeCL's per-unit kernel.
 
 #[cfg(feature = "cuda")]
