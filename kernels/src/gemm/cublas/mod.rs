@@ -65,7 +65,8 @@ struct Problem {
     output: DType,
 }
 
-/// A thread's cuBLASLt state on one device.
+/// The cuBLASLt state of one calling thread (one CubeCL stream) on one device; used on CubeCL's
+/// device thread ([`product`]).
 struct Lane {
     ordinal: usize,
     handle: lts::cublasLtHandle_t,
@@ -80,11 +81,11 @@ struct Lane {
     host_only: bool,
 }
 
-// SAFETY: a lane's raw handles are used only by the thread that made it (lanes are keyed by
-// thread), under the registry's lock.
+// SAFETY: a lane's raw handles are used only on CubeCL's device thread, which made them, under
+// the registry's lock.
 unsafe impl Send for Lane {}
 
-/// Lanes by (device ordinal, thread).
+/// Lanes by (device ordinal, calling thread).
 fn lanes() -> &'static Mutex<HashMap<(usize, std::thread::ThreadId), Lane>> {
     static LANES: std::sync::OnceLock<Mutex<HashMap<(usize, std::thread::ThreadId), Lane>>> =
         std::sync::OnceLock::new();
@@ -337,6 +338,8 @@ impl Descriptors {
 }
 
 impl Lane {
+    /// Made on CubeCL's device thread, as every later run of the lane is: the context made
+    /// current here stays current for them.
     fn new(ordinal: usize, sms: u32) -> Result<Self, String> {
         crate::graph::make_current(ordinal).map_err(|e| e.to_string())?;
         let sm_target = i32::try_from(sms.saturating_sub(2).max(1)).unwrap_or(i32::MAX);
@@ -404,7 +407,6 @@ impl Lane {
         // must not happen while a poll runs (see [`order`]).
         let first = !self.algos.contains_key(problem);
         let algo = self.algo(problem, &descriptors)?;
-        crate::graph::make_current(self.ordinal).map_err(|e| e.to_string())?;
         if first || self.host_only || order::ordering() == Ordering::Host {
             // CubeCL's work so far (the inputs, earlier users of the output's memory) first.
             cubecl::future::block_on(client.sync()).map_err(|e| format!("sync: {e:?}"))?;

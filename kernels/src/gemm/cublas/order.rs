@@ -30,6 +30,7 @@
 //! (seconds) and leave a mark in words 2 and 3; [`Flags::check`] reads the marks every
 //! [`CHECK_EVERY`] products and turns a mark into an error, after which the lane orders by host.
 
+use super::call;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -132,10 +133,6 @@ pub(super) struct Flags {
     sequence: u32,
 }
 
-fn call<E: std::fmt::Debug>(what: &'static str) -> impl Fn(E) -> String {
-    move |e| format!("{what}: {e:?}")
-}
-
 impl Flags {
     /// Zeroed words (written and synchronized before returning) and our kernels loaded, in the
     /// current context.
@@ -165,23 +162,12 @@ impl Flags {
     /// the poll gave up before this).
     fn load(&self, client: &ComputeClient<CudaRuntime>) -> Result<(), String> {
         let stream = std::ptr::null_mut();
-        let (mut ptr, mut value, mut limit) = (self.ptr, 0u32, OUR_POLL_LIMIT_NS);
-        let mut wait = [
-            &mut ptr as *mut u64 as *mut c_void,
-            &mut value as *mut u32 as *mut c_void,
-            &mut limit as *mut u64 as *mut c_void,
-        ];
-        // SAFETY: both kernels as in `before` and `after`, on the legacy stream, waited for.
-        unsafe {
-            drv::launch_kernel(self.wait, (1, 1, 1), (1, 1, 1), 0, stream, &mut wait)
-                .map_err(call("cuLaunchKernel"))?;
-            let mut set = [&mut ptr as *mut u64 as *mut c_void, &mut value as *mut u32 as *mut c_void];
-            drv::launch_kernel(self.set, (1, 1, 1), (1, 1, 1), 0, stream, &mut set).map_err(call("cuLaunchKernel"))?;
-            drv::stream::synchronize(stream).map_err(call("cuStreamSynchronize"))?;
-        }
-        let (count, dim) = (CubeCount::Static(1, 1, 1), CubeDim::new_1d(1));
-        signal_kernel::launch::<CudaRuntime>(client, count.clone(), dim, self.arg(), 0);
-        wait_kernel::launch::<CudaRuntime>(client, count, dim, self.arg(), 0, CUBECL_POLL_LIMIT);
+        self.our_wait(stream, 0)?;
+        self.our_store(stream, 0)?;
+        // SAFETY: the legacy stream of the current context.
+        unsafe { drv::stream::synchronize(stream) }.map_err(call("cuStreamSynchronize"))?;
+        self.cubecl_signal(client, 0);
+        self.cubecl_wait(client, 0);
         cubecl::future::block_on(client.sync()).map_err(call("sync"))
     }
 
@@ -190,14 +176,19 @@ impl Flags {
         unsafe { ArrayArg::from_raw_parts(self.words.clone(), 4) }
     }
 
-    /// Steps 1 and 2's poll: our stream waits for CubeCL's work so far. Returns `n`.
-    pub(super) fn before(&mut self, client: &ComputeClient<CudaRuntime>, stream: drs::CUstream) -> Result<u32, String> {
-        let n = self.sequence.wrapping_add(1).max(1);
-        self.sequence = n;
-        // Called on CubeCL's device thread ([`super::product`]): the signal is submitted to CUDA
-        // here, before our poll (a poll launched before its signal is submitted waits on work
-        // nobody has issued).
+    /// Step 1 on CubeCL's stream: word 0 = `n`.
+    fn cubecl_signal(&self, client: &ComputeClient<CudaRuntime>, n: u32) {
         signal_kernel::launch::<CudaRuntime>(client, CubeCount::Static(1, 1, 1), CubeDim::new_1d(1), self.arg(), n);
+    }
+
+    /// Step 3 on CubeCL's stream: poll word 1 for `n`.
+    fn cubecl_wait(&self, client: &ComputeClient<CudaRuntime>, n: u32) {
+        let (count, dim) = (CubeCount::Static(1, 1, 1), CubeDim::new_1d(1));
+        wait_kernel::launch::<CudaRuntime>(client, count, dim, self.arg(), n, CUBECL_POLL_LIMIT);
+    }
+
+    /// Step 2's poll on `stream`: word 0 reaching `n`.
+    fn our_wait(&self, stream: drs::CUstream, n: u32) -> Result<(), String> {
         let (mut ptr, mut value, mut limit) = (self.ptr, n, OUR_POLL_LIMIT_NS);
         let mut params = [
             &mut ptr as *mut u64 as *mut c_void,
@@ -207,7 +198,27 @@ impl Flags {
         // SAFETY: the kernel takes (pointer to four words, u32, u64), as passed; the words live
         // in this lane.
         unsafe { drv::launch_kernel(self.wait, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
-            .map_err(call("cuLaunchKernel (wait)"))?;
+            .map_err(call("cuLaunchKernel (wait)"))
+    }
+
+    /// Step 2's store on `stream`: word 1 = `n`.
+    fn our_store(&self, stream: drs::CUstream, n: u32) -> Result<(), String> {
+        let (mut ptr, mut value) = (self.ptr, n);
+        let mut params = [&mut ptr as *mut u64 as *mut c_void, &mut value as *mut u32 as *mut c_void];
+        // SAFETY: the kernel takes (pointer to four words, u32), as passed.
+        unsafe { drv::launch_kernel(self.set, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
+            .map_err(call("cuLaunchKernel (set)"))
+    }
+
+    /// Steps 1 and 2's poll: our stream waits for CubeCL's work so far. Returns `n`.
+    pub(super) fn before(&mut self, client: &ComputeClient<CudaRuntime>, stream: drs::CUstream) -> Result<u32, String> {
+        let n = self.sequence.wrapping_add(1).max(1);
+        self.sequence = n;
+        // Called on CubeCL's device thread ([`super::product`]): the signal is submitted to CUDA
+        // here, before our poll (a poll launched before its signal is submitted waits on work
+        // nobody has issued).
+        self.cubecl_signal(client, n);
+        self.our_wait(stream, n)?;
         Ok(n)
     }
 
@@ -219,21 +230,9 @@ impl Flags {
         stream: drs::CUstream,
         n: u32,
     ) -> Result<(), String> {
-        let (mut ptr, mut value) = (self.ptr, n);
-        let mut params = [&mut ptr as *mut u64 as *mut c_void, &mut value as *mut u32 as *mut c_void];
-        // SAFETY: the kernel takes (pointer to four words, u32), as passed.
-        let stored = unsafe { drv::launch_kernel(self.set, (1, 1, 1), (1, 1, 1), 0, stream, &mut params) }
-            .map_err(call("cuLaunchKernel (set)"));
-        match stored {
+        match self.our_store(stream, n) {
             Ok(()) => {
-                wait_kernel::launch::<CudaRuntime>(
-                    client,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(1),
-                    self.arg(),
-                    n,
-                    CUBECL_POLL_LIMIT,
-                );
+                self.cubecl_wait(client, n);
                 Ok(())
             }
             Err(e) => {
