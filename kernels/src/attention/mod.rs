@@ -124,8 +124,56 @@ pub fn check_head_dim(dim: usize) -> Result<(), String> {
 
 mod blocked;
 mod decode;
+mod flash;
 mod merge;
 mod tiled;
+
+pub use flash::FlashTiling;
+
+/// Which kernel attends a prompt (one mask for every sequence) where several take its shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttention {
+    /// The measured default: flash attention on the matrix units where it runs (CUDA, f16/bf16,
+    /// head sizes that are multiples of 16 up to 512, at least [`FLASH_MIN_QUERIES`] query
+    /// positions), else the blocked GEMM path for dense prompts, else the tiled kernel.
+    #[default]
+    Auto,
+    /// Flash attention wherever it runs, short prompts included.
+    Flash,
+    /// The blocked GEMM path (scores of 512 queries at a time in memory) where it runs.
+    Blocked,
+    /// The tiled kernel (shared memory and barriers only; every backend).
+    Tiled,
+}
+
+/// Fewest query positions [`PrefillAttention::Auto`] gives flash attention (fewer take the
+/// tiled kernel, which also splits the keys over cubes).
+pub const FLASH_MIN_QUERIES: usize = flash::MIN_QUERIES;
+
+static PREFILL_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Chooses the prompt attention kernel for this process (for measuring one against another;
+/// [`PrefillAttention::Auto`] is the default). Every kernel gives the same result up to
+/// rounding.
+pub fn set_prefill_attention(choice: PrefillAttention) {
+    let code = match choice {
+        PrefillAttention::Auto => 0,
+        PrefillAttention::Flash => 1,
+        PrefillAttention::Blocked => 2,
+        PrefillAttention::Tiled => 3,
+    };
+    PREFILL_ATTENTION.store(code, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The choice [`set_prefill_attention`] made.
+pub fn prefill_attention() -> PrefillAttention {
+    match PREFILL_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => PrefillAttention::Flash,
+        2 => PrefillAttention::Blocked,
+        3 => PrefillAttention::Tiled,
+        _ => PrefillAttention::Auto,
+    }
+}
 
 /// What every attention kernel shares: the launch sizes, the keys and values as kernels read them,
 /// the int8 code decoding and the dispatch between the decode and tiled kernels.
@@ -249,18 +297,7 @@ pub(crate) mod kernel {
         }
         Ok(match (tiling, position) {
             (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position, blocks),
-            (None, None | Some(Position::Host(_))) => match kv {
-                // Prefill-sized blocks of dense keys on matrix units: the GEMM path.
-                Kv::Dense { k, v }
-                    if q_len >= super::blocked::MIN_QUERIES
-                        && crate::gemm::kernel::has_matrix_units(&q.client, q.dtype)
-                        && super::blocked::applies(q_len, k.meta.shape()[2], options)
-                        && super::blocked::attention(&q, &k, &v, &out, options).is_ok() =>
-                {
-                    out
-                }
-                kv => super::tiled::attention(q, kv, out, options),
-            },
+            (None, None | Some(Position::Host(_))) => prefill(q, kv, out, options, super::prefill_attention()),
             (None, Some(position @ Position::Device { .. })) if position.stride() > 0 => {
                 // The caller runs such sequences one at a time ([`decode_kernel_applies`]).
                 return Err(crate::ReadBackError {
@@ -277,6 +314,43 @@ pub(crate) mod kernel {
                 super::tiled::attention(q, kv, out, &AttentionOptions { mask, ..*options })
             }
         })
+    }
+
+    /// Attention of `q` over `kv` with one mask for every sequence (a prompt, or decode shapes
+    /// the decode kernel does not take) into `out`, by `choice` where the kernel it names
+    /// takes the shapes, else by the next one that does: flash attention on the matrix units,
+    /// the blocked GEMM path (dense keys and values), the tiled kernel (everything).
+    pub(crate) fn prefill<R: CubeRuntime>(
+        q: CubeTensor<R>,
+        kv: Kv<R>,
+        out: CubeTensor<R>,
+        options: &AttentionOptions,
+        choice: super::PrefillAttention,
+    ) -> CubeTensor<R> {
+        use super::PrefillAttention as P;
+        let q_len = q.meta.shape()[2];
+        let flash = match choice {
+            P::Auto => q_len >= super::flash::MIN_QUERIES,
+            P::Flash => true,
+            P::Blocked | P::Tiled => false,
+        };
+        if let Some(tiling) = flash.then(|| super::flash::tiling(&q, &kv)).flatten() {
+            super::flash::attention(&q, kv, &out, options, tiling);
+            return out;
+        }
+        match kv {
+            // Prefill-sized blocks of dense keys on matrix units: the GEMM path.
+            Kv::Dense { k, v }
+                if choice != P::Tiled
+                    && q_len >= super::blocked::MIN_QUERIES
+                    && crate::gemm::kernel::has_matrix_units(&q.client, q.dtype)
+                    && super::blocked::applies(q_len, k.meta.shape()[2], options)
+                    && super::blocked::attention(&q, &k, &v, &out, options).is_ok() =>
+            {
+                out
+            }
+            kv => super::tiled::attention(q, kv, out, options),
+        }
     }
 
     /// Whether one decode query per sequence of `q` over `kv` runs in the decode kernel, which
