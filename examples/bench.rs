@@ -38,6 +38,15 @@ enum CublasOrder {
     Host,
 }
 
+/// `--prefill-attention` (`burn_gemma_kernels::attention::PrefillAttention`).
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum PromptAttention {
+    Auto,
+    Flash,
+    Blocked,
+    Tiled,
+}
+
 #[derive(Parser, Clone)]
 struct Args {
     /// GGUF file, HF directory, `default` (the default model, fetched once), or
@@ -72,6 +81,10 @@ struct Args {
     /// CubeCL's stream (`burn_gemma_kernels::gemm::cublas::order`; CUDA builds only).
     #[arg(long, value_enum, default_value_t = CublasOrder::Device)]
     cublaslt_order: CublasOrder,
+    /// The prompt attention kernel where several take the shapes (`auto`: the library's
+    /// default, flash attention on the matrix units where it runs).
+    #[arg(long, value_enum, default_value_t = PromptAttention::Auto)]
+    prefill_attention: PromptAttention,
     /// Fewest multiply-adds (millions) of a product for which the tuner times cuBLASLt.
     #[arg(long, default_value_t = burn_gemma_kernels::gemm::tune::DEFAULT_CUBLASLT_FLOOR / 1_000_000)]
     cublaslt_floor_m: usize,
@@ -169,6 +182,15 @@ impl BackendTask for Bench {
         }
         burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
         burn_gemma_kernels::gemm::tune::set_cublaslt_floor(a.cublaslt_floor_m.saturating_mul(1_000_000));
+        {
+            use burn_gemma_kernels::attention::{set_prefill_attention, PrefillAttention as P};
+            set_prefill_attention(match a.prefill_attention {
+                PromptAttention::Auto => P::Auto,
+                PromptAttention::Flash => P::Flash,
+                PromptAttention::Blocked => P::Blocked,
+                PromptAttention::Tiled => P::Tiled,
+            });
+        }
         #[cfg(feature = "cuda")]
         {
             use burn_gemma_kernels::gemm::cublas::{set_ordering, Ordering};

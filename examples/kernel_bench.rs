@@ -8,7 +8,8 @@
 //! activation rows, dense / Q8 / Q4 weights, bf16 and int8 KV at depth), `launch` (host cost of
 //! small launches), or `all`; apart from `all`, `gemm` (CubeCL's matmul kernels on the prefill
 //! products) and `experts` (a 26B-A4B experts layer by each `ExpertPath` at the `--rows` token
-//! counts). On CUDA, decode kernels are timed on the GPU itself: calls
+//! counts), `attention` (prompt attention by each kernel at the `--tokens` lengths). On CUDA,
+//! decode kernels are timed on the GPU itself: calls
 //! recorded into one CUDA graph, replayed, CUDA events around each replay (no host launch cost
 //! in the figure, as in a replayed decode step); elsewhere by the host around synchronized
 //! batches.
@@ -18,6 +19,7 @@ use burn_gemma::{
     backends::{dispatch, parse_dtype, BackendKind, BackendTask},
     GemmaBackend,
 };
+use burn_gemma_kernels::attention::PrefillAttention;
 use burn_gemma_kernels::{
     attention, embedding, gelu, linear, rms_norm, rope, softcap, AddNorm, AttentionMask, AttentionOptions, Epilogue,
     GateUpLayout, HostMatrix, HostQuantized, KvFormat, KvView, Matrix, QuantFormat, RopeTables, SamplingParams,
@@ -37,6 +39,8 @@ mod decode;
 mod experts;
 #[path = "kernel_bench/gemm.rs"]
 mod gemm;
+#[path = "kernel_bench/prompt_attention.rs"]
+mod prompt_attention;
 
 #[derive(Parser)]
 struct Args {
@@ -58,6 +62,19 @@ struct Args {
     /// Gemm section: `all` also times every CubeCL kernel candidate, `tuned` only `project`.
     #[arg(long, value_enum, default_value_t = GemmKernels::Tuned)]
     gemm_kernels: GemmKernels,
+    /// Attention section: prompt lengths (comma-separated).
+    #[arg(long, default_value = "2048,4096,8192,16384")]
+    tokens: String,
+    /// Attention section: kernels to time (comma-separated: auto, flash, blocked, tiled).
+    #[arg(long, default_value = "flash,blocked")]
+    attention_kernels: String,
+    /// Attention section: layouts the flash kernel is timed with (comma-separated
+    /// `<planes>x<keys per tile>`, `p` appended for prefetching the next tile; `default`).
+    #[arg(long, default_value = "default")]
+    flash_layouts: String,
+    /// Attention section: key and value formats (comma-separated: dense, int8).
+    #[arg(long, default_value = "dense,int8")]
+    kv: String,
     /// Decode section: only these models (comma-separated: 270m,1b,4b,12b,27b).
     #[arg(long, default_value = "270m,1b,4b,12b,27b")]
     models: String,
@@ -89,6 +106,9 @@ enum Section {
     /// `--gemm-kernels all` every tiling of the quantized mma kernel (CUDA only; not part of
     /// `all`).
     Batched,
+    /// Prompt attention by each kernel of `--attention-kernels` at the `--tokens` lengths,
+    /// dense and int8 keys and values (CUDA and wgpu only; not part of `all`).
+    Attention,
 }
 
 struct Bench {
@@ -407,6 +427,43 @@ fn gemm_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliE
     }
 }
 
+/// A `--flash-layouts` entry: `default`, or `<planes>x<keys per tile>` with `p` appended for
+/// prefetching the next tile.
+fn parse_layout(s: &str) -> Result<Option<burn_gemma_kernels::attention::FlashLayout>, String> {
+    use burn_gemma_kernels::attention::{FlashLayout, Prefetch};
+    if s == "default" {
+        return Ok(None);
+    }
+    let (s, prefetch) = match s.strip_suffix('p') {
+        Some(rest) => (rest, Prefetch::NextTile),
+        None => (s, Prefetch::None),
+    };
+    let (planes, bk) = s.split_once('x').ok_or("expected <planes>x<keys>, e.g. 4x64 or 4x64p")?;
+    let number = |x: &str| x.parse::<usize>().map_err(|e| format!("{x:?}: {e}"));
+    Ok(Some(FlashLayout { planes: number(planes)?, bk: number(bk)?, prefetch }))
+}
+
+/// `--section attention` on the CubeCL backends.
+fn attention_section(kind: BackendKind, settings: &prompt_attention::Settings) -> Result<(), CliError> {
+    println!(
+        "dtype {:?}, per call: medians of {} samples of {BATCH} calls issued back to back, then synchronized, after warm-up",
+        settings.dtype, settings.reps
+    );
+    match kind {
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            prompt_attention::section::<burn_gemma::backends::Cuda>(&burn::backend::cuda::CudaDevice::new(0), settings);
+            Ok(())
+        }
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => {
+            prompt_attention::section::<burn_gemma::backends::Wgpu>(&Default::default(), settings);
+            Ok(())
+        }
+        _ => Err(CliError::from("--section attention runs on --backend cuda or wgpu (the CubeCL kernels)")),
+    }
+}
+
 /// `--section batched` on CUDA (the quantized mma kernel runs there only).
 fn batched_section(kind: BackendKind, settings: &gemm::Settings) -> Result<(), CliError> {
     println!(
@@ -476,6 +533,40 @@ fn main() -> Result<(), CliError> {
     if args.section == Section::Batched {
         let rows = if args.rows == "512,4096" { vec![1, 2, 3, 4, 8, 16, 32, 64] } else { rows()? };
         return batched_section(kind, &gemm::Settings { dtype, reps: args.reps.max(1), rows, models, all });
+    }
+    if args.section == Section::Attention {
+        let list =
+            |s: &str| s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(str::to_string).collect::<Vec<_>>();
+        let tokens = list(&args.tokens)
+            .iter()
+            .map(|t| t.parse::<usize>().map_err(|e| CliError::from(format!("--tokens {t:?}: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let kernels = list(&args.attention_kernels)
+            .iter()
+            .map(|k| match k.as_str() {
+                "auto" => Ok(PrefillAttention::Auto),
+                "flash" => Ok(PrefillAttention::Flash),
+                "blocked" => Ok(PrefillAttention::Blocked),
+                "tiled" => Ok(PrefillAttention::Tiled),
+                other => Err(CliError::from(format!(
+                    "--attention-kernels: unknown kernel {other:?} (auto, flash, blocked, tiled)"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let int8 = list(&args.kv)
+            .iter()
+            .map(|k| match k.as_str() {
+                "dense" => Ok(false),
+                "int8" => Ok(true),
+                other => Err(CliError::from(format!("--kv: unknown format {other:?} (dense, int8)"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let layouts = list(&args.flash_layouts)
+            .iter()
+            .map(|l| parse_layout(l).map_err(|e| CliError::from(format!("--flash-layouts {l:?}: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let settings = prompt_attention::Settings { dtype, reps: args.reps.max(1), tokens, kernels, int8, layouts };
+        return attention_section(kind, &settings);
     }
     if args.section == Section::Gemm {
         let rows = rows()?;

@@ -46,7 +46,8 @@ pub fn section<B: GemmaBackend>(
     product: impl Fn(Tensor<B, 2>, Tensor<B, 2>, GemmKernel) -> Result<Tensor<B, 2>, GemmError>,
 ) {
     run::<B>(d, settings, product);
-    attention::<B>(d, settings.dtype, settings.reps);
+    let attention = super::prompt_attention::Settings::defaults(settings.dtype, settings.reps);
+    super::prompt_attention::section::<B>(d, &attention);
 }
 
 /// Prints one table row per (shape, rows, kernel).
@@ -105,37 +106,4 @@ fn run<B: GemmaBackend>(
         t.cached,
         t.path.map_or("(no cache folder)".into(), |p| p.display().to_string())
     );
-}
-
-/// Prefill attention (`GemmaBackend::grouped_attention`, dense keys and values) on Gemma's
-/// shapes, causal, global and sliding-window, TFLOP/s counted over the visible (query, key)
-/// pairs only (4 flops per pair and head dimension: scores and output).
-fn attention<B: GemmaBackend>(d: &B::Device, dt: DType, reps: usize) {
-    use burn_gemma_kernels::{AttentionMask, AttentionOptions, KvView};
-    println!("\n| attention | q heads / kv heads x dim | tokens | window | ms | TFLOP/s (visible pairs) |");
-    println!("|---|---|---:|---:|---:|---:|");
-    // (what, q heads, kv heads, dim, window)
-    let shapes: [(&str, usize, usize, usize, Option<usize>); 4] = [
-        ("gemma3-1b global", 4, 1, 256, None),
-        ("gemma3-4b global", 8, 4, 256, None),
-        ("gemma3-4b local", 8, 4, 256, Some(1024)),
-        ("gemma4 full", 16, 2, 512, None),
-    ];
-    for (what, hq, hkv, dim, window) in shapes {
-        for tokens in [2048, 4096, 8192] {
-            let q = random::<B>(vec![tokens * hq * dim], dt, d).reshape([1, tokens, hq, dim]).swap_dims(1, 2);
-            let k = random::<B>(vec![tokens * hkv * dim], dt, d).reshape([1, hkv, tokens, dim]);
-            let v = random::<B>(vec![tokens * hkv * dim], dt, d).reshape([1, hkv, tokens, dim]);
-            let mask = AttentionMask { q_offset: 0, k_offset: 0, window };
-            let options = AttentionOptions { mask, scale: 1.0 / (dim as f64).sqrt(), softcap: None };
-            let s = time::<B, _>(d, reps, || {
-                B::grouped_attention(q.clone(), KvView::Dense { keys: k.clone(), values: v.clone() }, &options)
-                    .expect("a host position reads nothing back")
-            });
-            let pairs: f64 = (0..tokens).map(|i| window.map_or(i + 1, |w| (i + 1).min(w)) as f64).sum();
-            let flop = 4.0 * pairs * (hq * dim) as f64;
-            let win = window.map_or("-".to_string(), |w| w.to_string());
-            println!("| {what} | {hq} / {hkv} x {dim} | {tokens} | {win} | {:.3} | {:.1} |", s * 1e3, flop / s / 1e12);
-        }
-    }
 }

@@ -68,6 +68,25 @@ pub const MAX_DIM: usize = 512;
 /// Most value columns per cube (its output accumulators: `MAX_DV / 16` fragments per plane).
 const MAX_DV: usize = 256;
 
+/// When a tile's keys and values are loaded from memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Prefetch {
+    /// At the start of the tile: every unit waits for its loads before the tile's products.
+    None,
+    /// During the previous tile's products (held in registers until the tile starts).
+    NextTile,
+}
+
+/// How a launch divides the work, apart from the head size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlashLayout {
+    /// Planes (32 units) per cube, 16 query rows each.
+    pub planes: usize,
+    /// Keys per tile (a multiple of 32).
+    pub bk: usize,
+    pub prefetch: Prefetch,
+}
+
 /// Comptime launch configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlashTiling {
@@ -75,6 +94,7 @@ pub struct FlashTiling {
     pub planes: usize,
     /// Keys per tile (a multiple of 32).
     pub bk: usize,
+    pub prefetch: Prefetch,
     /// Head size.
     pub dim: usize,
     /// Value columns per cube (`dim`, or half of it above [`MAX_DV`]).
@@ -98,10 +118,10 @@ impl FlashTiling {
         q + k + v + s + p + self.bq() * 4
     }
 
-    /// The tiling for heads of `dim` with `planes` planes and `bk` keys per tile, where the
-    /// kernel takes it (`dim` a multiple of 16 up to [`MAX_DIM`], value columns a multiple of
-    /// `bk`).
-    pub fn new(dim: usize, planes: usize, bk: usize) -> Option<Self> {
+    /// The tiling for heads of `dim` with `layout`, where the kernel takes it (`dim` a multiple
+    /// of 16 up to [`MAX_DIM`], value columns a multiple of the keys per tile).
+    pub fn new(dim: usize, layout: FlashLayout) -> Option<Self> {
+        let FlashLayout { planes, bk, prefetch } = layout;
         let dv = if dim <= MAX_DV { dim } else { dim / 2 };
         let fits = dim.is_multiple_of(TILE)
             && dim <= MAX_DIM
@@ -110,14 +130,54 @@ impl FlashTiling {
             && bk > 0
             && dv.is_multiple_of(bk)
             && (1..=8).contains(&planes);
-        fits.then_some(FlashTiling { planes, bk, dim, dv })
+        fits.then_some(FlashTiling { planes, bk, prefetch, dim, dv })
     }
 
     /// The tiling the kernel uses for heads of `dim` under `shared` bytes of shared memory per
-    /// cube: four planes and 64 keys per tile, fewer keys where that does not fit.
+    /// cube: the layout [`set_flash_layout`] gave where it fits, else the first of
+    /// [`DEFAULT_LAYOUTS`] that fits.
     pub fn choose(dim: usize, shared: usize) -> Option<Self> {
-        [64, 32].into_iter().filter_map(|bk| Self::new(dim, 4, bk)).find(|t| t.shared_bytes() <= shared)
+        let fits = |t: &Self| t.shared_bytes() <= shared;
+        let chosen = flash_layout().and_then(|l| Self::new(dim, l)).filter(fits);
+        let defaults = || DEFAULT_LAYOUTS.iter().filter_map(|&l| Self::new(dim, l));
+        chosen.or_else(|| defaults().filter(Self::preferred_for).find(fits)).or_else(|| defaults().find(fits))
     }
+}
+
+/// The default layouts, best first (H200, bf16, `docs/gpu-runs/2026-11-28-flash` call 3, causal
+/// prompts of 8k and 16k tokens): for heads of 256, eight planes and 64 keys per tile (188 KiB
+/// of shared memory; 60-89 TFLOP/s on Gemma 3's global and local layers), then four planes and
+/// 32 keys (82 KiB, two cubes per multiprocessor, within 10% of it); for Gemma 4's 512 eight
+/// planes and 32 keys, prefetching the next tile (64 TFLOP/s where four planes and 64 keys, the
+/// first design, gave 40).
+pub const DEFAULT_LAYOUTS: [FlashLayout; 3] = [
+    FlashLayout { planes: 8, bk: 64, prefetch: Prefetch::None },
+    FlashLayout { planes: 8, bk: 32, prefetch: Prefetch::NextTile },
+    FlashLayout { planes: 4, bk: 32, prefetch: Prefetch::None },
+];
+
+impl FlashTiling {
+    /// Whether this is the tiling for heads above 256: the 8 x 64 layout is measured slower
+    /// there (two value halves each recompute the scores with a 64-key tile of 512-wide keys).
+    fn preferred_for(&self) -> bool {
+        self.dim <= MAX_DV || self.bk == 32
+    }
+}
+
+static FLASH_LAYOUT: std::sync::Mutex<Option<FlashLayout>> = std::sync::Mutex::new(None);
+
+/// Makes the flash kernel use `layout` (where it fits the head size and the device) instead of
+/// its default, for this process: for measuring layouts against each other. `None` restores
+/// the default.
+pub fn set_flash_layout(layout: Option<FlashLayout>) {
+    if let Ok(mut chosen) = FLASH_LAYOUT.lock() {
+        *chosen = layout;
+    }
+}
+
+/// The layout [`set_flash_layout`] gave.
+pub fn flash_layout() -> Option<FlashLayout> {
+    FLASH_LAYOUT.lock().ok().and_then(|l| *l)
 }
 
 /// `out[b, h, i, :]` (contiguous `[batch, q_heads, q_len, dim]`, vectors of 8) for the cube's
@@ -181,19 +241,23 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
     let r0 = CUBE_POS_X as usize * bq;
     let r_last = min(r0 + bq, rows) - 1;
 
-    // The cube's queries, zeros past the last row.
+    // The cube's queries, zeros past the last row: all of a unit's loads issued, then stored.
     let q_vecs = comptime!(tiling.dim / VEC);
-    let mut idx = unit;
-    while idx < comptime!(bq * tiling.dim / VEC) {
-        let row = idx / q_vecs;
-        let cv = idx % q_vecs;
-        let r = r0 + row;
-        let mut value = Vector::<F, N>::new(F::from_int(0));
+    let nq = comptime!(tiling.dim / 16);
+    let mut q_regs = Array::<Vector<F, N>>::new(nq);
+    #[unroll]
+    for j in 0..nq {
+        let i = unit + comptime!(j * units);
+        let r = r0 + i / q_vecs;
+        q_regs[j] = Vector::<F, N>::new(F::from_int(0));
         if r < rows {
-            value = q[q_strides.at(b, kvh * groups + r % groups, r / groups, 0) / VEC + cv];
+            q_regs[j] = q[q_strides.at(b, kvh * groups + r % groups, r / groups, 0) / VEC + i % q_vecs];
         }
-        q_s[row * qp + cv] = value;
-        idx += units;
+    }
+    #[unroll]
+    for j in 0..nq {
+        let i = unit + comptime!(j * units);
+        q_s[(i / q_vecs) * qp + i % q_vecs] = q_regs[j];
     }
 
     // Visible keys of the cube's positions: [j_lo, j_hi), then whole tiles.
@@ -251,51 +315,46 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
     let p_at = plane * comptime!(TILE * pp);
     let q_at = plane * comptime!(TILE * qp);
 
+    // Registers of one tile's keys and values between their loads and their shared stores.
+    let (_, nk) = comptime!(vectors(tiling.bk, tiling.dim, units, int8));
+    let (_, nv) = comptime!(vectors(tiling.bk, tiling.dv, units, int8));
+    let (dense_k, dense_v, int8_k, int8_v) = comptime!(if int8 { (1, 1, nk, nv) } else { (nk, nv, 1, 1) });
+    let mut regs = Staged::<F, N, W> {
+        k: Array::new(dense_k),
+        v: Array::new(dense_v),
+        k_codes: Array::new(int8_k),
+        v_codes: Array::new(int8_v),
+        k_scales: Array::new(int8_k),
+        v_scales: Array::new(int8_v),
+    };
+    let prefetch = comptime!(tiling.prefetch == Prefetch::NextTile);
+    if prefetch && t_lo < t_hi {
+        let at = KvAt { b, kvh, key0: t_lo * bk, k_len, slots: shape.slots, kv_heads, c0 };
+        load_tile::<F, N, W>(
+            k, v, k_codes, k_scales, v_codes, v_scales, &k_strides, &v_strides, &mut regs, at, tiling, int8,
+        );
+    }
+
     for tile in t_lo..t_hi {
         let key0 = tile * bk;
+        if !prefetch {
+            let at = KvAt { b, kvh, key0, k_len, slots: shape.slots, kv_heads, c0 };
+            load_tile::<F, N, W>(
+                k, v, k_codes, k_scales, v_codes, v_scales, &k_strides, &v_strides, &mut regs, at, tiling, int8,
+            );
+        }
         // Every plane is done with the last tile's keys and values.
         sync_cube();
-        stage_tile::<F, N, W>(
-            k,
-            k_codes,
-            k_scales,
-            &k_strides,
-            &mut k_s,
-            b,
-            kvh,
-            key0,
-            k_len,
-            shape.slots,
-            kv_heads,
-            0,
-            tiling.dim,
-            tiling.dim,
-            qp,
-            units,
-            tiling.bk,
-            int8,
-        );
-        stage_tile::<F, N, W>(
-            v,
-            v_codes,
-            v_scales,
-            &v_strides,
-            &mut v_s,
-            b,
-            kvh,
-            key0,
-            k_len,
-            shape.slots,
-            kv_heads,
-            c0,
-            tiling.dim,
-            tiling.dv,
-            vp,
-            units,
-            tiling.bk,
-            int8,
-        );
+        store_rows::<F, N, W>(&regs.k, &regs.k_codes, &regs.k_scales, &mut k_s, tiling.dim, qp, units, tiling.bk, int8);
+        store_rows::<F, N, W>(&regs.v, &regs.v_codes, &regs.v_scales, &mut v_s, tiling.dv, vp, units, tiling.bk, int8);
         sync_cube();
+        if prefetch && tile + 1 < t_hi {
+            // The next tile's loads are in flight while this one is multiplied.
+            let at = KvAt { b, kvh, key0: key0 + bk, k_len, slots: shape.slots, kv_heads, c0 };
+            load_tile::<F, N, W>(
+                k, v, k_codes, k_scales, v_codes, v_scales, &k_strides, &v_strides, &mut regs, at, tiling, int8,
+            );
+        }
 
         // Scores of the plane's 16 rows against the tile's keys.
         #[unroll]
@@ -458,25 +517,86 @@ fn fragment<F: Float, N: Size>(
     fragment
 }
 
-/// Stages `bk` rows of keys or values (`cols` columns from `c0`) from key `key0` into `into`
-/// (rows `pitch` vectors apart), zeros past `k_len`: dense rows read as vectors of 8, int8
-/// codes as vectors of 16 codes decoded with their slot's scale.
+/// One tile's keys and values in a unit's registers, as loaded (dense vectors, or int8 code
+/// vectors with their slots' scales), before they are written to shared memory.
+#[derive(CubeType)]
+struct Staged<F: Float, N: Size, W: Size> {
+    k: Array<Vector<F, N>>,
+    v: Array<Vector<F, N>>,
+    k_codes: Array<Vector<u32, W>>,
+    v_codes: Array<Vector<u32, W>>,
+    k_scales: Array<f32>,
+    v_scales: Array<f32>,
+}
+
+/// Vectors (of 8 values, or of 16 int8 codes) in `bk` rows of `cols` columns, and how many of
+/// them each of `units` units moves.
+fn vectors(bk: usize, cols: usize, units: usize, int8: bool) -> (usize, usize) {
+    let total = bk * cols / if int8 { 16 } else { VEC };
+    (total, total.div_ceil(units))
+}
+
+/// This unit's share of `bk` rows of keys or values (`cols` columns from `c0`) from key `key0`
+/// into registers, all loads issued before any is used: vector `i = unit + j * units` is
+/// vector `i % per_row` of row `i / per_row`; rows past `k_len` are zeros (int8: scale 0).
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn stage_tile<F: Float, N: Size, W: Size>(
+fn load_rows<F: Float, N: Size, W: Size>(
     dense: &Array<Vector<F, N>>,
     codes: &Array<Vector<u32, W>>,
     scales: &Array<f32>,
     strides: &Strides4,
-    into: &mut SharedMemory<Vector<F, N>>,
-    b: usize,
-    kvh: usize,
-    key0: usize,
-    k_len: usize,
-    slots: usize,
-    kv_heads: usize,
-    c0: usize,
+    regs: &mut Array<Vector<F, N>>,
+    code_regs: &mut Array<Vector<u32, W>>,
+    scale_regs: &mut Array<f32>,
+    at: KvAt,
     #[comptime] dim: usize,
+    #[comptime] cols: usize,
+    #[comptime] units: usize,
+    #[comptime] bk: usize,
+    #[comptime] int8: bool,
+) {
+    let unit = UNIT_POS_X as usize;
+    let (total, n) = comptime!(vectors(bk, cols, units, int8));
+    if int8 {
+        let per_row = comptime!(cols / 16);
+        let head = (at.b * at.kv_heads + at.kvh) * at.slots;
+        #[unroll]
+        for j in 0..n {
+            let i = unit + comptime!(j * units);
+            let key = at.key0 + i / per_row;
+            code_regs[j] = Vector::<u32, W>::new(0u32);
+            scale_regs[j] = 0.0f32;
+            if i < total && key < at.k_len {
+                let slot = head + key;
+                code_regs[j] = codes[slot * comptime!(dim / 16) + at.c0 / 16 + i % per_row];
+                scale_regs[j] = scales[slot];
+            }
+        }
+    } else {
+        let per_row = comptime!(cols / VEC);
+        let base = strides.at(at.b, at.kvh, 0, 0) + at.c0;
+        #[unroll]
+        for j in 0..n {
+            let i = unit + comptime!(j * units);
+            let key = at.key0 + i / per_row;
+            regs[j] = Vector::<F, N>::new(F::from_int(0));
+            if i < total && key < at.k_len {
+                regs[j] = dense[(base + key * strides.s) / VEC + i % per_row];
+            }
+        }
+    }
+}
+
+/// Writes what [`load_rows`] loaded into `into` (rows `pitch` vectors apart), int8 codes
+/// decoded as the other kernels decode them (`code * scale`, rounded to `F`).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn store_rows<F: Float, N: Size, W: Size>(
+    regs: &Array<Vector<F, N>>,
+    code_regs: &Array<Vector<u32, W>>,
+    scale_regs: &Array<f32>,
+    into: &mut SharedMemory<Vector<F, N>>,
     #[comptime] cols: usize,
     #[comptime] pitch: usize,
     #[comptime] units: usize,
@@ -484,46 +604,102 @@ fn stage_tile<F: Float, N: Size, W: Size>(
     #[comptime] int8: bool,
 ) {
     let unit = UNIT_POS_X as usize;
+    let (total, n) = comptime!(vectors(bk, cols, units, int8));
     if int8 {
-        // Vectors of 4 words: 16 codes, two vectors of `F`.
         let per_row = comptime!(cols / 16);
-        let mut idx = unit;
-        while idx < comptime!(bk * cols / 16) {
-            let j = idx / per_row;
-            let cw = idx % per_row;
-            let key = key0 + j;
-            let mut lo = Vector::<F, N>::new(F::from_int(0));
-            let mut hi = Vector::<F, N>::new(F::from_int(0));
-            if key < k_len {
-                let slot = (b * kv_heads + kvh) * slots + key;
-                let words = codes[slot * comptime!(dim / 16) + c0 / 16 + cw];
-                let s = scales[slot];
+        #[unroll]
+        for j in 0..n {
+            let i = unit + comptime!(j * units);
+            if i < total {
+                let words = code_regs[j];
+                let s = scale_regs[j];
+                let mut lo = Vector::<F, N>::empty();
+                let mut hi = Vector::<F, N>::empty();
                 #[unroll]
                 for e in 0..VEC {
                     lo[e] = F::cast_from(int8_code(words[comptime!(e / 4)], comptime!(e % 4)) * s);
                     hi[e] = F::cast_from(int8_code(words[comptime!((e + VEC) / 4)], comptime!(e % 4)) * s);
                 }
+                let at = (i / per_row) * pitch + (i % per_row) * 2;
+                into[at] = lo;
+                into[at + 1] = hi;
             }
-            into[j * pitch + cw * 2] = lo;
-            into[j * pitch + cw * 2 + 1] = hi;
-            idx += units;
         }
     } else {
         let per_row = comptime!(cols / VEC);
-        let base = strides.at(b, kvh, 0, 0) + c0;
-        let mut idx = unit;
-        while idx < comptime!(bk * cols / VEC) {
-            let j = idx / per_row;
-            let cv = idx % per_row;
-            let key = key0 + j;
-            let mut value = Vector::<F, N>::new(F::from_int(0));
-            if key < k_len {
-                value = dense[(base + key * strides.s) / VEC + cv];
+        #[unroll]
+        for j in 0..n {
+            let i = unit + comptime!(j * units);
+            if i < total {
+                into[(i / per_row) * pitch + i % per_row] = regs[j];
             }
-            into[j * pitch + cv] = value;
-            idx += units;
         }
     }
+}
+
+/// Where a tile's rows are: sequence, KV head, first key, keys attended, slots per head (int8),
+/// KV heads, first value column.
+#[derive(CubeType, Clone, Copy)]
+struct KvAt {
+    b: usize,
+    kvh: usize,
+    key0: usize,
+    k_len: usize,
+    slots: usize,
+    kv_heads: usize,
+    c0: usize,
+}
+
+/// Loads tile `key0`'s keys (every column) and values (the cube's `dv` from `c0`) into `regs`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn load_tile<F: Float, N: Size, W: Size>(
+    k: &Array<Vector<F, N>>,
+    v: &Array<Vector<F, N>>,
+    k_codes: &Array<Vector<u32, W>>,
+    k_scales: &Array<f32>,
+    v_codes: &Array<Vector<u32, W>>,
+    v_scales: &Array<f32>,
+    k_strides: &Strides4,
+    v_strides: &Strides4,
+    regs: &mut Staged<F, N, W>,
+    at: KvAt,
+    #[comptime] tiling: FlashTiling,
+    #[comptime] int8: bool,
+) {
+    let units = comptime!(tiling.planes * 32);
+    let keys =
+        KvAt { b: at.b, kvh: at.kvh, key0: at.key0, k_len: at.k_len, slots: at.slots, kv_heads: at.kv_heads, c0: 0 };
+    load_rows::<F, N, W>(
+        k,
+        k_codes,
+        k_scales,
+        k_strides,
+        &mut regs.k,
+        &mut regs.k_codes,
+        &mut regs.k_scales,
+        keys,
+        tiling.dim,
+        tiling.dim,
+        units,
+        tiling.bk,
+        int8,
+    );
+    load_rows::<F, N, W>(
+        v,
+        v_codes,
+        v_scales,
+        v_strides,
+        &mut regs.v,
+        &mut regs.v_codes,
+        &mut regs.v_scales,
+        at,
+        tiling.dim,
+        tiling.dv,
+        units,
+        tiling.bk,
+        int8,
+    );
 }
 
 /// A raw score of query position `q_pos` (row in range: `row_ok`) and key `key` scaled and
@@ -796,7 +972,7 @@ pub(super) fn attention<R: CubeRuntime>(
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
-    use super::{attention, tiling, FlashTiling, Kv};
+    use super::{attention, tiling, FlashLayout, FlashTiling, Kv, Prefetch};
     use crate::attention::{naive, AttentionMask, AttentionOptions};
     use crate::cube::{empty, float, float_strided, int, tensor};
     use crate::gpu_test::{assert_close, seed, tolerance};
@@ -827,6 +1003,14 @@ mod tests {
         (2, 4, 1, 16, 600, 256, 584, 0, Some(512), Some(50.0)),
         // Long enough that a row's maximum grows past the stale bound more than once.
         (1, 2, 1, 1030, 1030, 128, 0, 0, None, None),
+    ];
+
+    /// Layouts tried besides the default (bf16 only: f16 runs the default): four and eight
+    /// planes, 32 and 64 keys, both prefetches.
+    const LAYOUTS: [FlashLayout; 3] = [
+        FlashLayout { planes: 8, bk: 64, prefetch: Prefetch::None },
+        FlashLayout { planes: 8, bk: 32, prefetch: Prefetch::NextTile },
+        FlashLayout { planes: 4, bk: 32, prefetch: Prefetch::None },
     ];
 
     fn host(t: Tensor<Cuda, 4>) -> Vec<f32> {
@@ -871,19 +1055,27 @@ mod tests {
             ];
             for (format, kv, k, v) in inputs {
                 let qc = float_strided(q.clone());
-                let t: FlashTiling = tiling(&qc, &kv).expect("the H200 runs flash attention on these shapes");
-                let out = empty(&qc, [batch, hq, tq, dim], dtype);
-                attention(&qc, kv, &out, &options, t);
-                let got = tensor::<CudaRuntime, f32, i32, u8, 4>(out);
+                let chosen: FlashTiling = tiling(&qc, &kv).expect("the H200 runs flash attention on these shapes");
                 let expected = naive(&host(q.clone()), &host(k), &host(v), [batch, hq, hkv, tq, tk, dim], &options);
                 let expected = Tensor::<Cuda, 4>::from_data(
                     TensorData::new(expected, [batch, hq, tq, dim]),
                     (&device, DType::F32),
                 );
-                let what = format!(
-                    "flash {format} b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?} {t:?}"
-                );
-                assert_close(got, expected, tolerance(dtype), &what);
+                // The default and every other layout that fits the head size.
+                let shared = qc.client.properties().hardware.max_shared_memory_size;
+                let others = LAYOUTS
+                    .iter()
+                    .filter_map(|&l| FlashTiling::new(dim, l))
+                    .filter(|t| t.shared_bytes() <= shared && *t != chosen && dtype == DType::BF16);
+                for t in std::iter::once(chosen).chain(others) {
+                    let out = empty(&qc, [batch, hq, tq, dim], dtype);
+                    attention(&qc, kv.clone(), &out, &options, t);
+                    let got = tensor::<CudaRuntime, f32, i32, u8, 4>(out);
+                    let what = format!(
+                        "flash {format} b{batch} hq{hq} hkv{hkv} tq{tq} tk{tk} d{dim} {mask:?} softcap {softcap:?} {t:?}"
+                    );
+                    assert_close(got, expected.clone(), tolerance(dtype), &what);
+                }
             }
         }
     }
@@ -900,10 +1092,21 @@ mod tests {
 
     #[test]
     fn tilings_fit_hopper_shared_memory() {
-        for dim in [64, 96, 128, 256, 512] {
-            let t = FlashTiling::choose(dim, 227 << 10).expect("a tiling");
-            assert!(t.shared_bytes() <= 227 << 10 && t.dv * (dim / t.dv) == dim, "{t:?}");
+        // Hopper (227 KiB per cube) takes every head size; 100 KiB (consumer GPUs) those up to
+        // 256 (a cube's 64 query rows of 512 need 66 KiB alone; such heads take the other kernels).
+        for (shared, dims) in [(227 << 10, &[64, 96, 128, 256, 512][..]), (100 << 10, &[64, 96, 128, 256][..])] {
+            for &dim in dims {
+                let t = FlashTiling::choose(dim, shared).expect("a tiling");
+                assert!(t.shared_bytes() <= shared && t.dv * (dim / t.dv) == dim, "{t:?}");
+            }
         }
+        assert_eq!(FlashTiling::choose(512, 100 << 10), None);
+        // The measured choices on a Hopper multiprocessor, and the small layout where shared
+        // memory is 100 KiB.
+        let hopper = |dim| FlashTiling::choose(dim, 227 << 10).map(|t| (t.planes, t.bk, t.prefetch));
+        assert_eq!(hopper(256), Some((8, 64, Prefetch::None)));
+        assert_eq!(hopper(512), Some((8, 32, Prefetch::NextTile)));
+        assert_eq!(FlashTiling::choose(256, 100 << 10).map(|t| (t.planes, t.bk)), Some((4, 32)));
         assert_eq!(FlashTiling::choose(40, 227 << 10), None);
     }
 }

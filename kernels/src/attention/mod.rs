@@ -128,14 +128,15 @@ mod flash;
 mod merge;
 mod tiled;
 
-pub use flash::FlashTiling;
+pub use flash::{flash_layout, set_flash_layout, FlashLayout, FlashTiling, Prefetch};
 
 /// Which kernel attends a prompt (one mask for every sequence) where several take its shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttention {
     /// The measured default: flash attention on the matrix units where it runs (CUDA, f16/bf16,
     /// head sizes that are multiples of 16 up to 512, at least [`FLASH_MIN_QUERIES`] query
-    /// positions), else the blocked GEMM path for dense prompts, else the tiled kernel.
+    /// positions) except for global layers whose score products reach [`BLOCKED_MIN_MACS`],
+    /// else the blocked GEMM path for dense prompts, else the tiled kernel.
     #[default]
     Auto,
     /// Flash attention wherever it runs, short prompts included.
@@ -144,6 +145,28 @@ pub enum PrefillAttention {
     Blocked,
     /// The tiled kernel (shared memory and barriers only; every backend).
     Tiled,
+}
+
+/// Multiply-adds of one block's score product (every KV head) from which
+/// [`PrefillAttention::Auto`] takes the blocked GEMM path over flash attention for dense,
+/// global layers: there the product runs through cuBLASLt near the bf16 rate (H200, bf16,
+/// `docs/gpu-runs/2026-11-28-flash` call 3: Gemma 3 12B's global layer over 16k keys, 34G per
+/// block, 129 TFLOP/s blocked against 89 flash; at 8k keys, 17G, both 80; Gemma 3 4B at 16k,
+/// 17G, 67 blocked against 83 flash).
+pub const BLOCKED_MIN_MACS: usize = 32_000_000_000;
+
+/// Whether [`PrefillAttention::Auto`] gives `q` over `kv` to the blocked path (see
+/// [`BLOCKED_MIN_MACS`]).
+fn blocked_preferred<R: burn_cubecl::CubeRuntime>(
+    q: &burn_cubecl::tensor::CubeTensor<R>,
+    kv: &kernel::Kv<R>,
+    options: &AttentionOptions,
+) -> bool {
+    let [q_heads, q_len, dim] = [q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+    let (_, k_len, _) = kv.sizes();
+    let dense = matches!(kv, kernel::Kv::Dense { .. });
+    let block = q_len.min(blocked::BLOCK_QUERIES);
+    dense && options.mask.window.is_none() && q_heads * block * k_len * dim >= BLOCKED_MIN_MACS
 }
 
 /// Fewest query positions [`PrefillAttention::Auto`] gives flash attention (fewer take the
@@ -226,6 +249,7 @@ pub(crate) mod kernel {
 
     /// Keys and values as the kernels read them (built per launch, never stored).
     #[allow(clippy::large_enum_variant)]
+    #[derive(Clone)]
     pub enum Kv<R: CubeRuntime> {
         /// `[batch, kv_heads, k_len, dim]` each, any strides.
         Dense { k: CubeTensor<R>, v: CubeTensor<R> },
@@ -330,7 +354,7 @@ pub(crate) mod kernel {
         use super::PrefillAttention as P;
         let q_len = q.meta.shape()[2];
         let flash = match choice {
-            P::Auto => q_len >= super::flash::MIN_QUERIES,
+            P::Auto => q_len >= super::flash::MIN_QUERIES && !super::blocked_preferred(&q, &kv, options),
             P::Flash => true,
             P::Blocked | P::Tiled => false,
         };
