@@ -100,6 +100,40 @@ pub(crate) fn load_vector_size<R: CubeRuntime>(
 
 /// Whether `plane_sum` over 32 units is available: plane operations supported and every plane
 /// exactly 32 units wide (CUDA warps), so a row owned by 32 consecutive units is one plane.
+/// Whether `R` is CUDA: the runtime the matrix-unit kernels (quantized mma, flash attention)
+/// have been checked on. Vulkan and HIP report cooperative matrices too, but nothing here has
+/// run those kernels there; they keep the other paths.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+pub(crate) fn cuda_runtime<R: CubeRuntime>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// Whether `client` multiplies `dtype` (f16 or bf16) on 16 x 16 x 16 cooperative matrices
+/// accumulating in f32.
+pub(crate) fn cmma_16<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> bool {
+    use cubecl::ir::{ElemType, FloatKind};
+    let elem: StorageType = match dtype {
+        DType::BF16 => ElemType::Float(FloatKind::BF16).into(),
+        DType::F16 => ElemType::Float(FloatKind::F16).into(),
+        _ => return false,
+    };
+    let f32: StorageType = ElemType::Float(FloatKind::F32).into();
+    client
+        .properties()
+        .features
+        .matmul
+        .cmma
+        .iter()
+        .any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32 && [c.m, c.n, c.k] == [16, 16, 16])
+}
+
 pub(crate) fn planes_of_32<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
     let props = client.properties();
     props.features.plane.contains(cubecl::ir::features::Plane::Ops)

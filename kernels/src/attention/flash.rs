@@ -36,9 +36,8 @@ use super::kernel::{int8_code, shape_arg, AttentionShape, Kv, ShapeSizes};
 use super::AttentionOptions;
 use crate::cube::{tanh_f32, Strides4};
 use crate::graph::{arg, launch};
-use burn::tensor::DType;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
-use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubecl::ir::StorageType;
 use cubecl::prelude::*;
 
 /// Side of the cooperative-matrix tiles.
@@ -845,19 +844,6 @@ fn write_rows<F: Float, N: Size>(
     }
 }
 
-/// Whether `R` is a runtime the kernel's tests run on (CUDA).
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-fn tested_runtime<R: CubeRuntime>() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
-}
-
 /// Whether a tensor's rows can be read as vectors of [`VEC`]: the head dimension contiguous,
 /// every other stride a multiple of 8 and the buffer 16-byte aligned.
 fn vector_rows<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
@@ -885,22 +871,9 @@ fn contiguous<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
 /// whole vectors of 16.
 pub(crate) fn tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>) -> Option<FlashTiling> {
     let dim = q.meta.shape()[3];
-    let elem: StorageType = match q.dtype {
-        DType::BF16 => ElemType::Float(FloatKind::BF16).into(),
-        DType::F16 => ElemType::Float(FloatKind::F16).into(),
-        _ => return None,
-    };
-    if !tested_runtime::<R>() || !vector_rows(q) {
+    if !crate::cube::cuda_runtime::<R>() || !crate::cube::cmma_16(&q.client, q.dtype) || !vector_rows(q) {
         return None;
     }
-    let f32: StorageType = ElemType::Float(FloatKind::F32).into();
-    let props = q.client.properties();
-    let cmma = props
-        .features
-        .matmul
-        .cmma
-        .iter()
-        .any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32 && [c.m, c.n, c.k] == [16, 16, 16]);
     let kv_ok = match kv {
         Kv::Dense { k, v } => k.dtype == q.dtype && v.dtype == q.dtype && vector_rows(k) && vector_rows(v),
         Kv::Int8 { k_codes, v_codes, .. } => {
@@ -910,10 +883,10 @@ pub(crate) fn tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>) -> Option<Fl
                     .all(|c| contiguous(c) && c.handle.offset_start.unwrap_or(0).is_multiple_of(16))
         }
     };
-    if !cmma || !kv_ok {
+    if !kv_ok {
         return None;
     }
-    FlashTiling::choose(dim, props.hardware.max_shared_memory_size)
+    FlashTiling::choose(dim, q.client.properties().hardware.max_shared_memory_size)
 }
 
 /// Launches [`flash_kernel`] with `tiling` (from [`tiling`]) into `out` (contiguous `[batch,

@@ -40,7 +40,7 @@ use crate::linear::kernel::{OutPlace, OutPlaceLaunch};
 use crate::Epilogue;
 use burn::tensor::{DType, Tensor};
 use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeRuntime, FloatElement, IntElement};
-use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubecl::ir::StorageType;
 use cubecl::prelude::*;
 
 /// Most activation rows the kernel takes (four row tiles of 16).
@@ -152,22 +152,10 @@ impl MmaTiling {
 /// multiplied on 16 x 16 x 16 cooperative matrices with an f32 accumulator, at most
 /// [`MMA_MAX_ROWS`] rows, `k` a multiple of 64.
 pub fn applies<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize, k: usize) -> bool {
-    if !tested_runtime::<R>() || !(1..=MMA_MAX_ROWS).contains(&m) || !k.is_multiple_of(64) {
-        return false;
-    }
-    let elem: StorageType = match dtype {
-        DType::BF16 => ElemType::Float(FloatKind::BF16).into(),
-        DType::F16 => ElemType::Float(FloatKind::F16).into(),
-        _ => return false,
-    };
-    let f32: StorageType = ElemType::Float(FloatKind::F32).into();
-    client
-        .properties()
-        .features
-        .matmul
-        .cmma
-        .iter()
-        .any(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32 && [c.m, c.n, c.k] == [16, 16, 16])
+    crate::cube::cuda_runtime::<R>()
+        && (1..=MMA_MAX_ROWS).contains(&m)
+        && k.is_multiple_of(64)
+        && crate::cube::cmma_16(client, dtype)
 }
 
 /// What one stage moves, per cube and per unit (comptime).
@@ -193,21 +181,6 @@ struct Loaded<F: Float, NW: Size, NX: Size> {
     scales: Array<f32>,
     offsets: Array<f32>,
     x: Array<Vector<F, NX>>,
-}
-
-/// Whether `R` is a runtime the kernel's tests run on (CUDA). Vulkan and HIP report
-/// cooperative matrices too, but nothing here has checked the kernel on them: they keep the
-/// matrix-vector kernel and the prefill GEMM.
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-fn tested_runtime<R: CubeRuntime>() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
 }
 
 /// Loads this unit's share of stage `stage` into `into`: code vector `i = unit + j * units`
