@@ -8,8 +8,10 @@
 //! (GQA/MQA, repeated heads never materialized). The cube stages its queries once, then for
 //! each tile of `bk` keys:
 //!
-//! 1. stages the tile's keys and values in shared memory as `F` (int8 caches are decoded on
-//!    the way: `code * scale`, as the other kernels read them);
+//! 1. stages the tile's keys and values in shared memory as `F`, each unit issuing all of its
+//!    loads before storing any (int8 caches are decoded on the way: `code * scale`, as the
+//!    other kernels read them); with [`Prefetch::NextTile`] the loads of the next tile are in
+//!    flight during this tile's products;
 //! 2. each plane multiplies its 16 query rows by the keys on 16 x 16 x 16 cooperative matrices
 //!    (f32 accumulators) and stores the scores in its shared scratch;
 //! 3. two units per row scale, softcap and mask the scores (absolute positions), keep the row's
@@ -25,8 +27,11 @@
 //! Head sizes up to 256 are one launch; larger ones (Gemma 4's 512) split the value columns
 //! over the grid's z axis, each cube recomputing the scores.
 //!
+//! How many planes a cube has and how many keys a tile holds is a [`FlashLayout`], measured per
+//! head size ([`DEFAULT_LAYOUTS`]).
+//!
 //! Only on CUDA, in f16/bf16, where the device has 16 x 16 x 16 cooperative matrices for `F`
-//! with an f32 accumulator ([`applies`]): Vulkan and HIP report cooperative matrices too, but
+//! with an f32 accumulator ([`tiling`]): Vulkan and HIP report cooperative matrices too, but
 //! nothing here has checked the kernel there (they keep the blocked and tiled kernels).
 
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
@@ -139,7 +144,7 @@ impl FlashTiling {
         let fits = |t: &Self| t.shared_bytes() <= shared;
         let chosen = flash_layout().and_then(|l| Self::new(dim, l)).filter(fits);
         let defaults = || DEFAULT_LAYOUTS.iter().filter_map(|&l| Self::new(dim, l));
-        chosen.or_else(|| defaults().filter(Self::preferred_for).find(fits)).or_else(|| defaults().find(fits))
+        chosen.or_else(|| defaults().filter(Self::suits_head).find(fits)).or_else(|| defaults().find(fits))
     }
 }
 
@@ -156,9 +161,9 @@ pub const DEFAULT_LAYOUTS: [FlashLayout; 3] = [
 ];
 
 impl FlashTiling {
-    /// Whether this is the tiling for heads above 256: the 8 x 64 layout is measured slower
-    /// there (two value halves each recompute the scores with a 64-key tile of 512-wide keys).
-    fn preferred_for(&self) -> bool {
+    /// Whether the layout suits the head size: heads above 256 take 32-key tiles (on the H200,
+    /// 8 planes x 64 keys gave 40 TFLOP/s on Gemma 4's 512-wide heads, 8 x 32 prefetching 64).
+    fn suits_head(&self) -> bool {
         self.dim <= MAX_DV || self.bk == 32
     }
 }

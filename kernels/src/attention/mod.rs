@@ -135,8 +135,9 @@ pub use flash::{flash_layout, set_flash_layout, FlashLayout, FlashTiling, Prefet
 pub enum PrefillAttention {
     /// The measured default: flash attention on the matrix units where it runs (CUDA, f16/bf16,
     /// head sizes that are multiples of 16 up to 512, at least [`FLASH_MIN_QUERIES`] query
-    /// positions) except for global layers whose score products reach [`BLOCKED_MIN_MACS`],
-    /// else the blocked GEMM path for dense prompts, else the tiled kernel.
+    /// positions), except for global layers whose score products reach [`BLOCKED_MIN_MACS`]
+    /// and short chunks after long caches ([`FLASH_FEW_CUBES_KEYS`]); else the blocked GEMM
+    /// path for dense prompts, else the tiled kernel.
     #[default]
     Auto,
     /// Flash attention wherever it runs, short prompts included.
@@ -155,18 +156,50 @@ pub enum PrefillAttention {
 /// 17G, 67 blocked against 83 flash).
 pub const BLOCKED_MIN_MACS: usize = 32_000_000_000;
 
-/// Whether [`PrefillAttention::Auto`] gives `q` over `kv` to the blocked path (see
-/// [`BLOCKED_MIN_MACS`]).
-fn blocked_preferred<R: burn_cubecl::CubeRuntime>(
+/// Keys beyond which [`PrefillAttention::Auto`] leaves a launch of fewer flash cubes than an
+/// eighth of the multiprocessors to the other kernels: flash attention does not split the keys over
+/// cubes, so a short chunk after a long cache (a prompt continuing a cached prefix) would walk
+/// them on a few multiprocessors, where the tiled kernel splits them and the blocked path's
+/// products spread them.
+pub const FLASH_FEW_CUBES_KEYS: usize = 2048;
+
+/// What [`flash_by_default`] decides on: a prompt's sizes and its keys' format and mask.
+#[derive(Debug, Clone, Copy)]
+struct PromptShape {
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    k_len: usize,
+    dim: usize,
+    dense: bool,
+    window: Option<usize>,
+}
+
+/// Whether [`PrefillAttention::Auto`] runs `shape` in flash attention with `tiling` on a device
+/// of `sms` multiprocessors: at least [`FLASH_MIN_QUERIES`] positions, enough cubes or few keys
+/// ([`FLASH_FEW_CUBES_KEYS`]), and not a dense global layer whose score products reach
+/// [`BLOCKED_MIN_MACS`].
+fn flash_by_default(shape: PromptShape, tiling: &FlashTiling, sms: usize) -> bool {
+    let PromptShape { batch, q_heads, kv_heads, q_len, k_len, dim, dense, window } = shape;
+    let cubes = (q_heads / kv_heads * q_len).div_ceil(tiling.bq()) * batch * kv_heads * (tiling.dim / tiling.dv);
+    let block = q_len.min(blocked::BLOCK_QUERIES);
+    let blocked = dense && window.is_none() && q_heads * block * k_len * dim >= BLOCKED_MIN_MACS;
+    q_len >= FLASH_MIN_QUERIES && (8 * cubes >= sms || k_len <= FLASH_FEW_CUBES_KEYS) && !blocked
+}
+
+/// [`flash_by_default`] for `q` over `kv` on `q`'s device.
+fn flash_by_default_for<R: burn_cubecl::CubeRuntime>(
     q: &burn_cubecl::tensor::CubeTensor<R>,
     kv: &kernel::Kv<R>,
     options: &AttentionOptions,
+    tiling: &FlashTiling,
 ) -> bool {
-    let [q_heads, q_len, dim] = [q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
-    let (_, k_len, _) = kv.sizes();
+    let [batch, q_heads, q_len, dim] = [q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2], q.meta.shape()[3]];
+    let (kv_heads, k_len, _) = kv.sizes();
     let dense = matches!(kv, kernel::Kv::Dense { .. });
-    let block = q_len.min(blocked::BLOCK_QUERIES);
-    dense && options.mask.window.is_none() && q_heads * block * k_len * dim >= BLOCKED_MIN_MACS
+    let shape = PromptShape { batch, q_heads, kv_heads, q_len, k_len, dim, dense, window: options.mask.window };
+    flash_by_default(shape, tiling, crate::quant::mma::multiprocessors(&q.client))
 }
 
 /// Fewest query positions [`PrefillAttention::Auto`] gives flash attention (fewer take the
@@ -354,11 +387,11 @@ pub(crate) mod kernel {
         use super::PrefillAttention as P;
         let q_len = q.meta.shape()[2];
         let flash = match choice {
-            P::Auto => q_len >= super::flash::MIN_QUERIES && !super::blocked_preferred(&q, &kv, options),
-            P::Flash => true,
-            P::Blocked | P::Tiled => false,
+            P::Auto | P::Flash => super::flash::tiling(&q, &kv),
+            P::Blocked | P::Tiled => None,
         };
-        if let Some(tiling) = flash.then(|| super::flash::tiling(&q, &kv)).flatten() {
+        let flash = flash.filter(|t| choice == P::Flash || super::flash_by_default_for(&q, &kv, options, t));
+        if let Some(tiling) = flash {
             super::flash::attention(&q, kv, &out, options, tiling);
             return out;
         }
@@ -461,6 +494,42 @@ mod tests {
             assert!(got.to_vec::<f32>().unwrap().iter().all(|x| x.is_finite()));
             got.assert_approx_eq::<f32>(&TensorData::new(expected, [1, hq, tq, d]), Default::default());
         }
+    }
+
+    /// The default kernel choice on Gemma's shapes (an H200's 132 multiprocessors, the
+    /// measured Hopper layouts): the cases of `docs/gpu-runs/2026-11-28-flash`, a short chunk
+    /// after a long cache, and a chunk too short for flash.
+    #[test]
+    fn default_prompt_kernel() {
+        let shape = |q_heads, kv_heads, q_len, k_len, dim, window| PromptShape {
+            batch: 1,
+            q_heads,
+            kv_heads,
+            q_len,
+            k_len,
+            dim,
+            dense: true,
+            window,
+        };
+        let flash = |s: PromptShape| {
+            let tiling = FlashTiling::choose(s.dim, 227 << 10).expect("a Hopper tiling");
+            flash_by_default(s, &tiling, 132)
+        };
+        // Measured faster in flash: 1B and 4B global, 4B local at 16k, 12B global at 8k (a tie).
+        assert!(flash(shape(4, 1, 16384, 16384, 256, None)));
+        assert!(flash(shape(8, 4, 16384, 16384, 256, None)));
+        assert!(flash(shape(8, 4, 16384, 16384, 256, Some(1024))));
+        assert!(flash(shape(16, 8, 8192, 8192, 256, None)));
+        // Measured faster blocked: 12B global at 16k (34G multiply-adds per block).
+        assert!(!flash(shape(16, 8, 16384, 16384, 256, None)));
+        // The same layer's int8 cache has no blocked path: flash.
+        assert!(flash(PromptShape { dense: false, ..shape(16, 8, 16384, 16384, 256, None) }));
+        // A default chunk of 2,048 after 2,048 cached positions on the 1B: 64 cubes.
+        assert!(flash(shape(4, 1, 2048, 4096, 256, None)));
+        // 64 positions after 30,000 cached ones on one KV head: two cubes would walk them all.
+        assert!(!flash(shape(4, 1, 64, 30064, 256, None)));
+        assert!(flash(shape(4, 1, 64, 2000, 256, None)));
+        assert!(!flash(shape(4, 1, FLASH_MIN_QUERIES - 1, 100, 256, None)));
     }
 
     #[test]
