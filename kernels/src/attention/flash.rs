@@ -37,10 +37,11 @@
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
 
-use super::kernel::{int8_code, shape_arg, AttentionShape, Kv, ShapeSizes};
+use super::kernel::{int8_code, shape_arg, visible_tiles, AttentionShape, Kv, ShapeSizes};
 use super::AttentionOptions;
 use crate::cube::{tanh_f32, Strides4};
 use crate::graph::{arg, launch};
+use crate::quant::mma::load_fragment;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::ir::StorageType;
 use cubecl::prelude::*;
@@ -264,24 +265,9 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
         q_s[(i / q_vecs) * qp + i % q_vecs] = q_regs[j];
     }
 
-    // Visible keys of the cube's positions: [j_lo, j_hi), then whole tiles.
-    let i_min = r0 / groups;
-    let i_max = r_last / groups;
-    let mut j_hi = i64::cast_from(q_offset as usize + i_max) - i64::cast_from(k_offset) + 1;
-    j_hi = min(j_hi, i64::cast_from(k_len));
-    let mut j_lo = 0i64;
-    if has_window {
-        j_lo = max(
-            i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset),
-            0i64,
-        );
-    }
-    let mut t_lo = 0usize;
-    let mut t_hi = 0usize;
-    if j_hi > j_lo {
-        t_lo = usize::cast_from(j_lo) / bk;
-        t_hi = (usize::cast_from(j_hi) + bk - 1) / bk;
-    }
+    // Tiles of keys visible from the cube's positions.
+    let tiles = visible_tiles(r0 / groups, r_last / groups, k_len, q_offset, k_offset, window, has_window, bk);
+    let (t_lo, t_hi) = (tiles.lo, tiles.hi);
 
     // This unit's row of the softmax (two units per row, each half of the tile's keys).
     let my_row = lane / 2;
@@ -291,30 +277,8 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
     let mut m = f32::new(-1.0e30);
     let mut l = 0.0f32;
 
-    let mut o_acc = Sequence::<cmma::Matrix<f32>>::new();
-    #[unroll]
-    for _ in 0..comptime!(tiling.dv / TILE) {
-        o_acc.push(cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            TILE,
-            TILE,
-            TILE,
-            cmma::MatrixLayout::Undefined,
-            0.0f32,
-        ));
-    }
-    let mut s_acc = Sequence::<cmma::Matrix<f32>>::new();
-    #[unroll]
-    for _ in 0..comptime!(tiling.bk / TILE) {
-        s_acc.push(cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            TILE,
-            TILE,
-            TILE,
-            cmma::MatrixLayout::Undefined,
-            0.0f32,
-        ));
-    }
+    let o_acc = accumulators(comptime!(tiling.dv / TILE));
+    let s_acc = accumulators(comptime!(tiling.bk / TILE));
     let s_at = plane * comptime!(TILE * sp);
     let p_at = plane * comptime!(TILE * pp);
     let q_at = plane * comptime!(TILE * qp);
@@ -367,7 +331,7 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
         }
         #[unroll]
         for kk in 0..comptime!(tiling.dim / TILE) {
-            let a = fragment::<F, N>(
+            let a = load_fragment::<F, N>(
                 &q_s,
                 q_at + comptime!(kk * TILE / VEC),
                 cmma::MatrixIdent::A,
@@ -377,7 +341,7 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
             #[unroll]
             for t in 0..comptime!(tiling.bk / TILE) {
                 // Keys are rows of `k_s`: as B (`dim x keys`) they are column-major.
-                let kb = fragment::<F, N>(
+                let kb = load_fragment::<F, N>(
                     &k_s,
                     comptime!(t * TILE * qp + kk * TILE / VEC),
                     cmma::MatrixIdent::B,
@@ -457,7 +421,7 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
         // Probabilities x values into the plane's output accumulators.
         #[unroll]
         for kk in 0..comptime!(tiling.bk / TILE) {
-            let a = fragment::<F, N>(
+            let a = load_fragment::<F, N>(
                 &p_s,
                 p_at + comptime!(kk * TILE / VEC),
                 cmma::MatrixIdent::A,
@@ -466,7 +430,7 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
             );
             #[unroll]
             for t in 0..comptime!(tiling.dv / TILE) {
-                let vb = fragment::<F, N>(
+                let vb = load_fragment::<F, N>(
                     &v_s,
                     comptime!(kk * TILE * vp + t * TILE / VEC),
                     cmma::MatrixIdent::B,
@@ -504,21 +468,6 @@ fn flash_kernel<F: Float, N: Size, W: Size>(
         shape,
         tiling,
     );
-}
-
-/// The 16 x 16 fragment of a shared tile of vectors (rows `pitch` vectors apart) starting at
-/// vector `start`.
-#[cube]
-fn fragment<F: Float, N: Size>(
-    tile: &SharedMemory<Vector<F, N>>,
-    start: usize,
-    #[comptime] ident: cmma::MatrixIdent,
-    #[comptime] layout: cmma::MatrixLayout,
-    #[comptime] pitch: usize,
-) -> cmma::Matrix<F> {
-    let fragment = unsafe { cmma::Matrix::<F>::uninitialized(ident, TILE, TILE, TILE, layout) };
-    cmma::load(&fragment, &tile.slice(start, start + comptime!(TILE * pitch)), comptime!(pitch * VEC) as u32);
-    fragment
 }
 
 /// One tile's keys and values in a unit's registers, as loaded (dense vectors, or int8 code
@@ -739,6 +688,49 @@ fn masked_score(
     s
 }
 
+/// `count` f32 accumulator fragments holding zeros.
+#[cube]
+fn accumulators(#[comptime] count: usize) -> Sequence<cmma::Matrix<f32>> {
+    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
+    #[unroll]
+    for _ in 0..count {
+        accs.push(cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            TILE,
+            TILE,
+            TILE,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        ));
+    }
+    accs
+}
+
+/// Stores output fragments `chunk * bk / 16 ..` (columns `chunk * bk ..` of the plane's 16
+/// rows) into the plane's score scratch (rows `bk + S_PAD` apart), then syncs the plane.
+#[cube]
+fn store_chunk(
+    o_acc: &Sequence<cmma::Matrix<f32>>,
+    s_s: &mut SharedMemory<f32>,
+    s_at: usize,
+    #[comptime] chunk: usize,
+    #[comptime] tiling: FlashTiling,
+) {
+    let sp = comptime!(tiling.bk + S_PAD);
+    let per_chunk = comptime!(tiling.bk / TILE);
+    #[unroll]
+    for t in 0..per_chunk {
+        let start = s_at + comptime!(t * TILE);
+        cmma::store(
+            &mut s_s.slice_mut(start, start + comptime!((TILE - 1) * sp + TILE)),
+            o_acc.index(comptime!(chunk * per_chunk + t)),
+            sp as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+    }
+    sync_plane();
+}
+
 /// Multiplies row `i` of the plane's output accumulators by `factor[row0 + i]`, through the
 /// plane's score scratch (`bk` columns, `bk / 16` fragments at a time).
 #[cube]
@@ -755,17 +747,7 @@ fn rescale_rows(
     let per_chunk = comptime!(tiling.bk / TILE);
     #[unroll]
     for chunk in 0..comptime!(tiling.dv / tiling.bk) {
-        #[unroll]
-        for t in 0..per_chunk {
-            let start = s_at + comptime!(t * TILE);
-            cmma::store(
-                &mut s_s.slice_mut(start, start + comptime!((TILE - 1) * sp + TILE)),
-                o_acc.index(comptime!(chunk * per_chunk + t)),
-                sp as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
-        }
-        sync_plane();
+        store_chunk(o_acc, s_s, s_at, chunk, tiling);
         let mut e = lane;
         while e < comptime!(TILE * tiling.bk) {
             let row = e / comptime!(tiling.bk);
@@ -808,23 +790,12 @@ fn write_rows<F: Float, N: Size>(
     #[comptime] tiling: FlashTiling,
 ) {
     let sp = comptime!(tiling.bk + S_PAD);
-    let per_chunk = comptime!(tiling.bk / TILE);
     let chunk_vecs = comptime!(tiling.bk / VEC);
     let groups = shape.q_heads / shape.kv_heads;
     let rows = groups * shape.q_len;
     #[unroll]
     for chunk in 0..comptime!(tiling.dv / tiling.bk) {
-        #[unroll]
-        for t in 0..per_chunk {
-            let start = s_at + comptime!(t * TILE);
-            cmma::store(
-                &mut s_s.slice_mut(start, start + comptime!((TILE - 1) * sp + TILE)),
-                o_acc.index(comptime!(chunk * per_chunk + t)),
-                sp as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
-        }
-        sync_plane();
+        store_chunk(o_acc, s_s, s_at, chunk, tiling);
         let mut e = lane;
         while e < comptime!(TILE * tiling.bk / VEC) {
             let row = e / chunk_vecs;
@@ -856,19 +827,6 @@ fn vector_rows<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
     s[3] == 1 && s[..3].iter().all(|x| x.is_multiple_of(VEC)) && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
 }
 
-/// Whether `t`'s strides are those of a contiguous tensor of its shape.
-fn contiguous<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
-    let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    let mut expected = 1;
-    for i in (0..shape.len()).rev() {
-        if shape[i] > 1 && strides[i] != expected {
-            return false;
-        }
-        expected *= shape[i];
-    }
-    true
-}
-
 /// The tiling [`attention`] runs `q` over `kv` with, where the kernel takes them: the CUDA
 /// runtime, f16/bf16 with 16 x 16 x 16 cooperative matrices accumulating in f32, heads of a
 /// multiple of 16 up to [`MAX_DIM`] (of 32 above 256), queries and dense keys and values read
@@ -885,7 +843,7 @@ pub(crate) fn tiling<R: CubeRuntime>(q: &CubeTensor<R>, kv: &Kv<R>) -> Option<Fl
             dim.is_multiple_of(16)
                 && [k_codes, v_codes]
                     .iter()
-                    .all(|c| contiguous(c) && c.handle.offset_start.unwrap_or(0).is_multiple_of(16))
+                    .all(|c| c.is_contiguous() && c.handle.offset_start.unwrap_or(0).is_multiple_of(16))
         }
     };
     if !kv_ok {

@@ -206,29 +206,20 @@ fn flash_by_default_for<R: burn_cubecl::CubeRuntime>(
 /// tiled kernel, which also splits the keys over cubes).
 pub const FLASH_MIN_QUERIES: usize = flash::MIN_QUERIES;
 
-static PREFILL_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static PREFILL_ATTENTION: std::sync::Mutex<PrefillAttention> = std::sync::Mutex::new(PrefillAttention::Auto);
 
 /// Chooses the prompt attention kernel for this process (for measuring one against another;
 /// [`PrefillAttention::Auto`] is the default). Every kernel gives the same result up to
 /// rounding.
 pub fn set_prefill_attention(choice: PrefillAttention) {
-    let code = match choice {
-        PrefillAttention::Auto => 0,
-        PrefillAttention::Flash => 1,
-        PrefillAttention::Blocked => 2,
-        PrefillAttention::Tiled => 3,
-    };
-    PREFILL_ATTENTION.store(code, std::sync::atomic::Ordering::Relaxed);
+    if let Ok(mut chosen) = PREFILL_ATTENTION.lock() {
+        *chosen = choice;
+    }
 }
 
 /// The choice [`set_prefill_attention`] made.
 pub fn prefill_attention() -> PrefillAttention {
-    match PREFILL_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => PrefillAttention::Flash,
-        2 => PrefillAttention::Blocked,
-        3 => PrefillAttention::Tiled,
-        _ => PrefillAttention::Auto,
-    }
+    PREFILL_ATTENTION.lock().map_or(PrefillAttention::Auto, |c| *c)
 }
 
 /// What every attention kernel shares: the launch sizes, the keys and values as kernels read them,
@@ -274,6 +265,47 @@ pub(crate) mod kernel {
     #[cube]
     pub(super) fn int8_code(word: u32, #[comptime] n: usize) -> f32 {
         f32::reinterpret(((word >> comptime!((n * 8) as u32)) & 255u32) | 0x4B00_0000u32) - 8_388_736.0f32
+    }
+
+    /// Whole tiles of keys `[lo, hi)`.
+    #[derive(CubeType)]
+    pub(super) struct TileRange {
+        pub lo: usize,
+        pub hi: usize,
+    }
+
+    /// The tiles of `bk` keys holding every key visible from query positions `i_min..=i_max`
+    /// (indices from `q_offset`; keys from `k_offset`, `k_len` of them): the causal bound of
+    /// the last position and, with a window, the window of the first.
+    // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+    #[cube]
+    pub(super) fn visible_tiles(
+        i_min: usize,
+        i_max: usize,
+        k_len: usize,
+        q_offset: u32,
+        k_offset: u32,
+        window: u32,
+        #[comptime] has_window: bool,
+        #[comptime] bk: usize,
+    ) -> TileRange {
+        let mut j_hi = i64::cast_from(q_offset as usize + i_max) - i64::cast_from(k_offset) + 1;
+        j_hi = min(j_hi, i64::cast_from(k_len));
+        let mut j_lo = 0i64;
+        if has_window {
+            j_lo = max(
+                i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset),
+                0i64,
+            );
+        }
+        let mut lo = 0usize;
+        let mut hi = 0usize;
+        if j_hi > j_lo {
+            lo = usize::cast_from(j_lo) / bk;
+            hi = (usize::cast_from(j_hi) + bk - 1) / bk;
+        }
+        TileRange { lo, hi }
     }
 
     /// Cubes that keep a GPU busy; fewer than this and the key range is split.

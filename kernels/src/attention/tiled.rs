@@ -14,7 +14,7 @@
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
 
-use super::kernel::{shape_arg, AttentionShape, Kv, ShapeSizes, MAX_SPLITS, TARGET_CUBES};
+use super::kernel::{shape_arg, visible_tiles, AttentionShape, Kv, ShapeSizes, MAX_SPLITS, TARGET_CUBES};
 use super::merge::merge;
 use super::AttentionOptions;
 use crate::cube::{empty, pow2_ceil, tanh_f32, Strides4};
@@ -101,22 +101,8 @@ fn flash_attention_kernel<F: Float>(
         i_min = r0 % q_len;
         i_max = r_last % q_len;
     }
-    // Visible key range [j_lo, j_hi), as key indices.
-    let mut j_hi = i64::cast_from(q_offset as usize + i_max) - i64::cast_from(k_offset) + 1;
-    j_hi = min(j_hi, i64::cast_from(k_len));
-    let mut j_lo = 0i64;
-    if has_window {
-        j_lo = max(
-            i64::cast_from(q_offset as usize + i_min) + 1 - i64::cast_from(window) - i64::cast_from(k_offset),
-            0i64,
-        );
-    }
-    let mut t_lo = 0usize;
-    let mut t_hi = 0usize;
-    if j_hi > j_lo {
-        t_lo = usize::cast_from(j_lo) / bk;
-        t_hi = (usize::cast_from(j_hi) + bk - 1) / bk;
-    }
+    let tiles = visible_tiles(i_min, i_max, k_len, q_offset, k_offset, window, has_window, bk);
+    let (t_lo, t_hi) = (tiles.lo, tiles.hi);
     let per_split = (t_hi - t_lo + splits - 1) / splits;
     let t_begin = min(t_lo + split_index * per_split, t_hi);
     let t_end = min(t_begin + per_split, t_hi);

@@ -274,9 +274,10 @@ fn store_stage<F: Float, NW: Size, NX: Size>(
     }
 }
 
-/// The 16 x 16 fragment of a shared tile (rows `pitch` vectors apart) starting at vector `start`.
+/// The 16 x 16 fragment of a shared tile (rows `pitch` vectors of 8 apart) starting at vector
+/// `start` (also the flash attention kernel's).
 #[cube]
-fn load_fragment<F: Float, NX: Size>(
+pub(crate) fn load_fragment<F: Float, NX: Size>(
     tile: &SharedMemory<Vector<F, NX>>,
     start: usize,
     #[comptime] ident: cmma::MatrixIdent,
