@@ -55,8 +55,10 @@ struct Args {
     model: String,
     #[command(flatten)]
     backend: BackendArgs,
-    #[arg(long, default_value_t = 512)]
-    prompt_len: usize,
+    /// Prompt lengths, comma-separated: each is measured in turn on the one loaded model (as
+    /// llama-bench's `-p 512,4096`), one report and one JSON line per length.
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    prompt_len: Vec<usize>,
     /// Most prompt tokens per forward pass (as `generate --prefill-chunk`).
     #[arg(long, default_value_t = burn_gemma::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: std::num::NonZeroUsize,
@@ -167,7 +169,7 @@ impl BackendTask for Bench {
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
         let mut a = self.0;
         let (weights, dtype, kv_cache) = a.backend.formats(name)?;
-        if a.prompt_len == 0 || a.gen == 0 || a.reps == 0 {
+        if a.prompt_len.contains(&0) || a.gen == 0 || a.reps == 0 {
             return Err(CliError::from("--prompt-len, --gen and --reps must be at least 1"));
         }
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
@@ -235,157 +237,162 @@ impl BackendTask for Bench {
             model.weight_bytes() as f64 / 1e9,
             load.elapsed().as_secs_f64()
         );
-        let capacity = a.depth + a.prompt_len.max(a.gen) + 1;
+        let longest = a.prompt_len.iter().copied().max().unwrap_or(1);
+        let capacity = a.depth + longest.max(a.gen) + 1;
         let mut cache = model.new_cache(1, capacity)?;
         // Host memory after the load and the cache (CPU backends: the weights and the cache).
         let rss_loaded = resident_bytes().unwrap_or(0);
         let mut state = a.seed;
         let context = ids(a.depth, config.vocab_size, &mut state);
-        let prompt = ids(a.prompt_len, config.vocab_size, &mut state);
-        let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut gpu_share = Vec::new();
         let mut graphs = match a.cuda_graph {
             CudaGraph::Off => None,
             _ => Some(DecodeGraphs::<B>::new(SamplingParams::GREEDY, 1, capacity)),
         };
-        let mut peak = 0u64;
-        for rep in 0..=a.reps {
-            // Prefill at depth.
-            cache.reset();
-            if !context.is_empty() {
-                feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
-            }
-            let _ = B::sync(&device);
-            let start = Instant::now();
-            let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
-            let prefill = start.elapsed();
-            peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
-            // Decode at depth.
-            cache.reset();
-            if !context.is_empty() {
-                feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
-            }
-            let _ = B::sync(&device);
-            let profiler = match (&a.host_profile, rep == a.reps) {
-                (Some(_), true) => Some(host_profile::start()?),
-                _ => None,
-            };
-            let start = Instant::now();
-            let mut enqueue = Duration::ZERO;
-            let mut gpu = Duration::ZERO;
-            for _ in 0..a.gen {
-                let step = Instant::now();
-                if let Some(g) = graphs.as_mut() {
-                    match g.step(&model, &mut cache, &[token], &[0.0]) {
-                        Ok(ids) => {
-                            let times = g.last_replay();
-                            enqueue += times.issue;
-                            gpu += times.gpu;
-                            token = ids.first().copied().unwrap_or(0);
-                            continue;
-                        }
-                        // Auto: eager where the backend is not CUDA, and where the step cannot
-                        // be recorded (said once).
-                        Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
-                            if !matches!(e, GraphError::NotCuda(_)) {
-                                eprintln!("decoding eagerly, the CUDA graph failed: {e}");
-                            }
-                            graphs = None;
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+        for &prompt_len in &a.prompt_len {
+            let prompt = ids(prompt_len, config.vocab_size, &mut state);
+            let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut gpu_share = Vec::new();
+            let mut peak = 0u64;
+            for rep in 0..=a.reps {
+                // Prefill at depth.
+                cache.reset();
+                if !context.is_empty() {
+                    feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
                 }
-                let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
-                let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
-                enqueue += step.elapsed();
-                token = first_id::<B>(next);
+                let _ = B::sync(&device);
+                let start = Instant::now();
+                let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
+                let prefill = start.elapsed();
+                peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+                // Decode at depth.
+                cache.reset();
+                if !context.is_empty() {
+                    feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
+                }
+                let _ = B::sync(&device);
+                let profiler = match (&a.host_profile, rep == a.reps) {
+                    (Some(_), true) => Some(host_profile::start()?),
+                    _ => None,
+                };
+                let start = Instant::now();
+                let mut enqueue = Duration::ZERO;
+                let mut gpu = Duration::ZERO;
+                for _ in 0..a.gen {
+                    let step = Instant::now();
+                    if let Some(g) = graphs.as_mut() {
+                        match g.step(&model, &mut cache, &[token], &[0.0]) {
+                            Ok(ids) => {
+                                let times = g.last_replay();
+                                enqueue += times.issue;
+                                gpu += times.gpu;
+                                token = ids.first().copied().unwrap_or(0);
+                                continue;
+                            }
+                            // Auto: eager where the backend is not CUDA, and where the step cannot
+                            // be recorded (said once).
+                            Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
+                                if !matches!(e, GraphError::NotCuda(_)) {
+                                    eprintln!("decoding eagerly, the CUDA graph failed: {e}");
+                                }
+                                graphs = None;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                    let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
+                    let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
+                    enqueue += step.elapsed();
+                    token = first_id::<B>(next);
+                }
+                let decode = start.elapsed();
+                if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
+                    host_profile::finish(profiler, path)?;
+                    eprintln!("host profile of {} decode tokens written to {}", a.gen, path.display());
+                }
+                peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+                if rep == 0 {
+                    continue; // warm-up
+                }
+                pp.push(prompt_len as f64 / prefill.as_secs_f64());
+                tg.push(a.gen as f64 / decode.as_secs_f64());
+                host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
+                if graphs.is_some() {
+                    gpu_share.push(100.0 * gpu.as_secs_f64() / decode.as_secs_f64());
+                }
+                ttft.push(prefill.as_secs_f64() * 1e3);
             }
-            let decode = start.elapsed();
-            if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
-                host_profile::finish(profiler, path)?;
-                eprintln!("host profile of {} decode tokens written to {}", a.gen, path.display());
-            }
-            peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
-            if rep == 0 {
-                continue; // warm-up
-            }
-            pp.push(a.prompt_len as f64 / prefill.as_secs_f64());
-            tg.push(a.gen as f64 / decode.as_secs_f64());
-            host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
-            if graphs.is_some() {
-                gpu_share.push(100.0 * gpu.as_secs_f64() / decode.as_secs_f64());
-            }
-            ttft.push(prefill.as_secs_f64() * 1e3);
-        }
-        let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
-        let show = |what: &str, s: &Stat, unit: &str| {
-            println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
-        };
-        println!(
-            "{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps",
-            a.model, a.depth, a.reps
-        );
-        show(&format!("prefill pp{}", a.prompt_len), &pp, "tok/s");
-        let tuning = burn_gemma_kernels::gemm::tune::summary();
-        if tuning.tuned > 0 || tuning.cached > 0 {
+            let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
+            let show = |what: &str, s: &Stat, unit: &str| {
+                println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
+            };
             println!(
-                "prefill GEMM tuning: {} shape classes timed in {:.2} s (first rep, untimed warm-up), {} choices read from the cache",
-                tuning.tuned,
-                tuning.time.as_secs_f64(),
-                tuning.cached
+                "{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps",
+                a.model, a.depth, a.reps
+            );
+            show(&format!("prefill pp{}", prompt_len), &pp, "tok/s");
+            let tuning = burn_gemma_kernels::gemm::tune::summary();
+            if tuning.tuned > 0 || tuning.cached > 0 {
+                println!(
+                    "prefill GEMM tuning: {} shape classes timed in {:.2} s (first rep, untimed warm-up), {} choices read from the cache",
+                    tuning.tuned,
+                    tuning.time.as_secs_f64(),
+                    tuning.cached
+                );
+            }
+            show(&format!("decode tg{}", a.gen), &tg, "tok/s");
+            show("time to first token", &ttft, "ms");
+            show("decode host time per token", &host, "ms");
+            let graph_json = match &graphs {
+                Some(g) => {
+                    let share = stat(gpu_share);
+                    show("decode GPU busy (graph)", &share, "%");
+                    let setup = g.setup();
+                    println!(
+                        "{:<28} {} launches per token, {} recording(s) in {:.0} ms ({} kernels compiled, {} from the PTX cache)",
+                        "CUDA graph",
+                        setup.launches,
+                        setup.recordings,
+                        setup.time.as_secs_f64() * 1e3,
+                        setup.compiled,
+                        setup.cached
+                    );
+                    format!(
+                        ",\"cuda_graph\":true,\"gpu_busy_pct\":{:.2},\"graph_launches\":{},\"graph_setup_ms\":{:.1}",
+                        share.median,
+                        setup.launches,
+                        setup.time.as_secs_f64() * 1e3
+                    )
+                }
+                None => ",\"cuda_graph\":false".to_string(),
+            };
+            println!(
+                "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
+                "decode time per token",
+                1e3 / tg.median
+            );
+            match B::memory_reserved(&device) {
+                Some(_) => {
+                    println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64)
+                }
+                None => println!("{:<28} not reported by this backend", "peak device memory"),
+            }
+            let rss_end = resident_bytes().unwrap_or(0);
+            println!(
+                "{:<28} {:.0} MB after load, {:.0} MB at the end ({} CPU threads)",
+                "resident host memory",
+                rss_loaded as f64 / 1e6,
+                rss_end as f64 / 1e6,
+                rayon::current_num_threads()
+            );
+            let host_json = format!(
+                ",\"threads\":{},\"rss_loaded_bytes\":{rss_loaded},\"rss_end_bytes\":{rss_end}",
+                rayon::current_num_threads()
+            );
+            println!(
+                "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}{host_json}}}",
+                a.model, a.depth, pp.median, tg.median, ttft.median, host.median, prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2), tuning.time.as_secs_f64()
             );
         }
-        show(&format!("decode tg{}", a.gen), &tg, "tok/s");
-        show("time to first token", &ttft, "ms");
-        show("decode host time per token", &host, "ms");
-        let graph_json = match &graphs {
-            Some(g) => {
-                let share = stat(gpu_share);
-                show("decode GPU busy (graph)", &share, "%");
-                let setup = g.setup();
-                println!(
-                    "{:<28} {} launches per token, {} recording(s) in {:.0} ms ({} kernels compiled, {} from the PTX cache)",
-                    "CUDA graph",
-                    setup.launches,
-                    setup.recordings,
-                    setup.time.as_secs_f64() * 1e3,
-                    setup.compiled,
-                    setup.cached
-                );
-                format!(
-                    ",\"cuda_graph\":true,\"gpu_busy_pct\":{:.2},\"graph_launches\":{},\"graph_setup_ms\":{:.1}",
-                    share.median,
-                    setup.launches,
-                    setup.time.as_secs_f64() * 1e3
-                )
-            }
-            None => ",\"cuda_graph\":false".to_string(),
-        };
-        println!(
-            "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
-            "decode time per token",
-            1e3 / tg.median
-        );
-        match B::memory_reserved(&device) {
-            Some(_) => println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64),
-            None => println!("{:<28} not reported by this backend", "peak device memory"),
-        }
-        let rss_end = resident_bytes().unwrap_or(0);
-        println!(
-            "{:<28} {:.0} MB after load, {:.0} MB at the end ({} CPU threads)",
-            "resident host memory",
-            rss_loaded as f64 / 1e6,
-            rss_end as f64 / 1e6,
-            rayon::current_num_threads()
-        );
-        let host_json = format!(
-            ",\"threads\":{},\"rss_loaded_bytes\":{rss_loaded},\"rss_end_bytes\":{rss_end}",
-            rayon::current_num_threads()
-        );
-        println!(
-            "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}{host_json}}}",
-            a.model, a.depth, pp.median, tg.median, ttft.median, host.median, a.prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2), tuning.time.as_secs_f64()
-        );
         Ok(())
     }
 }

@@ -30,9 +30,10 @@
 #                                          gen_gguf4.py, requantized to $G4QUANTS by llama-quantize
 #   bash .gpu-bench/bench-gpu.sh gemma4    their decode side by side (llama-bench, F16 KV; ours, bf16
 #                                          KV), then our synthetic $G4SYNTH (model:weights, none by default)
-#   bash .gpu-bench/bench-gpu.sh prefill   pp512 and pp4096 side by side on $PMODELS x $PFILES (files
-#                                          from `prepare` with QUANTS="Q8_0 Q4_K_M"), and the time to
-#                                          first token of a 2k-token prompt on the real 270M
+#   bash .gpu-bench/bench-gpu.sh prefill   prompts of $PLENS tokens ("512,4096") side by side on
+#                                          $PSTEMS or $PMODELS x $PFILES (files from `prepare` with
+#                                          QUANTS="Q8_0 Q4_K_M"), and the time to first token of a
+#                                          2k-token prompt on the real 270M
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
 # The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
@@ -57,6 +58,7 @@ HOSTPROF=${HOSTPROF:-"1b:bf16 1b:q4 4b:q8"}
 HF=${HF:-1}
 PMODELS=${PMODELS:-"1b 4b"}
 PFILES=${PFILES:-"F16 Q8_0 Q4_K_M"}
+PLENS=${PLENS:-"512,4096"}
 G4MODELS=${G4MODELS:-"e2b e4b"}
 G4QUANTS=${G4QUANTS:-"Q8_0 Q4_K_M"}
 G4DEPTH=${G4DEPTH:-0}
@@ -264,26 +266,29 @@ for l in sys.stdin:
     r = json.loads(l); print("ours", r["model"].split("/")[-1], r["weights"], "tg%d %.1f tok/s" % (r["gen"], r["tg"]), "graph", r["cuda_graph"])'
 }
 
-# Prefill side by side: llama-bench pp512 and pp4096 (no generation) and ours on the same files,
-# then the time to first token of a 2k-token prompt on the real 270M ($MODEL_FILE, if there).
+# Prefill side by side: llama-bench and ours at each length of $PLENS (no generation; ours
+# loads each file once for all lengths) on $PSTEMS (file names in $GGUF without `.gguf`; default
+# $PMODELS x $PFILES), one tuning cache for the whole run ($BURN_GEMMA_CACHE), then the time to
+# first token of a 2k-token prompt on the real 270M ($MODEL_FILE, if there).
 prefill() {
   export LD_LIBRARY_PATH=$LCPP/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$LCPP/gguf-py
+  export BURN_GEMMA_CACHE=${BURN_GEMMA_CACHE:-/tmp/prefill-cache}
   unpack
-  for m in $PMODELS; do
-    for q in $PFILES; do
-      f=$GGUF/$m-$q.gguf
-      [ -s "$f" ] || { log "missing $f"; continue; }
-      if [ -x "$LCPP/build/bin/llama-bench" ]; then
-        log "llama-bench prefill $m $q"
-        "$LCPP/build/bin/llama-bench" -m "$f" -p 512,4096 -n 0 -fa 1 -ngl 99 -r "$REPS" -o jsonl \
-          >> "$OUT/prefill-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f"
-      fi
-      for p in 512 4096; do
-        log "ours prefill $m $q pp$p"
-        "$bin" --model "$f" --backend cuda --dtype bf16 --prompt-len "$p" --gen 1 --reps "$REPS" \
-          >> "$OUT/prefill-ours.txt" 2>&1 || log "our bench failed on $f pp$p"
-      done
-    done
+  local stems=${PSTEMS:-}
+  if [ -z "$stems" ]; then
+    for m in $PMODELS; do for q in $PFILES; do stems="$stems $m-$q"; done; done
+  fi
+  for stem in $stems; do
+    f=$GGUF/$stem.gguf
+    [ -s "$f" ] || { log "missing $f"; continue; }
+    if [ -x "$LCPP/build/bin/llama-bench" ]; then
+      log "llama-bench prefill $stem pp$PLENS"
+      "$LCPP/build/bin/llama-bench" -m "$f" -p "$PLENS" -n 0 -fa 1 -ngl 99 -r "$REPS" -o jsonl \
+        >> "$OUT/prefill-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f"
+    fi
+    log "ours prefill $stem pp$PLENS"
+    "$bin" --model "$f" --backend cuda --dtype bf16 --prompt-len "$PLENS" --gen 1 --reps "$REPS" \
+      >> "$OUT/prefill-ours.txt" 2>&1 || log "our bench failed on $f"
   done
   if [ -s "$MODEL_FILE" ]; then
     log "ours time to first token, real 270M, 2048-token prompt"

@@ -127,8 +127,10 @@ fn state() -> &'static Mutex<State> {
 }
 
 /// The key of a shape class on `lhs`'s device: `lhs [.., m, k] @ rhs [.., k, n]`, `m` rounded up
-/// to a power of two (prompt lengths vary; `n` and `k` are exact: some kernels go wrong on
-/// some remainders of them).
+/// to a power of two (prompt lengths vary). `n` and `k` are exact for single products (the
+/// weights'), but for products batched over heads (the blocked attention's scores and values,
+/// whose key length grows with every prompt chunk) they are classed by [`length_class`]: exact,
+/// a 128K-token prompt timed a new class at each of its 64 chunks.
 fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> String {
     let hw = &lhs.client.properties().hardware;
     let shape = lhs.meta.shape();
@@ -137,15 +139,28 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
     let (m, k, n) = (shape[rank - 2], shape[rank - 1], rhs.meta.shape()[rank - 1]);
     // Whether `rhs` is contiguous along `k` (a weight's transposed view) or along `n`.
     let rhs_layout = if rhs.meta.strides()[rank - 2] == 1 { "t" } else { "n" };
+    let dim = |d: usize| if batch > 1 { length_class(d) } else { d.to_string() };
     format!(
-        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{} n{}{rhs_layout} k{k}",
+        "{}-sm{}-smem{} {:?}->{out:?} b{batch} m{} n{}{rhs_layout} k{}",
         R::name(&lhs.client),
         hw.num_streaming_multiprocessors.unwrap_or(0),
         hw.max_shared_memory_size,
         lhs.dtype,
         m.next_power_of_two(),
-        n
+        dim(n),
+        dim(k)
     )
+}
+
+/// A key-length dimension's class: exact up to 2,048, above that its power of two with its
+/// remainder modulo 256 (a kernel that goes wrong on some remainder of a tile still meets it in
+/// the class it was checked on).
+fn length_class(d: usize) -> String {
+    if d <= 2048 {
+        d.to_string()
+    } else {
+        format!("{}~{}", d.next_power_of_two(), d % 256)
+    }
 }
 
 /// The kernel for `lhs @ rhs` (as [`matmul`] takes them) on this device: the cached choice for
@@ -272,5 +287,25 @@ fn save(key: &str, kernel: GemmKernel) {
     }
     if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&path) {
         let _ = writeln!(file, "{key} = {kernel}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::length_class;
+    use std::collections::HashSet;
+
+    #[test]
+    fn chunked_prompt_key_lengths_share_classes() {
+        // A 128K-token prompt in chunks of 2,048: the key lengths its chunks attend over fall
+        // into one class per power of two (7 classes above 2,048 instead of 63 lengths).
+        let lengths: Vec<usize> = (1..=64).map(|chunk| chunk * 2048).collect();
+        let classes: HashSet<String> = lengths.iter().map(|&d| length_class(d)).collect();
+        assert_eq!(classes.len(), 1 + 6, "{classes:?}");
+        // Up to 2,048 keys are exact, and a remainder of a tile stays apart from whole tiles.
+        assert_eq!(length_class(2047), "2047");
+        assert_ne!(length_class(20_000), length_class(20_480));
+        assert_eq!(length_class(20_480), length_class(32_768));
+        assert_ne!(length_class(32_768), length_class(32_769));
     }
 }
