@@ -194,6 +194,11 @@ impl<B: GemmaBackend> burn_gemma_model::WeightSource<B> for HostRandomWeights {
                 (0.1, DType::F32)
             }
             burn_gemma_model::weights::WeightKind::Matrix => (0.02 * 3f32.sqrt(), dtype),
+            // Token ids (an assistant's ordering): the identity permutation, exact in f32.
+            burn_gemma_model::weights::WeightKind::Indices => {
+                let ids: Vec<f32> = (0..shape.iter().product::<usize>()).map(|i| i as f32).collect();
+                return Ok(burn::tensor::Tensor::<B, D>::from_data(burn::tensor::TensorData::new(ids, shape), device));
+            }
         };
         let mut values = self.values(shape.iter().product(), width);
         // Around the neutral value of weights that scale (Gemma 4's norms and scalars).
