@@ -9,8 +9,12 @@
 //! matrix units, the fastest of [`tune::DEFAULT`] for the product's shape, timed once and cached
 //! on disk ([`tune`]); elsewhere (f32, or no matrix units: lavapipe) CubeCL's per-unit kernel.
 
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod blas_layout;
 #[cfg(feature = "cuda")]
 pub mod cublas;
+#[cfg(feature = "rocm")]
+pub mod hipblas;
 pub mod tune;
 
 use crate::cube::{empty, Cb};
@@ -52,6 +56,10 @@ pub enum GemmKernel {
     /// NVIDIA's cuBLASLt (CUDA only, loaded at run time; [`cublas`]): its heuristic's first
     /// algorithm for the shape, `wgmma` on Hopper.
     CublasLt,
+    /// AMD's hipBLASLt (ROCm only, loaded at run time; `hipblas`, built with the `rocm`
+    /// feature): its heuristic's first algorithm for the shape, ordered by host waits. Compiled
+    /// but never run (no ROCm device here), so not among the default candidates.
+    HipBlasLt,
 }
 
 /// Which instruction the tiles are multiplied with.
@@ -100,6 +108,7 @@ impl std::fmt::Display for GemmKernel {
             Self::DoubleTma { tiles: t } => write!(f, "double-tma-{}", tiles(t)),
             Self::Unit => write!(f, "unit"),
             Self::CublasLt => write!(f, "cublaslt"),
+            Self::HipBlasLt => write!(f, "hipblaslt"),
         }
     }
 }
@@ -107,7 +116,7 @@ impl std::fmt::Display for GemmKernel {
 impl GemmKernel {
     /// Every candidate, for measuring them side by side (`kernel_bench --section gemm`).
     pub fn candidates() -> Vec<Self> {
-        let mut all = vec![Self::Auto, Self::Unit, Self::CublasLt];
+        let mut all = vec![Self::Auto, Self::Unit, Self::CublasLt, Self::HipBlasLt];
         for tiles in [TileKind::Cmma, TileKind::Mma] {
             all.extend([
                 Self::Simple { tiles, multi_rows: false },
@@ -136,7 +145,7 @@ impl GemmKernel {
         let double = |tiles: TileKind| DoubleBufferingArgs { tile_matmul: tiles.cubek(), specialized: false };
         match self {
             // Not a CubeCL kernel: [`kernel::matmul`] calls the library before asking for this.
-            Self::Auto | Self::CublasLt => Strategy::Auto,
+            Self::Auto | Self::CublasLt | Self::HipBlasLt => Strategy::Auto,
             Self::Unit => Strategy::SimpleUnit(BlueprintStrategy::default()),
             Self::Simple { tiles, multi_rows } => tiles.pick(
                 BlueprintStrategy::Inferred(simple(tiles, multi_rows)),
@@ -276,6 +285,12 @@ pub(crate) mod kernel {
             return super::cublas::matmul(&lhs, &rhs, &out).map(|()| out);
             #[cfg(not(feature = "cuda"))]
             return Err(GemmError { kernel, m, n, k, dtype, reason: "built without the cuda feature".into() });
+        }
+        if kernel == GemmKernel::HipBlasLt {
+            #[cfg(feature = "rocm")]
+            return super::hipblas::matmul(&lhs, &rhs, &out).map(|()| out);
+            #[cfg(not(feature = "rocm"))]
+            return Err(GemmError { kernel, m, n, k, dtype, reason: "built without the rocm feature".into() });
         }
         let storage: StorageType = dtype.into();
         let mut dtypes =

@@ -184,9 +184,15 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
     let cuda = R::name(&lhs.client) == "cuda";
     let mut candidates = guard.candidates();
     candidates.retain(|&k| k != GemmKernel::CublasLt || (cuda && macs >= floor));
+    // hipBLASLt (only when named as a candidate) likewise on ROCm, keyed apart (` hlt`).
+    let hip = R::name(&lhs.client) == "hip";
+    candidates.retain(|&k| k != GemmKernel::HipBlasLt || (hip && macs >= floor));
     let mut key = key(lhs, rhs, out);
     if candidates.contains(&GemmKernel::CublasLt) {
         key.push_str(" lt");
+    }
+    if candidates.contains(&GemmKernel::HipBlasLt) {
+        key.push_str(" hlt");
     }
     if !guard.loaded {
         guard.loaded = true;

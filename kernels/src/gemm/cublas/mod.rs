@@ -27,6 +27,7 @@ pub mod order;
 
 pub use order::{ordering, set_ordering, Ordering};
 
+use super::blas_layout::{Layouts, Problem};
 use super::GemmError;
 use super::GemmKernel;
 use burn::tensor::DType;
@@ -42,28 +43,6 @@ use std::sync::Mutex;
 /// Workspace for cuBLASLt's kernels (split-k and stream-k partials): NVIDIA recommends 32 MiB
 /// on Hopper.
 const WORKSPACE_BYTES: usize = 32 << 20;
-
-/// One operand as cuBLASLt reads it (column-major).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Operand {
-    rows: u64,
-    cols: u64,
-    ld: i64,
-    transposed: bool,
-    batch_stride: i64,
-    align: u32,
-}
-
-/// A product's whole description: the key of the cached algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Problem {
-    a: Operand,
-    b: Operand,
-    d: Operand,
-    batch: i32,
-    input: DType,
-    output: DType,
-}
 
 /// The cuBLASLt state of one calling thread (one CubeCL stream) on one device; used on CubeCL's
 /// device thread ([`product`]).
@@ -108,44 +87,6 @@ fn cuda_type(dtype: DType) -> Option<lts::cudaDataType> {
     }
 }
 
-/// The largest power of two (up to 256) dividing `ptr`: the alignment cuBLASLt may assume.
-fn alignment(ptr: u64) -> u32 {
-    if ptr == 0 {
-        return 256;
-    }
-    (1u64 << ptr.trailing_zeros().min(8)) as u32
-}
-
-/// The single stride of the batch dimensions (`0` for one batch), `None` where they do not
-/// collapse into one.
-fn batch_stride(shape: &[usize], strides: &[usize]) -> Option<i64> {
-    let dims: Vec<(usize, usize)> = shape.iter().zip(strides).map(|(&n, &s)| (n, s)).filter(|&(n, _)| n > 1).collect();
-    for pair in dims.windows(2) {
-        if pair[0].1 != pair[1].1 * pair[1].0 {
-            return None;
-        }
-    }
-    Some(dims.last().map_or(0, |&(_, s)| s as i64))
-}
-
-/// `t` (`[.., r, c]`) as column-major storage: `(rows, cols, ld, transposed)` where
-/// `transposed` means the stored column-major matrix is `t`'s transpose.
-fn storage(t: &CubeTensor<CudaRuntime>) -> Option<(u64, u64, i64, bool)> {
-    let shape = t.meta.shape();
-    let strides = t.meta.strides();
-    let rank = shape.len();
-    let (r, c) = (shape[rank - 2], shape[rank - 1]);
-    let (sr, sc) = (strides[rank - 2], strides[rank - 1]);
-    if sc == 1 && (sr >= c || r == 1) {
-        // Row-major: its transpose is column-major `c x r` with leading dimension `sr`.
-        Some((c as u64, r as u64, sr.max(c) as i64, true))
-    } else if sr == 1 && (sc >= r || c == 1) {
-        Some((r as u64, c as u64, sc.max(r) as i64, false))
-    } else {
-        None
-    }
-}
-
 fn refuse(m: usize, n: usize, k: usize, dtype: DType, reason: impl Into<String>) -> GemmError {
     GemmError { kernel: GemmKernel::CublasLt, m, n, k, dtype, reason: reason.into() }
 }
@@ -175,44 +116,24 @@ pub(crate) fn matmul<R: burn_cubecl::CubeRuntime>(
     if !available() {
         return Err(fail("libcublasLt could not be loaded"));
     }
-    product(lhs, rhs, out, [m, n, k]).map_err(|reason| refuse(m, n, k, lhs.dtype, reason))
+    product(lhs, rhs, out).map_err(|reason| refuse(m, n, k, lhs.dtype, reason))
 }
 
-/// [`matmul`] on CUDA tensors, `[m, n, k]` read from them by the caller.
+/// [`matmul`] on CUDA tensors.
 fn product(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
     out: &CubeTensor<CudaRuntime>,
-    [m, n, k]: [usize; 3],
 ) -> Result<(), String> {
-    let shape = lhs.meta.shape();
-    let batch: usize = shape[..shape.len() - 2].iter().product();
-    if m * n * k == 0 || batch == 0 {
+    let Some(layouts) = Layouts::of(lhs, rhs, out)? else {
         return Ok(());
-    }
+    };
     let (Some(input), Some(output)) = (cuda_type(lhs.dtype), cuda_type(out.dtype)) else {
         return Err(format!("dtypes {:?} -> {:?}", lhs.dtype, out.dtype));
     };
-    if rhs.dtype != lhs.dtype || lhs.dtype == DType::F32 {
-        return Err("bf16 or f16 inputs of one dtype only".into());
-    }
-    let batch_of = |t: &CubeTensor<CudaRuntime>| {
-        let rank = t.meta.shape().len();
-        batch_stride(&t.meta.shape()[..rank - 2], &t.meta.strides()[..rank - 2])
-    };
-    let (Some(lhs_batch), Some(rhs_batch), Some(out_batch)) = (batch_of(lhs), batch_of(rhs), batch_of(out)) else {
-        return Err("batch dimensions that do not collapse into one stride".into());
-    };
-    let (Some(ls), Some(rs), Some(os)) = (storage(lhs), storage(rhs), storage(out)) else {
-        return Err("an operand with neither unit stride".into());
-    };
-    if !os.3 {
-        return Err("a column-major output".into());
-    }
     let client = &lhs.client;
     let ordinal = lhs.device.index;
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(0);
-    let batch = i32::try_from(batch).map_err(|_| "too many batches")?;
     // The lane of the calling thread (one per CubeCL stream), chosen before the task moves to
     // CubeCL's device thread.
     let key = (ordinal, std::thread::current().id());
@@ -225,24 +146,7 @@ fn product(
             client.get_resource(t.handle.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))
         };
         let (lhs_ptr, rhs_ptr, out_ptr) = (pointer(lhs)?, pointer(rhs)?, pointer(out)?);
-        // Column-major: out^T [n, m] = rhs^T [n, k] @ lhs^T [k, m]; cuBLASLt's A is `rhs`, B
-        // `lhs`. Row-major `rhs` is already `rhs^T` column-major; a transposed view needs one.
-        let operand = |(rows, cols, ld, row_major): (u64, u64, i64, bool), stride: i64, ptr: u64| Operand {
-            rows,
-            cols,
-            ld,
-            transposed: !row_major,
-            batch_stride: stride,
-            align: alignment(ptr),
-        };
-        let problem = Problem {
-            a: operand(rs, rhs_batch, rhs_ptr),
-            b: operand(ls, lhs_batch, lhs_ptr),
-            d: operand(os, out_batch, out_ptr),
-            batch,
-            input: lhs.dtype,
-            output: out.dtype,
-        };
+        let problem = layouts.problem([lhs_ptr, rhs_ptr, out_ptr]);
         let mut lanes = lanes().lock().unwrap_or_else(|e| e.into_inner());
         let lane = match lanes.entry(key) {
             std::collections::hash_map::Entry::Occupied(lane) => lane.into_mut(),
