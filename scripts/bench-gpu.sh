@@ -22,7 +22,8 @@
 #                                          (sampled stacks, synthetic models, $HOSTPROF)
 #   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), the
 #                                          tiny-model parity tests through CUDA, then CUDA-graph decode
-#                                          against eager decode (tests/integration/cuda_graph.rs, generation.rs)
+#                                          against eager decode (tests/integration/cuda_graph.rs, generation.rs),
+#                                          and drafts on a random 1B keeping greedy output (speculative.rs)
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
 #                                          entry (model:weights, GGUF files from `prepare` by name)
@@ -314,7 +315,7 @@ kernel_tests() {
   gzip -dc "$here/integration.gz" > /tmp/burn-gemma-integration && chmod +x /tmp/burn-gemma-integration
   # Each subject's tests by exact name: tiny_models' CUDA ones, cuda_graph's and generation's graph ones.
   local subject filter names
-  for subject in tiny_models:cuda cuda_graph:graph generation:graph; do
+  for subject in tiny_models:cuda cuda_graph:graph generation:graph speculative:random_1b; do
     filter=${subject#*:}; subject=${subject%%:*}
     names=$(/tmp/burn-gemma-integration --list 2>/dev/null | sed -n "s/^\(${subject}::.*${filter}.*\): test$/\1/p")
     # shellcheck disable=SC2086

@@ -359,3 +359,55 @@ fn a_stream_dropped_among_kept_drafts_leaves_the_cache_at_the_context() {
         assert_eq!(plain.context(), drafted.context());
     }
 }
+
+/// A random Gemma 3 1B-shaped model on CUDA: prompt lookup and a draft model (the target
+/// itself: every draft kept) give the tokens of greedy decoding without drafts, over a
+/// 530-token prompt whose 512-position windows wrap while drafts are kept and refused. f32, so
+/// that the verify step (prompt kernels over k + 1 positions) and the one-token decode step,
+/// which sum in different orders, cannot flip a greedy choice between two random logits (their
+/// difference is f32 rounding, orders of magnitude under the gaps between the top logits).
+#[cfg(feature = "cuda")]
+#[test]
+fn random_1b_drafts_keep_greedy_output_on_cuda() {
+    use burn_gemma::{backends::Cuda, GemmaConfig, WeightFormat};
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    let shape = GemmaConfig::preset("gemma3-1b").expect("preset");
+    let options = ModelOptions { dtype: DType::F32, weights: WeightFormat::Dense, kv_cache: None };
+    let load = || Gemma::<Cuda>::load(shape.clone(), &mut RandomWeights::new(5), &options, &device).expect("random 1B");
+    // Every id of the model's vocabulary as a token of its own (the text is not the subject).
+    let vocab = shape.vocab_size;
+    let tokenizer = || {
+        let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"].map(String::from).to_vec();
+        tokens.extend((4..vocab).map(|i| format!("w{i}")));
+        let types = (0..vocab).map(|i| if i < 4 { 3 } else { 1 }).collect();
+        burn_gemma::Tokenizer::from_vocab(tokens, (0..vocab).map(|i| -(i as f32)).collect(), types, 2)
+            .expect("a vocabulary of the model's size")
+    };
+    // A 40-token phrase, repeated through the prompt and ending it: lookup drafts from the start.
+    let phrase: Vec<u32> = (0..40u32).map(|i| 1000 + (i * 7919) % 200_000).collect();
+    let prompt: Vec<u32> = std::iter::once(2).chain(phrase.iter().copied().cycle().take(529)).collect();
+    let config = greedy(48);
+    let run = |speculation: Option<Speculation<Cuda>>| {
+        let mut g = Generator::new(load(), tokenizer()).expect("generator");
+        g.set_speculation(speculation).expect("speculation");
+        g.continue_ids(&prompt, &config, |_| {}).expect("generation")
+    };
+    let plain = run(None);
+    assert_eq!(plain.tokens.len(), 48, "greedy without drafts stopped early");
+    let lookup =
+        Speculation::new(Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }), DraftLength::Fixed(k(4)))
+            .with_misses(Misses::KeepDrafting);
+    let itself = Speculation::new(Drafter::Model(Box::new(DraftModel::new(load()))), DraftLength::Fixed(k(5)))
+        .with_misses(Misses::KeepDrafting);
+    for (what, speculation) in [("prompt lookup", lookup), ("the target as its draft model", itself)] {
+        let out = run(Some(speculation));
+        assert_eq!(out.tokens, plain.tokens, "random 1B with {what}");
+        let s = stats(&out);
+        println!("random 1B with {what}: {s:?}");
+        assert!(s.drafted > 0 && s.verify_steps > 0, "random 1B with {what}: {s:?}");
+        assert_eq!(s.target_steps + s.accepted, out.tokens.len() - 1, "random 1B with {what}: {s:?}");
+        if what.starts_with("the target") {
+            assert_eq!(s.accepted, s.drafted, "the target drafting for itself: {s:?}");
+        }
+    }
+}
