@@ -62,7 +62,12 @@ pub fn reference<B: Backend>(
     let device = q.device();
 
     let q = q.reshape([batch, kv_heads, groups * q_len, head_dim]);
-    let mut scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32).mul_scalar(scale);
+    // The same products either way; with fewer query rows than keys (decode) as `k @ q^T`,
+    // transposed after: backends whose matmul wants contiguous operands (Candle) then copy the
+    // few query rows and the small result, not every key of the cache at every token.
+    let scores =
+        if groups * q_len < k_len { k.matmul(q.swap_dims(2, 3)).swap_dims(2, 3) } else { q.matmul(k.swap_dims(2, 3)) };
+    let mut scores = scores.cast(DType::F32).mul_scalar(scale);
     if let Some(cap) = softcap {
         scores = crate::softcap::reference(scores, cap);
     }

@@ -239,6 +239,26 @@ pub fn write_reference<B: Backend>(
     }
 }
 
+/// `rows` (`[batch, kv_heads, t, head_dim]`) in slots `slot..slot + t` of `store` (`[batch,
+/// kv_heads, slots, head_dim]`, cast to its dtype) by concatenating the slots before, the rows
+/// and the slots after: one copy of the store. For backends whose `slice_assign` costs several
+/// passes over the whole store (Candle's masks and pads the rows to the store's size), where
+/// [`write_reference`] does that at every token of every layer.
+pub fn splice_dense<B: Backend>(store: Tensor<B, 4>, rows: Tensor<B, 4>, slot: usize) -> Tensor<B, 4> {
+    let [_, _, slots, _] = store.dims();
+    let t = rows.dims()[2];
+    let rows = rows.cast(store.dtype());
+    let mut parts = Vec::with_capacity(3);
+    if slot > 0 {
+        parts.push(store.clone().slice(s![.., .., 0..slot, ..]));
+    }
+    parts.push(rows);
+    if slot + t < slots {
+        parts.push(store.slice(s![.., .., slot + t..slots, ..]));
+    }
+    Tensor::cat(parts, 2)
+}
+
 /// Reference: slots `range` of the keys and values in `dtype`, `[batch, kv_heads, range.len(),
 /// head_dim]` each.
 pub fn read_reference<B: Backend>(
@@ -253,6 +273,50 @@ pub fn read_reference<B: Backend>(
         }
         KvStore::Int8 { keys, values } => {
             (int8::load_reference(keys, range.clone(), dtype), int8::load_reference(values, range, dtype))
+        }
+    }
+}
+
+#[cfg(all(test, feature = "candle"))]
+mod candle_tests {
+    use super::{splice_dense, write_reference, KvStore};
+    use crate::GemmaBackend;
+    use burn::tensor::{Distribution, Tensor};
+
+    #[allow(deprecated)]
+    type C = burn::backend::Candle<f32, i64>;
+
+    /// Candle's dense writes (by [`splice_dense`]) put the rows where the reference's
+    /// `slice_assign` does, bit for bit: at the first slot, inside, at the last, rows of 1 and 3,
+    /// two heads (slices that are not contiguous).
+    #[test]
+    fn candle_kv_write_matches_reference() {
+        let device = Default::default();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let store = || Tensor::<C, 4>::random([2, 2, 11, 5], normal, &device);
+        for (slot, t) in [(0, 1), (4, 1), (10, 1), (0, 3), (5, 3), (8, 3)] {
+            let (k0, v0) = (store(), store());
+            let keys = Tensor::<C, 4>::random([2, 2, t, 5], normal, &device);
+            let values = Tensor::<C, 4>::random([2, 2, t, 5], normal, &device);
+            let expected = write_reference(
+                KvStore::Dense { keys: k0.clone(), values: v0.clone() },
+                keys.clone(),
+                values.clone(),
+                slot,
+            );
+            let got = <C as GemmaBackend>::kv_write(
+                KvStore::Dense { keys: k0.clone(), values: v0 },
+                keys.clone(),
+                values,
+                slot,
+            );
+            let (KvStore::Dense { keys: ek, values: ev }, KvStore::Dense { keys: gk, values: gv }) = (expected, got)
+            else {
+                unreachable!("dense stores")
+            };
+            assert_eq!(gk.into_data(), ek.into_data(), "keys, slot {slot}, {t} rows");
+            assert_eq!(gv.into_data(), ev.into_data(), "values, slot {slot}, {t} rows");
+            assert_eq!(splice_dense(k0.clone(), keys, slot).dims(), k0.dims());
         }
     }
 }
