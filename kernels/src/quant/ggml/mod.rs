@@ -483,6 +483,29 @@ pub(crate) mod tests {
         GgmlBlocks::new(dtype, rows, cols, out).expect("whole blocks")
     }
 
+    /// `x` (rows of `cols`) as the block dot products of `dtype` read it: quantized to the 8-bit
+    /// block type candle pairs with it (`GgmlType::VecDotType`) and back to f32.
+    fn quantized_activations(dtype: GgmlDType, x: &[f32], cols: usize) -> Vec<f32> {
+        use candle_core::quantized::k_quants::{BlockQ8K, BlockQ8_0, GgmlType};
+        fn round_trip<T: GgmlType>(x: &[f32], cols: usize) -> Vec<f32> {
+            let mut out = vec![0.0; x.len()];
+            for (row, dst) in x.chunks(cols).zip(out.chunks_mut(cols)) {
+                let mut blocks = vec![T::zeros(); cols / T::BLCK_SIZE];
+                T::from_float(row, &mut blocks);
+                T::to_float(&blocks, dst);
+            }
+            out
+        }
+        // Q8_1 (Q4_1's and Q5_1's partner) quantizes as Q8_0 does, plus the block's sum (an f16,
+        // covered by the caller's bound); candle does not dequantize it.
+        match dtype {
+            GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
+                round_trip::<BlockQ8K>(x, cols)
+            }
+            _ => round_trip::<BlockQ8_0>(x, cols),
+        }
+    }
+
     pub(crate) fn seed() -> u64 {
         crate::gpu_test::host_seed("quant::ggml")
     }
@@ -592,12 +615,23 @@ pub(crate) mod tests {
             let x_values: Vec<f32> = bytes(3 * cols, seed ^ 5).into_iter().map(|b| (b as f32 - 127.5) / 64.0).collect();
             let x = Tensor::<B, 2>::from_data(TensorData::new(x_values, [3, cols]), &device);
             let got = w.product(x.clone(), Epilogue::Identity).into_data().to_vec::<f32>().expect("f32");
-            let expected = x.matmul(w.dense(DType::F32, &device).transpose()).into_data().to_vec::<f32>().expect("f32");
-            let scale = expected.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+            // Quantization-aware reference: the activations quantized as the block dot products
+            // take them (candle's 8-bit blocks for the type), multiplied with the dequantized
+            // matrix in f64. What is left is the f32 sums' order and, for the types whose dot
+            // adds `min * sum(x)` (Q4_1), that sum kept as an f16 (2^-11 relative): bounded by
+            // 2^-8 of the sum of the products' magnitudes.
+            let xq = quantized_activations(dtype, &x.to_data().to_vec::<f32>().expect("f32"), cols);
+            let dense = w.dense(DType::F32, &device).into_data().to_vec::<f32>().expect("f32");
+            for (i, a) in got.iter().enumerate() {
+                let (r, c) = (i / rows, i % rows);
+                let terms = (0..cols).map(|j| f64::from(xq[r * cols + j]) * f64::from(dense[c * cols + j]));
+                let (expected, magnitude) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
                 assert!(a.is_finite(), "{dtype:?} {i}: {a}");
-                // The activations are quantized to 8 bits per block: ~1% of the largest output.
-                assert!((a - b).abs() <= 1e-2 * scale, "{dtype:?} output {i}: {a} vs {b} (scale {scale})");
+                let bound = magnitude / 256.0;
+                assert!(
+                    (f64::from(*a) - expected).abs() <= bound,
+                    "{dtype:?} output {i}: {a} vs {expected} (bound {bound})"
+                );
             }
             let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![3i64, -1, rows as i64, 0], [2, 2]), &device);
             let table = [&w];
