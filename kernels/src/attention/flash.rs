@@ -41,7 +41,7 @@ use super::kernel::{int8_code, shape_arg, visible_tiles, AttentionShape, Kv, Sha
 use super::AttentionOptions;
 use crate::cube::{tanh_f32, Strides4};
 use crate::graph::{arg, launch};
-use crate::quant::mma::load_fragment;
+use crate::quant::mma::{accumulators, load_fragment};
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::ir::StorageType;
 use cubecl::prelude::*;
@@ -686,24 +686,6 @@ fn masked_score(
         }
     }
     s
-}
-
-/// `count` f32 accumulator fragments holding zeros.
-#[cube]
-fn accumulators(#[comptime] count: usize) -> Sequence<cmma::Matrix<f32>> {
-    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
-    #[unroll]
-    for _ in 0..count {
-        accs.push(cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            TILE,
-            TILE,
-            TILE,
-            cmma::MatrixLayout::Undefined,
-            0.0f32,
-        ));
-    }
-    accs
 }
 
 /// Stores output fragments `chunk * bk / 16 ..` (columns `chunk * bk ..` of the plane's 16

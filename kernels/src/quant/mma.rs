@@ -275,6 +275,24 @@ fn store_stage<F: Float, NW: Size, NX: Size>(
 }
 
 /// The 16 x 16 fragment of a shared tile (rows `pitch` vectors of 8 apart) starting at vector
+
+/// `count` f32 accumulator fragments holding zeros (this kernel's and flash attention's).
+#[cube]
+pub(crate) fn accumulators(#[comptime] count: usize) -> Sequence<cmma::Matrix<f32>> {
+    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
+    #[unroll]
+    for _ in 0..count {
+        accs.push(cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            TILE,
+            TILE,
+            TILE,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        ));
+    }
+    accs
+}
 /// `start` (also the flash attention kernel's).
 #[cube]
 pub(crate) fn load_fragment<F: Float, NX: Size>(
@@ -356,18 +374,7 @@ fn mma_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         offsets: Array::new(per_unit),
         x: Array::new(x_per_unit),
     };
-    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
-    #[unroll]
-    for _ in 0..comptime!(mt * nt) {
-        accs.push(cmma::Matrix::<f32>::from_value(
-            cmma::MatrixIdent::Accumulator,
-            TILE,
-            TILE,
-            TILE,
-            cmma::MatrixLayout::Undefined,
-            0.0f32,
-        ));
-    }
+    let accs = accumulators(comptime!(mt * nt));
 
     if first < last {
         load_stage::<F, S, NW, NX>(x, codes, scales, offsets, &mut loaded, first, n0, dims, shape);
