@@ -274,8 +274,6 @@ fn store_stage<F: Float, NW: Size, NX: Size>(
     }
 }
 
-/// The 16 x 16 fragment of a shared tile (rows `pitch` vectors of 8 apart) starting at vector
-
 /// `count` f32 accumulator fragments holding zeros (this kernel's and flash attention's).
 #[cube]
 pub(crate) fn accumulators(#[comptime] count: usize) -> Sequence<cmma::Matrix<f32>> {
@@ -293,6 +291,8 @@ pub(crate) fn accumulators(#[comptime] count: usize) -> Sequence<cmma::Matrix<f3
     }
     accs
 }
+
+/// The 16 x 16 fragment of a shared tile (rows `pitch` vectors of 8 apart) starting at vector
 /// `start` (also the flash attention kernel's).
 #[cube]
 pub(crate) fn load_fragment<F: Float, NX: Size>(
