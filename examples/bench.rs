@@ -87,6 +87,10 @@ struct Args {
     /// default, flash attention on the matrix units where it runs).
     #[arg(long, value_enum, default_value_t = PromptAttention::Auto)]
     prefill_attention: PromptAttention,
+    /// auto | off: kernels of a replayed decode graph launched while their predecessor runs
+    /// (programmatic dependent launch, compute capability 9.0+; `off`: stream order).
+    #[arg(long, default_value = "auto")]
+    dependent_launch: burn_gemma_kernels::graph::DependentLaunch,
     /// Fewest multiply-adds (millions) of a product for which the tuner times cuBLASLt.
     #[arg(long, default_value_t = burn_gemma_kernels::gemm::tune::DEFAULT_CUBLASLT_FLOOR / 1_000_000)]
     cublaslt_floor_m: usize,
@@ -184,6 +188,7 @@ impl BackendTask for Bench {
         }
         burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
         burn_gemma_kernels::gemm::tune::set_cublaslt_floor(a.cublaslt_floor_m.saturating_mul(1_000_000));
+        burn_gemma_kernels::graph::set_dependent_launch(a.dependent_launch);
         {
             use burn_gemma_kernels::attention::{set_prefill_attention, PrefillAttention as P};
             set_prefill_attention(match a.prefill_attention {

@@ -152,14 +152,22 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
     )
 }
 
-/// A key-length dimension's class: exact up to 2,048, above that its power of two with its
-/// remainder modulo 256 (a kernel that goes wrong on some remainder of a tile still meets it in
-/// the class it was checked on).
+/// Key lengths past which the products' choices are shared: by 16K keys every candidate has
+/// tiles for all units, so the choice made there stands for longer ones. Timing each longer
+/// power of two (on products that grow with it) took a 128K-token prompt on the 4B 155 s of
+/// tuning (H200, 12 classes, `docs/gpu-runs/2026-11-28-long`).
+const SHARED_LENGTH: usize = 16_384;
+
+/// A key-length dimension's class: exact up to 2,048, then its power of two up to
+/// [`SHARED_LENGTH`], one class past it; each with its remainder modulo 256 (a kernel that goes
+/// wrong on some remainder of a tile still meets it in the class it was checked on).
 fn length_class(d: usize) -> String {
     if d <= 2048 {
         d.to_string()
-    } else {
+    } else if d <= SHARED_LENGTH {
         format!("{}~{}", d.next_power_of_two(), d % 256)
+    } else {
+        format!("{SHARED_LENGTH}+~{}", d % 256)
     }
 }
 
@@ -304,14 +312,19 @@ mod tests {
     #[test]
     fn chunked_prompt_key_lengths_share_classes() {
         // A 128K-token prompt in chunks of 2,048: the key lengths its chunks attend over fall
-        // into one class per power of two (7 classes above 2,048 instead of 63 lengths).
+        // into one class per power of two up to 16K (2,048, 4K, 8K, 16K) and one past it,
+        // instead of 64 lengths.
         let lengths: Vec<usize> = (1..=64).map(|chunk| chunk * 2048).collect();
         let classes: HashSet<String> = lengths.iter().map(|&d| length_class(d)).collect();
-        assert_eq!(classes.len(), 1 + 6, "{classes:?}");
+        assert_eq!(classes.len(), 4 + 1, "{classes:?}");
         // Up to 2,048 keys are exact, and a remainder of a tile stays apart from whole tiles.
         assert_eq!(length_class(2047), "2047");
-        assert_ne!(length_class(20_000), length_class(20_480));
-        assert_eq!(length_class(20_480), length_class(32_768));
-        assert_ne!(length_class(32_768), length_class(32_769));
+        assert_ne!(length_class(12_000), length_class(12_288));
+        assert_eq!(length_class(12_288), length_class(16_384));
+        assert_ne!(length_class(16_384), length_class(16_385));
+        // Past 16K one class per remainder, whatever the length.
+        assert_eq!(length_class(20_480), length_class(131_072));
+        assert_eq!(length_class(16_385), length_class(131_073));
+        assert_ne!(length_class(131_071), length_class(131_072));
     }
 }

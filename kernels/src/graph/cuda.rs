@@ -137,6 +137,57 @@ pub(crate) fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool)
     Ok((bytes, false))
 }
 
+/// The PTX instructions placed at the start of every kernel of a graph on compute capability
+/// 9.0+ (programmatic dependent launch): wait until the kernels before have finished and their
+/// writes are visible, then let the next kernel's launch begin. The next kernel's blocks are
+/// then scheduled while this one runs (once all of this one's blocks have started), so that its
+/// launch and block start-up overlap this kernel's tail instead of following its end.
+///
+/// Waiting first keeps every kernel's reads and writes after its predecessors', as in plain
+/// stream order, whatever the kernel does (the wait is the first statement of its body).
+const DEPENDENT_LAUNCH_PROLOGUE: &str =
+    "\nasm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\nasm volatile(\"griddepcontrol.launch_dependents;\");\n";
+
+/// `source` with [`DEPENDENT_LAUNCH_PROLOGUE`] as the first statement of the body of kernel
+/// `entry`, or `None` where the source does not have the shape cubecl-cpp 0.10 gives it (`entry
+/// (` after `__launch_bounds__(..)`, the parameters, then `\n) {`).
+fn with_dependent_launch(source: &str, entry: &str) -> Option<String> {
+    let name = format!("{entry} (");
+    let signature = source
+        .match_indices(&name)
+        .map(|(at, _)| at)
+        .find(|&at| source[..at].chars().next_back().is_some_and(|c| !(c.is_alphanumeric() || c == '_')))?;
+    let body = signature + source[signature..].find("\n) {")? + "\n) ".len();
+    let mut out = String::with_capacity(source.len() + DEPENDENT_LAUNCH_PROLOGUE.len());
+    out.push_str(&source[..=body]);
+    out.push_str(DEPENDENT_LAUNCH_PROLOGUE);
+    out.push_str(&source[body + 1..]);
+    Some(out)
+}
+
+/// How the kernels of a replayed graph follow one another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KernelOrder {
+    /// Each kernel is launched when its predecessor has finished (stream order).
+    Serial,
+    /// Programmatic dependent launch (compute capability 9.0+): each kernel after the first is
+    /// launched while its predecessor runs and waits for it in its first statement
+    /// ([`DEPENDENT_LAUNCH_PROLOGUE`]).
+    Overlapped,
+}
+
+impl KernelOrder {
+    /// [`KernelOrder::Overlapped`] where the device has programmatic dependent launch and
+    /// `mode` allows it.
+    pub(crate) fn for_architecture(arch: u32, mode: super::DependentLaunch) -> Self {
+        if arch >= 90 && mode == super::DependentLaunch::Auto {
+            Self::Overlapped
+        } else {
+            Self::Serial
+        }
+    }
+}
+
 /// A loaded kernel.
 #[derive(Clone, Copy)]
 struct Function {
@@ -146,7 +197,12 @@ struct Function {
 }
 
 /// Compiles, loads and configures one recorded task.
-fn load(launch: &Recorded, options: &CompilationOptions, arch: u32) -> Result<(Function, bool), GraphError> {
+fn load(
+    launch: &Recorded,
+    options: &CompilationOptions,
+    arch: u32,
+    order: KernelOrder,
+) -> Result<(Function, bool), GraphError> {
     let name = launch.task.name().to_string();
     let compile_error = |reason: String| GraphError::Compile { kernel: name.clone(), reason };
     let compiled = launch
@@ -154,7 +210,12 @@ fn load(launch: &Recorded, options: &CompilationOptions, arch: u32) -> Result<(F
         .compile(&mut CudaCompiler::default(), options, launch.mode, launch.task.address_type())
         .map_err(|e| compile_error(format!("{e:?}")))?;
     let shared = compiled.repr.as_ref().map_or(0, |r| r.shared_memory_size());
-    let (ptx, cached) = ptx(&compiled.source, arch, &name)?;
+    let source = match order {
+        KernelOrder::Serial => compiled.source.clone(),
+        KernelOrder::Overlapped => with_dependent_launch(&compiled.source, &compiled.entrypoint_name)
+            .ok_or_else(|| compile_error("no kernel body found to place the dependency wait in".into()))?,
+    };
+    let (ptx, cached) = ptx(&source, arch, &name)?;
     let entry = CString::new(compiled.entrypoint_name.clone()).map_err(|e| compile_error(e.to_string()))?;
     // SAFETY: `ptx` is NUL-terminated PTX; the module stays loaded for the process (graphs
     // replay its function).
@@ -171,6 +232,42 @@ fn load(launch: &Recorded, options: &CompilationOptions, arch: u32) -> Result<(F
     };
     let dim = compiled.cube_dim;
     Ok((Function { func, block: (dim.x, dim.y, dim.z), shared: shared as u32 }, cached))
+}
+
+/// Launches `node` on `stream` (being captured); `overlapped` marks its dependency on the
+/// previous launch as programmatic (see [`KernelOrder::Overlapped`]).
+///
+/// # Safety
+/// `params` holds one pointer per kernel parameter, each to a live value of its type.
+unsafe fn launch(
+    node: &Node,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+    overlapped: bool,
+) -> Result<(), cudarc::driver::DriverError> {
+    let f = node.function;
+    if !overlapped {
+        return result::launch_kernel(f.func, node.grid, f.block, f.shared, stream, params);
+    }
+    // SAFETY: an all-zero attribute is a valid value of this plain C union and struct.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: node.grid.0,
+        gridDimY: node.grid.1,
+        gridDimZ: node.grid.2,
+        blockDimX: f.block.0,
+        blockDimY: f.block.1,
+        blockDimZ: f.block.2,
+        sharedMemBytes: f.shared,
+        hStream: stream,
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    // SAFETY: the function is loaded, `config` and `attribute` outlive the call, and `params`
+    // is as the caller guarantees.
+    unsafe { sys::cuLaunchKernelEx(&config, f.func, params.as_mut_ptr(), std::ptr::null_mut()).result() }
 }
 
 /// The device pointer of `handle` (its offset included).
@@ -238,6 +335,7 @@ impl Graph {
         make_current(ordinal)?;
         let arch = architecture(ordinal)?;
         let options = compilation_options(arch);
+        let order = KernelOrder::for_architecture(arch, super::dependent_launch());
         if !options.supports_features.grid_constants {
             return Err(GraphError::Unsupported(format!("compute capability {arch} has no grid constants")));
         }
@@ -265,7 +363,7 @@ impl Graph {
             let function = match loaded.get(&key) {
                 Some(f) => *f,
                 None => {
-                    let (f, from_cache) = load(&launch, &options, arch)?;
+                    let (f, from_cache) = load(&launch, &options, arch, order)?;
                     if from_cache {
                         kernels.cached += 1;
                     } else {
@@ -288,14 +386,15 @@ impl Graph {
             result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(driver("cuStreamBeginCapture"))?;
             let mut failed = None;
-            for node in &mut nodes {
+            for (i, node) in nodes.iter_mut().enumerate() {
                 let mut params: Vec<*mut c_void> =
                     node.pointers.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
                 if node.has_info {
                     params.push(node.info.as_mut_ptr() as *mut c_void);
                 }
-                let f = node.function;
-                if let Err(e) = result::launch_kernel(f.func, node.grid, f.block, f.shared, stream, &mut params) {
+                // The first kernel follows the host's copies into the step's buffers: plain order.
+                let overlapped = order == KernelOrder::Overlapped && i > 0;
+                if let Err(e) = launch(node, stream, &mut params, overlapped) {
                     failed = Some(e);
                     break;
                 }
@@ -371,6 +470,26 @@ mod tests {
         assert_eq!(fnv1a(&[b"abc"]), fnv1a(&[b"abc"]));
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
         assert_ne!(fnv1a(&[b"abc"]), fnv1a(&[b"abd"]));
+    }
+
+    #[test]
+    fn dependency_wait_opens_the_kernel_body() {
+        // As cubecl-cpp 0.10 writes a kernel (`shared/kernel.rs`, `cuda/dialect.rs`).
+        let source = "struct info_st { uint x; };\n__device__ void not_gemv_f32 () {}\n\n\
+                      extern \"C\" __global__ void __launch_bounds__(256)gemv_f32 (\n\
+                      float* x_0,\nconst __grid_constant__ info_st info\n) {\nuint a = threadIdx.x;\n}\n";
+        let placed = with_dependent_launch(source, "gemv_f32").expect("kernel body");
+        let body = placed.find("\n) {").expect("body") + 4;
+        assert!(placed[body..].starts_with(DEPENDENT_LAUNCH_PROLOGUE), "{placed}");
+        assert!(placed[body + DEPENDENT_LAUNCH_PROLOGUE.len()..].starts_with("\nuint a = threadIdx.x;"));
+        assert_eq!(placed.len(), source.len() + DEPENDENT_LAUNCH_PROLOGUE.len());
+        // Neither the struct's braces nor a function whose name ends in the kernel's are taken.
+        assert!(placed.starts_with("struct info_st { uint x; };\n__device__ void not_gemv_f32 () {}\n"));
+        assert!(with_dependent_launch(source, "other_kernel").is_none());
+        use super::super::DependentLaunch;
+        assert_eq!(KernelOrder::for_architecture(90, DependentLaunch::Auto), KernelOrder::Overlapped);
+        assert_eq!(KernelOrder::for_architecture(90, DependentLaunch::Off), KernelOrder::Serial);
+        assert_eq!(KernelOrder::for_architecture(89, DependentLaunch::Auto), KernelOrder::Serial);
     }
 
     #[test]

@@ -12,7 +12,11 @@
 //!    recorded pointers stay valid as long as the graph lives.
 //! 2. **Compile.** Each recorded task is compiled by CubeCL's own CUDA compiler with the options
 //!    CubeCL uses for the device, then by NVRTC (PTX cached on disk by source hash).
-//! 3. **Capture.** The launches are captured on a stream of our own into one graph.
+//! 3. **Capture.** The launches are captured on a stream of our own into one graph. On compute
+//!    capability 9.0+ the kernels follow one another by programmatic dependent launch: each
+//!    kernel's first statements wait for its predecessor and then release its successor, whose
+//!    launch and block start-up so overlap this kernel's run (`KernelOrder` in `cuda.rs`;
+//!    [`set_dependent_launch`] turns it off).
 //! 4. **Replay.** Per token: copy the step's values (position, token ids, sampling draws) into
 //!    the small device buffers the kernels read them from, launch the graph, read the ids back.
 //!
@@ -56,6 +60,46 @@ pub enum GraphError {
     /// A CUDA driver call failed.
     #[error("CUDA graph: {call} failed: {reason}")]
     Driver { call: &'static str, reason: String },
+}
+
+/// Whether graphs built from now on let each kernel's launch overlap its predecessor's run
+/// (programmatic dependent launch, compute capability 9.0+; see the module docs). Graphs
+/// already built keep theirs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DependentLaunch {
+    /// Where the device has it (9.0+); stream order elsewhere.
+    #[default]
+    Auto,
+    /// Stream order: each kernel launched when its predecessor has finished.
+    Off,
+}
+
+impl std::str::FromStr for DependentLaunch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            other => Err(format!("unknown dependent-launch mode `{other}` (expected auto or off)")),
+        }
+    }
+}
+
+static DEPENDENT_LAUNCH_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets [`DependentLaunch`] for the graphs this process builds from now on ([`DependentLaunch::Auto`]
+/// by default), as the GEMM tuner's settings are set.
+pub fn set_dependent_launch(mode: DependentLaunch) {
+    DEPENDENT_LAUNCH_OFF.store(mode == DependentLaunch::Off, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The [`DependentLaunch`] graphs are built with now.
+pub fn dependent_launch() -> DependentLaunch {
+    if DEPENDENT_LAUNCH_OFF.load(std::sync::atomic::Ordering::Relaxed) {
+        DependentLaunch::Off
+    } else {
+        DependentLaunch::Auto
+    }
 }
 
 /// What one recording session collects on this thread.

@@ -485,6 +485,7 @@ pub(crate) mod tests {
 
     /// `x` (rows of `cols`) as the block dot products of `dtype` read it: quantized to the 8-bit
     /// block type candle pairs with it (`GgmlType::VecDotType`) and back to f32.
+    #[cfg(feature = "ndarray")]
     fn quantized_activations(dtype: GgmlDType, x: &[f32], cols: usize) -> Vec<f32> {
         use candle_core::quantized::k_quants::{BlockQ8K, BlockQ8_0, GgmlType};
         fn round_trip<T: GgmlType>(x: &[f32], cols: usize) -> Vec<f32> {
