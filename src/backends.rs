@@ -263,6 +263,8 @@ fn no_device(name: &'static str) -> Error {
 }
 
 /// Devices detected per compiled backend, for `--list-devices`.
+// Filled per compiled backend: what is pushed depends on the features.
+#[allow(clippy::vec_init_then_push)]
 pub fn list_devices() -> Vec<String> {
     let mut out = Vec::new();
     #[cfg(feature = "cuda")]

@@ -45,9 +45,10 @@ pub mod tokenizer;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
-    AssistantConfig, BatchGraphs, CudaGraph, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, GemmaConfig,
-    GraphSetup, ImageEmbeds, KvCache, KvFormat, ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats,
-    Reservation, StepInputs, StoredRows, WeightFormat, WeightSource,
+    AssistantConfig, BatchGraphs, CudaGraph, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant,
+    Gemma4ImageConfig, Gemma4Patches, Gemma4Vision, GemmaConfig, GraphSetup, ImageEmbeds, KvCache, KvFormat,
+    ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StoredRows, WeightFormat,
+    WeightSource,
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{

@@ -14,8 +14,8 @@ use burn_gemma_model::{
     assistant::config::ASSISTANT_MODEL_TYPES,
     config::NormScale,
     weights::{matrix_dims, quantize, row_chunks, WeightKind},
-    Architecture, AssistantConfig, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, GemmaConfig, ModelError,
-    ModelOptions, WeightSource,
+    Architecture, AssistantConfig, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, Gemma4ImageConfig,
+    Gemma4Vision, GemmaConfig, ModelError, ModelOptions, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -29,6 +29,8 @@ pub struct Checkpoint {
     config: GemmaConfig,
     /// A multimodal Gemma 3 checkpoint's vision tower and projector.
     vision: Option<Gemma3VisionConfig>,
+    /// A multimodal Gemma 4 checkpoint's vision tower and embedder.
+    gemma4_vision: Option<Gemma4ImageConfig>,
 }
 
 enum Format {
@@ -149,9 +151,14 @@ impl Checkpoint {
         }
         let config = GemmaConfig::from_hf_json(&text)
             .map_err(|e| Error::Config { path: config_path.clone(), source: Box::new(e) })?;
-        let vision = Gemma3VisionConfig::from_hf_json(&text, config.hidden_size)
-            .map_err(|e| Error::Config { path: config_path, source: Box::new(e) })?;
-        Ok(Self { format: open_hf_weights(&dir)?, path: dir, config, vision })
+        let config_error = |e: ModelError| Error::Config { path: config_path.clone(), source: Box::new(e) };
+        let (vision, gemma4_vision) = match config.model_type {
+            Architecture::Gemma4 => {
+                (None, Gemma4ImageConfig::from_hf_json(&text, config.hidden_size).map_err(config_error)?)
+            }
+            _ => (Gemma3VisionConfig::from_hf_json(&text, config.hidden_size).map_err(config_error)?, None),
+        };
+        Ok(Self { format: open_hf_weights(&dir)?, path: dir, config, vision, gemma4_vision })
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self, Error> {
@@ -162,7 +169,7 @@ impl Checkpoint {
         }
         let config = crate::gguf_config::config_from_gguf(&file)
             .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
-        Ok(Self { path, format: Format::Gguf(Box::new(file)), config, vision: None })
+        Ok(Self { path, format: Format::Gguf(Box::new(file)), config, vision: None, gemma4_vision: None })
     }
 
     /// The vision config of a multimodal checkpoint (Gemma 3's SigLIP tower and projector), or
@@ -175,15 +182,40 @@ impl Checkpoint {
     /// format from `options`: use the text model's). Fails for a checkpoint without them.
     pub fn load_vision<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
         let Some(config) = self.vision.clone() else {
-            return Err(Error::NotAModel {
-                path: self.path.clone(),
-                reason: "this checkpoint has no vision tower (a multimodal Gemma 3 config.json has a vision_config)"
-                    .into(),
-            });
+            let reason = if self.gemma4_vision.is_some() {
+                "this Gemma 4 checkpoint's vision tower loads with `load_gemma4_vision`; prompts with Gemma 4 images \
+                 are not supported yet"
+            } else {
+                "this checkpoint has no vision tower (a multimodal Gemma 3 config.json has a vision_config)"
+            };
+            return Err(Error::NotAModel { path: self.path.clone(), reason: reason.into() });
         };
         let total = vision_tensors(&config);
         let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
         Ok(Gemma3Vision::load(config, &mut source, &options, &device)?)
+    }
+
+    /// The vision config of a multimodal Gemma 4 checkpoint (its vision tower and embedder), or
+    /// `None` for a text model.
+    pub fn gemma4_vision_config(&self) -> Option<&Gemma4ImageConfig> {
+        self.gemma4_vision.as_ref()
+    }
+
+    /// Loads the vision tower and embedder of a multimodal Gemma 4 checkpoint (device, dtype and
+    /// weight format from `options`, as [`Checkpoint::load`]): [`Gemma4Vision::image_features`]
+    /// gives an image's soft tokens in the text model's width.
+    pub fn load_gemma4_vision<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma4Vision<B>, Error> {
+        let Some(config) = self.gemma4_vision.clone() else {
+            return Err(Error::NotAModel {
+                path: self.path.clone(),
+                reason: "this checkpoint has no Gemma 4 vision tower (a multimodal Gemma 4 config.json has a \
+                         vision_config)"
+                    .into(),
+            });
+        };
+        let total = gemma4_vision_tensors(&config);
+        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
+        Ok(Gemma4Vision::load(config, &mut source, &options, &device)?)
     }
 
     /// The checkpoint's path.
@@ -362,6 +394,15 @@ impl MmprojCheckpoint {
     }
 }
 
+/// Tensors a Gemma 4 vision tower and embedder load: per layer seven projections (with four
+/// bounds each where clipped) and six norms; the patch projection and position table, the
+/// standardization's two vectors, the embedder's projection.
+fn gemma4_vision_tensors(config: &Gemma4ImageConfig) -> usize {
+    let v = &config.vision;
+    let linears = if v.use_clipped_linears { 7 * 5 } else { 7 };
+    (linears + 6) * v.num_hidden_layers + 3 + if v.standardize { 2 } else { 0 }
+}
+
 /// Tensors a Gemma 3 vision tower and projector load: per layer two norms and four projections
 /// of two tensors each; the patch and position embeddings, the final norm; the projector's two.
 fn vision_tensors(config: &Gemma3VisionConfig) -> usize {
@@ -527,7 +568,10 @@ impl Source<'_> {
                     .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
                 let file = &shards[shard];
                 let info = file.tensors().get(&stored).ok_or_else(|| ModelError::MissingTensor(stored.clone()))?;
-                if info.shape() != shape {
+                // A scalar stored with no dimensions (HF buffers such as `torch.tensor(x)`) is
+                // read as the one value it is.
+                let scalar = info.shape().is_empty() && shape == [1];
+                if info.shape() != shape && !scalar {
                     return Err(mismatch(info.shape()));
                 }
                 let stored_dtype = match (info.dtype(), kind) {

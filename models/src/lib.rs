@@ -34,5 +34,5 @@ pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;
 pub use model::{Gemma, ImageEmbeds, ModelOptions, StepInputs};
-pub use vision::{Gemma3Vision, Gemma3VisionConfig};
+pub use vision::{Gemma3Vision, Gemma3VisionConfig, Gemma4ImageConfig, Gemma4Patches, Gemma4Vision};
 pub use weights::{RandomWeights, WeightFormat, WeightSource};

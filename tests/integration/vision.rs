@@ -391,3 +391,87 @@ fn prompts_with_image_places_expand_as_gemma3_processor() {
     let err = g.generate_with_images("<start_of_image><start_of_image>", &pixels[..1], &config, |_| {}).unwrap_err();
     assert!(err.to_string().contains("1 images for 2 places"), "{err}");
 }
+
+/// Gemma 4 (tests/fixtures/tiny-gemma-vision/gemma4, made by
+/// scripts/make_gemma4_vision_fixtures.py): the vision tower (clipped linears, one KV head for
+/// two query heads, axial RoPE, the 2 x 2 pooler, standardization) and embedder give HF's soft
+/// tokens for a 4 x 6 and a 2 x 2 patch grid; the multimodal checkpoint's text model loads.
+fn gemma4_vision_matches_hf<B: GemmaBackend>(device: &B::Device) {
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
+    let reference = common::read_json(dir.join("reference.json"));
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let config = checkpoint.gemma4_vision_config().expect("a Gemma 4 vision config");
+    assert_eq!((config.image_token_id, config.vision.pooling_kernel_size), (500, 2));
+    assert!(checkpoint.vision_config().is_none());
+    let vision = checkpoint.load_gemma4_vision(common::dense_f32::<B>(device)).unwrap();
+    let patch_values = 3 * 4 * 4;
+    for (i, image) in reference["images"].as_array().unwrap().iter().enumerate() {
+        let (rows, cols) = (image["rows"].as_u64().unwrap() as usize, image["cols"].as_u64().unwrap() as usize);
+        let pixels =
+            Tensor::<B, 2>::from_data(TensorData::new(floats(&image["patches"]), [rows * cols, patch_values]), device);
+        let got = vision.image_features(&burn_gemma::Gemma4Patches { values: pixels, rows, cols }).unwrap();
+        assert_eq!(got.dims(), [rows / 2 * cols / 2, 64], "image {i}: soft tokens");
+        let err = max_error(&values(got), &floats(&image["features"]));
+        println!("Gemma 4 image {i} ({rows} x {cols} patches): features within {err:.2e} of HF");
+        assert!(err <= TOLERANCE, "image {i}: features {err:.2e} from HF");
+    }
+    // The text decoder of the multimodal checkpoint (`model.language_model.*`) loads as well.
+    let model = checkpoint.load(common::dense_f32::<B>(device)).unwrap();
+    let unused = &model.report.unused_tensors;
+    assert!(!unused.is_empty() && unused.iter().all(|name| name.contains("vision")), "{unused:?}");
+}
+
+#[test]
+fn gemma4_images_match_hf_on_ndarray() {
+    gemma4_vision_matches_hf::<NdArray>(&Default::default());
+}
+
+#[cfg(feature = "candle")]
+#[test]
+fn gemma4_images_match_hf_on_candle() {
+    gemma4_vision_matches_hf::<burn_gemma::backends::Candle>(&Default::default());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn gemma4_images_match_hf_on_wgpu() {
+    gemma4_vision_matches_hf::<burn_gemma::backends::Wgpu>(&Default::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gemma4_images_match_hf_on_cuda() {
+    gemma4_vision_matches_hf::<burn_gemma::backends::Cuda>(&Default::default());
+}
+
+/// Patch grids the tower cannot pool, or whose values do not match, are refused by name; a
+/// Gemma 4 checkpoint asked for Gemma 3's tower says where its own is.
+#[test]
+fn gemma4_bad_patch_grids_are_refused() {
+    let device = Default::default();
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let vision = checkpoint.load_gemma4_vision(common::dense_f32::<NdArray>(&device)).unwrap();
+    let patches = |rows: usize, cols: usize, width: usize| burn_gemma::Gemma4Patches {
+        values: Tensor::<NdArray, 2>::zeros([rows * cols, width], &device),
+        rows,
+        cols,
+    };
+    for (p, what) in [
+        (patches(3, 4, 48), "does not pool by 2 x 2"),
+        (patches(0, 4, 48), "does not pool by 2 x 2"),
+        (patches(2, 2, 47), "4 patches of 47 values"),
+        (patches(18, 2, 48), "past the 16 positions"),
+    ] {
+        match vision.image_features(&p) {
+            Err(burn_gemma_model::ModelError::InvalidInput(reason)) => {
+                assert!(reason.contains(what), "{reason}")
+            }
+            other => panic!("{what}: {:?}", other.map(|t| t.dims())),
+        }
+    }
+    match checkpoint.load_vision(common::dense_f32::<NdArray>(&device)) {
+        Err(e) => assert!(e.to_string().contains("load_gemma4_vision"), "{e}"),
+        Ok(_) => panic!("Gemma 3's tower loaded from a Gemma 4 checkpoint"),
+    }
+}

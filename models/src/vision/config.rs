@@ -99,6 +99,10 @@ impl Gemma3VisionConfig {
     /// `vision_config`), `None` for a text-only config; `text_hidden_size` from its text config.
     pub fn from_hf_json(json: &str, text_hidden_size: usize) -> Result<Option<Self>, ModelError> {
         let root: HfRoot = serde_json::from_str(json)?;
+        // Gemma 4's vision config is another (`Gemma4ImageConfig`).
+        if root.model_type.as_deref() == Some("gemma4") {
+            return Ok(None);
+        }
         let Some(vision) = root.vision_config else { return Ok(None) };
         if root.model_type.as_deref() != Some("gemma3") {
             return Err(ModelError::UnsupportedConfig {

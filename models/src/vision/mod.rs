@@ -1,13 +1,18 @@
-//! Images in (Gemma 3): HF's `Gemma3Model.get_image_features`, the SigLIP tower and the
+//! Images in. Gemma 3: HF's `Gemma3Model.get_image_features`, the SigLIP tower and the
 //! multimodal projector, giving each image `mm_tokens_per_image` embeddings in the text model's
 //! width. The text model places them at the image's soft tokens ([`crate::ImageEmbeds`]), whose
-//! positions attend to each other both ways.
+//! positions attend to each other both ways. Gemma 4 ([`gemma4`]): its own tower and embedder,
+//! an image's soft tokens as many as its pooled patch grid has cells.
 
 pub mod config;
+pub mod gemma4;
+pub mod gemma4_config;
 pub mod projector;
 pub mod siglip;
 
 pub use config::{Gemma3VisionConfig, SiglipConfig};
+pub use gemma4::{Gemma4Patches, Gemma4Vision};
+pub use gemma4_config::{Gemma4ImageConfig, Gemma4VisionConfig};
 pub use projector::Gemma3MultiModalProjector;
 pub use siglip::SiglipVisionModel;
 

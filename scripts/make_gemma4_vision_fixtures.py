@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Tiny Gemma 4 multimodal fixture (vision tower + embedder beside the tiny `gemma4-dense` text
+decoder), from HF transformers 5.23 (`Gemma4ForConditionalGeneration`).
+
+Pinned versions as scripts/make_fixtures.py (torch==2.15.0, transformers==5.23.0, safetensors).
+
+tests/fixtures/tiny-gemma-vision/gemma4 holds config.json (a `gemma4` config: the text config of
+tests/fixtures/tiny-gemma/gemma4-dense, a small `vision_config` with clipped linears and
+standardization on, one KV head for two query heads, 4x4 patches pooled 2x2), model.safetensors
+(HF 5.23 names: `model.vision_tower.*`, `model.embed_vision.*`, and the text decoder's weights
+under `model.language_model.*`, values as in gemma4-dense) and reference.json:
+
+- `images`: patch grids of 4 x 6 and 2 x 2 patches (`patches`: `[rows * cols, 4 * 4 * 3]`
+  values in [0, 1], each patch's pixels row by row with a pixel's channels together, as
+  `convert_image_to_patches` lays them out), with `get_image_features(...).pooler_output`
+  (`[rows / 2 * cols / 2, 64]`) of each image alone;
+- `batched`: both images in one padded batch (HF's own padding, (-1, -1) positions): the same
+  features, checked here.
+
+    make_gemma4_vision_fixtures.py new     (seed 22)
+    make_gemma4_vision_fixtures.py check   (recomputes and compares, 1e-5)
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "tests" / "fixtures" / "tiny-gemma" / "gemma4-dense"
+OUT = ROOT / "tests" / "fixtures" / "tiny-gemma-vision" / "gemma4"
+SEED = 22
+PATCH, POOL = 4, 2
+GRIDS = [(4, 6), (2, 2)]
+
+
+def config() -> dict:
+    text = json.loads((TEXT / "config.json").read_text())
+    for key in ["architectures", "dtype", "transformers_version"]:
+        text.pop(key, None)
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+            "pooling_kernel_size": POOL,
+            "patch_size": PATCH,
+            "position_embedding_size": 16,
+            "use_clipped_linears": True,
+            "standardize": True,
+        },
+        "audio_config": None,
+        "image_token_id": 500,
+        "boi_token_id": 501,
+        "eoi_token_id": 502,
+        "tie_word_embeddings": True,
+    }
+
+
+def positions(rows: int, cols: int) -> torch.Tensor:
+    x, y = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")
+    return torch.tensor(np.stack([x, y], axis=-1).reshape(rows * cols, 2))
+
+
+def load_model():
+    model = Gemma4ForConditionalGeneration(Gemma4Config.from_pretrained(OUT)).to(torch.float32)
+    missing, unexpected = model.load_state_dict(load_file(OUT / "model.safetensors"), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise SystemExit(f"missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def references(model, patches: list) -> dict:
+    out = {"images": []}
+    for (rows, cols), values in zip(GRIDS, patches):
+        features = model.model.get_image_features(values[None], positions(rows, cols)[None]).pooler_output[0]
+        out["images"].append({"rows": rows, "cols": cols, "patches": values, "features": features})
+    # Both images in one batch, padded as the image processor pads: the same features.
+    longest = max(r * c for r, c in GRIDS)
+    values = torch.zeros(len(GRIDS), longest, 3 * PATCH * PATCH)
+    ids = torch.full((len(GRIDS), longest, 2), -1, dtype=torch.long)
+    for i, ((rows, cols), v) in enumerate(zip(GRIDS, patches)):
+        values[i, : rows * cols] = v
+        ids[i, : rows * cols] = positions(rows, cols)
+    batched = model.model.get_image_features(values, ids).pooler_output
+    for image, got in zip(out["images"], batched):
+        err = (image["features"] - got).abs().max().item()
+        if err > 1e-5:
+            raise SystemExit(f"padded batch differs from single images by {err}")
+    out["batched_max_difference"] = max(
+        (image["features"] - got).abs().max().item() for image, got in zip(out["images"], batched)
+    )
+    return out
+
+
+def rounded(t: torch.Tensor):
+    return np.round(t.to(torch.float32).numpy(), 7).tolist()
+
+
+def as_json(refs: dict) -> dict:
+    return {
+        "patch_size": PATCH,
+        "pooling_kernel_size": POOL,
+        "batched_max_difference": refs["batched_max_difference"],
+        "images": [
+            {"rows": i["rows"], "cols": i["cols"], "patches": rounded(i["patches"]), "features": rounded(i["features"])}
+            for i in refs["images"]
+        ],
+    }
+
+
+def new():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "config.json").write_text(json.dumps(config(), indent=2))
+    torch.manual_seed(SEED)
+    model = Gemma4ForConditionalGeneration(Gemma4Config.from_pretrained(OUT)).to(torch.float32)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # The text decoder's weights as the tiny gemma4-dense fixture holds them.
+    for name, value in load_file(TEXT / "model.safetensors").items():
+        state["model.language_model." + name.removeprefix("model.")] = value
+    # Every vision weight random (HF initializes norms to 1 and some tables to constants), the
+    # clipping bounds finite and tight enough to clamp, the standardization away from identity.
+    for name in list(state):
+        if not (name.startswith("model.vision_tower.") or name.startswith("model.embed_vision.")):
+            continue
+        v = state[name]
+        if name.endswith("input_min") or name.endswith("output_min"):
+            state[name] = torch.tensor(-1.0 - torch.rand(()).item())
+        elif name.endswith("input_max") or name.endswith("output_max"):
+            state[name] = torch.tensor(1.0 + torch.rand(()).item())
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("std_scale"):
+            state[name] = 1.0 + 0.2 * torch.randn_like(v)
+        elif name.endswith("std_bias"):
+            state[name] = 0.5 * torch.randn_like(v)
+        else:
+            state[name] = 0.2 * torch.randn_like(v)
+    save_file({k: v.contiguous() for k, v in state.items()}, OUT / "model.safetensors")
+    # Rounded as stored, so that the stored features are those of the stored patches.
+    patches = [torch.tensor(rounded(torch.rand(r * c, 3 * PATCH * PATCH))) for r, c in GRIDS]
+    refs = references(load_model(), patches)
+    (OUT / "reference.json").write_text(json.dumps(as_json(refs)))
+    print(f"wrote {OUT}; padded batch within {refs['batched_max_difference']:.2e} of single images")
+
+
+def check():
+    want = json.loads((OUT / "reference.json").read_text())
+    patches = [torch.tensor(i["patches"], dtype=torch.float32) for i in want["images"]]
+    got = as_json(references(load_model(), patches))
+    worst = max(
+        np.abs(np.array(g["features"]) - np.array(w["features"])).max() for g, w in zip(got["images"], want["images"])
+    )
+    print(f"features within {worst:.2e} of the stored ones")
+    if worst > 1e-5:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["new", "check"])
+    {"new": new, "check": check}[parser.parse_args().mode]()
