@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
-"""Tiny Gemma 4 multimodal fixture (vision tower + embedder beside the tiny `gemma4-dense` text
-decoder), from HF transformers 5.23 (`Gemma4ForConditionalGeneration`).
+"""Tiny Gemma 4 multimodal fixtures (vision tower + embedder beside the tiny `gemma4-dense` and
+`gemma4-e` text decoders), from HF transformers 5.23 (`Gemma4ForConditionalGeneration`).
 
 Pinned versions as scripts/make_fixtures.py (torch==2.15.0, transformers==5.23.0, safetensors).
 
-tests/fixtures/tiny-gemma-vision/gemma4 holds config.json (a `gemma4` config: the text config of
-tests/fixtures/tiny-gemma/gemma4-dense, a small `vision_config` with clipped linears and
-standardization on, one KV head for two query heads, 4x4 patches pooled 2x2), model.safetensors
-(HF 5.23 names: `model.vision_tower.*`, `model.embed_vision.*`, and the text decoder's weights
-under `model.language_model.*`, values as in gemma4-dense) and reference.json:
+tests/fixtures/tiny-gemma-vision/gemma4 (text decoder gemma4-dense) and gemma4-e (gemma4-e:
+per-layer inputs, KV sharing) each hold config.json (a `gemma4` config: the text config of
+tests/fixtures/tiny-gemma/<text>, with `use_bidirectional_attention: "vision"`, and a small
+`vision_config` with clipped linears and standardization on, one KV head for two query heads,
+4x4 patches pooled 2x2), model.safetensors (HF 5.23 names: `model.vision_tower.*`,
+`model.embed_vision.*`, and the text decoder's weights under `model.language_model.*`, values as
+in the text fixture; the vision weights the same in both) and reference.json:
 
 - `images`: patch grids of 4 x 6 and 2 x 2 patches (`patches`: `[rows * cols, 4 * 4 * 3]`
   values in [0, 1], each patch's pixels row by row with a pixel's channels together, as
   `convert_image_to_patches` lays them out), with `get_image_features(...).pooler_output`
   (`[rows / 2 * cols / 2, 64]`) of each image alone;
 - `batched`: both images in one padded batch (HF's own padding, (-1, -1) positions): the same
-  features, checked here.
+  features, checked here;
+- `prompts`: input ids with one image (its soft tokens past the sliding window of 8) and with
+  both (each `<|image>`, the image's soft tokens, `<image|>`), with the float32 logits of every
+  position (`mm_token_type_ids` marking the soft tokens: they attend to each other both ways on
+  the sliding layers).
 
     make_gemma4_vision_fixtures.py new     (seed 22)
     make_gemma4_vision_fixtures.py check   (recomputes and compares, 1e-5)
@@ -32,17 +38,37 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = ROOT / "tests" / "fixtures" / "tiny-gemma" / "gemma4-dense"
-OUT = ROOT / "tests" / "fixtures" / "tiny-gemma-vision" / "gemma4"
+# Fixture folder -> the text fixture it extends.
+VARIANTS = {"gemma4": "gemma4-dense", "gemma4-e": "gemma4-e"}
+TEXT = OUT = None
 SEED = 22
 PATCH, POOL = 4, 2
 GRIDS = [(4, 6), (2, 2)]
+IMAGE, BOI, EOI = 500, 501, 502
+
+
+def use(variant: str):
+    global TEXT, OUT
+    TEXT = ROOT / "tests" / "fixtures" / "tiny-gemma" / VARIANTS[variant]
+    OUT = ROOT / "tests" / "fixtures" / "tiny-gemma-vision" / variant
+
+
+def block(tokens: int) -> list:
+    return [BOI] + [IMAGE] * tokens + [EOI]
+
+
+def prompts() -> list:
+    tokens = [r * c // POOL**2 for r, c in GRIDS]
+    one = [2] + list(range(10, 20)) + block(tokens[0]) + [30, 31, 32]
+    two = [2, 40, 41] + block(tokens[0]) + [42, 43, 44] + block(tokens[1]) + [45, 46]
+    return [(one, 1), (two, 2)]
 
 
 def config() -> dict:
     text = json.loads((TEXT / "config.json").read_text())
     for key in ["architectures", "dtype", "transformers_version"]:
         text.pop(key, None)
+    text["use_bidirectional_attention"] = "vision"
     return {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
@@ -65,9 +91,9 @@ def config() -> dict:
             "standardize": True,
         },
         "audio_config": None,
-        "image_token_id": 500,
-        "boi_token_id": 501,
-        "eoi_token_id": 502,
+        "image_token_id": IMAGE,
+        "boi_token_id": BOI,
+        "eoi_token_id": EOI,
         "tie_word_embeddings": True,
     }
 
@@ -108,7 +134,24 @@ def references(model, patches: list) -> dict:
     out["batched_max_difference"] = max(
         (image["features"] - got).abs().max().item() for image, got in zip(out["images"], batched)
     )
+    out["prompts"] = []
+    for ids, n_images in prompts():
+        input_ids = torch.tensor([ids])
+        logits = model(
+            input_ids=input_ids,
+            pixel_values=values[:n_images],
+            image_position_ids=ids_of(n_images, longest),
+            mm_token_type_ids=(input_ids == IMAGE).long(),
+        ).logits[0]
+        out["prompts"].append({"input_ids": ids, "images": n_images, "logits": logits})
     return out
+
+
+def ids_of(n_images: int, longest: int) -> torch.Tensor:
+    ids = torch.full((n_images, longest, 2), -1, dtype=torch.long)
+    for i, (rows, cols) in enumerate(GRIDS[:n_images]):
+        ids[i, : rows * cols] = positions(rows, cols)
+    return ids
 
 
 def rounded(t: torch.Tensor):
@@ -124,10 +167,20 @@ def as_json(refs: dict) -> dict:
             {"rows": i["rows"], "cols": i["cols"], "patches": rounded(i["patches"]), "features": rounded(i["features"])}
             for i in refs["images"]
         ],
+        "prompts": [
+            {"input_ids": p["input_ids"], "images": p["images"], "logits": rounded(p["logits"])}
+            for p in refs["prompts"]
+        ],
     }
 
 
 def new():
+    for variant in VARIANTS:
+        use(variant)
+        new_variant()
+
+
+def new_variant():
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "config.json").write_text(json.dumps(config(), indent=2))
     torch.manual_seed(SEED)
@@ -161,14 +214,18 @@ def new():
 
 
 def check():
-    want = json.loads((OUT / "reference.json").read_text())
-    patches = [torch.tensor(i["patches"], dtype=torch.float32) for i in want["images"]]
-    got = as_json(references(load_model(), patches))
-    worst = max(
-        np.abs(np.array(g["features"]) - np.array(w["features"])).max() for g, w in zip(got["images"], want["images"])
-    )
-    print(f"features within {worst:.2e} of the stored ones")
-    if worst > 1e-5:
+    failed = False
+    for variant in VARIANTS:
+        use(variant)
+        want = json.loads((OUT / "reference.json").read_text())
+        patches = [torch.tensor(i["patches"], dtype=torch.float32) for i in want["images"]]
+        got = as_json(references(load_model(), patches))
+        pairs = [(g["features"], w["features"]) for g, w in zip(got["images"], want["images"])]
+        pairs += [(g["logits"], w["logits"]) for g, w in zip(got["prompts"], want["prompts"])]
+        worst = max(np.abs(np.array(g) - np.array(w)).max() for g, w in pairs)
+        print(f"{variant}: features and logits within {worst:.2e} of the stored ones")
+        failed |= worst > 1e-5
+    if failed:
         sys.exit(1)
 
 

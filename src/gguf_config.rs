@@ -5,7 +5,7 @@
 use crate::gguf::{GgufFile, Value};
 use burn_gemma_model::{
     config::default_layer_types, vision::SiglipConfig, Architecture, AssistantConfig, Gemma3VisionConfig, GemmaConfig,
-    LayerType, ModelError, MoeConfig, RopeConfig,
+    ImageAttention, LayerType, ModelError, MoeConfig, RopeConfig,
 };
 
 fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
@@ -77,6 +77,11 @@ pub(crate) fn config_from_gguf(file: &GgufFile) -> Result<GemmaConfig, ModelErro
     let num_key_value_heads = uint("attention.head_count_kv")?.unwrap_or(num_attention_heads);
     let config = GemmaConfig {
         model_type: arch,
+        image_attention: match arch {
+            Architecture::Gemma3 => ImageAttention::BothWays,
+            _ => ImageAttention::Causal,
+        },
+        pad_token_id: token("tokenizer.ggml.padding_token_id", 0)?,
         vocab_size,
         hidden_size,
         intermediate_size: required("feed_forward_length")?,
@@ -225,6 +230,10 @@ fn gemma4_config_from_gguf(
     let token = |k: &'static str, default: u32| token_id(file, k, default);
     let config = GemmaConfig {
         model_type: Architecture::Gemma4,
+        // The files do not say; HF's Gemma 4 checkpoints with images attend both ways on their
+        // sliding layers (`use_bidirectional_attention: "vision"`).
+        image_attention: ImageAttention::BothWaysOnSlidingLayers,
+        pad_token_id: token("tokenizer.ggml.padding_token_id", 0)?,
         vocab_size,
         hidden_size,
         intermediate_size,

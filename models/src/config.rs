@@ -164,6 +164,24 @@ pub struct GemmaConfig {
     pub vocab_size_per_layer_input: usize,
     /// Gemma 4 26B-A4B: the routed expert block of every layer.
     pub moe: Option<MoeConfig>,
+    /// How an image's soft tokens attend to each other in the text model.
+    pub image_attention: ImageAttention,
+    /// HF `pad_token_id`: the token whose per-layer inputs a Gemma 4 E model reads at image
+    /// positions.
+    pub pad_token_id: u32,
+}
+
+/// How an image's soft tokens attend to each other in the text model (HF: Gemma 3's
+/// `token_type_ids` mask; Gemma 4's `create_masks_for_vision_model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ImageAttention {
+    /// Causally, as text (Gemma 4 unless its config says `use_bidirectional_attention: "vision"`).
+    Causal,
+    /// Both ways on every layer (Gemma 3).
+    BothWays,
+    /// Both ways on sliding-window layers, causally on full-attention layers (Gemma 4 with
+    /// `use_bidirectional_attention: "vision"`).
+    BothWaysOnSlidingLayers,
 }
 
 /// Where a model's layers get their keys and values.
@@ -524,6 +542,8 @@ fn gemma3_preset(
 ) -> GemmaConfig {
     GemmaConfig {
         model_type: Architecture::Gemma3,
+        image_attention: ImageAttention::BothWays,
+        pad_token_id: 0,
         vocab_size: 262_144,
         hidden_size: hidden,
         intermediate_size: intermediate,
@@ -580,6 +600,8 @@ impl Gemma4Preset {
         let (heads, kv_heads, global_kv_heads) = self.heads;
         GemmaConfig {
             model_type: Architecture::Gemma4,
+            image_attention: ImageAttention::BothWaysOnSlidingLayers,
+            pad_token_id: 0,
             vocab_size: 262_144,
             hidden_size: self.hidden,
             intermediate_size: self.intermediate,

@@ -8,7 +8,9 @@
 //! result. A value of the wrong type is refused while parsing, with the key's path in the error
 //! (`ModelError::ConfigValue`).
 
-use crate::config::{default_layer_types, invalid, Architecture, GemmaConfig, LayerType, MoeConfig, RopeConfig};
+use crate::config::{
+    default_layer_types, invalid, Architecture, GemmaConfig, ImageAttention, LayerType, MoeConfig, RopeConfig,
+};
 use crate::ModelError;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -133,6 +135,7 @@ pub struct HfTextConfig {
     pub rope_local_base_freq: Option<f64>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<TokenIds>,
+    pub pad_token_id: Option<u32>,
     // Gemma 4.
     pub global_head_dim: Option<usize>,
     pub num_global_key_value_heads: Option<usize>,
@@ -488,6 +491,14 @@ pub(crate) fn resolve(hf: HfConfig) -> Result<GemmaConfig, ModelError> {
         hidden_size_per_layer_input: per_layer_width,
         vocab_size_per_layer_input: per_layer_rows,
         moe,
+        image_attention: match arch {
+            Architecture::Gemma3 => ImageAttention::BothWays,
+            Architecture::Gemma4 if c.use_bidirectional_attention == Some(Bidirectional::Mode("vision".into())) => {
+                ImageAttention::BothWaysOnSlidingLayers
+            }
+            _ => ImageAttention::Causal,
+        },
+        pad_token_id: c.pad_token_id.unwrap_or(0),
     };
     Ok(config)
 }

@@ -29,7 +29,7 @@ pub use assistant::{AssistantConfig, DraftInput, DraftOutput, Gemma4Assistant, O
 pub use attention::{Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, StoredRows};
 pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix};
-pub use config::{Architecture, GemmaConfig, KvSource, LayerType, MoeConfig, NormScale, RopeConfig};
+pub use config::{Architecture, GemmaConfig, ImageAttention, KvSource, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;

@@ -14,7 +14,7 @@ use crate::{
     projection::WeightSettings,
     rope::RotaryEmbeddings,
     weights::{WeightFormat, WeightSource},
-    Architecture, GemmaConfig, KvCache, ModelError,
+    Architecture, GemmaConfig, ImageAttention, KvCache, LayerType, ModelError,
 };
 use burn::{
     module::Module,
@@ -279,14 +279,20 @@ impl<B: GemmaBackend> Gemma<B> {
         position: &StepPosition<B>,
     ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
-        let mut embedded =
-            self.embed_tokens.embed(ids.clone(), embed_scale(self.config.hidden_size, self.dtype), self.dtype);
+        // HF embeds the pad token at image positions (the soft tokens' own ids may be past the
+        // vocabulary) before the image features replace those rows.
+        let ids = if images.is_empty() { ids } else { self.padded_at_images(ids, images) };
+        let scale = embed_scale(self.config.hidden_size, self.dtype);
+        let mut embedded = self.embed_tokens.embed(ids.clone(), scale, self.dtype);
         for image in images {
             // HF's `masked_scatter` of the image features over the soft tokens' embeddings.
             let [n, width] = image.features.dims();
             let rows = [0..1, image.start..image.start + n, 0..width];
             embedded = embedded.slice_assign(rows, image.features.clone().cast(self.dtype).unsqueeze::<3>());
         }
+        // A Gemma 4 E model's per-layer inputs: the pad token's own rows at image positions, and
+        // the projection of the embeddings with the image features in place (HF's
+        // `get_per_layer_inputs` of the padded ids, then `project_per_layer_inputs`).
         let per_layer = self.per_layer.as_ref().map(|p| p.inputs(ids, embedded.clone(), self.dtype));
         let mut stream = ResidualStream::new(embedded, self.dtype);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -393,9 +399,12 @@ impl<B: GemmaBackend> Gemma<B> {
         hidden
     }
 
-    /// [`Gemma::forward_hidden`] over a chunk holding images (Gemma 3, one sequence): each
-    /// image's features replace the embeddings of its soft tokens, which attend to each other
-    /// both ways (HF's `token_type_ids`); an image's tokens must all be in the chunk.
+    /// [`Gemma::forward_hidden`] over a chunk holding images (one sequence): each image's
+    /// features replace the embeddings of its soft tokens, which attend to each other as the
+    /// config's [`crate::config::ImageAttention`] says (Gemma 3: both ways, HF's
+    /// `token_type_ids`; Gemma 4: both ways on sliding layers); an image's tokens must all be in
+    /// the chunk. A Gemma 4 E model's per-layer embeddings of the image positions are its pad
+    /// token's, as HF's.
     pub fn forward_hidden_with_images(
         &self,
         ids: Tensor<B, 2, Int>,
@@ -406,8 +415,8 @@ impl<B: GemmaBackend> Gemma<B> {
         if batch != 1 {
             return Err(ModelError::InvalidInput(format!("images go into one sequence at a time, got {batch}")));
         }
-        if self.config.num_kv_shared_layers > 0 || self.config.hidden_size_per_layer_input > 0 {
-            return Err(ModelError::InvalidInput("images are read for Gemma 3 models".into()));
+        if !matches!(self.config.model_type, Architecture::Gemma3 | Architecture::Gemma4) {
+            return Err(ModelError::InvalidInput("images are read for Gemma 3 and Gemma 4 models".into()));
         }
         let mut end = 0;
         let mut blocks = Vec::with_capacity(images.len());
@@ -423,10 +432,27 @@ impl<B: GemmaBackend> Gemma<B> {
             end = image.start + n;
             blocks.push(cache.len() + image.start..cache.len() + end);
         }
-        cache.set_bidirectional(&blocks);
+        let layer_types = &self.config.layer_types;
+        match self.config.image_attention {
+            ImageAttention::Causal => cache.set_bidirectional(&[]),
+            ImageAttention::BothWays => cache.set_bidirectional(&blocks),
+            ImageAttention::BothWaysOnSlidingLayers => {
+                cache.set_bidirectional_on(&blocks, |i| layer_types[i] == LayerType::SlidingAttention)
+            }
+        }
         let hidden = self.hidden_states_with(ids, images, cache);
         cache.set_bidirectional(&[]);
         hidden
+    }
+
+    /// `ids` (`[1, seq]`) with the pad token at every image's soft tokens.
+    fn padded_at_images(&self, ids: Tensor<B, 2, Int>, images: &[ImageEmbeds<B>]) -> Tensor<B, 2, Int> {
+        let device = ids.device();
+        images.iter().fold(ids, |ids, image| {
+            let n = image.features.dims()[0];
+            let pads = Tensor::<B, 2, Int>::full([1, n], self.config.pad_token_id as i64, &device);
+            ids.slice_assign([0..1, image.start..image.start + n], pads)
+        })
     }
 
     /// The input embedding of `ids` (`[batch, seq]` -> `[batch, seq, hidden]`, scaled by

@@ -392,33 +392,65 @@ fn prompts_with_image_places_expand_as_gemma3_processor() {
     assert!(err.to_string().contains("1 images for 2 places"), "{err}");
 }
 
-/// Gemma 4 (tests/fixtures/tiny-gemma-vision/gemma4, made by
+/// Bound on the Gemma 4 prompts' logits against HF's f32 run: HF's own f32 logits of these
+/// prompts are up to 4.2e-4 from its f64 run (the fixture script's models in f64), and the tiny
+/// Gemma 4 decoders' text logits are held to 1e-3 (tests/integration/tiny_models.rs).
+const GEMMA4_LOGITS: f32 = 1e-3;
+
+/// Gemma 4 (tests/fixtures/tiny-gemma-vision/gemma4 and gemma4-e, made by
 /// scripts/make_gemma4_vision_fixtures.py): the vision tower (clipped linears, one KV head for
 /// two query heads, axial RoPE, the 2 x 2 pooler, standardization) and embedder give HF's soft
-/// tokens for a 4 x 6 and a 2 x 2 patch grid; the multimodal checkpoint's text model loads.
+/// tokens for a 4 x 6 and a 2 x 2 patch grid, and the text models with them placed HF's logits.
 fn gemma4_vision_matches_hf<B: GemmaBackend>(device: &B::Device) {
-    let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
+    for variant in ["gemma4", "gemma4-e"] {
+        gemma4_variant_matches_hf::<B>(variant, device);
+    }
+}
+
+/// One fixture: the features of both images, then the logits of every position of a prompt
+/// with one image (past the sliding window) and with both (the soft tokens attending to each
+/// other both ways on sliding layers; the E model's per-layer inputs of image positions those
+/// of the pad token).
+fn gemma4_variant_matches_hf<B: GemmaBackend>(variant: &str, device: &B::Device) {
+    let dir = common::fixtures().join("tiny-gemma-vision").join(variant);
     let reference = common::read_json(dir.join("reference.json"));
     let checkpoint = Checkpoint::open(&dir).unwrap();
     let config = checkpoint.gemma4_vision_config().expect("a Gemma 4 vision config");
-    assert_eq!((config.image_token_id, config.vision.pooling_kernel_size), (500, 2));
+    let image_token = config.image_token_id;
+    assert_eq!((image_token, config.vision.pooling_kernel_size), (500, 2));
     assert!(checkpoint.vision_config().is_none());
     let vision = checkpoint.load_gemma4_vision(common::dense_f32::<B>(device)).unwrap();
     let patch_values = 3 * 4 * 4;
+    let mut features = Vec::new();
     for (i, image) in reference["images"].as_array().unwrap().iter().enumerate() {
         let (rows, cols) = (image["rows"].as_u64().unwrap() as usize, image["cols"].as_u64().unwrap() as usize);
         let pixels =
             Tensor::<B, 2>::from_data(TensorData::new(floats(&image["patches"]), [rows * cols, patch_values]), device);
         let got = vision.image_features(&burn_gemma::Gemma4Patches { values: pixels, rows, cols }).unwrap();
         assert_eq!(got.dims(), [rows / 2 * cols / 2, 64], "image {i}: soft tokens");
-        let err = max_error(&values(got), &floats(&image["features"]));
-        println!("Gemma 4 image {i} ({rows} x {cols} patches): features within {err:.2e} of HF");
-        assert!(err <= TOLERANCE, "image {i}: features {err:.2e} from HF");
+        let err = max_error(&values(got.clone()), &floats(&image["features"]));
+        println!("{variant} image {i} ({rows} x {cols} patches): features within {err:.2e} of HF");
+        assert!(err <= TOLERANCE, "{variant} image {i}: features {err:.2e} from HF");
+        features.push(got);
     }
-    // The text decoder of the multimodal checkpoint (`model.language_model.*`) loads as well.
-    let model = checkpoint.load(common::dense_f32::<B>(device)).unwrap();
-    let unused = &model.report.unused_tensors;
+    // The text decoder of the multimodal checkpoint (`model.language_model.*`).
+    let loaded = checkpoint.load(common::dense_f32::<B>(device)).unwrap();
+    let unused = &loaded.report.unused_tensors;
     assert!(!unused.is_empty() && unused.iter().all(|name| name.contains("vision")), "{unused:?}");
+    let model = loaded.model;
+    for (p, prompt) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let ids = common::ids(&prompt["input_ids"]);
+        let starts: Vec<usize> =
+            (0..ids.len()).filter(|&i| ids[i] == image_token && (i == 0 || ids[i - 1] != image_token)).collect();
+        assert_eq!(starts.len(), prompt["images"].as_u64().unwrap() as usize);
+        let images: Vec<ImageEmbeds<B>> =
+            starts.iter().zip(&features).map(|(&start, f)| ImageEmbeds { start, features: f.clone() }).collect();
+        let mut cache = model.new_cache(1, ids.len() + 8).unwrap();
+        let hidden = model.forward_hidden_with_images(token_tensor::<B>(&ids, device), &images, &mut cache).unwrap();
+        let err = max_error(&values(model.logits(hidden)), &floats(&prompt["logits"]));
+        println!("{variant} prompt {p} ({} images): logits within {err:.2e} of HF", images.len());
+        assert!(err <= GEMMA4_LOGITS, "{variant} prompt {p}: logits {err:.2e} from HF");
+    }
 }
 
 #[test]

@@ -231,29 +231,7 @@ impl<B: GemmaBackend> LayerCache<B> {
                     let mask =
                         AttentionMask { q_offset: position, k_offset: position - position.min(w), window: Some(w) };
                     let chunk = shared.then(|| vec![SharedChunk { keys: all_k.clone(), values: all_v.clone(), mask }]);
-                    let out = if blocks.is_empty() {
-                        B::grouped_attention(q, KvView::Dense { keys: all_k, values: all_v }, &scores.with(mask))?
-                    } else {
-                        let k_offset = mask.k_offset;
-                        by_segment(q, position, &blocks, |rows, block| {
-                            let dense = |end: usize| {
-                                let keys = s![.., .., 0..end - k_offset, ..];
-                                KvView::Dense { keys: all_k.clone().slice(keys), values: all_v.clone().slice(keys) }
-                            };
-                            let window = |q_offset, window| scores.with(AttentionMask { q_offset, k_offset, window });
-                            match block {
-                                None => vec![(dense(position + t), window(position + rows.start, Some(w)))],
-                                // Every key of the window before the block's last row is in the
-                                // window of each of its rows: one call up to the block's end.
-                                Some(end) if end <= k_offset + w => vec![(dense(end), window(end - 1, None))],
-                                // Row `i` sees keys after `i - w` up to the block's end: at the
-                                // end's position, a window wider by the rows after `i`.
-                                Some(end) => (position + rows.start..position + rows.end)
-                                    .map(|i| (dense(end), window(end - 1, Some(w + end - 1 - i))))
-                                    .collect(),
-                            }
-                        })?
-                    };
+                    let out = ring_attention(q, &all_k, &all_v, (position, w), &blocks, scores)?;
                     let mut store = store;
                     for (rows, slot) in ring_writes(position, t, w) {
                         let rows = s![.., .., rows, ..];
@@ -278,18 +256,19 @@ impl<B: GemmaBackend> LayerCache<B> {
         scores: Scores,
     ) -> Result<Tensor<B, 4>, ModelError> {
         self.check_unpaged()?;
-        if !self.take_bidirectional(position, t)?.is_empty() {
-            return Err(ModelError::InvalidInput(
-                "image tokens in a model with KV-sharing layers (Gemma 4's images are not read yet)".into(),
-            ));
-        }
+        let blocks = self.take_bidirectional(position, t)?;
         let rows = self.query_rows;
         match (self.span, &self.shared_chunk) {
-            (Span::Ring(_), Some(chunks)) if chunks.len() == 1 => {
+            // The keys and values the producing layer's chunk attended over, with the same
+            // bidirectional blocks (an image's tokens, as on the producing layer).
+            (Span::Ring(w), Some(chunks)) if chunks.len() == 1 => {
                 let chunk = &chunks[0];
-                let kv = KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() };
-                Ok(B::grouped_attention(q, kv, &scores.with(chunk.mask))?)
+                Ok(ring_attention(q, &chunk.keys, &chunk.values, (position, w), &blocks, scores)?)
             }
+            _ if !blocks.is_empty() => Err(ModelError::InvalidInput(
+                "image tokens attending both ways on a full-attention layer that shares another's keys and values"
+                    .into(),
+            )),
             (Span::Ring(_), Some(chunks)) if chunks.len() == t => Ok(each_row(q, |i| {
                 let chunk = &chunks[i];
                 (KvView::Dense { keys: chunk.keys.clone(), values: chunk.values.clone() }, scores.with(chunk.mask))
@@ -313,10 +292,12 @@ impl<B: GemmaBackend> LayerCache<B> {
         }
     }
 
-    /// The bidirectional blocks set for a chunk at `position..position + t` (cleared): each
-    /// must lie inside the chunk, and rows attending each on their own take none.
+    /// The bidirectional blocks set for a chunk at `position..position + t` (cleared, except
+    /// on a layer whose chunk KV-sharing layers attend over again: they read the same blocks,
+    /// and [`KvCache::set_bidirectional`] clears them after the chunk): each must lie inside the
+    /// chunk, and rows attending each on their own take none.
     fn take_bidirectional(&mut self, position: usize, t: usize) -> Result<Vec<Range<usize>>, ModelError> {
-        let blocks = std::mem::take(&mut self.bidirectional);
+        let blocks = if self.shared { self.bidirectional.clone() } else { std::mem::take(&mut self.bidirectional) };
         if let Some(b) = blocks.iter().find(|b| b.start < position || b.end > position + t || b.is_empty()) {
             return Err(ModelError::InvalidInput(format!(
                 "image tokens at positions {b:?} are not all in the chunk at {position}..{}: an image's tokens run in \
@@ -449,6 +430,45 @@ fn by_segment<'a, B: GemmaBackend>(
         }
     }
     Ok(Tensor::cat(outs, 2))
+}
+
+/// A sliding layer's chunk `q` (`[batch, q_heads, t, head_dim]` at `position`) attended over
+/// `keys` and `values`: the ring's previous window in order, then the chunk's rows (what
+/// [`LayerCache::prefill`] gathers, and what its KV-sharing layers attend over again). Rows of a
+/// bidirectional block see every key up to the block's end as well.
+fn ring_attention<B: GemmaBackend>(
+    q: Tensor<B, 4>,
+    keys: &Tensor<B, 4>,
+    values: &Tensor<B, 4>,
+    (position, w): (usize, usize),
+    blocks: &[Range<usize>],
+    scores: Scores,
+) -> Result<Tensor<B, 4>, ReadBackError> {
+    let t = q.dims()[2];
+    let k_offset = position - position.min(w);
+    if blocks.is_empty() {
+        let mask = AttentionMask { q_offset: position, k_offset, window: Some(w) };
+        let kv = KvView::Dense { keys: keys.clone(), values: values.clone() };
+        return B::grouped_attention(q, kv, &scores.with(mask));
+    }
+    by_segment(q, position, blocks, |rows, block| {
+        let dense = |end: usize| {
+            let range = s![.., .., 0..end - k_offset, ..];
+            KvView::Dense { keys: keys.clone().slice(range), values: values.clone().slice(range) }
+        };
+        let window = |q_offset, window| scores.with(AttentionMask { q_offset, k_offset, window });
+        match block {
+            None => vec![(dense(position + t), window(position + rows.start, Some(w)))],
+            // Every key of the window before the block's last row is in the window of each of
+            // its rows: one call up to the block's end.
+            Some(end) if end <= k_offset + w => vec![(dense(end), window(end - 1, None))],
+            // Row `i` sees keys after `i - w` up to the block's end: at the end's position, a
+            // window wider by the rows after `i`.
+            Some(end) => (position + rows.start..position + rows.end)
+                .map(|i| (dense(end), window(end - 1, Some(w + end - 1 - i))))
+                .collect(),
+        }
+    })
 }
 
 /// `[batch, q_heads, t, head_dim]`: row `i` of `q` attended over what `view(i)` gives.
@@ -919,8 +939,20 @@ impl<B: GemmaBackend> KvCache<B> {
     /// layer's window before their own position); the other rows attend causally. Used by the
     /// next chunk only.
     pub fn set_bidirectional(&mut self, blocks: &[Range<usize>]) {
+        self.set_bidirectional_on(blocks, |_| true);
+    }
+
+    /// [`KvCache::set_bidirectional`] on the decoder layers `on` picks (by index); the others
+    /// attend causally (Gemma 4: images attend both ways on sliding layers only). A KV-sharing
+    /// layer reads the blocks of the layer whose cache it shares (a layer of its own type).
+    pub fn set_bidirectional_on(&mut self, blocks: &[Range<usize>], on: impl Fn(usize) -> bool) {
         for layer in &mut self.layers {
-            layer.bidirectional = blocks.to_vec();
+            layer.bidirectional = Vec::new();
+        }
+        for (i, &entry) in self.layer_of.iter().enumerate() {
+            if on(i) {
+                self.layers[entry].bidirectional = blocks.to_vec();
+            }
         }
     }
 
