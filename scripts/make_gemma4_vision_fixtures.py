@@ -18,6 +18,9 @@ in the text fixture; the vision weights the same in both) and reference.json:
   (`[rows / 2 * cols / 2, 64]`) of each image alone;
 - `batched`: both images in one padded batch (HF's own padding, (-1, -1) positions): the same
   features, checked here;
+- `preprocessed` (gemma4 only): `Gemma4ImageProcessorPil` (4x4 patches pooled 2x2, at most 70
+  soft tokens: resized keeping the aspect ratio, bicubic, rescaled to [0, 1]) of
+  tests/fixtures/tiny-gemma-vision/gemma3/image.png (37x23), its patch grid and patches;
 - `prompts`: input ids with one image (its soft tokens past the sliding window of 8) and with
   both (each `<|image>`, the image's soft tokens, `<image|>`), with the float32 logits of every
   position (`mm_token_type_ids` marking the soft tokens: they attend to each other both ways on
@@ -35,7 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from PIL import Image
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fixture folder -> the text fixture it extends.
@@ -158,8 +163,19 @@ def rounded(t: torch.Tensor):
     return np.round(t.to(torch.float32).numpy(), 7).tolist()
 
 
+def preprocessed() -> dict:
+    processor = Gemma4ImageProcessorPil(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70)
+    out = processor(Image.open(ROOT / "tests" / "fixtures" / "tiny-gemma-vision" / "gemma3" / "image.png"))
+    positions_ = np.asarray(out["image_position_ids"][0])
+    real = (positions_ != -1).all(axis=-1)
+    cols, rows = positions_[real].max(axis=0) + 1
+    patches = np.asarray(out["pixel_values"][0])[real]
+    return {"rows": int(rows), "cols": int(cols), "patches": np.round(patches, 7).tolist()}
+
+
 def as_json(refs: dict) -> dict:
-    return {
+    extra = {"preprocessed": preprocessed()} if OUT.name == "gemma4" else {}
+    return extra | {
         "patch_size": PATCH,
         "pooling_kernel_size": POOL,
         "batched_max_difference": refs["batched_max_difference"],

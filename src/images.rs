@@ -112,3 +112,214 @@ fn decode(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
     reader.limits(limits);
     reader.decode().map_err(|e| ImageError::Decode(e.to_string()))
 }
+
+/// How Gemma 4's image processor sizes a picture: patches of `patch_size` pixels a side, pooled
+/// `pooling_kernel_size` a side into one soft token, at most `max_soft_tokens` soft tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PatchBudget {
+    pub patch_size: usize,
+    pub pooling_kernel_size: usize,
+    pub max_soft_tokens: usize,
+}
+
+impl PatchBudget {
+    /// HF 5.23's `Gemma4ImageProcessor` defaults for a tower of `patch_size` and
+    /// `pooling_kernel_size`: 280 soft tokens.
+    pub fn new(patch_size: usize, pooling_kernel_size: usize) -> Self {
+        Self { patch_size, pooling_kernel_size, max_soft_tokens: 280 }
+    }
+
+    /// The size a `height` x `width` picture is resized to (HF's
+    /// `get_aspect_ratio_preserving_size`): the largest of the same aspect ratio within the
+    /// budget whose sides are multiples of `pooling_kernel_size * patch_size`; a side that would
+    /// round to nothing takes one multiple, and the other its aspect ratio's (at most the
+    /// budget's longest side).
+    pub fn target_size(&self, height: usize, width: usize) -> Result<(usize, usize), ImageError> {
+        let (p, k) = (self.patch_size, self.pooling_kernel_size);
+        if p == 0 || k == 0 || self.max_soft_tokens == 0 {
+            return Err(ImageError::VisionMismatch(format!("an empty patch budget ({self:?})")));
+        }
+        if height == 0 || width == 0 {
+            return Err(ImageError::Empty { width: width as u32, height: height as u32 });
+        }
+        let max_patches = self.max_soft_tokens * k * k;
+        let target_px = (max_patches * p * p) as f64;
+        let factor = (target_px / (height * width) as f64).sqrt();
+        let side = k * p;
+        let mut target_height = (factor * height as f64 / side as f64).floor() as usize * side;
+        let mut target_width = (factor * width as f64 / side as f64).floor() as usize * side;
+        let longest = (max_patches / (k * k)) * side;
+        match (target_height, target_width) {
+            (0, 0) => return Err(ImageError::VisionMismatch(format!("{width}x{height} resizes to nothing"))),
+            (0, _) => {
+                target_height = side;
+                target_width = (width / height * side).min(longest);
+            }
+            (_, 0) => {
+                target_width = side;
+                target_height = (height / width * side).min(longest);
+            }
+            _ => {}
+        }
+        if (target_height * target_width) as f64 > target_px {
+            return Err(ImageError::VisionMismatch(format!(
+                "{width}x{height} resizes to {target_width}x{target_height}, past {max_patches} patches of {p}x{p}"
+            )));
+        }
+        Ok((target_height, target_width))
+    }
+}
+
+/// A picture ready for Gemma 4's vision tower ([`burn_gemma_model::Gemma4Vision`]): resized as
+/// [`PatchBudget::target_size`] says (bicubic), `x / 255`, cut into `rows x cols` patches of
+/// `patch_size` pixels a side; `values` is `[rows * cols, patch_size^2 * 3]` (each patch's pixels
+/// row by row, a pixel's channels together), as HF's `Gemma4ImageProcessor` lays them out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PatchGrid {
+    pub rows: usize,
+    pub cols: usize,
+    pub patch_size: usize,
+    pub values: Vec<f32>,
+}
+
+impl PatchGrid {
+    /// Reads and prepares the picture at `path`.
+    pub fn from_path(path: impl AsRef<Path>, budget: PatchBudget) -> Result<Self, ImageError> {
+        let path = path.as_ref();
+        let bytes =
+            std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
+        Self::from_bytes(&bytes, budget)
+    }
+
+    /// Decodes and prepares an encoded picture (PNG, JPEG, WebP or GIF).
+    pub fn from_bytes(bytes: &[u8], budget: PatchBudget) -> Result<Self, ImageError> {
+        Self::from_image(&decode(bytes)?, budget)
+    }
+
+    /// Prepares a decoded picture.
+    pub fn from_image(image: &DynamicImage, budget: PatchBudget) -> Result<Self, ImageError> {
+        let (width, height) = (image.width() as usize, image.height() as usize);
+        let (target_height, target_width) = budget.target_size(height, width)?;
+        let rgb = image.to_rgb8();
+        let resized = bicubic_8bit(rgb.as_raw(), (width, height), (target_width, target_height));
+        let p = budget.patch_size;
+        let (rows, cols) = (target_height / p, target_width / p);
+        let mut values = Vec::with_capacity(rows * cols * p * p * 3);
+        for row in 0..rows {
+            for col in 0..cols {
+                for y in 0..p {
+                    let at = ((row * p + y) * target_width + col * p) * 3;
+                    values.extend(resized[at..at + p * 3].iter().map(|&c| f32::from(c) / 255.0));
+                }
+            }
+        }
+        Ok(Self { rows, cols, patch_size: p, values })
+    }
+
+    /// The patches on `device`, as the tower takes them.
+    pub fn to_patches<B: burn_gemma_kernels::GemmaBackend>(
+        &self,
+        device: &B::Device,
+    ) -> burn_gemma_model::Gemma4Patches<B> {
+        let width = self.patch_size * self.patch_size * 3;
+        let values = Tensor::from_data(TensorData::new(self.values.clone(), [self.rows * self.cols, width]), device);
+        burn_gemma_model::Gemma4Patches { values, rows: self.rows, cols: self.cols }
+    }
+}
+
+/// Bits of the fixed-point resampling weights (PIL's 8-bit resampler: 32 bits less the 8 of a
+/// value and two of headroom).
+const WEIGHT_BITS: u32 = 22;
+
+/// Keys' cubic with `a = -0.5` (PIL's `BICUBIC`), support 2.
+fn cubic(x: f64) -> f64 {
+    let a = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * a
+    } else {
+        0.0
+    }
+}
+
+/// For each of `out` positions along an axis of `size` inputs: the first input it reads and its
+/// fixed-point weights (the kernel widened by the scale when shrinking, normalized over the
+/// inputs inside the picture).
+fn axis_weights(size: usize, out: usize) -> Vec<(usize, Vec<i64>)> {
+    let scale = size as f64 / out as f64;
+    let widen = scale.max(1.0);
+    let support = 2.0 * widen;
+    (0..out)
+        .map(|o| {
+            let center = (o as f64 + 0.5) * scale;
+            let first = ((center - support + 0.5).trunc().max(0.0)) as usize;
+            let last = ((center + support + 0.5).trunc() as usize).min(size);
+            let weights: Vec<f64> = (first..last).map(|i| cubic((i as f64 - center + 0.5) / widen)).collect();
+            let total: f64 = weights.iter().sum();
+            let one = f64::from(1u32 << WEIGHT_BITS);
+            let fixed = weights
+                .iter()
+                .map(|w| {
+                    let w = if total != 0.0 { w / total } else { *w };
+                    // Rounded half away from zero, as PIL does.
+                    (w * one + if w < 0.0 { -0.5 } else { 0.5 }).trunc() as i64
+                })
+                .collect();
+            (first, fixed)
+        })
+        .collect()
+}
+
+/// One pass over interleaved RGB rows: `lines` lines of `len` pixels, `stride` bytes between
+/// consecutive pixels of a line and `pitch` between lines, resampled along the line.
+fn resample_pass(
+    src: &[u8],
+    (lines, len): (usize, usize),
+    (stride, pitch): (usize, usize),
+    weights: &[(usize, Vec<i64>)],
+    (out_stride, out_pitch): (usize, usize),
+    out: &mut [u8],
+) {
+    let half = 1i64 << (WEIGHT_BITS - 1);
+    for line in 0..lines {
+        for (o, (first, w)) in weights.iter().enumerate() {
+            for c in 0..3 {
+                let mut sum = half;
+                for (j, &k) in w.iter().enumerate() {
+                    debug_assert!(first + j < len);
+                    sum += i64::from(src[line * pitch + (first + j) * stride + c]) * k;
+                }
+                out[line * out_pitch + o * out_stride + c] = (sum >> WEIGHT_BITS).clamp(0, 255) as u8;
+            }
+        }
+    }
+}
+
+/// `rgb` (`width x height` interleaved RGB) resized to `to` as PIL's `Image.resize(...,
+/// BICUBIC)` does: a horizontal pass then a vertical one, each rounding to 8 bits, with
+/// fixed-point weights. Written here rather than taken from the `image` crate, whose f32
+/// Catmull-Rom resampling came out up to 17 levels from PIL's when enlarging the fixture's
+/// 37x23 picture, while HF's Gemma 4 processor is PIL's (checked equal to 6e-8).
+fn bicubic_8bit(rgb: &[u8], (width, height): (usize, usize), (to_width, to_height): (usize, usize)) -> Vec<u8> {
+    if (width, height) == (to_width, to_height) {
+        return rgb.to_vec();
+    }
+    // Horizontal pass: every line of the picture to the new width.
+    let mut wide = vec![0u8; to_width * height * 3];
+    if to_width == width {
+        wide.copy_from_slice(rgb);
+    } else {
+        let weights = axis_weights(width, to_width);
+        resample_pass(rgb, (height, width), (3, width * 3), &weights, (3, to_width * 3), &mut wide);
+    }
+    if to_height == height {
+        return wide;
+    }
+    // Vertical pass: every column of the new width to the new height.
+    let mut out = vec![0u8; to_width * to_height * 3];
+    let weights = axis_weights(height, to_height);
+    resample_pass(&wide, (to_width, height), (to_width * 3, 3), &weights, (to_width * 3, 3), &mut out);
+    out
+}

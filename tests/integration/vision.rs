@@ -507,3 +507,32 @@ fn gemma4_bad_patch_grids_are_refused() {
         Ok(_) => panic!("Gemma 3's tower loaded from a Gemma 4 checkpoint"),
     }
 }
+
+/// Gemma 4's preprocessing of the fixture picture (37x23) against HF's PIL processor (4x4
+/// patches pooled 2x2, at most 70 soft tokens): the same 12 x 20 patch grid and the same values
+/// (the resampling is PIL's, fixed-point weights and 8-bit rounding after each pass): equal up
+/// to the f32 rounding of `x / 255`.
+#[test]
+fn gemma4_preprocessing_matches_hf_pil_processor() {
+    let dir = common::fixtures().join("tiny-gemma-vision");
+    let reference = common::read_json(dir.join("gemma4/reference.json"));
+    let want = &reference["preprocessed"];
+    let budget = burn_gemma::images::PatchBudget { patch_size: 4, pooling_kernel_size: 2, max_soft_tokens: 70 };
+    let grid = burn_gemma::images::PatchGrid::from_path(dir.join("gemma3/image.png"), budget).unwrap();
+    assert_eq!(
+        (grid.rows, grid.cols),
+        (want["rows"].as_u64().unwrap() as usize, want["cols"].as_u64().unwrap() as usize)
+    );
+    let want = floats(&want["patches"]);
+    assert_eq!(grid.values.len(), want.len());
+    let off: Vec<f32> = grid.values.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+    let worst = off.iter().copied().fold(0.0, f32::max);
+    let differing = off.iter().filter(|&&e| e > 1e-6).count();
+    println!("Gemma 4 preprocessed: {differing} of {} values differ, at most {worst:.2e}", want.len());
+    assert!(worst <= 1e-6, "a value {worst:.4} from HF's");
+    // HF's sizes: the largest grid of the aspect ratio within the budget, and the thin-side rule.
+    assert_eq!(budget.target_size(23, 37).unwrap(), (48, 80));
+    assert_eq!(budget.target_size(1, 1000).unwrap(), (8, 560));
+    assert_eq!(budget.target_size(1000, 1).unwrap(), (560, 8));
+    assert!(budget.target_size(0, 5).is_err());
+}
