@@ -136,8 +136,12 @@ impl PatchBudget {
     /// budget's longest side).
     pub fn target_size(&self, height: usize, width: usize) -> Result<(usize, usize), ImageError> {
         let (p, k) = (self.patch_size, self.pooling_kernel_size);
-        if p == 0 || k == 0 || self.max_soft_tokens == 0 {
-            return Err(ImageError::VisionMismatch(format!("an empty patch budget ({self:?})")));
+        let sizes = [(p, 1 << 10), (k, 1 << 6), (self.max_soft_tokens, 1 << 16)];
+        if sizes.iter().any(|&(v, most)| v == 0 || v > most) {
+            return Err(ImageError::VisionMismatch(format!(
+                "a patch budget out of range ({self:?}: patches of 1 to 1,024 pixels, pooled 1 to 64 a side, 1 to \
+                 65,536 soft tokens)"
+            )));
         }
         if height == 0 || width == 0 {
             return Err(ImageError::Empty { width: width as u32, height: height as u32 });

@@ -535,4 +535,6 @@ fn gemma4_preprocessing_matches_hf_pil_processor() {
     assert_eq!(budget.target_size(1, 1000).unwrap(), (8, 560));
     assert_eq!(budget.target_size(1000, 1).unwrap(), (560, 8));
     assert!(budget.target_size(0, 5).is_err());
+    let absurd = burn_gemma::images::PatchBudget { max_soft_tokens: usize::MAX, ..budget };
+    assert!(matches!(absurd.target_size(23, 37), Err(burn_gemma::images::ImageError::VisionMismatch(_))));
 }
