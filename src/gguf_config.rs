@@ -230,9 +230,13 @@ fn gemma4_config_from_gguf(
     let token = |k: &'static str, default: u32| token_id(file, k, default);
     let config = GemmaConfig {
         model_type: Architecture::Gemma4,
-        // The files do not say; HF's Gemma 4 checkpoints with images attend both ways on their
-        // sliding layers (`use_bidirectional_attention: "vision"`).
-        image_attention: ImageAttention::BothWaysOnSlidingLayers,
+        // The files do not say; as llama.cpp's mtmd decides: causal for the E models (per-layer
+        // inputs), both ways on the sliding layers for the others.
+        image_attention: if per_layer_width > 0 {
+            ImageAttention::Causal
+        } else {
+            ImageAttention::BothWaysOnSlidingLayers
+        },
         pad_token_id: token("tokenizer.ggml.padding_token_id", 0)?,
         vocab_size,
         hidden_size,

@@ -176,7 +176,27 @@ fn gemma4_gguf_matches_safetensors() {
         let (from_hf, hf_config) = logits(&dir, &input);
         // GGUF stores epsilon as f32.
         assert!((gguf_config.rms_norm_eps - hf_config.rms_norm_eps).abs() < 1e-12, "{name}: epsilon");
-        let gguf_config = burn_gemma::GemmaConfig { rms_norm_eps: hf_config.rms_norm_eps, ..gguf_config };
+        // GGUF does not record how image tokens attend: llama.cpp's rule (causal for the E
+        // models, both ways on sliding layers for the others); HF configs say it with
+        // `use_bidirectional_attention: "vision"` (unset: causal).
+        let expected_images = if gguf_config.hidden_size_per_layer_input > 0 {
+            burn_gemma_model::ImageAttention::Causal
+        } else {
+            burn_gemma_model::ImageAttention::BothWaysOnSlidingLayers
+        };
+        assert_eq!(gguf_config.image_attention, expected_images, "{name}: image attention");
+        let json = common::read_json(dir.join("config.json"));
+        let text = if json["text_config"].is_object() { &json["text_config"] } else { &json };
+        let hf_images = match text["use_bidirectional_attention"].as_str() {
+            Some("vision") => burn_gemma_model::ImageAttention::BothWaysOnSlidingLayers,
+            _ => burn_gemma_model::ImageAttention::Causal,
+        };
+        assert_eq!(hf_config.image_attention, hf_images, "{name}: image attention");
+        let gguf_config = burn_gemma::GemmaConfig {
+            rms_norm_eps: hf_config.rms_norm_eps,
+            image_attention: hf_config.image_attention,
+            ..gguf_config
+        };
         assert_eq!(format!("{gguf_config:?}"), format!("{hf_config:?}"), "{name}: configs");
         let expected: Vec<f32> = reference["logits"]
             .as_array()
