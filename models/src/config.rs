@@ -600,7 +600,13 @@ impl Gemma4Preset {
         let (heads, kv_heads, global_kv_heads) = self.heads;
         GemmaConfig {
             model_type: Architecture::Gemma4,
-            image_attention: ImageAttention::BothWaysOnSlidingLayers,
+            // As llama.cpp's mtmd (and the published configs, by that rule): images causal in
+            // the E models, both ways on the sliding layers of the others.
+            image_attention: if self.per_layer_width > 0 {
+                ImageAttention::Causal
+            } else {
+                ImageAttention::BothWaysOnSlidingLayers
+            },
             pad_token_id: 0,
             vocab_size: 262_144,
             hidden_size: self.hidden,
@@ -866,6 +872,7 @@ mod preset_tests {
         let layer_types: Vec<String> = (0..layers)
             .map(|i| if (i + 1) % pattern == 0 { "\"full_attention\"" } else { "\"sliding_attention\"" }.to_string())
             .collect();
+        let images = if per_layer > 0 { "null" } else { "\"vision\"" };
         Some(format!(
             r#"{{"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": {hidden},
             "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
@@ -874,7 +881,8 @@ mod preset_tests {
             "sliding_window": {window}, "layer_types": [{}], "num_kv_shared_layers": {shared},
             "use_double_wide_mlp": {wide}, "hidden_size_per_layer_input": {per_layer},
             "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106]}}"#,
+            "max_position_embeddings": {context}, "bos_token_id": 2, "eos_token_id": [1, 106],
+            "use_bidirectional_attention": {images}}}"#,
             layer_types.join(", ")
         ))
     }
