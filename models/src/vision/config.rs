@@ -66,6 +66,14 @@ pub struct Gemma3VisionConfig {
     pub text_hidden_size: usize,
 }
 
+/// Every size of a vision config positive and at most 2^20, else the field named.
+pub(crate) fn check_sizes(sizes: &[(&'static str, usize)]) -> Result<(), ModelError> {
+    match sizes.iter().find(|&&(_, value)| value == 0 || value > 1 << 20) {
+        Some(&(field, value)) => Err(invalid(field, format!("is out of range ({value})"))),
+        None => Ok(()),
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(default)]
 struct HfRoot {
@@ -130,7 +138,7 @@ impl Gemma3VisionConfig {
     /// Checks every value before anything is allocated.
     pub fn validate(&self) -> Result<(), ModelError> {
         let v = &self.vision;
-        for (field, value) in [
+        check_sizes(&[
             ("vision_config.hidden_size", v.hidden_size),
             ("vision_config.intermediate_size", v.intermediate_size),
             ("vision_config.num_hidden_layers", v.num_hidden_layers),
@@ -138,11 +146,7 @@ impl Gemma3VisionConfig {
             ("vision_config.image_size", v.image_size),
             ("vision_config.patch_size", v.patch_size),
             ("mm_tokens_per_image", self.mm_tokens_per_image),
-        ] {
-            if value == 0 || value > 1 << 20 {
-                return Err(invalid(field, format!("is out of range ({value})")));
-            }
-        }
+        ])?;
         if v.num_channels != 3 {
             return Err(invalid("vision_config.num_channels", format!("must be 3 (RGB), found {}", v.num_channels)));
         }

@@ -134,7 +134,7 @@ impl Gemma4ImageConfig {
     /// Checks every value before anything is allocated.
     pub fn validate(&self) -> Result<(), ModelError> {
         let v = &self.vision;
-        for (field, value) in [
+        super::config::check_sizes(&[
             ("vision_config.hidden_size", v.hidden_size),
             ("vision_config.intermediate_size", v.intermediate_size),
             ("vision_config.num_hidden_layers", v.num_hidden_layers),
@@ -145,11 +145,7 @@ impl Gemma4ImageConfig {
             ("vision_config.patch_size", v.patch_size),
             ("vision_config.position_embedding_size", v.position_embedding_size),
             ("text hidden size", self.text_hidden_size),
-        ] {
-            if value == 0 || value > 1 << 20 {
-                return Err(invalid(field, format!("is out of range ({value})")));
-            }
-        }
+        ])?;
         if !matches!(v.hidden_activation.as_str(), "gelu_pytorch_tanh" | "gelu_tanh") {
             return Err(ModelError::UnsupportedConfig {
                 field: "vision_config.hidden_activation",
