@@ -19,10 +19,9 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
-    images::Pixels,
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
-    Loaded, MmprojCheckpoint, SamplingConfig, StopReason,
+    Loaded, MmprojCheckpoint, Picture, SamplingConfig, StopReason, Vision,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -100,9 +99,10 @@ struct Args {
     /// Adapt the draft length to how many drafts are kept, up to --draft-tokens.
     #[arg(long)]
     draft_adaptive: bool,
-    /// A picture for the model to read (repeatable; a multimodal Gemma 3 checkpoint, HF
-    /// directory): placed where the prompt says `<start_of_image>`, else before the prompt; in
-    /// a chat, in the first turn.
+    /// A picture for the model to read (repeatable; a multimodal Gemma 3 or Gemma 4 HF
+    /// checkpoint, or a Gemma 3 GGUF with --mmproj): placed where the prompt says
+    /// `<start_of_image>` (Gemma 3) or `<|image|>` (Gemma 4), else before the prompt; in a chat,
+    /// in the first turn.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
     /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 text GGUF: its SigLIP tower
@@ -178,10 +178,10 @@ impl BackendTask for Run {
             "backend: {name}, device: {device:?}{threads}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
         );
         let checkpoint = Checkpoint::open(&self.model_path)?;
-        if !self.args.images.is_empty() && checkpoint.vision_config().is_none() && self.args.mmproj.is_none() {
+        if !self.args.images.is_empty() && !checkpoint.has_vision() && self.args.mmproj.is_none() {
             return Err(CliError::from(format!(
-                "--image needs a multimodal model (an HF Gemma 3 checkpoint with a vision tower, or a GGUF with \
-                 --mmproj); {} has none",
+                "--image needs a multimodal model (an HF Gemma 3 or Gemma 4 checkpoint with a vision tower, or a \
+                 Gemma 3 GGUF with --mmproj); {} has none",
                 self.model_path.display()
             )));
         }
@@ -204,11 +204,11 @@ impl BackendTask for Run {
             (true, _) => None,
             (false, Some(mmproj)) => {
                 let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
-                Some(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?)
+                Some(Vision::from(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?))
             }
             (false, None) => {
                 let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
-                Some(checkpoint.load_vision(options)?)
+                Some(checkpoint.load_vision_tower(options)?)
             }
         };
         // Unmaps the file: what stays resident is the model.
@@ -275,11 +275,16 @@ impl BackendTask for Run {
         }
         let mut images = Vec::new();
         if let Some(vision) = vision {
-            let size = vision.config().vision.image_size;
             for path in &self.args.images {
-                images.push(Pixels::from_path(path, size).map_err(Error::from)?);
+                let picture = vision.read(path).map_err(Error::from)?;
+                let soft = vision.soft_tokens(&picture).map_err(Error::from)?;
+                let size = match &picture {
+                    Picture::Square(p) => format!("{0}x{0} pixels", p.size),
+                    Picture::Patches(p) => format!("{} x {} patches of {} pixels", p.rows, p.cols, p.patch_size),
+                };
+                eprintln!("image {}: {size}, {soft} soft tokens", path.display());
+                images.push(picture);
             }
-            eprintln!("images: {} at {size}x{size}", images.len());
             generator.set_vision(Some(vision))?;
         }
         let flag = generator.interrupt_flag();

@@ -7,6 +7,9 @@
 //!   -d '{"model": "gemma", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 //! ```
 //!
+//! A multimodal checkpoint (HF Gemma 3 or Gemma 4 with a vision tower, or a Gemma 3 GGUF with
+//! `--mmproj`) reads pictures in chat messages' `image_url` parts (`data:` URLs).
+//!
 //! Ctrl-C stops taking connections and lets the requests in flight finish.
 
 #[path = "cli/backend_args.rs"]
@@ -18,7 +21,7 @@ use burn_gemma::{
     chat::ChatTemplate,
     engine::{Engine, EngineConfig},
     server::{Server, ServerConfig},
-    Checkpoint, GemmaBackend, LoadOptions, Loaded,
+    Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint, Vision,
 };
 use clap::Parser;
 use std::{num::NonZeroUsize, path::PathBuf, process::ExitCode};
@@ -63,6 +66,10 @@ struct Args {
     /// choices of one request), which then run only the rest: on or off.
     #[arg(long, default_value_t = burn_gemma::PrefixCache::On)]
     prefix_cache: burn_gemma::PrefixCache,
+    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 text GGUF: pictures in chat
+    /// messages. (An HF multimodal checkpoint's own tower is loaded without it.)
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -83,9 +90,18 @@ impl BackendTask for Run {
         let (weights, dtype, kv_cache) = args.backend.formats(name)?;
         eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
         let checkpoint = Checkpoint::open(&self.model_path)?;
-        let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights).kv_cache(kv_cache);
+        let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
         let Loaded { model, .. } = checkpoint.load(options)?;
         let tokenizer = checkpoint.tokenizer()?;
+        let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights);
+        let vision = match (&args.mmproj, checkpoint.has_vision()) {
+            (Some(mmproj), _) => Some(Vision::from(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?)),
+            (None, true) => Some(checkpoint.load_vision_tower(options)?),
+            (None, false) => None,
+        };
+        if vision.is_some() {
+            eprintln!("reading pictures (image_url parts of chat messages)");
+        }
         drop(checkpoint);
         let template = ChatTemplate::for_architecture(model.config().model_type);
         let config = EngineConfig {
@@ -98,7 +114,7 @@ impl BackendTask for Run {
             prefix_cache: args.prefix_cache,
             ..EngineConfig::default()
         };
-        let engine = Engine::new(model, tokenizer, config)?;
+        let engine = Engine::with_vision(model, vision, tokenizer, config)?;
         let model_id = args.model_id.clone().unwrap_or_else(|| {
             self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
         });

@@ -28,6 +28,11 @@ in the text fixture; the vision weights the same in both) and reference.json:
 
     make_gemma4_vision_fixtures.py new     (seed 22)
     make_gemma4_vision_fixtures.py check   (recomputes and compares, 1e-5)
+    make_gemma4_vision_fixtures.py greedy  (writes greedy.json beside reference.json: for each of
+                                            its prompts, the model's greedy continuation of
+                                            GREEDY_TOKENS tokens with the stored patches, each
+                                            step a full forward pass, and the smallest gap
+                                            between the top two logits on the way)
 """
 
 import argparse
@@ -229,6 +234,40 @@ def new_variant():
     print(f"wrote {OUT}; padded batch within {refs['batched_max_difference']:.2e} of single images")
 
 
+GREEDY_TOKENS = 8
+
+
+@torch.no_grad()
+def greedy():
+    for variant in VARIANTS:
+        use(variant)
+        model = load_model()
+        want = json.loads((OUT / "reference.json").read_text())
+        patches = [torch.tensor(i["patches"], dtype=torch.float32) for i in want["images"]]
+        longest = max(r * c for r, c in GRIDS)
+        values = torch.zeros(len(GRIDS), longest, 3 * PATCH * PATCH)
+        for i, ((rows, cols), v) in enumerate(zip(GRIDS, patches)):
+            values[i, : rows * cols] = v
+        out = []
+        for prompt in want["prompts"]:
+            ids, n_images = list(prompt["input_ids"]), prompt["images"]
+            new, gap = [], float("inf")
+            for _ in range(GREEDY_TOKENS):
+                input_ids = torch.tensor([ids + new])
+                logits = model(
+                    input_ids=input_ids,
+                    pixel_values=values[:n_images],
+                    image_position_ids=ids_of(n_images, longest),
+                    mm_token_type_ids=(input_ids == IMAGE).long(),
+                ).logits[0, -1]
+                top = torch.topk(logits, 2).values
+                gap = min(gap, (top[0] - top[1]).item())
+                new.append(int(logits.argmax()))
+            out.append({"input_ids": ids, "images": n_images, "greedy_ids": new, "smallest_top2_gap": gap})
+            print(f"{variant}: {n_images} images -> {new} (top-2 gap at least {gap:.2e})")
+        (OUT / "greedy.json").write_text(json.dumps({"prompts": out}, indent=1))
+
+
 def check():
     failed = False
     for variant in VARIANTS:
@@ -247,5 +286,5 @@ def check():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["new", "check"])
-    {"new": new, "check": check}[parser.parse_args().mode]()
+    parser.add_argument("mode", choices=["new", "check", "greedy"])
+    {"new": new, "check": check, "greedy": greedy}[parser.parse_args().mode]()

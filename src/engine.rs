@@ -26,13 +26,15 @@
 use crate::{
     error::{BackendError, RequestError},
     generation::{
-        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, sampled_ids,
-        token_tensor, Utf8Stream,
+        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, prefill_with_images,
+        sampled_ids, token_tensor, Utf8Stream,
     },
+    images::ImageError,
     sampling::Sampler,
     stop_text::StopText,
-    BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, KvCache, ModelError, PagedLayout,
-    PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer,
+    vision::{ImageProcessor, Picture, Vision},
+    BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, ImageEmbeds, KvCache, ModelError,
+    PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -112,12 +114,16 @@ pub struct Request {
     /// Texts that end generation where they appear (cut before them): the text that could
     /// still begin one is held back from the token events until it cannot.
     pub stop_strings: Vec<String>,
+    /// Pictures for the runs of the image soft token in `input`, in order (an engine reading
+    /// images: [`Engine::with_vision`]; [`ImageProcessor::expand`] places them in a prompt's
+    /// text). A prompt with pictures is not cached for others, nor taken from the cache.
+    pub images: Vec<Picture>,
 }
 
 impl Request {
     /// A request for `input` continued as `generation` says, without stop strings.
     pub fn new(input: Vec<u32>, generation: GenerationConfig) -> Self {
-        Self { input, generation, stop_strings: Vec::new() }
+        Self { input, generation, stop_strings: Vec::new(), images: Vec::new() }
     }
 }
 
@@ -279,6 +285,8 @@ pub struct Engine {
     reservable: usize,
     accepting: Arc<AtomicBool>,
     eager_reason: Arc<Mutex<Option<String>>>,
+    /// How the model's pictures are prepared and placed, where it reads them.
+    images: Option<ImageProcessor>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -293,7 +301,26 @@ impl Engine {
     where
         Gemma<B>: Send + 'static,
     {
+        Self::with_vision(model, None, tokenizer, config)
+    }
+
+    /// [`Engine::new`] for a model that reads pictures with `vision` (requests'
+    /// [`Request::images`]). A prompt's pictures run through the tower on the worker thread
+    /// when the prompt is admitted, between the rounds of the others.
+    pub fn with_vision<B: GemmaBackend>(
+        model: Gemma<B>,
+        vision: Option<Vision<B>>,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+    ) -> Result<Self, Error>
+    where
+        Gemma<B>: Send + 'static,
+    {
         check_vocabulary(model.config(), &tokenizer)?;
+        if let Some(v) = &vision {
+            v.check_fits(model.config().hidden_size, model.config().vocab_size)?;
+        }
+        let images = vision.as_ref().map(Vision::processor);
         let vocab = model.config().vocab_size;
         let default_stops = default_stop_tokens(model.config(), &tokenizer);
         let max_context = model.config().max_position_embeddings;
@@ -327,6 +354,7 @@ impl Engine {
         let worker = Worker {
             steps,
             model,
+            vision,
             tokenizer: Arc::clone(&tokenizer),
             default_stops,
             config,
@@ -356,6 +384,7 @@ impl Engine {
             reservable,
             accepting: Arc::new(AtomicBool::new(true)),
             eager_reason,
+            images,
         })
     }
 
@@ -364,6 +393,12 @@ impl Engine {
     /// [`CudaGraph::Off`]).
     pub fn eager_reason(&self) -> Option<String> {
         self.eager_reason.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// How the model's pictures are prepared and placed in a prompt, where it reads them
+    /// ([`Engine::with_vision`]).
+    pub fn image_processor(&self) -> Option<&ImageProcessor> {
+        self.images.as_ref()
     }
 
     /// The model's tokenizer.
@@ -389,6 +424,13 @@ impl Engine {
             return Err(EngineError::ShutDown);
         }
         check(&request, self.vocab, self.max_context, self.capacity)?;
+        match (&self.images, request.images.is_empty()) {
+            (_, true) => {}
+            (None, false) => return Err(Error::from(ImageError::NoVision).into()),
+            (Some(processor), false) => {
+                processor.places(&request.input, &request.images).map_err(Error::from)?;
+            }
+        }
         let needed = reserved_positions(&request, self.capacity);
         if needed > self.reservable {
             return Err(Error::from(RequestError::KvCacheTooSmall { needed, limit: self.reservable }).into());
@@ -498,6 +540,8 @@ struct Sequence<B: GemmaBackend> {
     /// Tokens per prompt chunk: the request's, at most the shortest sliding window where
     /// prompts are cached ([`EngineConfig::prefix_cache`]).
     chunk: NonZeroUsize,
+    /// The embeddings of the pictures still to run, by their row in `input`.
+    images: Vec<ImageEmbeds<B>>,
 }
 
 impl<B: GemmaBackend> Sequence<B> {
@@ -509,9 +553,17 @@ impl<B: GemmaBackend> Sequence<B> {
         }
     }
 
-    /// Tokens its next prompt step runs: the next chunk.
+    /// Tokens its next prompt step runs: the next chunk, run on to the end of a picture it
+    /// would end inside (a picture's soft tokens attend to each other in one step).
     fn next_chunk(&self) -> usize {
-        self.input.len().min(self.chunk.get())
+        let end = self.input.len().min(self.chunk.get());
+        let inside = self.images.iter().find(|i| i.start < end && i.start + i.features.dims()[0] > end);
+        inside.map_or(end, |i| i.start + i.features.dims()[0])
+    }
+
+    /// Whether its prompt had pictures (such a prompt's blocks are not shared).
+    fn has_images(&self) -> bool {
+        !self.submitted.request.images.is_empty()
     }
 }
 
@@ -529,6 +581,8 @@ enum Steps<B: GemmaBackend> {
 
 struct Worker<B: GemmaBackend> {
     model: Gemma<B>,
+    /// The model's image reader, where it reads pictures.
+    vision: Option<Vision<B>>,
     steps: Steps<B>,
     tokenizer: Arc<Tokenizer>,
     /// The model's stop tokens, which every request's own extend.
@@ -598,14 +652,17 @@ impl<B: GemmaBackend> Worker<B> {
                 self.finish_cancelled(submitted);
                 continue;
             }
-            if self.follows_a_prompt(&submitted.request.input) {
+            let pictures = !submitted.request.images.is_empty();
+            if !pictures && self.follows_a_prompt(&submitted.request.input) {
                 following.push(submitted);
                 continue;
             }
             let positions = reserved_positions(&submitted.request, self.capacity);
-            let prompt: &[u32] = match self.config.prefix_cache {
-                PrefixCache::On => &submitted.request.input,
-                PrefixCache::Off => &[],
+            // A prompt with pictures shares no blocks: its soft tokens' ids do not say which
+            // picture they hold.
+            let prompt: &[u32] = match (self.config.prefix_cache, pictures) {
+                (PrefixCache::On, false) => &submitted.request.input,
+                _ => &[],
             };
             let reservation = match self.rows.reserve_prompt(positions, prompt) {
                 Ok(reservation) => reservation,
@@ -647,7 +704,7 @@ impl<B: GemmaBackend> Worker<B> {
     fn follows_a_prompt(&mut self, input: &[u32]) -> bool {
         let (PrefixCache::On, Some(bs)) = (self.config.prefix_cache, self.rows.block_size()) else { return false };
         // How far each running prompt could still cache this one's beginning.
-        let reach = self.running.iter().filter_map(|leader| {
+        let reach = self.running.iter().filter(|leader| !leader.has_images()).filter_map(|leader| {
             let Place::Prompt(_, reservation) = &leader.place else { return None };
             let theirs = &leader.submitted.request.input;
             let common = input.iter().zip(theirs).take_while(|(a, b)| a == b).count();
@@ -697,6 +754,24 @@ impl<B: GemmaBackend> Worker<B> {
             (PrefixCache::On, Some(ring)) => generation.prefill_chunk.min(ring),
             _ => generation.prefill_chunk,
         };
+        // The pictures' embeddings, by their row in what the prompt still runs (none of it was
+        // cached: a prompt with pictures takes no prefix).
+        let pictures = &submitted.request.images;
+        let images = match (&self.vision, pictures.is_empty()) {
+            (_, true) => Ok(Vec::new()),
+            (Some(vision), false) => {
+                let device = self.model.device();
+                catch_panic("the vision tower", || vision.embeds(&input, pictures, &device))
+            }
+            (None, false) => Err(ImageError::NoVision.into()),
+        };
+        let images = match images {
+            Ok(images) => images,
+            Err(e) => {
+                self.keep_spare(cache);
+                return Err(Box::new((submitted, reservation, e)));
+            }
+        };
         Ok(Sequence {
             place: Place::Prompt(cache, reservation),
             context,
@@ -708,6 +783,7 @@ impl<B: GemmaBackend> Worker<B> {
             stop_text: StopText::new(submitted.request.stop_strings.clone()),
             first_token: None,
             capacity: self.capacity,
+            images,
             submitted,
         })
     }
@@ -766,8 +842,12 @@ impl<B: GemmaBackend> Worker<B> {
         let sequence = &mut self.running[i];
         let stepped = catch_panic("a prompt step", || prompt_step(model, tokenizer, sequence, metrics))?;
         // Its blocks cached for later prompts that begin alike, as far as its cache holds them.
+        let shared = !sequence.has_images();
         let cached = match &mut sequence.place {
-            Place::Prompt(cache, reservation) => self.rows.cache_prefix(reservation, &sequence.context, cache)?,
+            Place::Prompt(cache, reservation) if shared => {
+                self.rows.cache_prefix(reservation, &sequence.context, cache)?
+            }
+            Place::Prompt(..) => 0,
             Place::Row(_) => 0,
         };
         let first_token_out = sequence.generated > 0;
@@ -1037,11 +1117,26 @@ fn prompt_step<B: GemmaBackend>(
         // A prompt chunk before its last: fills the cache, samples nothing (the chunks fall
         // where the plain generator's do, so the cache holds the same values).
         let filling: Vec<u32> = sequence.input.drain(..chunk).collect();
-        model.forward_last(token_tensor(&filling, &device), cache)?;
+        let (here, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut sequence.images).into_iter().partition(|i| i.start < chunk);
+        sequence.images = later.into_iter().map(|i| ImageEmbeds { start: i.start - chunk, ..i }).collect();
+        match here.is_empty() {
+            true => model.forward_last(token_tensor(&filling, &device), cache)?,
+            false => {
+                let whole = NonZeroUsize::new(filling.len()).unwrap_or(NonZeroUsize::MIN);
+                prefill_with_images(model, cache, &filling, &here, whole, &device)?.0
+            }
+        };
         sequence.context.extend_from_slice(&filling);
         return Ok(Stepped::Continue);
     }
-    let logits = prefill(model, cache, &sequence.input, prefill_chunk, &device)?;
+    let logits = match sequence.images.is_empty() {
+        true => prefill(model, cache, &sequence.input, prefill_chunk, &device)?,
+        false => {
+            let images = std::mem::take(&mut sequence.images);
+            prefill_with_images(model, cache, &sequence.input, &images, prefill_chunk, &device)?.0
+        }
+    };
     sequence.context.extend_from_slice(&sequence.input);
     let token = sample_alone(&mut sequence.submitted.sampler, logits, &sequence.context)?;
     let token = checked_token(token, model.config().vocab_size, sequence.generated)?;

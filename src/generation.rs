@@ -3,20 +3,19 @@
 use crate::{
     chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
     error::{BackendError, RequestError, TokenizerError},
-    images::{ImageError, Pixels},
+    images::ImageError,
     sampling::{Sampler, SamplingConfig},
     speculative::{
         accept::{keeps, pick, residual},
         Drafter, Drafts, Proposal, Speculation, SpeculationStats,
     },
     tokenizer::Bos,
+    vision::{Picture, Vision},
     Error, Gemma, GemmaBackend, GemmaConfig, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
-use burn_gemma_model::{
-    Checkpoint, CudaGraph, DecodeGraphs, Gemma3Vision, GraphSetup, ImageEmbeds, ModelError, QueryRows,
-};
+use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows};
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
@@ -348,7 +347,7 @@ pub struct Generator<B: GemmaBackend> {
     /// The model's last final hidden state, where a Gemma 4 assistant drafts from it.
     target_hidden: Option<TargetHidden<B>>,
     /// The vision tower and projector, where images are read ([`Generator::set_vision`]).
-    vision: Option<Gemma3Vision<B>>,
+    vision: Option<Vision<B>>,
     /// The features of the request's images, by the row of the run's input where their soft
     /// tokens start (placed by the prompt's prefill).
     pending_images: Vec<ImageEmbeds<B>>,
@@ -415,37 +414,31 @@ impl<B: GemmaBackend> Generator<B> {
         self.target_hidden.as_ref().map(|h| (h.position, h.hidden.clone()))
     }
 
-    /// Reads images from here on: a multimodal Gemma 3's vision tower and projector
-    /// ([`crate::Checkpoint::load_vision`]), or none.
-    pub fn set_vision(&mut self, vision: Option<Gemma3Vision<B>>) -> Result<(), Error> {
+    /// Reads images from here on: a multimodal Gemma 3's or Gemma 4's vision tower
+    /// ([`crate::Checkpoint::load_vision_tower`], [`crate::MmprojCheckpoint::load`]), or none.
+    /// Fails if the tower does not project to the model's width or marks images with tokens
+    /// past its vocabulary.
+    pub fn set_vision(&mut self, vision: Option<Vision<B>>) -> Result<(), Error> {
         if let Some(v) = &vision {
-            let c = v.config();
-            let (hidden, vocab) = (self.model.config().hidden_size, self.model.config().vocab_size);
-            if c.text_hidden_size != hidden || c.image_token_index as usize >= vocab {
-                return Err(ImageError::VisionMismatch(format!(
-                    "the vision tower projects to {} and marks images with token {}; the model is {hidden} wide with \
-                     {vocab} tokens",
-                    c.text_hidden_size, c.image_token_index
-                ))
-                .into());
-            }
+            v.check_fits(self.model.config().hidden_size, self.model.config().vocab_size)?;
         }
         self.vision = vision;
         Ok(())
     }
 
-    /// The vision tower, where set.
-    pub fn vision(&self) -> Option<&Gemma3Vision<B>> {
+    /// The vision tower, where set: [`Vision::read`] prepares a picture for it.
+    pub fn vision(&self) -> Option<&Vision<B>> {
         self.vision.as_ref()
     }
 
     /// Like [`Generator::continue_ids`] with pictures: `ids` holds a run of the image soft token
-    /// (`image_token_index`, `mm_tokens_per_image` of them) for each picture, in order; each
-    /// run's embeddings are the picture's features, its tokens attending to each other both ways.
+    /// for each picture, in order, as long as the picture's soft tokens ([`Vision::soft_tokens`]);
+    /// each run's embeddings are the picture's features, its tokens attending to each other both
+    /// ways as the model's config says.
     pub fn continue_ids_with_images(
         &mut self,
         ids: &[u32],
-        images: &[Pixels],
+        images: &[Picture],
         config: &GenerationConfig,
         mut on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
@@ -463,65 +456,48 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(output)
     }
 
-    /// Like [`Generator::generate`] with pictures: each `<start_of_image>` in `prompt` takes the
-    /// next picture (where the prompt has none, the pictures go first), expanded as Gemma 3's
-    /// processor does (`\n\n<start_of_image>`, the soft tokens, `<end_of_image>\n\n`).
+    /// Like [`Generator::generate`] with pictures: each place in `prompt`
+    /// ([`Vision::placeholder`]: `<start_of_image>` for Gemma 3, `<|image|>` for Gemma 4) takes
+    /// the next picture (where the prompt has none, the pictures go first), expanded as the
+    /// model's processor does (see [`crate::vision`]).
     pub fn generate_with_images(
         &mut self,
         prompt: &str,
-        images: &[Pixels],
+        images: &[Picture],
         config: &GenerationConfig,
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if prompt.is_empty() {
             return Err(RequestError::EmptyPrompt.into());
         }
-        let text = self.image_text(prompt, images.len())?;
+        let text = self.image_text(prompt, images)?;
         let ids = self.tokenizer.encode(&text, Bos::Prepend)?;
         self.reset();
         self.continue_ids_with_images(&ids, images, config, on_text)
     }
 
     /// Like [`Generator::chat`] with pictures in the user's turn (before the message unless it
-    /// places them with `<start_of_image>`).
+    /// places them with [`Vision::placeholder`]).
     pub fn chat_with_images(
         &mut self,
         message: &str,
-        images: &[Pixels],
+        images: &[Picture],
         config: &GenerationConfig,
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if message.trim().is_empty() {
             return Err(RequestError::EmptyMessage.into());
         }
-        let text = self.image_text(message, images.len())?;
+        let text = self.image_text(message, images)?;
         let ids = self.turn_ids(&text)?;
         self.continue_ids_with_images(&ids, images, config, on_text)
     }
 
-    /// `text` with its `<start_of_image>` places (or `count` of them first) expanded into
-    /// Gemma 3's image sequences.
-    fn image_text(&self, text: &str, count: usize) -> Result<String, Error> {
-        const BOI: &str = "<start_of_image>";
+    /// `text` with its image places (or one for each picture first) expanded into the model's
+    /// image sequences, each as long as its picture's soft tokens.
+    fn image_text(&self, text: &str, images: &[Picture]) -> Result<String, Error> {
         let vision = self.vision.as_ref().ok_or(ImageError::NoVision)?;
-        let c = vision.config();
-        for (piece, id) in [
-            (BOI, c.boi_token_index),
-            ("<end_of_image>", c.eoi_token_index),
-            ("<image_soft_token>", c.image_token_index),
-        ] {
-            if self.tokenizer.token_id(piece) != Some(id) {
-                return Err(ImageError::VisionMismatch(format!("the tokenizer has no {piece} token of id {id}")).into());
-            }
-        }
-        let places = text.matches(BOI).count();
-        let text = match places {
-            0 => BOI.repeat(count) + text,
-            _ if places == count => text.to_string(),
-            _ => return Err(ImageError::Count { images: count, places }.into()),
-        };
-        let sequence = format!("\n\n{BOI}{}<end_of_image>\n\n", "<image_soft_token>".repeat(c.mm_tokens_per_image));
-        Ok(text.replace(BOI, &sequence))
+        Ok(vision.processor().expand(text, images, &self.tokenizer)?)
     }
 
     /// A flag that stops generation at the next step when set (e.g. from a Ctrl-C handler).
@@ -720,7 +696,7 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// [`Generator::start`] with the features of `images` for the soft-token runs of `ids`
     /// (computed before anything else changes).
-    fn start_with_images(&mut self, ids: &[u32], images: &[Pixels], config: &GenerationConfig) -> Result<Run, Error> {
+    fn start_with_images(&mut self, ids: &[u32], images: &[Picture], config: &GenerationConfig) -> Result<Run, Error> {
         check_input(ids, config, self.model.config().vocab_size)?;
         let features = self.image_features(ids, images)?;
         let sampler = Sampler::new(config.sampling.clone())?;
@@ -749,7 +725,7 @@ impl<B: GemmaBackend> Generator<B> {
         let offset = input.len();
         input.extend_from_slice(ids);
         self.pending_images =
-            features.into_iter().map(|(start, features)| ImageEmbeds { start: offset + start, features }).collect();
+            features.into_iter().map(|image| ImageEmbeds { start: offset + image.start, ..image }).collect();
         self.cache = Some(cache);
         let start = Instant::now();
         Ok(Run {
@@ -782,50 +758,12 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// The features of each picture, by the row of `ids` where its soft tokens start.
-    fn image_features(&self, ids: &[u32], images: &[Pixels]) -> Result<Vec<(usize, Tensor<B, 2>)>, Error> {
-        let Some(vision) = self.vision.as_ref() else {
-            return match images.is_empty() {
-                true => Ok(Vec::new()),
-                false => Err(ImageError::NoVision.into()),
-            };
-        };
-        let c = vision.config();
-        let token = c.image_token_index;
-        let starts: Vec<usize> =
-            (0..ids.len()).filter(|&i| ids[i] == token && (i == 0 || ids[i - 1] != token)).collect();
-        if starts.len() != images.len() {
-            return Err(ImageError::Count { images: images.len(), places: starts.len() }.into());
+    fn image_features(&self, ids: &[u32], images: &[Picture]) -> Result<Vec<ImageEmbeds<B>>, Error> {
+        match self.vision.as_ref() {
+            Some(vision) => vision.embeds(ids, images, &self.model.device()),
+            None if images.is_empty() => Ok(Vec::new()),
+            None => Err(ImageError::NoVision.into()),
         }
-        if images.is_empty() {
-            return Ok(Vec::new());
-        }
-        for &start in &starts {
-            let run = ids[start..].iter().take_while(|&&t| t == token).count();
-            if run != c.mm_tokens_per_image {
-                return Err(ImageError::VisionMismatch(format!(
-                    "an image takes {} soft tokens; the prompt has a run of {run} at {start}",
-                    c.mm_tokens_per_image
-                ))
-                .into());
-            }
-        }
-        let device = self.model.device();
-        let size = c.vision.image_size;
-        if let Some(bad) = images.iter().find(|p| p.size != size || p.values.len() != 3 * size * size) {
-            return Err(ImageError::VisionMismatch(format!(
-                "pictures for this tower are prepared at {size} pixels a side, got one at {}",
-                bad.size
-            ))
-            .into());
-        }
-        let pixels = Tensor::cat(images.iter().map(|p| p.to_tensor::<B>(&device)).collect(), 0);
-        let features = vision.image_features(pixels)?;
-        let [n, tokens, width] = features.dims();
-        Ok(starts
-            .into_iter()
-            .zip(0..n)
-            .map(|(start, i)| (start, features.clone().slice([i..i + 1, 0..tokens, 0..width]).reshape([tokens, width])))
-            .collect())
     }
 
     /// One step of `run`: the next token and its text, `None` once the run has stopped. An

@@ -31,7 +31,7 @@ pub enum ImageError {
     #[error("{0}")]
     VisionMismatch(String),
     /// Images given to a model that reads none.
-    #[error("this model reads no images (load a multimodal Gemma 3 checkpoint and its vision tower)")]
+    #[error("this model reads no images (load a multimodal Gemma 3 or Gemma 4 checkpoint and its vision tower)")]
     NoVision,
 }
 

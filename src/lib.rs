@@ -42,6 +42,7 @@ pub mod server;
 pub mod speculative;
 pub mod stop_text;
 pub mod tokenizer;
+pub mod vision;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
@@ -58,3 +59,4 @@ pub use load_options::{LoadOptions, LoadProgress};
 pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojCheckpoint};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};
+pub use vision::{ImageProcessor, Picture, Vision};

@@ -6,7 +6,7 @@ use crate::{
     gguf::{GgufFile, Value},
     load_options::ProgressFn,
     safetensors::{Dtype, SafetensorsFile},
-    Error, LoadOptions, LoadProgress, Tokenizer,
+    Error, LoadOptions, LoadProgress, Tokenizer, Vision,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
@@ -183,8 +183,8 @@ impl Checkpoint {
     pub fn load_vision<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
         let Some(config) = self.vision.clone() else {
             let reason = if self.gemma4_vision.is_some() {
-                "this Gemma 4 checkpoint's vision tower loads with `load_gemma4_vision`; prompts with Gemma 4 images \
-                 are not supported yet"
+                "this Gemma 4 checkpoint's vision tower loads with `load_gemma4_vision` (or `load_vision_tower`, \
+                 either generation's)"
             } else {
                 "this checkpoint has no vision tower (a multimodal Gemma 3 config.json has a vision_config)"
             };
@@ -216,6 +216,21 @@ impl Checkpoint {
         let total = gemma4_vision_tensors(&config);
         let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
         Ok(Gemma4Vision::load(config, &mut source, &options, &device)?)
+    }
+
+    /// Whether the checkpoint has a vision tower (Gemma 3's or Gemma 4's).
+    pub fn has_vision(&self) -> bool {
+        self.vision.is_some() || self.gemma4_vision.is_some()
+    }
+
+    /// Loads the checkpoint's image reader, whichever generation it is ([`Checkpoint::load_vision`]
+    /// or [`Checkpoint::load_gemma4_vision`]), for [`crate::Generator::set_vision`]. Fails for a
+    /// checkpoint without one.
+    pub fn load_vision_tower<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Vision<B>, Error> {
+        match self.gemma4_vision.is_some() {
+            true => Ok(self.load_gemma4_vision(options)?.into()),
+            false => Ok(self.load_vision(options)?.into()),
+        }
     }
 
     /// The checkpoint's path.

@@ -4,6 +4,11 @@
 //!   (`"stream": true`) or not;
 //! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 //!
+//! Chat messages take OpenAI's content parts: `text`, and `image_url` with a `data:` URL
+//! (`data:image/png;base64,...`; PNG, JPEG, WebP or GIF) in user messages, for an engine that
+//! reads pictures ([`Engine::with_vision`]); each picture goes where its part is. Bodies up to
+//! [`MAX_BODY_BYTES`].
+//!
 //! A bad request gets a 400 with an OpenAI-style JSON error naming the field; a full queue a
 //! 429; a server shutting down a 503. The `model` field of a request is not checked against the
 //! served model's name (as llama.cpp's server does): the server serves one model.
@@ -15,11 +20,12 @@ use crate::{
     chat::ChatTemplate,
     engine::{Engine, EngineError, Event, Request, RequestStream},
     tokenizer::Bos,
+    vision::Picture,
     Error, StopReason,
 };
 use axum::{
     body::Bytes,
-    extract::State,
+    extract::{DefaultBodyLimit, State},
     http::StatusCode,
     response::{
         sse::{Event as SseEvent, KeepAlive, Sse},
@@ -35,6 +41,10 @@ use std::{
     sync::{atomic::AtomicU64, Arc},
     time::{Instant, SystemTime, UNIX_EPOCH},
 };
+
+/// The largest request body read: room for a few pictures as base64 data URLs (axum's default
+/// is 2 MB).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 /// What the server is told at start.
 #[derive(Debug, Clone)]
@@ -74,6 +84,7 @@ impl Server {
             .route("/v1/models", get(models))
             .route("/health", get(health))
             .route("/metrics", get(metrics::handler))
+            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(Arc::clone(self))
     }
 
@@ -140,23 +151,33 @@ struct Started {
     model: String,
 }
 
-fn start(
-    server: &Server,
-    prompt: &str,
-    fields: &RequestBody,
-    input: &'static str,
-    prefix: &str,
-) -> Result<Started, ApiError> {
+/// What a request's prompt is: its text, and the pictures at its places.
+struct Prompt<'a> {
+    text: &'a str,
+    pictures: Vec<Picture>,
+    /// The request field it came in.
+    field: &'static str,
+}
+
+fn start(server: &Server, prompt: Prompt<'_>, fields: &RequestBody, prefix: &str) -> Result<Started, ApiError> {
     let (generation, stops) = fields.generation(server.config.default_max_tokens)?;
-    let ids =
-        server.engine.tokenizer().encode(prompt, Bos::Prepend).map_err(|e| ApiError::invalid(input, e.to_string()))?;
+    let input = prompt.field;
+    let tokenizer = server.engine.tokenizer();
+    let text = match server.engine.image_processor() {
+        Some(processor) if !prompt.pictures.is_empty() => processor
+            .expand(prompt.text, &prompt.pictures, tokenizer)
+            .map_err(|e| ApiError::invalid(input, e.to_string()))?,
+        _ => prompt.text.to_string(),
+    };
+    let ids = tokenizer.encode(&text, Bos::Prepend).map_err(|e| ApiError::invalid(input, e.to_string()))?;
     let prompt_tokens = ids.len();
     let mut streams = Vec::new();
     for index in 0..fields.choices() {
         let mut generation = generation.clone();
         generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
         // On a refusal the choices already queued are cancelled as their streams drop.
-        let request = Request { input: ids.clone(), generation, stop_strings: stops.clone() };
+        let request =
+            Request { input: ids.clone(), generation, stop_strings: stops.clone(), images: prompt.pictures.clone() };
         streams.push(server.engine.submit(request).map_err(|e| refused(e, input))?);
     }
     Ok(Started { streams, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
@@ -392,7 +413,8 @@ async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response
         Some("") => return ApiError::invalid("prompt", "prompt is empty").into_response(),
         Some(p) => p,
     };
-    match start(&server, prompt, &request, "prompt", "cmpl") {
+    let prompt = Prompt { text: prompt, pictures: Vec::new(), field: "prompt" };
+    match start(&server, prompt, &request, "cmpl") {
         Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, Delivery::of(&request)).await,
         Err(e) => e.into_response(),
     }
@@ -406,11 +428,21 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Bytes) -> Res
     let Some(messages) = &request.messages else {
         return ApiError::invalid("messages", "missing field `messages`").into_response();
     };
-    let prompt = match openai::render_chat(server.template, messages) {
-        Ok(p) => p,
+    // Pictures are decoded off the async threads.
+    let rendered = match messages.iter().any(|m| m.content.has_images()) {
+        false => openai::render_chat(server.template, messages, None),
+        true => {
+            let (server, messages) = (Arc::clone(&server), messages.clone());
+            let render = move || openai::render_chat(server.template, &messages, server.engine.image_processor());
+            tokio::task::spawn_blocking(render).await.unwrap_or_else(|e| Err(join_error(e)))
+        }
+    };
+    let chat = match rendered {
+        Ok(chat) => chat,
         Err(e) => return e.into_response(),
     };
-    match start(&server, &prompt, &request, "messages", "chatcmpl") {
+    let prompt = Prompt { text: &chat.text, pictures: chat.pictures, field: "messages" };
+    match start(&server, prompt, &request, "chatcmpl") {
         Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, Delivery::of(&request)).await,
         Err(e) => e.into_response(),
     }

@@ -3,6 +3,7 @@
 use crate::{
     chat::{ChatTemplate, SystemTurn, Thinking},
     sampling::SamplingConfig,
+    vision::{ImageProcessor, Picture},
     Error, GenerationConfig, SamplingError,
 };
 use axum::http::StatusCode;
@@ -168,33 +169,144 @@ fn rand_seed() -> u64 {
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
     pub role: String,
-    pub content: String,
+    pub content: Content,
 }
 
-/// The prompt text of a chat in the model's template, its model turn opened: system messages
+/// A message's content: a string, or OpenAI's content parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+impl From<&str> for Content {
+    fn from(text: &str) -> Self {
+        Self::Text(text.into())
+    }
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContentPart {
+    Text {
+        text: String,
+    },
+    /// A picture: a `data:` URL (`data:image/png;base64,...`; the server fetches nothing).
+    ImageUrl {
+        image_url: ImageUrl,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ImageUrl {
+    pub url: String,
+}
+
+impl Content {
+    /// Whether it has a picture.
+    pub fn has_images(&self) -> bool {
+        matches!(self, Self::Parts(parts) if parts.iter().any(|p| matches!(p, ContentPart::ImageUrl { .. })))
+    }
+}
+
+/// A chat's prompt text in the model's template and its pictures, in the order of their
+/// places in the text ([`ImageProcessor::placeholder`]).
+#[derive(Debug, Clone)]
+pub struct ChatPrompt {
+    pub text: String,
+    pub pictures: Vec<Picture>,
+}
+
+/// The bytes of a `data:` URL's base64 payload.
+fn data_url_bytes(url: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    let Some(rest) = url.strip_prefix("data:") else {
+        let shown: String = url.chars().take(40).collect();
+        return Err(format!(
+            "{shown:?} is not a data URL: pictures come inline (data:image/png;base64,...); the server fetches nothing"
+        ));
+    };
+    let Some((meta, data)) = rest.split_once(',') else { return Err("a data URL without a comma".into()) };
+    if !meta.ends_with(";base64") {
+        return Err(format!("a data URL of {meta:?}, not base64 (data:image/...;base64,...)"));
+    }
+    base64::engine::general_purpose::STANDARD.decode(data.trim()).map_err(|e| format!("its base64 is bad: {e}"))
+}
+
+/// The text of message `i`'s content, each picture's place in it ([`ImageProcessor::placeholder`])
+/// and the picture in `pictures`; pictures only where `images` reads them and `pictures_here`
+/// allows them.
+fn content_text(
+    i: usize,
+    content: &Content,
+    images: Option<&ImageProcessor>,
+    pictures_here: bool,
+    pictures: &mut Vec<Picture>,
+) -> Result<String, ApiError> {
+    let parts = match content {
+        Content::Text(text) => return Ok(text.clone()),
+        Content::Parts(parts) => parts,
+    };
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        match part {
+            ContentPart::Text { text: t } => text.push_str(t),
+            ContentPart::ImageUrl { image_url } => {
+                let at = format!("messages[{i}].content[{j}].image_url");
+                let Some(processor) = images.filter(|_| pictures_here) else {
+                    let why = match images {
+                        None => "this model reads no images (serve a multimodal checkpoint)",
+                        Some(_) => "pictures go in user messages",
+                    };
+                    return Err(ApiError::invalid("messages", format!("{at}: {why}")));
+                };
+                let bytes =
+                    data_url_bytes(&image_url.url).map_err(|e| ApiError::invalid("messages", format!("{at}: {e}")))?;
+                let picture =
+                    processor.decode(&bytes).map_err(|e| ApiError::invalid("messages", format!("{at}: {e}")))?;
+                pictures.push(picture);
+                text.push_str(processor.placeholder());
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// The prompt of a chat in the model's template, its model turn opened: system messages
 /// (first only) as Gemma 4's system turn or, before Gemma 4, at the head of the first user
 /// message; user and assistant turns alternating as they come; the last message a user's.
-pub fn render_chat(template: ChatTemplate, messages: &[Message]) -> Result<String, ApiError> {
+/// Pictures (`image_url` parts of user messages) are decoded and prepared by `images`, the
+/// model's processor: a model without one refuses them.
+pub fn render_chat(
+    template: ChatTemplate,
+    messages: &[Message],
+    images: Option<&ImageProcessor>,
+) -> Result<ChatPrompt, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages is empty"));
     }
     let mut system = None;
     let mut text = String::new();
+    let mut pictures = Vec::new();
     for (i, message) in messages.iter().enumerate() {
+        let user = message.role == "user";
+        let content = content_text(i, &message.content, images, user, &mut pictures)?;
         match message.role.as_str() {
-            "system" | "developer" if i == 0 => system = Some(message.content.clone()),
+            "system" | "developer" if i == 0 => system = Some(content),
             "system" | "developer" => {
                 return Err(ApiError::invalid("messages", format!("messages[{i}]: a system message must come first")))
             }
             "user" => {
                 let content = match (template, system.take()) {
-                    (ChatTemplate::Gemma, Some(s)) => format!("{s}\n\n{}", message.content),
+                    (ChatTemplate::Gemma, Some(s)) => format!("{s}\n\n{content}"),
                     (_, s) => {
                         if let Some(s) = s {
                             let turn = SystemTurn { instructions: Some(s), thinking: Thinking::Off, tools: Vec::new() };
                             text.push_str(&turn.render());
                         }
-                        message.content.clone()
+                        content
                     }
                 };
                 text.push_str(&template.user_turn(&content));
@@ -203,7 +315,7 @@ pub fn render_chat(template: ChatTemplate, messages: &[Message]) -> Result<Strin
                 if i + 1 == messages.len() {
                     return Err(ApiError::invalid("messages", "the last message must be the user's"));
                 }
-                text.push_str(&message.content);
+                text.push_str(&content);
                 text.push_str(template.end_of_turn());
                 text.push_str(crate::chat::TURN_SEPARATOR);
             }
@@ -218,7 +330,7 @@ pub fn render_chat(template: ChatTemplate, messages: &[Message]) -> Result<Strin
     if messages.last().is_some_and(|m| m.role != "user") {
         return Err(ApiError::invalid("messages", "the last message must be the user's"));
     }
-    Ok(text)
+    Ok(ChatPrompt { text, pictures })
 }
 
 /// Why a choice ended, in OpenAI's words.
@@ -261,12 +373,12 @@ mod tests {
             message("user", "Again"),
         ];
         assert_eq!(
-            render_chat(ChatTemplate::Gemma, &chat)?,
+            render_chat(ChatTemplate::Gemma, &chat, None)?.text,
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
              <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(
-            render_chat(ChatTemplate::Gemma4, &chat)?,
+            render_chat(ChatTemplate::Gemma4, &chat, None)?.text,
             "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n\
              <|turn>user\nAgain<turn|>\n<|turn>model\n"
         );
@@ -281,7 +393,7 @@ mod tests {
             (vec![message("user", "a"), message("system", "b"), message("user", "c")], "must come first"),
             (vec![message("tool", "a")], "messages[0].role is \"tool\""),
         ] {
-            let e = render_chat(ChatTemplate::Gemma, &chat).unwrap_err();
+            let e = render_chat(ChatTemplate::Gemma, &chat, None).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("messages"));
             assert!(e.message.contains(says), "{} does not say {says}", e.message);
         }

@@ -121,9 +121,9 @@ fn preprocessing_matches_hf_pil_processor() {
     assert!(worst <= step + 1e-6, "a value {worst:.4} from HF's");
 }
 
-fn fixture_pixels(reference: &serde_json::Value) -> Vec<burn_gemma::images::Pixels> {
+fn fixture_pixels(reference: &serde_json::Value) -> Vec<burn_gemma::Picture> {
     let images = reference["images"].as_array().unwrap();
-    images.iter().map(|i| burn_gemma::images::Pixels { size: 56, values: floats(&i["pixel_values"]) }).collect()
+    images.iter().map(|i| burn_gemma::images::Pixels { size: 56, values: floats(&i["pixel_values"]) }.into()).collect()
 }
 
 fn vision_generator() -> (burn_gemma::Generator<NdArray>, serde_json::Value) {
@@ -132,7 +132,7 @@ fn vision_generator() -> (burn_gemma::Generator<NdArray>, serde_json::Value) {
     let device = Default::default();
     let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
     let mut g = burn_gemma::Generator::new(model, common::tiny_tokenizer()).unwrap();
-    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap())).unwrap();
+    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap().into())).unwrap();
     (g, common::read_json(dir.join("reference.json")))
 }
 
@@ -170,7 +170,7 @@ fn pictures_that_do_not_fit_are_refused() {
     let err = g.continue_ids_with_images(&ids, &pixels[..1], &config, |_| {}).unwrap_err();
     assert!(matches!(err, Error::Image(ImageError::Count { images: 1, places: 2 })), "{err}");
     // A picture prepared for another tower.
-    let small = burn_gemma::images::Pixels { size: 28, values: vec![0.0; 3 * 28 * 28] };
+    let small: burn_gemma::Picture = burn_gemma::images::Pixels { size: 28, values: vec![0.0; 3 * 28 * 28] }.into();
     let err = g.continue_ids_with_images(&ids, &[small.clone(), small], &config, |_| {}).unwrap_err();
     assert!(matches!(err, Error::Image(ImageError::VisionMismatch(_))), "{err}");
     // A run of soft tokens shorter than an image's.
@@ -246,6 +246,11 @@ fn bad_pictures_give_clear_errors() {
 
 /// The tiny vocabulary with Gemma 3's image tokens at the fixture's ids (508, 509, 510).
 fn tokenizer_with_image_tokens() -> burn_gemma::Tokenizer {
+    tokenizer_with_specials(&[(508, "<start_of_image>"), (509, "<end_of_image>"), (510, "<image_soft_token>")])
+}
+
+/// The tiny vocabulary with `specials` (id, piece) as control tokens, the rest `w{id}`.
+fn tokenizer_with_specials(specials: &[(usize, &str)]) -> burn_gemma::Tokenizer {
     let base = common::tiny_tokenizer();
     let mut tokens: Vec<String> =
         (0..512).map(|id| String::from_utf8_lossy(base.token_bytes(id)).into_owned()).collect();
@@ -260,14 +265,13 @@ fn tokenizer_with_image_tokens() -> burn_gemma::Tokenizer {
         tokens[6 + b] = format!("<0x{b:02X}>");
         types[6 + b] = 6;
     }
-    for (id, piece) in [(508, "<start_of_image>"), (509, "<end_of_image>"), (510, "<image_soft_token>")] {
+    for (id, token) in tokens.iter_mut().enumerate().skip(262) {
+        *token = format!("w{id}");
+    }
+    for &(id, piece) in specials {
         tokens[id] = piece.into();
         types[id] = 3;
     }
-    for (id, token) in tokens.iter_mut().enumerate().skip(262).take(508 - 262) {
-        *token = format!("w{id}");
-    }
-    tokens[511] = "w511".into();
     let scores = (0..512).map(|i| -(i as f32)).collect();
     burn_gemma::Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
 }
@@ -374,7 +378,7 @@ fn prompts_with_image_places_expand_as_gemma3_processor() {
     let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
     let tokenizer = tokenizer_with_image_tokens();
     let mut g = burn_gemma::Generator::new(model, tokenizer_with_image_tokens()).unwrap();
-    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap())).unwrap();
+    g.set_vision(Some(checkpoint.load_vision(common::dense_f32::<NdArray>(&device)).unwrap().into())).unwrap();
     let reference = common::read_json(dir.join("reference.json"));
     let pixels = fixture_pixels(&reference);
     let config = burn_gemma::GenerationConfig { max_new_tokens: 4, ..Default::default() };
@@ -537,4 +541,401 @@ fn gemma4_preprocessing_matches_hf_pil_processor() {
     assert!(budget.target_size(0, 5).is_err());
     let absurd = burn_gemma::images::PatchBudget { max_soft_tokens: usize::MAX, ..budget };
     assert!(matches!(absurd.target_size(23, 37), Err(burn_gemma::images::ImageError::VisionMismatch(_))));
+}
+
+/// A Gemma 4 fixture's model and tokenizer (`<|image|>`, `<|image>`, `<image|>` at the fixture's
+/// 500, 501, 502) in a generator reading images, its reference and HF's greedy continuations
+/// (greedy.json: `scripts/make_gemma4_vision_fixtures.py greedy`).
+fn gemma4_vision_generator(variant: &str) -> (burn_gemma::Generator<NdArray>, serde_json::Value, serde_json::Value) {
+    let dir = common::fixtures().join("tiny-gemma-vision").join(variant);
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    assert!(checkpoint.has_vision());
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let mut g = burn_gemma::Generator::new(model, gemma4_tokenizer()).unwrap();
+    let vision = checkpoint.load_vision_tower(common::dense_f32::<NdArray>(&device)).unwrap();
+    assert!(matches!(vision, burn_gemma::Vision::Gemma4 { .. }));
+    g.set_vision(Some(vision)).unwrap();
+    (g, common::read_json(dir.join("reference.json")), common::read_json(dir.join("greedy.json")))
+}
+
+fn gemma4_tokenizer() -> burn_gemma::Tokenizer {
+    tokenizer_with_specials(&[(500, "<|image|>"), (501, "<|image>"), (502, "<image|>")])
+}
+
+/// The fixture's patch grids as pictures.
+fn gemma4_pictures(reference: &serde_json::Value) -> Vec<burn_gemma::Picture> {
+    let images = reference["images"].as_array().unwrap();
+    images
+        .iter()
+        .map(|i| {
+            let (rows, cols) = (i["rows"].as_u64().unwrap() as usize, i["cols"].as_u64().unwrap() as usize);
+            burn_gemma::images::PatchGrid { rows, cols, patch_size: 4, values: floats(&i["patches"]) }.into()
+        })
+        .collect()
+}
+
+/// The generator places each Gemma 4 picture (grids of different sizes: 6 and 1 soft tokens) at
+/// its run of soft tokens: HF's greedy continuation of 8 tokens, for the dense and the E model
+/// (per-layer inputs, KV sharing), with prompt chunks of every size.
+#[test]
+fn gemma4_generation_with_images_continues_as_hf() {
+    for variant in ["gemma4", "gemma4-e"] {
+        let (mut g, reference, greedy) = gemma4_vision_generator(variant);
+        let pictures = gemma4_pictures(&reference);
+        for prompt in greedy["prompts"].as_array().unwrap() {
+            let ids = common::ids(&prompt["input_ids"]);
+            let n = prompt["images"].as_u64().unwrap() as usize;
+            let want = common::ids(&prompt["greedy_ids"]);
+            for chunk in [1, 3, 7, 64] {
+                let config = burn_gemma::GenerationConfig {
+                    max_new_tokens: want.len(),
+                    prefill_chunk: std::num::NonZeroUsize::new(chunk).unwrap(),
+                    ..Default::default()
+                };
+                g.reset();
+                let out = g.continue_ids_with_images(&ids, &pictures[..n], &config, |_| {}).unwrap();
+                assert_eq!(out.tokens, want, "{variant}: {n} images, chunks of {chunk}");
+            }
+        }
+    }
+}
+
+/// `<|image|>` in a prompt expands as HF's `Gemma4Processor` does (`<|image>`, the picture's
+/// soft tokens, `<image|>`), each picture as long as its grid pools to; generation gives what
+/// the same ids give. Pictures that do not fit the tower are refused by name, and the
+/// generator works after each refusal.
+#[test]
+fn gemma4_prompts_with_image_places_expand_as_gemma4_processor() {
+    use burn_gemma::{images::ImageError, Error};
+    let (mut g, reference, greedy) = gemma4_vision_generator("gemma4");
+    let pictures = gemma4_pictures(&reference);
+    let tokenizer = gemma4_tokenizer();
+    let config = burn_gemma::GenerationConfig { max_new_tokens: 4, ..Default::default() };
+    let out = g.generate_with_images("w300 <|image|> w301 <|image|>", &pictures, &config, |_| {}).unwrap();
+    let text = format!("w300 <|image>{}<image|> w301 <|image><|image|><image|>", "<|image|>".repeat(6));
+    let ids = tokenizer.encode(&text, burn_gemma::Bos::Prepend).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == 500).count(), 7, "{ids:?}");
+    g.reset();
+    let same = g.continue_ids_with_images(&ids, &pictures, &config, |_| {}).unwrap();
+    assert_eq!(out.tokens, same.tokens);
+    // No place: the pictures go first. Two places for one picture: refused.
+    assert!(g.generate_with_images("w300", &pictures[..1], &config, |_| {}).is_ok());
+    let err = g.generate_with_images("<|image|><|image|>", &pictures[..1], &config, |_| {}).unwrap_err();
+    assert!(matches!(err, Error::Image(ImageError::Count { images: 1, places: 2 })), "{err}");
+    // A run of soft tokens the length of the other picture's.
+    let ids = common::ids(&greedy["prompts"][0]["input_ids"]);
+    let err = g.continue_ids_with_images(&ids, &pictures[1..], &config, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("takes 1 soft tokens; the prompt has a run of 6"), "{err}");
+    // Gemma 3's square picture; a grid that does not pool by 2; patches of another size.
+    let square: burn_gemma::Picture = burn_gemma::images::Pixels { size: 56, values: vec![0.0; 3 * 56 * 56] }.into();
+    let odd: burn_gemma::Picture =
+        burn_gemma::images::PatchGrid { rows: 3, cols: 4, patch_size: 4, values: vec![0.5; 12 * 48] }.into();
+    let wide: burn_gemma::Picture =
+        burn_gemma::images::PatchGrid { rows: 2, cols: 2, patch_size: 8, values: vec![0.5; 4 * 192] }.into();
+    for (picture, what) in [(square, "not square pictures"), (odd, "multiples of 2"), (wide, "8-pixel patches")] {
+        let err = g.generate_with_images("w300", &[picture], &config, |_| {}).unwrap_err();
+        assert!(matches!(&err, Error::Image(ImageError::VisionMismatch(m)) if m.contains(what)), "{err}");
+    }
+    g.reset();
+    let ids = common::ids(&greedy["prompts"][1]["input_ids"]);
+    let out = g.continue_ids_with_images(&ids, &pictures, &config, |_| {}).unwrap();
+    assert_eq!(out.tokens, common::ids(&greedy["prompts"][1]["greedy_ids"])[..4]);
+}
+
+/// A picture from a file through the tower's own preparation ([`burn_gemma::Vision::read`]):
+/// the fixture picture (37x23) sized within a budget of 24 soft tokens (HF's rule: 24 x 48
+/// pixels, a 6 x 12 grid of 18 soft tokens) runs in a chat turn; within HF's default budget of
+/// 280 its grid (26 x 42 patches) is past the tiny tower's 16 positions, and is refused by name.
+#[test]
+fn gemma4_pictures_from_files_run_in_a_chat() {
+    use burn_gemma::{images::ImageError, Error};
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let mut g = burn_gemma::Generator::new(model, gemma4_tokenizer()).unwrap();
+    let tower = checkpoint.load_gemma4_vision(common::dense_f32::<NdArray>(&device)).unwrap();
+    let path = common::fixtures().join("tiny-gemma-vision/gemma3/image.png");
+    let config = burn_gemma::GenerationConfig { max_new_tokens: 3, ..Default::default() };
+    // HF's default budget.
+    let vision = burn_gemma::Vision::from(tower);
+    let picture = vision.read(&path).unwrap();
+    let burn_gemma::Picture::Patches(grid) = &picture else { panic!("a Gemma 4 tower prepares patch grids") };
+    assert_eq!((grid.rows, grid.cols), (26, 42));
+    let burn_gemma::Vision::Gemma4 { tower, budget } = vision else { panic!("a Gemma 4 tower") };
+    assert_eq!(budget.max_soft_tokens, 280);
+    g.set_vision(Some(burn_gemma::Vision::Gemma4 { tower, budget })).unwrap();
+    let err = g.chat_with_images("w300 w301", &[picture], &config, |_| {}).unwrap_err();
+    assert!(matches!(&err, Error::Image(ImageError::VisionMismatch(m)) if m.contains("16 positions")), "{err}");
+    // A budget the tower's table holds.
+    let Some(burn_gemma::Vision::Gemma4 { tower, .. }) = g.vision().cloned() else { panic!("a Gemma 4 tower") };
+    let budget = burn_gemma::images::PatchBudget { max_soft_tokens: 24, ..budget };
+    g.set_vision(Some(burn_gemma::Vision::Gemma4 { tower, budget })).unwrap();
+    let vision = g.vision().unwrap();
+    let picture = vision.read(&path).unwrap();
+    assert_eq!(vision.soft_tokens(&picture).unwrap(), 18);
+    let err = vision.read("/nonexistent/picture.png").unwrap_err();
+    assert!(err.to_string().contains("/nonexistent/picture.png"), "{err}");
+    let out = g.chat_with_images("w300 w301", &[picture], &config, |_| {}).unwrap();
+    assert_eq!(out.tokens.len(), 3);
+}
+
+/// A fixture's model, its vision tower, its pictures and its prompts with HF's greedy tokens
+/// (ids, picture count, greedy ids): Gemma 3's from reference.json, Gemma 4's from greedy.json.
+#[allow(clippy::type_complexity)]
+fn engine_fixture(
+    fixture: &str,
+) -> (burn_gemma::Gemma<NdArray>, burn_gemma::Vision<NdArray>, Vec<burn_gemma::Picture>, Vec<(Vec<u32>, usize, Vec<u32>)>)
+{
+    let dir = common::fixtures().join("tiny-gemma-vision").join(fixture);
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let vision = checkpoint.load_vision_tower(common::dense_f32::<NdArray>(&device)).unwrap();
+    let reference = common::read_json(dir.join("reference.json"));
+    let (pictures, greedy) = match fixture {
+        "gemma3" => (fixture_pixels(&reference), reference.clone()),
+        _ => (gemma4_pictures(&reference), common::read_json(dir.join("greedy.json"))),
+    };
+    let prompts = greedy["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (common::ids(&p["input_ids"]), p["images"].as_u64().unwrap() as usize, common::ids(&p["greedy_ids"])))
+        .collect();
+    (model, vision, pictures, prompts)
+}
+
+/// The engine reads pictures as the generator does, for Gemma 3 and Gemma 4 (dense and E):
+/// every fixture prompt at once (prompt chunks of 3 and of 64, the prefix cache on) gives HF's
+/// greedy tokens; the first prompt's ids with another picture in its place give the
+/// generator's tokens for that picture (so no KV block was shared between prompts whose soft
+/// tokens hold different pictures), and differ from the first picture's; pictures that do not
+/// fit the prompt are refused at submit, and a text model's engine refuses pictures.
+#[test]
+fn engine_reads_pictures_as_the_generator() {
+    use burn_gemma::engine::{Engine, EngineConfig, EngineError, Event, Request};
+    use burn_gemma::{images::ImageError, Error};
+    for fixture in ["gemma3", "gemma4", "gemma4-e"] {
+        let (model, vision, pictures, prompts) = engine_fixture(fixture);
+        // The first picture with its values reversed: the same grid, another picture.
+        let other = match &pictures[0] {
+            burn_gemma::Picture::Square(p) => {
+                burn_gemma::images::Pixels { size: p.size, values: p.values.iter().rev().copied().collect() }.into()
+            }
+            burn_gemma::Picture::Patches(p) => {
+                burn_gemma::images::PatchGrid { values: p.values.iter().rev().copied().collect(), ..p.clone() }.into()
+            }
+        };
+        let (first_ids, _, first_want) = prompts[0].clone();
+        let other_want = {
+            let (model, vision, _, _) = engine_fixture(fixture);
+            let mut g = burn_gemma::Generator::new(model, common::tiny_tokenizer()).unwrap();
+            g.set_vision(Some(vision)).unwrap();
+            let config = burn_gemma::GenerationConfig { max_new_tokens: first_want.len(), ..Default::default() };
+            g.continue_ids_with_images(&first_ids, std::slice::from_ref(&other), &config, |_| {}).unwrap().tokens
+        };
+        assert_ne!(other_want, first_want, "{fixture}: the other picture changes nothing");
+        let config = EngineConfig {
+            max_running: std::num::NonZeroUsize::new(3).unwrap(),
+            prefix_cache: burn_gemma::PrefixCache::On,
+            kv_block_size: std::num::NonZeroUsize::new(4).unwrap(),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::with_vision(model, Some(vision), common::tiny_tokenizer(), config).unwrap();
+        let request = |ids: &[u32], images: Vec<burn_gemma::Picture>, new: usize, chunk: usize| Request {
+            images,
+            ..Request::new(
+                ids.to_vec(),
+                burn_gemma::GenerationConfig {
+                    max_new_tokens: new,
+                    prefill_chunk: std::num::NonZeroUsize::new(chunk).unwrap(),
+                    ..Default::default()
+                },
+            )
+        };
+        let mut cases = Vec::new();
+        for (ids, n, want) in &prompts {
+            for chunk in [3, 64] {
+                cases.push((request(ids, pictures[..*n].to_vec(), want.len(), chunk), want.clone()));
+            }
+        }
+        cases.push((request(&first_ids, vec![other.clone()], first_want.len(), 64), other_want));
+        cases.push((request(&first_ids, vec![pictures[0].clone()], first_want.len(), 64), first_want.clone()));
+        let streams: Vec<_> = cases.iter().map(|(r, _)| engine.submit(r.clone()).unwrap()).collect();
+        for (i, (stream, (_, want))) in streams.into_iter().zip(&cases).enumerate() {
+            let mut got = Vec::new();
+            for event in stream {
+                match event.unwrap() {
+                    Event::Token(t) => got.push(t.id),
+                    Event::Done(_) => break,
+                }
+            }
+            assert_eq!(&got, want, "{fixture}: request {i}");
+        }
+        // Two places, one picture; a picture of the other generation.
+        let two = prompts.iter().find(|p| p.1 == 2).unwrap();
+        let err = engine.submit(request(&two.0, pictures[..1].to_vec(), 2, 64)).unwrap_err();
+        assert!(matches!(err, EngineError::Generation(Error::Image(ImageError::Count { images: 1, places: 2 }))));
+        let wrong: burn_gemma::Picture = match &pictures[0] {
+            burn_gemma::Picture::Square(_) => {
+                burn_gemma::images::PatchGrid { rows: 2, cols: 2, patch_size: 4, values: vec![0.5; 192] }.into()
+            }
+            burn_gemma::Picture::Patches(_) => burn_gemma::images::Pixels { size: 4, values: vec![0.0; 48] }.into(),
+        };
+        let err = engine.submit(request(&first_ids, vec![wrong], 2, 64)).unwrap_err();
+        assert!(matches!(&err, EngineError::Generation(Error::Image(ImageError::VisionMismatch(_)))), "{err}");
+        engine.shutdown();
+    }
+    // A text model's engine.
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let model = Checkpoint::open(&dir).unwrap().load(common::dense_f32::<NdArray>(&Default::default())).unwrap().model;
+    let engine = Engine::new(model, common::tiny_tokenizer(), EngineConfig::default()).unwrap();
+    assert!(engine.image_processor().is_none());
+    let (_, _, pictures, prompts) = engine_fixture("gemma3");
+    let mut request = Request::new(prompts[0].0.clone(), burn_gemma::GenerationConfig::default());
+    request.images = pictures[..1].to_vec();
+    let err = engine.submit(request).unwrap_err();
+    assert!(matches!(err, EngineError::Generation(Error::Image(ImageError::NoVision))), "{err}");
+}
+
+/// A multimodal fixture served: its model, its tower (Gemma 4's within a budget of 24 soft
+/// tokens, which the tiny tower's 16 positions hold), its tokenizer with the image tokens.
+#[cfg(feature = "server")]
+fn served_fixture(fixture: &str) -> (burn_gemma::Gemma<NdArray>, burn_gemma::Vision<NdArray>, burn_gemma::Tokenizer) {
+    let dir = common::fixtures().join("tiny-gemma-vision").join(fixture);
+    let checkpoint = Checkpoint::open(&dir).unwrap();
+    let device = Default::default();
+    let model = checkpoint.load(common::dense_f32::<NdArray>(&device)).unwrap().model;
+    let vision = match checkpoint.load_vision_tower(common::dense_f32::<NdArray>(&device)).unwrap() {
+        burn_gemma::Vision::Gemma4 { tower, budget } => burn_gemma::Vision::Gemma4 {
+            tower,
+            budget: burn_gemma::images::PatchBudget { max_soft_tokens: 24, ..budget },
+        },
+        gemma3 => gemma3,
+    };
+    let tokenizer = match fixture {
+        "gemma3" => tokenizer_with_image_tokens(),
+        _ => gemma4_tokenizer(),
+    };
+    (model, vision, tokenizer)
+}
+
+/// The server reads pictures in chat messages (`image_url` parts with `data:` URLs) for Gemma 3
+/// and Gemma 4: the answer is the generator's for the same turn and picture (read from the
+/// file), streamed or not; pictures that are not data URLs, bad base64, damaged pictures,
+/// pictures in an assistant's message and pictures for a text model get a 400 naming the part.
+#[cfg(feature = "server")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn server_reads_pictures_in_chat_messages() {
+    use base64::Engine as _;
+    use burn_gemma::{
+        chat::ChatTemplate,
+        engine::{Engine, EngineConfig},
+        server::{Server, ServerConfig},
+    };
+    use serde_json::{json, Value};
+    let path = common::fixtures().join("tiny-gemma-vision/gemma3/image.png");
+    let png = std::fs::read(&path).unwrap();
+    let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png));
+    let serve = |engine: Engine, template: ChatTemplate| async move {
+        let server = Server::new(engine, template, ServerConfig { model_id: "tiny".into(), default_max_tokens: 4 });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            server
+                .serve(listener, async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        (base, stop, task)
+    };
+    let post = |base: String, body: Value| async move {
+        let response =
+            reqwest::Client::new().post(format!("{base}/v1/chat/completions")).json(&body).send().await.unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    };
+    for (fixture, template) in [("gemma3", ChatTemplate::Gemma), ("gemma4", ChatTemplate::Gemma4)] {
+        let (model, vision, tokenizer) = served_fixture(fixture);
+        let place = vision.processor().placeholder();
+        let expected = {
+            let (model, vision, tokenizer) = served_fixture(fixture);
+            let picture = vision.read(&path).unwrap();
+            let mut g = burn_gemma::Generator::new(model, tokenizer).unwrap();
+            g.set_vision(Some(vision)).unwrap();
+            let config = burn_gemma::GenerationConfig { max_new_tokens: 4, ..Default::default() };
+            let turn = template.user_turn(&format!("w300 {place} w301"));
+            g.generate_with_images(&turn, &[picture], &config, |_| {}).unwrap()
+        };
+        assert_eq!(expected.tokens.len(), 4, "{fixture}: {:?}", expected.stop);
+        let engine = Engine::with_vision(model, Some(vision), tokenizer, EngineConfig::default()).unwrap();
+        let (base, stop, task) = serve(engine, template).await;
+        let parts = |url: &str| {
+            json!([
+                { "type": "text", "text": "w300 " },
+                { "type": "image_url", "image_url": { "url": url } },
+                { "type": "text", "text": " w301" },
+            ])
+        };
+        let body =
+            json!({ "messages": [{ "role": "user", "content": parts(&url) }], "max_tokens": 4, "temperature": 0 });
+        let (status, text) = post(base.clone(), body.clone()).await;
+        assert_eq!(status, 200, "{fixture}: {text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["choices"][0]["message"]["content"], expected.text.as_str(), "{fixture}");
+        let mut streaming = body.clone();
+        streaming["stream"] = json!(true);
+        let (status, text) = post(base.clone(), streaming).await;
+        assert_eq!(status, 200);
+        let streamed: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(streamed, expected.text, "{fixture}: streamed");
+        let truncated = format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(&png[..png.len() / 2])
+        );
+        let assistant_picture = json!([
+            { "role": "user", "content": "w300" },
+            { "role": "assistant", "content": parts(&url) },
+            { "role": "user", "content": "w301" },
+        ]);
+        for (messages, what) in [
+            (json!([{ "role": "user", "content": parts("https://example.com/cat.png") }]), "not a data URL"),
+            (json!([{ "role": "user", "content": parts("data:image/png;base64,@@@") }]), "base64"),
+            (json!([{ "role": "user", "content": parts("data:image/png,rawbytes") }]), "not base64"),
+            (json!([{ "role": "user", "content": parts(&truncated) }]), "cannot decode"),
+            (assistant_picture, "pictures go in user messages"),
+        ] {
+            let (status, text) = post(base.clone(), json!({ "messages": messages, "max_tokens": 2 })).await;
+            assert_eq!(status, 400, "{fixture}, {what}: {text}");
+            let error: Value = serde_json::from_str(&text).unwrap();
+            let message = error["error"]["message"].as_str().unwrap();
+            assert!(message.contains(what) && message.contains("image_url"), "{fixture}, {what}: {message}");
+            assert_eq!(error["error"]["param"], "messages");
+        }
+        // It serves on.
+        let (status, _) = post(base.clone(), body).await;
+        assert_eq!(status, 200);
+        let _ = stop.send(());
+        assert!(matches!(task.await, Ok(Ok(()))));
+    }
+    // A text model refuses pictures.
+    let (model, _, tokenizer) = served_fixture("gemma3");
+    let engine = Engine::new(model, tokenizer, EngineConfig::default()).unwrap();
+    let (base, stop, task) = serve(engine, ChatTemplate::Gemma).await;
+    let body =
+        json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url", "image_url": { "url": url } }] }] });
+    let (status, text) = post(base, body).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("reads no images"), "{text}");
+    let _ = stop.send(());
+    assert!(matches!(task.await, Ok(Ok(()))));
 }
