@@ -22,11 +22,11 @@
 mod backend_args;
 
 use backend_args::BackendArgs;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::Tensor;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     generation::token_tensor,
-    images::{PatchBudget, PatchGrid, Pixels},
+    images::{PatchGrid, Pixels},
     Checkpoint, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4ImageConfig, Gemma4Vision, GemmaBackend, GemmaConfig,
     ImageEmbeds, LoadOptions, ModelOptions, Picture, Vision,
 };

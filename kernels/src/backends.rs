@@ -278,6 +278,22 @@ where
             KvStore::Dense { keys, values } => dense(keys.clone(), values.clone()),
             KvStore::Int8 { keys, values } => int8(keys, values, store.shape()[2]),
         };
+        if let KvView::Dense { keys, values } = &kv {
+            // Heads the flash kernel does not tile, padded with zeros to a size it does: the
+            // scores and the scale are unchanged, and the padded value columns come out zero and
+            // are cut off.
+            let [b, hq, tq, dim] = q.dims();
+            if let Some(padded) = crate::attention::flash::padded_dim(&cube::float_strided(q.clone())) {
+                let pad = |t: Tensor<Self, 4>| {
+                    let [b, h, len, _] = t.dims();
+                    let zeros = Tensor::<Self, 4>::zeros([b, h, len, padded - dim], (&t.device(), t.dtype()));
+                    Tensor::cat(vec![t, zeros], 3)
+                };
+                let kv = KvView::Dense { keys: pad(keys.clone()), values: pad(values.clone()) };
+                let out = Self::grouped_attention(pad(q), kv, options)?;
+                return Ok(out.slice([0..b, 0..hq, 0..tq, 0..dim]));
+            }
+        }
         let q = cube::float_strided(q);
         match kv {
             KvView::Dense { keys, values } => Ok(cube::tensor(attention(q, dense(keys, values), options, None, None)?)),

@@ -19,7 +19,9 @@ use burn::{
     module::{Module, Param},
     tensor::{DType, Tensor, TensorData},
 };
-use burn_gemma_kernels::{AddNorm, Epilogue, ExpertProduct, Experts, GemmaBackend, HostMatrix, Matrix, Routes};
+use burn_gemma_kernels::{
+    graph, linear::GEMV_MAX_ROWS, AddNorm, Epilogue, ExpertProduct, Experts, GemmaBackend, HostMatrix, Matrix, Routes,
+};
 
 /// Scores every expert for each token and keeps the best `top_k`, their weights renormalized and
 /// scaled per expert.
@@ -31,6 +33,11 @@ pub struct Router<B: GemmaBackend> {
     /// the matrix units (in f32 they took a millisecond per 26B-A4B layer of a 512-token prompt,
     /// `docs/gpu-runs/2026-11-25-experts-gemm/call5`).
     pub proj: Matrix<B>,
+    /// The same folded matrix in f32 where `proj` is not (bf16 and f16 models), for decode
+    /// steps (at most [`GEMV_MAX_ROWS`] tokens): their scores then take no cast, and Burn's
+    /// casts are not recorded into CUDA graphs (a replayed step read the recording's router
+    /// input: the bf16 expert fixture's logits 2.07 from eager on the H200).
+    pub step_proj: Option<Matrix<B>>,
     /// The weightless input norm.
     pub norm: RmsNorm<B>,
     /// `per_expert_scale`: `[num_experts]`, f32.
@@ -61,12 +68,19 @@ impl<B: GemmaBackend> Router<B> {
             .chunks(hidden.max(1))
             .flat_map(|row| row.iter().zip(&scale).map(|(&w, &s)| (w as f64 * s as f64 * root) as f32))
             .collect();
-        let folded =
-            Tensor::<B, 2>::from_data(TensorData::new(folded, [experts, hidden]), (device, DType::F32)).cast(dtype);
-        let proj = B::upload_matrix(HostMatrix::Dense(folded), device)
-            .map_err(|source| ModelError::Upload { name, source })?;
+        let folded = Tensor::<B, 2>::from_data(TensorData::new(folded, [experts, hidden]), (device, DType::F32));
+        let upload = |t: Tensor<B, 2>| {
+            B::upload_matrix(HostMatrix::Dense(t), device)
+                .map_err(|source| ModelError::Upload { name: name.clone(), source })
+        };
+        let step_proj = match dtype {
+            DType::F32 => None,
+            _ => Some(upload(folded.clone())?),
+        };
+        let proj = upload(folded.cast(dtype))?;
         Ok(Self {
             proj,
+            step_proj,
             norm: RmsNorm::unit(hidden, c.rms_norm_eps, device),
             per_expert_scale: Param::from_tensor(source.load(
                 &format!("{prefix}.per_expert_scale"),
@@ -80,14 +94,24 @@ impl<B: GemmaBackend> Router<B> {
     }
 
     /// Routes `x` (`[tokens, hidden]`, the f32 residual stream before the MLP): the norm in
-    /// f32, the scores in the projection's dtype, the softmax and top-k in f32.
+    /// f32, the scores in the projection's dtype (f32 for decode steps), the softmax and top-k
+    /// in f32.
     pub fn route(&self, x: Tensor<B, 2>) -> Result<Routes<B>, ModelError> {
         let h = self.norm.forward(x.cast(DType::F32));
-        let dtype = match &self.proj {
-            Matrix::Dense(w) => w.val().dtype(),
-            _ => DType::F32,
+        let scores = match &self.step_proj {
+            None => B::project(h, &self.proj, Epilogue::Identity),
+            Some(step) if h.dims()[0] <= GEMV_MAX_ROWS => B::project(h, step, Epilogue::Identity),
+            Some(_) => {
+                // A prompt's scores on the matrix units, through Burn's casts: a step of this
+                // many rows is not replayable.
+                graph::unsupported(|| "the expert router's casts of more than a decode step's rows".into());
+                let dtype = match &self.proj {
+                    Matrix::Dense(w) => w.val().dtype(),
+                    _ => DType::F32,
+                };
+                B::project(h.cast(dtype), &self.proj, Epilogue::Identity).cast(DType::F32)
+            }
         };
-        let scores = B::project(h.cast(dtype), &self.proj, Epilogue::Identity).cast(DType::F32);
         Ok(B::route_experts(scores, self.per_expert_scale.val(), self.top_k)?)
     }
 }
@@ -169,6 +193,7 @@ impl<B: GemmaBackend> MoeBlock<B> {
 
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
-        self.router.proj.device_bytes() + self.gate_up_proj.device_bytes() + self.down_proj.device_bytes()
+        let step = self.router.step_proj.as_ref().map_or(0, Matrix::device_bytes);
+        self.router.proj.device_bytes() + step + self.gate_up_proj.device_bytes() + self.down_proj.device_bytes()
     }
 }

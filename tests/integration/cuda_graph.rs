@@ -7,7 +7,7 @@
 
 use crate::common;
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
 use burn_gemma::{Checkpoint, Gemma, GemmaConfig, KvFormat, LoadOptions, ModelOptions, WeightFormat};
@@ -196,4 +196,64 @@ fn gemma4_graph_equals_eager() {
     if let Err(panic) = serial {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// The bf16 expert fixture's first decode step four ways: eager with the position on the host
+/// (`forward_last`), eager with it on the device (`decode_logits`, what a graph records),
+/// replayed as a graph, and the f32 model's eager step. The replayed step must give the
+/// device-position step's logits: on the H200 it did not (2.07 apart) while the router cast its
+/// input with Burn's cast, which a recording does not see (the replay read the recording's
+/// router input). Each bf16 path's distance to the f32 logits is printed beside the others'.
+#[test]
+fn gemma4_moe_bf16_decode_paths() {
+    use burn_gemma::StepInputs;
+    let d = device();
+    let prompt: Vec<u32> = (1..12).collect();
+    let dir = common::fixtures().join("tiny-gemma").join("gemma4-moe");
+    let open = |dtype: DType| {
+        let options = LoadOptions::<B>::new().device(d.clone()).dtype(dtype).weights(WeightFormat::Dense);
+        Checkpoint::open(&dir).unwrap().load(options).unwrap().model
+    };
+    let (bf16, f32_model) = (open(DType::BF16), open(DType::F32));
+    let capacity = prompt.len() + 8;
+    let logits_of = |t: Tensor<B, 2>| t.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+    let prefilled = |model: &Gemma<B>| {
+        let mut cache = model.new_cache(1, capacity).unwrap();
+        model.forward_last(token_tensor::<B>(&prompt, &d), &mut cache).unwrap();
+        cache
+    };
+    let next = 7u32;
+    // Host position.
+    let mut cache = prefilled(&bf16);
+    let host = logits_of(bf16.forward_last(token_tensor::<B>(&[next], &d), &mut cache).unwrap());
+    // Device position, eager.
+    let step_inputs = || StepInputs::<B> {
+        position: Tensor::from_data(TensorData::new(vec![prompt.len() as i64], [1]), &d),
+        ids: Tensor::from_data(TensorData::new(vec![i64::from(next)], [1, 1]), &d),
+        draws: Tensor::zeros([1], (&d, DType::F32)),
+        bound: capacity - 1,
+    };
+    let mut cache = prefilled(&bf16);
+    let device_eager = logits_of(bf16.decode_logits(&step_inputs(), &mut cache).unwrap());
+    // Recorded and replayed.
+    let mut cache = prefilled(&bf16);
+    let mut graphs = DecodeGraphs::<B>::new(SamplingParams::GREEDY, 1, capacity);
+    graphs.step(&bf16, &mut cache, &[next], &[0.0]).unwrap();
+    let replayed = logits_of(graphs.last_logits().unwrap());
+    // The f32 model.
+    let mut cache = prefilled(&f32_model);
+    let reference = logits_of(f32_model.forward_last(token_tensor::<B>(&[next], &d), &mut cache).unwrap());
+    let far = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    println!(
+        "bf16 expert fixture, first decode step: host-position eager vs device-position eager {:.3e}, vs replayed \
+         {:.3e}; device eager vs replayed {:.3e}; from the f32 model: host eager {:.3e}, device eager {:.3e}, \
+         replayed {:.3e}",
+        far(&host, &device_eager),
+        far(&host, &replayed),
+        far(&device_eager, &replayed),
+        far(&host, &reference),
+        far(&device_eager, &reference),
+        far(&replayed, &reference)
+    );
+    assert!(far(&device_eager, &replayed) <= BF16_STEP, "the recording changed the step's logits");
 }

@@ -809,6 +809,21 @@ fn vector_rows<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
     s[3] == 1 && s[..3].iter().all(|x| x.is_multiple_of(VEC)) && t.handle.offset_start.unwrap_or(0).is_multiple_of(16)
 }
 
+/// The head size heads of `dim` are padded to (with zeros) so that the flash kernel takes
+/// them, where it does not take `dim` itself but takes the next multiple of 32 (SigLIP's heads
+/// of 72: 96): `None` where the kernel takes `dim`, or takes neither, or `q` is not on CUDA in
+/// f16/bf16.
+pub(crate) fn padded_dim<R: CubeRuntime>(q: &CubeTensor<R>) -> Option<usize> {
+    let dim = q.meta.shape()[3];
+    if !crate::cube::cuda_runtime::<R>() || !crate::cube::cmma_16(&q.client, q.dtype) {
+        return None;
+    }
+    let shared = q.client.properties().hardware.max_shared_memory_size;
+    let padded = dim.next_multiple_of(32);
+    let takes = |d: usize| FlashTiling::choose(d, shared).is_some();
+    (!takes(dim) && takes(padded)).then_some(padded)
+}
+
 /// The tiling [`attention`] runs `q` over `kv` with, where the kernel takes them: the CUDA
 /// runtime, f16/bf16 with 16 x 16 x 16 cooperative matrices accumulating in f32, heads of a
 /// multiple of 16 up to [`MAX_DIM`] (of 32 above 256), queries and dense keys and values read

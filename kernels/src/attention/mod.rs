@@ -129,7 +129,7 @@ pub fn check_head_dim(dim: usize) -> Result<(), String> {
 
 mod blocked;
 mod decode;
-mod flash;
+pub(crate) mod flash;
 mod merge;
 mod tiled;
 
@@ -589,7 +589,7 @@ mod gpu {
     /// `(batch, q_heads, kv_heads, q_len, k_len, head_dim, q_offset, k_offset, window, softcap)`.
     type Case = (usize, usize, usize, usize, usize, usize, usize, usize, Option<usize>, Option<f64>);
 
-    const CASES: [Case; 18] = [
+    const CASES: [Case; 19] = [
         // Prefill, Gemma 3 270M heads (4 query heads on 1 KV head), odd length.
         (1, 4, 1, 37, 37, 256, 0, 0, None, None),
         // Sliding window smaller than the prompt, crossing tile edges.
@@ -619,6 +619,9 @@ mod gpu {
         (1, 8, 4, 600, 600, 256, 0, 0, Some(200), None),
         (2, 8, 2, 130, 330, 128, 200, 0, None, Some(50.0)),
         (1, 8, 1, 96, 96, 512, 0, 0, None, None),
+        // SigLIP's heads of 72 (padded to 96 for the flash kernel on CUDA), every query seeing
+        // every key.
+        (2, 16, 16, 77, 77, 72, 76, 0, None, None),
     ];
 
     pub fn attention<B: GemmaBackend>(device: &B::Device, dtype: DType) {

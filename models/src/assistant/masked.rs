@@ -72,7 +72,11 @@ impl<B: GemmaBackend> MaskedEmbedder<B> {
             self.token_ordering.clone().select(0, best.reshape([n * self.top_k])).reshape([n, self.top_k * per]);
         // The chosen tokens' rows of the table, scored against each hidden state.
         let rows = lm_head.embed(chosen.clone(), 1.0, hidden.dtype());
-        let scored = rows.matmul(hidden.reshape([n, width, 1])).reshape([n, self.top_k * per]).cast(DType::F32);
+        // Products and sums in f32 by Burn's element-wise operations, not its matmul (CUDA's f32
+        // matmul rounds through TF32: the drafts' logits came out 1.2e-4 from HF's on the H200).
+        let scored = (rows.cast(DType::F32) * hidden.cast(DType::F32).reshape([n, 1, width]))
+            .sum_dim(2)
+            .reshape([n, self.top_k * per]);
         let floor = scored.clone().min().reshape([1, 1]) - 1.0;
         let device = scored.device();
         let zeros = || Tensor::<B, 2>::zeros([n, vocab], (&device, DType::F32));

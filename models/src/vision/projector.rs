@@ -5,6 +5,7 @@
 use super::config::Gemma3VisionConfig;
 use crate::{
     norm::RmsNorm,
+    projection::Projection,
     weights::{WeightKind, WeightSource},
     ModelError, NormScale,
 };
@@ -12,12 +13,14 @@ use burn::{
     module::Module,
     tensor::{DType, Tensor},
 };
-use burn_gemma_kernels::GemmaBackend;
+use burn_gemma_kernels::{GemmaBackend, HostMatrix, Matrix};
 
 #[derive(Module, Debug)]
 pub struct Gemma3MultiModalProjector<B: GemmaBackend> {
-    /// `mm_input_projection_weight`: `[vision_hidden, text_hidden]` (input rows, as HF stores it).
-    pub mm_input_projection_weight: Tensor<B, 2>,
+    /// `mm_input_projection_weight` (HF stores it `[vision_hidden, text_hidden]`) as a projection
+    /// `[text_hidden, vision_hidden]`, multiplied by the crate's products (CUDA's f32 matmul in
+    /// Burn rounds through TF32).
+    pub mm_input_projection_weight: Projection<B>,
     pub mm_soft_emb_norm: RmsNorm<B>,
     #[module(skip)]
     pub patches_per_side: usize,
@@ -34,14 +37,14 @@ impl<B: GemmaBackend> Gemma3MultiModalProjector<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let v = c.vision.hidden_size;
+        let name = format!("{prefix}.mm_input_projection_weight");
+        let weight: Tensor<B, 2> = source.load(&name, [v, c.text_hidden_size], WeightKind::Matrix, dtype, device)?;
+        // Rows of the output, contiguous.
+        let weight = Tensor::from_data(weight.transpose().into_data(), (device, dtype));
+        let weight = B::upload_matrix(HostMatrix::Dense(weight), device)
+            .map_err(|source| ModelError::Upload { name, source })?;
         Ok(Self {
-            mm_input_projection_weight: source.load(
-                &format!("{prefix}.mm_input_projection_weight"),
-                [v, c.text_hidden_size],
-                WeightKind::Matrix,
-                dtype,
-                device,
-            )?,
+            mm_input_projection_weight: Projection { weight },
             mm_soft_emb_norm: RmsNorm::load(
                 source,
                 &format!("{prefix}.mm_soft_emb_norm"),
@@ -68,7 +71,10 @@ impl<B: GemmaBackend> Gemma3MultiModalProjector<B> {
             .reshape([n * tokens * tokens, k, hidden])
             .mean_dim(1)
             .reshape([n, tokens * tokens, hidden]);
-        let normed = self.mm_soft_emb_norm.forward(pooled).cast(self.mm_input_projection_weight.dtype());
-        normed.matmul(self.mm_input_projection_weight.clone().unsqueeze::<3>())
+        let dtype = match &self.mm_input_projection_weight.weight {
+            Matrix::Dense(w) => w.val().dtype(),
+            _ => DType::F32,
+        };
+        self.mm_input_projection_weight.forward(self.mm_soft_emb_norm.forward(pooled).cast(dtype))
     }
 }

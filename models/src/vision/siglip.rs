@@ -12,7 +12,7 @@ use burn::{
     module::Module,
     tensor::{activation::gelu_approximate, DType, Tensor},
 };
-use burn_gemma_kernels::{AttentionMask, AttentionOptions, GemmaBackend, KvView};
+use burn_gemma_kernels::{AttentionMask, AttentionOptions, GemmaBackend, HostMatrix, KvView};
 
 /// LayerNorm with weight and bias.
 #[derive(Module, Debug)]
@@ -145,8 +145,10 @@ impl<B: GemmaBackend> SiglipEncoderLayer<B> {
 /// The tower: `[images, 3, size, size]` pixels -> `[images, patches, hidden]`.
 #[derive(Module, Debug)]
 pub struct SiglipVisionModel<B: GemmaBackend> {
-    /// The convolution's kernel as `[hidden, 3 * patch * patch]`, and its bias.
-    pub patch_embedding: Tensor<B, 2>,
+    /// The convolution's kernel as a projection `[hidden, 3 * patch * patch]`, and its bias.
+    /// Multiplied by the crate's products, not Burn's matmul: CUDA's f32 matmul rounds through
+    /// TF32, which put the fixture's features 1.2e-3 from HF's on the H200.
+    pub patch_embedding: Projection<B>,
     pub patch_bias: Tensor<B, 1>,
     /// `[patches, hidden]`.
     pub position_embedding: Tensor<B, 2>,
@@ -174,8 +176,10 @@ impl<B: GemmaBackend> SiglipVisionModel<B> {
             dtype,
             device,
         )?;
+        let kernel = B::upload_matrix(HostMatrix::Dense(kernel.reshape([h, c.num_channels * p * p])), device)
+            .map_err(|source| ModelError::Upload { name: format!("{emb}.patch_embedding.weight"), source })?;
         Ok(Self {
-            patch_embedding: kernel.reshape([h, c.num_channels * p * p]),
+            patch_embedding: Projection { weight: kernel },
             patch_bias: source.load(&format!("{emb}.patch_embedding.bias"), [h], WeightKind::Matrix, dtype, device)?,
             position_embedding: source.load(
                 &format!("{emb}.position_embedding.weight"),
@@ -202,14 +206,14 @@ impl<B: GemmaBackend> SiglipVisionModel<B> {
         // `[n, c, rows, p, cols, p]` -> `[n, rows, cols, c, p, p]`: each patch as the kernel
         // reads it (channel, then kernel row, then kernel column).
         let patches = pixels
-            .cast(self.patch_embedding.dtype())
+            .cast(self.patch_bias.dtype())
             .reshape([n * channels * rows, p, cols, p])
             .swap_dims(1, 2)
             .reshape([n, channels, rows * cols, p * p])
             .swap_dims(1, 2)
             .reshape([n, rows * cols, channels * p * p]);
-        let [hidden, _] = self.patch_embedding.dims();
-        let embedded = patches.matmul(self.patch_embedding.clone().transpose().unsqueeze::<3>())
+        let hidden = self.patch_bias.dims()[0];
+        let embedded = self.patch_embedding.forward(patches)
             + self.patch_bias.clone().unsqueeze::<3>()
             + self.position_embedding.clone().unsqueeze::<3>();
         let mut x = embedded.reshape([n, rows * cols, hidden]);
