@@ -20,6 +20,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Multimodal Gemma 3 and Gemma 4 checkpoints read pictures ([`vision`]: load the tower with
+//! [`Checkpoint::load_vision_tower`], hand it to [`Generator::set_vision`] or
+//! [`engine::Engine::with_vision`]).
+//!
 //! Errors are [`Error`], whose variants carry enums a caller can match ([`RequestError`],
 //! [`SamplingError`], [`TokenizerError`], [`FetchError`], [`BackendError`], [`OptionError`],
 //! [`ModelError`]).
