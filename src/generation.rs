@@ -457,9 +457,9 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// Like [`Generator::generate`] with pictures: each place in `prompt`
-    /// ([`Vision::placeholder`]: `<start_of_image>` for Gemma 3, `<|image|>` for Gemma 4) takes
-    /// the next picture (where the prompt has none, the pictures go first), expanded as the
-    /// model's processor does (see [`crate::vision`]).
+    /// ([`crate::ImageProcessor::placeholder`]: `<start_of_image>` for Gemma 3, `<|image|>`
+    /// for Gemma 4) takes the next picture (where the prompt has none, the pictures go first),
+    /// expanded as the model's processor does (see [`crate::vision`]).
     pub fn generate_with_images(
         &mut self,
         prompt: &str,
@@ -477,7 +477,7 @@ impl<B: GemmaBackend> Generator<B> {
     }
 
     /// Like [`Generator::chat`] with pictures in the user's turn (before the message unless it
-    /// places them with [`Vision::placeholder`]).
+    /// places them with [`crate::ImageProcessor::placeholder`]).
     pub fn chat_with_images(
         &mut self,
         message: &str,
