@@ -26,8 +26,8 @@
 use crate::{
     error::{BackendError, RequestError},
     generation::{
-        check_input, check_vocabulary, checked_token, default_stop_tokens, first_sampled, prefill, prefill_with_images,
-        sampled_ids, token_tensor, Utf8Stream,
+        check_input, check_vocabulary, checked_token, chunk_end, default_stop_tokens, first_sampled, prefill,
+        prefill_with_images, sampled_ids, token_tensor, Utf8Stream,
     },
     images::ImageError,
     sampling::Sampler,
@@ -556,9 +556,7 @@ impl<B: GemmaBackend> Sequence<B> {
     /// Tokens its next prompt step runs: the next chunk, run on to the end of a picture it
     /// would end inside (a picture's soft tokens attend to each other in one step).
     fn next_chunk(&self) -> usize {
-        let end = self.input.len().min(self.chunk.get());
-        let inside = self.images.iter().find(|i| i.start < end && i.start + i.features.dims()[0] > end);
-        inside.map_or(end, |i| i.start + i.features.dims()[0])
+        chunk_end(&self.images, self.input.len().min(self.chunk.get()))
     }
 
     /// Whether its prompt had pictures (such a prompt's blocks are not shared).

@@ -1180,10 +1180,7 @@ pub(crate) fn prefill_with_images<B: GemmaBackend>(
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), Error> {
     let mut start = 0;
     loop {
-        let mut end = (start + chunk.get()).min(input.len());
-        if let Some(image) = images.iter().find(|i| i.start < end && i.start + i.features.dims()[0] > end) {
-            end = image.start + image.features.dims()[0];
-        }
+        let end = chunk_end(images, (start + chunk.get()).min(input.len()));
         let ids = token_tensor(&input[start..end], device);
         let hidden = if end == input.len() || images.iter().any(|i| (start..end).contains(&i.start)) {
             let here: Vec<ImageEmbeds<B>> = images
@@ -1208,6 +1205,13 @@ pub(crate) fn prefill_with_images<B: GemmaBackend>(
         }
         start = end;
     }
+}
+
+/// Where a prompt chunk that would end at `end` ends: run on to the end of a picture it would
+/// end inside (a picture's soft tokens attend to each other in one step).
+pub(crate) fn chunk_end<B: GemmaBackend>(images: &[ImageEmbeds<B>], end: usize) -> usize {
+    let inside = images.iter().find(|i| i.start < end && i.start + i.features.dims()[0] > end);
+    inside.map_or(end, |i| i.start + i.features.dims()[0])
 }
 
 /// Runs `input` into `cache` in chunks of at most `chunk` tokens and returns the last position's

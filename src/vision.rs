@@ -300,7 +300,7 @@ impl<B: GemmaBackend> Vision<B> {
     /// ([`ImageProcessor::places`]), for [`crate::Gemma::forward_hidden_with_images`].
     pub fn embeds(&self, ids: &[u32], pictures: &[Picture], device: &B::Device) -> Result<Vec<ImageEmbeds<B>>, Error> {
         let starts = self.processor().places(ids, pictures)?;
-        let features = self.features(pictures, device)?;
+        let features = self.checked_features(pictures, device)?;
         Ok(starts.into_iter().zip(features).map(|(start, features)| ImageEmbeds { start, features }).collect())
     }
 
@@ -310,6 +310,11 @@ impl<B: GemmaBackend> Vision<B> {
         for picture in pictures {
             processor.soft_tokens(picture)?;
         }
+        self.checked_features(pictures, device)
+    }
+
+    /// [`Vision::features`] of pictures [`ImageProcessor::soft_tokens`] accepted.
+    fn checked_features(&self, pictures: &[Picture], device: &B::Device) -> Result<Vec<Tensor<B, 2>>, Error> {
         if pictures.is_empty() {
             return Ok(Vec::new());
         }

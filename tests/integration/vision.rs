@@ -141,8 +141,18 @@ fn vision_generator() -> (burn_gemma::Generator<NdArray>, serde_json::Value) {
 #[test]
 fn generation_with_images_continues_as_hf() {
     let (mut g, reference) = vision_generator();
-    let pixels = fixture_pixels(&reference);
-    for prompt in reference["prompts"].as_array().unwrap() {
+    continues_as_hf(&mut g, &reference, &fixture_pixels(&reference), "gemma3");
+}
+
+/// Each prompt of `greedy` (`input_ids`, its `images` first pictures, HF's `greedy_ids`) through
+/// `g` with prompt chunks of 1, 3, 7 and 64: HF's tokens.
+fn continues_as_hf(
+    g: &mut burn_gemma::Generator<NdArray>,
+    greedy: &serde_json::Value,
+    pictures: &[burn_gemma::Picture],
+    what: &str,
+) {
+    for prompt in greedy["prompts"].as_array().unwrap() {
         let ids = common::ids(&prompt["input_ids"]);
         let n = prompt["images"].as_u64().unwrap() as usize;
         let want = common::ids(&prompt["greedy_ids"]);
@@ -153,8 +163,8 @@ fn generation_with_images_continues_as_hf() {
                 ..Default::default()
             };
             g.reset();
-            let out = g.continue_ids_with_images(&ids, &pixels[..n], &config, |_| {}).unwrap();
-            assert_eq!(out.tokens, want, "{n} images, chunks of {chunk}");
+            let out = g.continue_ids_with_images(&ids, &pictures[..n], &config, |_| {}).unwrap();
+            assert_eq!(out.tokens, want, "{what}: {n} images, chunks of {chunk}");
         }
     }
 }
@@ -582,22 +592,7 @@ fn gemma4_pictures(reference: &serde_json::Value) -> Vec<burn_gemma::Picture> {
 fn gemma4_generation_with_images_continues_as_hf() {
     for variant in ["gemma4", "gemma4-e"] {
         let (mut g, reference, greedy) = gemma4_vision_generator(variant);
-        let pictures = gemma4_pictures(&reference);
-        for prompt in greedy["prompts"].as_array().unwrap() {
-            let ids = common::ids(&prompt["input_ids"]);
-            let n = prompt["images"].as_u64().unwrap() as usize;
-            let want = common::ids(&prompt["greedy_ids"]);
-            for chunk in [1, 3, 7, 64] {
-                let config = burn_gemma::GenerationConfig {
-                    max_new_tokens: want.len(),
-                    prefill_chunk: std::num::NonZeroUsize::new(chunk).unwrap(),
-                    ..Default::default()
-                };
-                g.reset();
-                let out = g.continue_ids_with_images(&ids, &pictures[..n], &config, |_| {}).unwrap();
-                assert_eq!(out.tokens, want, "{variant}: {n} images, chunks of {chunk}");
-            }
-        }
+        continues_as_hf(&mut g, &greedy, &gemma4_pictures(&reference), variant);
     }
 }
 
