@@ -21,7 +21,7 @@ use burn_gemma::{
     chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
-    Loaded, MmprojCheckpoint, Picture, SamplingConfig, StopReason, Vision,
+    Loaded, MmprojCheckpoint, Picture, SamplingConfig, StopReason,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -100,13 +100,14 @@ struct Args {
     #[arg(long)]
     draft_adaptive: bool,
     /// A picture for the model to read (repeatable; a multimodal Gemma 3 or Gemma 4 HF
-    /// checkpoint, or a Gemma 3 GGUF with --mmproj): placed where the prompt says
+    /// checkpoint, or a Gemma 3 or Gemma 4 GGUF with --mmproj): placed where the prompt says
     /// `<start_of_image>` (Gemma 3) or `<|image|>` (Gemma 4), else before the prompt; in a chat,
     /// in the first turn.
     #[arg(long = "image")]
     images: Vec<PathBuf>,
-    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 text GGUF: its SigLIP tower
-    /// and projector, for --image.
+    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 or Gemma 4 text GGUF: its
+    /// vision tower (Gemma 3's SigLIP and projector, or Gemma 4's tower and embedder), for
+    /// --image.
     #[arg(long)]
     mmproj: Option<PathBuf>,
     /// Print the backends and devices detected, then exit.
@@ -204,7 +205,7 @@ impl BackendTask for Run {
             (true, _) => None,
             (false, Some(mmproj)) => {
                 let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
-                Some(Vision::from(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?))
+                Some(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?)
             }
             (false, None) => {
                 let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights);
@@ -272,6 +273,13 @@ impl BackendTask for Run {
                 false => DraftLength::Fixed(self.args.draft_tokens),
             };
             generator.set_speculation(Some(Speculation::new(drafter, length)))?;
+            if !name.contains("CPU") {
+                eprintln!(
+                    "note: on GPUs the drafts' verify steps and a draft model's steps run eagerly, while plain \
+                     decoding replays one recorded step: on an H200 decoding with drafts ran at 0.04-0.31x of \
+                     decoding without (BENCHMARKS.md, Speculative decoding); drafts pay on the CPU backends"
+                );
+            }
         }
         let mut images = Vec::new();
         if let Some(vision) = vision {

@@ -21,7 +21,7 @@ use burn_gemma::{
     chat::ChatTemplate,
     engine::{Engine, EngineConfig},
     server::{Server, ServerConfig},
-    Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint, Vision,
+    Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint,
 };
 use clap::Parser;
 use std::{num::NonZeroUsize, path::PathBuf, process::ExitCode};
@@ -66,8 +66,8 @@ struct Args {
     /// choices of one request), which then run only the rest: on or off.
     #[arg(long, default_value_t = burn_gemma::PrefixCache::On)]
     prefix_cache: burn_gemma::PrefixCache,
-    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 text GGUF: pictures in chat
-    /// messages. (An HF multimodal checkpoint's own tower is loaded without it.)
+    /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 or Gemma 4 text GGUF:
+    /// pictures in chat messages. (An HF multimodal checkpoint's own tower is loaded without it.)
     #[arg(long)]
     mmproj: Option<PathBuf>,
     /// `max_tokens` of a request that gives none.
@@ -95,7 +95,7 @@ impl BackendTask for Run {
         let tokenizer = checkpoint.tokenizer()?;
         let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights);
         let vision = match (&args.mmproj, checkpoint.has_vision()) {
-            (Some(mmproj), _) => Some(Vision::from(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?)),
+            (Some(mmproj), _) => Some(MmprojCheckpoint::open(mmproj, &tokenizer)?.load(options)?),
             (None, true) => Some(checkpoint.load_vision_tower(options)?),
             (None, false) => None,
         };

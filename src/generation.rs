@@ -407,6 +407,13 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(())
     }
 
+    /// Takes the drafter back (drafting stops): to lend it to another generator, or to set it
+    /// again later without loading a draft model twice.
+    pub fn take_speculation(&mut self) -> Option<Speculation<B>> {
+        self.target_hidden = None;
+        self.speculation.take()
+    }
+
     /// The model's last final hidden state (after its norm, `[1, hidden]`) and its position,
     /// where a Gemma 4 assistant drafts from it (`None` otherwise): the state whose logits chose
     /// the token at the next position.

@@ -4,8 +4,10 @@
 
 use crate::gguf::{GgufFile, Value};
 use burn_gemma_model::{
-    config::default_layer_types, vision::SiglipConfig, Architecture, AssistantConfig, Gemma3VisionConfig, GemmaConfig,
-    ImageAttention, LayerType, ModelError, MoeConfig, RopeConfig,
+    config::default_layer_types,
+    vision::{gemma4_config::VisionRope, Gemma4VisionConfig, SiglipConfig},
+    Architecture, AssistantConfig, Gemma3VisionConfig, Gemma4ImageConfig, GemmaConfig, ImageAttention, LayerType,
+    ModelError, MoeConfig, RopeConfig,
 };
 
 fn meta<'a>(file: &'a GgufFile, key: &str) -> Option<&'a Value> {
@@ -340,6 +342,78 @@ pub(crate) fn gemma3_vision_config_from_gguf(
         boi_token_index: boi,
         eoi_token_index: eoi,
         text_hidden_size,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// A Gemma 4 vision tower's config from llama.cpp's projector GGUF (`gemma4v`), with the text
+/// model's image tokens `(boi, eoi, image)`. The file records the tower's sizes; what it does not
+/// (llama.cpp fixes them in `clip.cpp`: RoPE theta 100, the GELU, a pooling kernel of 3 unless
+/// `clip.vision.projector.scale_factor` says otherwise) is taken as llama.cpp takes it, and the
+/// head size, key-value heads, position table, clipped linears and standardization follow from
+/// the tensors the file holds.
+pub(crate) fn gemma4_vision_config_from_gguf(
+    file: &GgufFile,
+    (boi, eoi, image): (u32, u32, u32),
+) -> Result<Gemma4ImageConfig, ModelError> {
+    let projector = meta(file, "clip.vision.projector_type")
+        .or_else(|| meta(file, "clip.projector_type"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if projector != "gemma4v" {
+        return Err(ModelError::UnsupportedConfig {
+            field: "clip.vision.projector_type",
+            value: format!("{projector:?} (Gemma 4's vision projector is \"gemma4v\")"),
+        });
+    }
+    let uint = |field: &'static str| -> Result<usize, ModelError> {
+        meta(file, field)
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })
+    };
+    let dim = |tensor: &'static str, axis: usize| -> Result<usize, ModelError> {
+        file.tensors()
+            .get(tensor)
+            .and_then(|t| t.shape().get(axis).copied())
+            .ok_or(ModelError::MissingTensor(tensor.into()))
+    };
+    let heads = uint("clip.vision.attention.head_count")?;
+    // The per-head query norm holds one weight per head dimension; the keys' rows are a head's
+    // worth per key-value head.
+    let head_dim = dim("v.blk.0.attn_q_norm.weight", 0)?;
+    let kv_rows = dim("v.blk.0.attn_k.weight", 0)?;
+    if head_dim == 0 || !kv_rows.is_multiple_of(head_dim) {
+        return Err(ModelError::InvalidConfig {
+            field: "v.blk.0.attn_k.weight",
+            reason: format!("{kv_rows} rows are not whole heads of {head_dim}"),
+        });
+    }
+    let vision = Gemma4VisionConfig {
+        hidden_size: uint("clip.vision.embedding_length")?,
+        intermediate_size: uint("clip.vision.feed_forward_length")?,
+        num_hidden_layers: uint("clip.vision.block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_rows / head_dim,
+        head_dim,
+        hidden_activation: "gelu_pytorch_tanh".into(),
+        rms_norm_eps: meta(file, "clip.vision.attention.layer_norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-6),
+        rope_parameters: VisionRope::default(),
+        pooling_kernel_size: meta(file, "clip.vision.projector.scale_factor").and_then(Value::as_u64).unwrap_or(3)
+            as usize,
+        patch_size: uint("clip.vision.patch_size")?,
+        position_embedding_size: dim("v.position_embd.weight", 1)?,
+        use_clipped_linears: file.tensors().contains_key("v.blk.0.attn_q.input_min"),
+        standardize: file.tensors().contains_key("v.std_bias"),
+    };
+    let config = Gemma4ImageConfig {
+        vision,
+        image_token_id: image,
+        boi_token_id: boi,
+        eoi_token_id: eoi,
+        // The embedder's projection is a linear layer `[text hidden, vision hidden]`.
+        text_hidden_size: dim("mm.input_projection.weight", 0)?,
     };
     config.validate()?;
     Ok(config)

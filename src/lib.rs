@@ -60,7 +60,7 @@ pub use generation::{
     EagerReason, GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
 };
 pub use load_options::{LoadOptions, LoadProgress};
-pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojCheckpoint};
+pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojCheckpoint, MmprojConfig};
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};
 pub use vision::{ImageProcessor, Picture, Vision};

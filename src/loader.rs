@@ -357,17 +357,28 @@ impl AssistantCheckpoint {
     }
 }
 
-/// An opened llama.cpp vision projector GGUF (`mmproj`, Gemma 3's `gemma3` projector): the
-/// SigLIP tower and projector that go beside a Gemma 3 text GGUF.
+/// An opened llama.cpp vision projector GGUF (`mmproj`): Gemma 3's SigLIP tower and projector
+/// (projector `gemma3`) or Gemma 4's tower and embedder (`gemma4v`), which go beside a text GGUF
+/// of the same model.
 pub struct MmprojCheckpoint {
     path: PathBuf,
     format: Format,
-    config: Gemma3VisionConfig,
+    config: MmprojConfig,
+}
+
+/// What a projector GGUF holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MmprojConfig {
+    /// Gemma 3's SigLIP tower and projector (`gemma3`).
+    Gemma3(Gemma3VisionConfig),
+    /// Gemma 4's vision tower and embedder (`gemma4v`).
+    Gemma4(Gemma4ImageConfig),
 }
 
 impl MmprojCheckpoint {
-    /// Opens and validates a projector GGUF; `tokenizer` is the text model's, whose
-    /// `<start_of_image>`, `<end_of_image>` and `<image_soft_token>` mark images in prompts.
+    /// Opens and validates a projector GGUF; `tokenizer` is the text model's, whose image
+    /// tokens mark images in prompts (Gemma 3: `<start_of_image>`, `<end_of_image>`,
+    /// `<image_soft_token>`; Gemma 4: `<|image>`, `<image|>`, `<|image|>`).
     pub fn open(path: impl AsRef<Path>, tokenizer: &Tokenizer) -> Result<Self, Error> {
         let path = path.as_ref().to_path_buf();
         let file =
@@ -384,9 +395,21 @@ impl MmprojCheckpoint {
                 reason: format!("the text model's tokenizer has no {piece} token to mark images with"),
             })
         };
-        let ids = (id("<start_of_image>")?, id("<end_of_image>")?, id("<image_soft_token>")?);
-        let config = crate::gguf_config::gemma3_vision_config_from_gguf(&file, ids)
-            .map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
+        let projector = ["clip.vision.projector_type", "clip.projector_type"]
+            .iter()
+            .find_map(|key| file.get(key).and_then(Value::as_str))
+            .unwrap_or("");
+        let config = match projector {
+            "gemma4v" => {
+                let ids = (id("<|image>")?, id("<image|>")?, id("<|image|>")?);
+                crate::gguf_config::gemma4_vision_config_from_gguf(&file, ids).map(MmprojConfig::Gemma4)
+            }
+            _ => {
+                let ids = (id("<start_of_image>")?, id("<end_of_image>")?, id("<image_soft_token>")?);
+                crate::gguf_config::gemma3_vision_config_from_gguf(&file, ids).map(MmprojConfig::Gemma3)
+            }
+        };
+        let config = config.map_err(|e| Error::Config { path: path.clone(), source: Box::new(e) })?;
         Ok(Self { path, format: Format::Gguf(Box::new(file)), config })
     }
 
@@ -396,16 +419,25 @@ impl MmprojCheckpoint {
     }
 
     /// The validated config.
-    pub fn config(&self) -> &Gemma3VisionConfig {
+    pub fn config(&self) -> &MmprojConfig {
         &self.config
     }
 
-    /// Loads the tower and projector (device, dtype and weight format from `options`: use the
-    /// text model's).
-    pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Gemma3Vision<B>, Error> {
-        let total = vision_tensors(&self.config);
-        let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma3, total, options)?;
-        Ok(Gemma3Vision::load(self.config.clone(), &mut source, &options, &device)?)
+    /// Loads the tower (device, dtype and weight format from `options`: use the text model's);
+    /// a Gemma 4 tower with HF's default budget of soft tokens a picture.
+    pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Vision<B>, Error> {
+        match &self.config {
+            MmprojConfig::Gemma3(config) => {
+                let total = vision_tensors(config);
+                let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma3, total, options)?;
+                Ok(Gemma3Vision::load(config.clone(), &mut source, &options, &device)?.into())
+            }
+            MmprojConfig::Gemma4(config) => {
+                let total = gemma4_vision_tensors(config);
+                let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma4, total, options)?;
+                Ok(Gemma4Vision::load(config.clone(), &mut source, &options, &device)?.into())
+            }
+        }
     }
 }
 
@@ -503,12 +535,75 @@ fn mmproj_name(tower: &str) -> Option<String> {
     Some(format!("v.blk.{layer}.{part}.{suffix}"))
 }
 
+/// llama.cpp's projector-GGUF name (`mmproj`, projector `gemma4v`) of a Gemma 4 vision weight
+/// (`model.vision_tower.*` without its prefix), as its converter (`Gemma4VisionAudioModel`)
+/// names them: the encoder under `v.blk.{i}`, the clipped linears' weights without `.linear`
+/// and their bounds beside them.
+fn gemma4_mmproj_name(tower: &str) -> Option<String> {
+    let fixed = match tower {
+        "patch_embedder.input_proj.weight" => Some("v.patch_embd.weight"),
+        "patch_embedder.position_embedding_table" => Some("v.position_embd.weight"),
+        "std_bias" => Some("v.std_bias"),
+        "std_scale" => Some("v.std_scale"),
+        _ => None,
+    };
+    if let Some(fixed) = fixed {
+        return Some(fixed.into());
+    }
+    let (layer, rest) = tower.strip_prefix("encoder.layers.")?.split_once('.')?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    let part = part.strip_suffix(".linear").unwrap_or(part);
+    let part = match part {
+        "input_layernorm" => "ln1",
+        "post_attention_layernorm" => "attn_post_norm",
+        "pre_feedforward_layernorm" => "ln2",
+        "post_feedforward_layernorm" => "ffn_post_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_out",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{part}.{suffix}"))
+}
+
+/// Whether the HF tensor `name` of architecture `arch` is stored in a GGUF in another layout:
+/// llama.cpp's converter stores Gemma 4's patch projection `[hidden, p * p * 3]` (each patch's
+/// values row by row, RGB interleaved) as a convolution kernel `[hidden, 3, p, p]`.
+fn gguf_conv_patches(name: &str, arch: Architecture) -> bool {
+    arch == Architecture::Gemma4 && name == "model.vision_tower.patch_embedder.input_proj.weight"
+}
+
+/// `[n, 3, p, p]` values (a convolution kernel, channel first) as `[n, p, p, 3]` (channel last).
+fn channels_last(values: &[f32], n: usize, p: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for (i, row) in values.chunks_exact(3 * p * p).take(n).enumerate() {
+        for c in 0..3 {
+            for y in 0..p {
+                for x in 0..p {
+                    out[i * 3 * p * p + (y * p + x) * 3 + c] = row[(c * p + y) * p + x];
+                }
+            }
+        }
+    }
+    out
+}
+
 /// GGUF tensor name of an HF weight name.
 fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
     if let Some(tower) = name.strip_prefix("model.vision_tower.") {
-        return mmproj_name(tower);
+        return match arch {
+            Architecture::Gemma4 => gemma4_mmproj_name(tower),
+            _ => mmproj_name(tower),
+        };
     }
     match name {
+        "model.embed_vision.embedding_projection.weight" => return Some("mm.input_projection.weight".into()),
         "model.multi_modal_projector.mm_input_projection_weight" => return Some("mm.input_projection.weight".into()),
         "model.multi_modal_projector.mm_soft_emb_norm.weight" => return Some("mm.soft_emb_norm.weight".into()),
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
@@ -616,6 +711,16 @@ impl Source<'_> {
                     data
                 }
             }
+            Format::Gguf(file) if gguf_conv_patches(name, self.arch) => {
+                // Read as the kernel it is stored as, its values put back in HF's order.
+                let &[n, width] = shape else { return Err(mismatch(&[])) };
+                let p = (1..=width).find(|p| 3 * p * p >= width).filter(|p| 3 * p * p == width);
+                let p = p.ok_or_else(|| mismatch(shape))?;
+                let stored = Self::gguf_tensor(file, self.arch, name, &[n, 3, p, p])?;
+                let values = file.dequantize(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
+                self.used.insert(stored);
+                TensorData::new(channels_last(&values, n, p), shape.to_vec())
+            }
             Format::Gguf(file) => {
                 let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let mut values = file.dequantize(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
@@ -675,6 +780,14 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
                     .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
                 quantize(name, &values, dims, format)
             }
+            Format::Gguf(_) if gguf_conv_patches(name, self.arch) => {
+                let data = self.host_data(name, shape, WeightKind::Matrix)?;
+                let values = data
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                quantize(name, &values, dims, format)
+            }
             Format::Gguf(file) => {
                 let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let q = file.quantized(&stored, format).map_err(|e| ModelError::Source(Box::new(e)))?;
@@ -686,6 +799,10 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
 
     fn load_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Option<GgmlBlocks>, ModelError> {
         let Format::Gguf(file) = self.format else { return Ok(None) };
+        if gguf_conv_patches(name, self.arch) {
+            // Its blocks run along the kernel's layout, not HF's rows: read as values.
+            return Ok(None);
+        }
         let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
         let blocks = file.blocks(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
         if blocks.is_some() {

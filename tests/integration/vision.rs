@@ -356,12 +356,15 @@ fn gemma3_mmproj_gguf_matches_hf() {
     let mmproj = burn_gemma::MmprojCheckpoint::open(&path, &tokenizer).unwrap_or_else(|e| panic!("{e}"));
     let hf = Checkpoint::open(&dir).unwrap();
     // The same config, the norm epsilon stored as an f32.
-    let (mut got, want) = (mmproj.config().clone(), hf.vision_config().unwrap());
+    let burn_gemma::MmprojConfig::Gemma3(mut got) = mmproj.config().clone() else { panic!("not Gemma 3's") };
+    let want = hf.vision_config().unwrap();
     assert!((got.vision.layer_norm_eps - want.vision.layer_norm_eps).abs() < 1e-12);
     got.vision.layer_norm_eps = want.vision.layer_norm_eps;
     assert_eq!(&got, want);
     let device = Default::default();
-    let vision = mmproj.load(common::dense_f32::<NdArray>(&device)).unwrap();
+    let burn_gemma::Vision::Gemma3(vision) = mmproj.load(common::dense_f32::<NdArray>(&device)).unwrap() else {
+        panic!("a Gemma 3 projector loads Gemma 3's tower")
+    };
     for (i, image) in reference["images"].as_array().unwrap().iter().enumerate() {
         let pixels =
             Tensor::<NdArray, 4>::from_data(TensorData::new(floats(&image["pixel_values"]), [1, 3, 56, 56]), &device);
@@ -374,6 +377,121 @@ fn gemma3_mmproj_gguf_matches_hf() {
     println!("{err}");
     let err = burn_gemma::MmprojCheckpoint::open(&path, &common::tiny_tokenizer()).err().unwrap();
     assert!(err.to_string().contains("<start_of_image>"), "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// llama.cpp's converter's name of a Gemma 4 vision weight (`Gemma4VisionAudioModel` then
+/// gguf-py's tensor map), written out here from those two sources so that the test does not
+/// share the loader's table.
+fn gemma4v_gguf_name(hf: &str) -> Option<String> {
+    if hf == "model.embed_vision.embedding_projection.weight" {
+        return Some("mm.input_projection.weight".into());
+    }
+    let tower = hf.strip_prefix("model.vision_tower.")?;
+    let fixed = [
+        ("patch_embedder.input_proj.weight", "v.patch_embd.weight"),
+        ("patch_embedder.position_embedding_table", "v.position_embd.weight"),
+        ("std_bias", "v.std_bias"),
+        ("std_scale", "v.std_scale"),
+    ];
+    if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == tower) {
+        return Some(g.to_string());
+    }
+    let (layer, rest) = tower.strip_prefix("encoder.layers.")?.split_once('.')?;
+    let rest = rest.replace(".linear.weight", ".weight");
+    let (part, suffix) = rest.rsplit_once('.')?;
+    let part = match part {
+        "input_layernorm" => "ln1",
+        "post_attention_layernorm" => "attn_post_norm",
+        "pre_feedforward_layernorm" => "ln2",
+        "post_feedforward_layernorm" => "ffn_post_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_out",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        other => panic!("unmapped {other}"),
+    };
+    Some(format!("v.blk.{layer}.{part}.{suffix}"))
+}
+
+/// llama.cpp's projector GGUF of the Gemma 4 fixture (projector `gemma4v`, its converter's
+/// names, the patch projection stored as a channel-first convolution kernel, the clipped
+/// linears' scalar bounds as 1-D tensors) loads HF's config and gives HF's image features; a
+/// Gemma 4 projector refuses a tokenizer without Gemma 4's image tokens.
+#[test]
+fn gemma4_mmproj_gguf_matches_hf() {
+    use common::gguf::{GgufWriter, Meta};
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
+    let reference = common::read_json(dir.join("reference.json"));
+    let config = common::read_json(dir.join("config.json"));
+    let v = &config["vision_config"];
+    let u = |k: &str| v[k].as_u64().unwrap() as u32;
+    let mut g = GgufWriter::default();
+    g.meta("general.architecture", Meta::Str("clip".into()));
+    g.meta("clip.vision.projector_type", Meta::Str("gemma4v".into()));
+    g.meta("clip.vision.embedding_length", Meta::U32(u("hidden_size")));
+    g.meta("clip.vision.feed_forward_length", Meta::U32(u("intermediate_size")));
+    g.meta("clip.vision.block_count", Meta::U32(u("num_hidden_layers")));
+    g.meta("clip.vision.attention.head_count", Meta::U32(u("num_attention_heads")));
+    g.meta("clip.vision.attention.layer_norm_epsilon", Meta::F32(1e-6));
+    g.meta("clip.vision.image_size", Meta::U32(224));
+    g.meta("clip.vision.patch_size", Meta::U32(u("patch_size")));
+    g.meta("clip.vision.projector.scale_factor", Meta::U32(u("pooling_kernel_size")));
+    let p = u("patch_size") as usize;
+    let tensors = common::f32_tensors(&std::fs::read(dir.join("model.safetensors")).unwrap());
+    for (hf, (shape, values)) in tensors {
+        let Some(name) = gemma4v_gguf_name(&hf) else { continue };
+        let (shape, values) = match (shape.as_slice(), name.as_str()) {
+            // `[n, p * p * 3]` (row, column, channel) -> `[n, 3, p, p]`.
+            ([n, _], "v.patch_embd.weight") => {
+                let mut kernel = vec![0.0; values.len()];
+                for i in 0..*n {
+                    for y in 0..p {
+                        for x in 0..p {
+                            for c in 0..3 {
+                                kernel[((i * 3 + c) * p + y) * p + x] = values[i * 3 * p * p + (y * p + x) * 3 + c];
+                            }
+                        }
+                    }
+                }
+                (vec![*n, 3, p, p], kernel)
+            }
+            ([], _) => (vec![1], values),
+            _ => (shape, values),
+        };
+        g.tensor(&name, shape, values);
+    }
+    let out = std::env::temp_dir().join(format!("burn-gemma-mmproj4-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let path = out.join("mmproj.gguf");
+    std::fs::write(&path, g.bytes()).unwrap();
+
+    let mmproj = burn_gemma::MmprojCheckpoint::open(&path, &gemma4_tokenizer()).unwrap_or_else(|e| panic!("{e}"));
+    let hf = Checkpoint::open(&dir).unwrap();
+    let burn_gemma::MmprojConfig::Gemma4(mut got) = mmproj.config().clone() else { panic!("not Gemma 4's") };
+    let want = hf.gemma4_vision_config().unwrap();
+    assert!((got.vision.rms_norm_eps - want.vision.rms_norm_eps).abs() < 1e-12);
+    got.vision.rms_norm_eps = want.vision.rms_norm_eps;
+    assert_eq!(&got, want);
+    let device = Default::default();
+    let burn_gemma::Vision::Gemma4 { tower, .. } = mmproj.load(common::dense_f32::<NdArray>(&device)).unwrap() else {
+        panic!("a gemma4v projector loads Gemma 4's tower")
+    };
+    for (i, image) in reference["images"].as_array().unwrap().iter().enumerate() {
+        let (rows, cols) = (image["rows"].as_u64().unwrap() as usize, image["cols"].as_u64().unwrap() as usize);
+        let data = TensorData::new(floats(&image["patches"]), [rows * cols, 3 * p * p]);
+        let patches = burn_gemma::Gemma4Patches { values: Tensor::<NdArray, 2>::from_data(data, &device), rows, cols };
+        let err = max_error(&values(tower.image_features(&patches).unwrap()), &floats(&image["features"]));
+        println!("gemma4v mmproj image {i}: features within {err:.2e} of HF");
+        assert!(err <= TOLERANCE, "image {i}: {err:.2e}");
+    }
+    let err = burn_gemma::MmprojCheckpoint::open(&path, &tokenizer_with_image_tokens()).err().unwrap();
+    assert!(err.to_string().contains("<|image>"), "{err}");
     let _ = std::fs::remove_dir_all(&out);
 }
 
