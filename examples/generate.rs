@@ -110,6 +110,10 @@ struct Args {
     /// --image.
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// Gemma 3: also read each elongated picture as 2-4 crops (HF's pan-and-scan, its default
+    /// sizes), each its own image in the prompt after the whole one.
+    #[arg(long)]
+    pan_and_scan: bool,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -283,11 +287,14 @@ impl BackendTask for Run {
         }
         let mut images = Vec::new();
         if let Some(vision) = vision {
+            let rule = self.args.pan_and_scan.then(burn_gemma::images::PanAndScan::default);
+            let processor = vision.processor().with_pan_and_scan(rule).map_err(Error::from)?;
             for path in &self.args.images {
-                let picture = vision.read(path).map_err(Error::from)?;
-                let soft = vision.soft_tokens(&picture).map_err(Error::from)?;
+                let picture = processor.read(path).map_err(Error::from)?;
+                let soft = processor.soft_tokens(&picture).map_err(Error::from)?;
                 let size = match &picture {
                     Picture::Square(p) => format!("{0}x{0} pixels", p.size),
+                    Picture::Crops { whole, crops } => format!("{0}x{0} pixels and {1} crops", whole.size, crops.len()),
                     Picture::Patches(p) => format!("{} x {} patches of {} pixels", p.rows, p.cols, p.patch_size),
                 };
                 eprintln!("image {}: {size}, {soft} soft tokens", path.display());
@@ -407,8 +414,8 @@ fn real_main(args: Args) -> Result<(), CliError> {
     if let Some(path) = args.mmproj.as_ref().filter(|p| !p.is_file()) {
         return Err(CliError::from(format!("projector {} does not exist", path.display())));
     }
-    if args.mmproj.is_some() && args.images.is_empty() {
-        return Err(CliError::from("--mmproj reads pictures: add --image PATH"));
+    if (args.mmproj.is_some() || args.pan_and_scan) && args.images.is_empty() {
+        return Err(CliError::from("--mmproj and --pan-and-scan read pictures: add --image PATH"));
     }
     if let Some(path) = args.images.iter().find(|p| !p.is_file()) {
         return Err(CliError::from(format!("image {} does not exist", path.display())));

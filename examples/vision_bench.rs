@@ -151,6 +151,7 @@ impl BackendTask for Bench {
         let soft = vision.soft_tokens(&pictures[0])?;
         let shape = match &pictures[0] {
             Picture::Square(Pixels { size, .. }) => format!("{size}x{size} pixels"),
+            Picture::Crops { whole, crops } => format!("{0}x{0} pixels and {1} crops", whole.size, crops.len()),
             Picture::Patches(PatchGrid { rows, cols, patch_size, .. }) => {
                 format!("{rows}x{cols} patches of {patch_size} pixels")
             }

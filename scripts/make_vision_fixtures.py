@@ -20,6 +20,14 @@ image.png (a 37x23 RGB picture) and reference.json:
 
     make_vision_fixtures.py new     (seed 21)
     make_vision_fixtures.py check   (recomputes and compares, 1e-5)
+    make_vision_fixtures.py pan-and-scan
+
+`pan-and-scan` writes pan_and_scan.json beside it: HF's pan-and-scan (`Gemma3ImageProcessorPil`
+with `do_pan_and_scan`, 56x56 squares, smallest crop 8 pixels, at most 4 crops, from a ratio of
+1.2) of wide.png (101x29) and tall.png (23x64), two RGB pictures drawn from seed 22 (written
+first): each picture's crop count and its squares (the whole, then the crops) channel-major;
+the crop sizes HF's `pan_and_scan` cuts from pictures of other sizes (HF's default rule, and the
+rule above); and the prompt text `Gemma3Processor.replace_image_token` makes of each picture.
 """
 
 import argparse
@@ -209,16 +217,51 @@ def check(tolerance: float) -> bool:
     return ok
 
 
+def pan_and_scan():
+    import types
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    rng = np.random.default_rng(22)
+    rule = {"pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 4,
+            "pan_and_scan_min_ratio_to_activate": 1.2}
+    p = Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, do_pan_and_scan=True,
+                                image_mean=[0.5] * 3, image_std=[0.5] * 3, **rule)
+    # `replace_image_token` reads only the processor's `full_image_sequence`.
+    soft = "<image_soft_token>" * TOKENS_PER_IMAGE
+    ns = types.SimpleNamespace(full_image_sequence=f"\n\n<start_of_image>{soft}<end_of_image>\n\n")
+    out = {"rule": rule, "pictures": [], "crop_sizes": []}
+    for name, (w, h) in [("wide.png", (101, 29)), ("tall.png", (23, 64))]:
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(OUT / name)
+        got = p(Image.open(OUT / name), return_tensors="pt")
+        crops = int(got["num_crops"][0])
+        text = Gemma3Processor.replace_image_token(ns, {"num_crops": [crops]}, 0)
+        out["pictures"].append({"file": name, "num_crops": crops, "squares": rounded(got["pixel_values"]),
+                                "text": text})
+    default = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+               "pan_and_scan_min_ratio_to_activate": 1.2}
+    for which, r in [("default", default), ("small", rule)]:
+        for w, h in [(1000, 200), (896, 896), (1100, 1000), (1200, 1000), (300, 1000), (600, 300), (500, 300),
+                     (2000, 300), (40, 100), (101, 29), (23, 64), (17, 9), (9, 40)]:
+            crops = p.pan_and_scan(np.zeros((3, h, w), dtype=np.uint8), **r)
+            out["crop_sizes"].append({"rule": which, "width": w, "height": h,
+                                      "crops": [[c.shape[2], c.shape[1]] for c in crops]})
+    (OUT / "pan_and_scan.json").write_text(json.dumps(out))
+    print(f"wrote {OUT / 'pan_and_scan.json'}: " + ", ".join(f"{x['file']} {x['num_crops']} crops" for x in out["pictures"]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("new")
+    sub.add_parser("pan-and-scan")
     c = sub.add_parser("check")
     c.add_argument("--tolerance", type=float, default=1e-5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.command == "new":
         new()
+    elif args.command == "pan-and-scan":
+        pan_and_scan()
     else:
         sys.exit(0 if check(args.tolerance) else 1)
 

@@ -1,7 +1,8 @@
 //! Pictures for the vision towers: decoded (PNG, JPEG, WebP, GIF), checked, converted to RGB,
 //! resized to the tower's square and normalized as HF's `Gemma3ImageProcessor` does (bilinear
-//! resampling, `x / 255`, then `(x - 0.5) / 0.5`), channel-major. Pan-and-scan crops are not
-//! made.
+//! resampling, `x / 255`, then `(x - 0.5) / 0.5`), channel-major, with its pan-and-scan crops
+//! where asked ([`PanAndScan`]); or cut into patches within a soft-token budget as HF's
+//! `Gemma4ImageProcessor` does ([`PatchGrid`]).
 
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 use image::{imageops::FilterType, DynamicImage, ImageReader, Limits};
@@ -81,6 +82,94 @@ impl Pixels {
     pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4> {
         Tensor::from_data(TensorData::new(self.values.clone(), [1, 3, self.size, self.size]), device)
     }
+}
+
+/// Gemma 3's pan-and-scan (HF's `Gemma3ImageProcessor` with `do_pan_and_scan`): a picture
+/// much wider than tall (or taller than wide) is also read as a few crops side by side, each
+/// resized to the tower's square, so that its detail is not lost in one small square. The
+/// defaults are HF's `Gemma3Processor` defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PanAndScan {
+    /// Smallest side a crop may have, in pixels of the original picture.
+    pub min_crop_size: usize,
+    /// Most crops of one picture.
+    pub max_num_crops: usize,
+    /// Crops are made from this ratio of the long side to the short one on.
+    pub min_ratio_to_activate: f64,
+}
+
+impl Default for PanAndScan {
+    fn default() -> Self {
+        Self { min_crop_size: 256, max_num_crops: 4, min_ratio_to_activate: 1.2 }
+    }
+}
+
+/// A rectangle of a picture: `(x, y, width, height)` in pixels.
+pub type Crop = (u32, u32, u32, u32);
+
+impl PanAndScan {
+    /// The crops of a `width` x `height` picture, left to right then top to bottom: none where
+    /// the picture is not elongated enough or the crops would be smaller than
+    /// [`PanAndScan::min_crop_size`]; else 2 to [`PanAndScan::max_num_crops`] of them along the
+    /// long side, as many as the aspect ratio rounded (the last one cut at the picture's edge).
+    pub fn crops(&self, width: u32, height: u32) -> Vec<Crop> {
+        let (w, h) = (f64::from(width), f64::from(height));
+        if width == 0 || height == 0 {
+            return Vec::new();
+        }
+        let count = |long: f64, short: f64| -> Option<usize> {
+            if long / short < self.min_ratio_to_activate {
+                return None;
+            }
+            let ideal = (long / short + 0.5).floor() as usize;
+            let fits = (long / self.min_crop_size.max(1) as f64).floor() as usize;
+            Some(ideal.min(fits).max(2).min(self.max_num_crops))
+        };
+        let (across, down) = match width >= height {
+            true => match count(w, h) {
+                Some(n) => (n, 1),
+                None => return Vec::new(),
+            },
+            false => match count(h, w) {
+                Some(n) => (1, n),
+                None => return Vec::new(),
+            },
+        };
+        let crop_w = width.div_ceil(across as u32);
+        let crop_h = height.div_ceil(down as u32);
+        if (crop_w.min(crop_h) as usize) < self.min_crop_size {
+            return Vec::new();
+        }
+        let mut crops = Vec::with_capacity(across * down);
+        for row in 0..down as u32 {
+            for col in 0..across as u32 {
+                let (x, y) = (col * crop_w, row * crop_h);
+                if x < width && y < height {
+                    crops.push((x, y, crop_w.min(width - x), crop_h.min(height - y)));
+                }
+            }
+        }
+        crops
+    }
+}
+
+impl Pixels {
+    /// The picture and its pan-and-scan crops (`rule`; none where it makes none), each
+    /// prepared for a tower of `size` pixels a side.
+    pub fn pan_and_scan(image: &DynamicImage, size: usize, rule: &PanAndScan) -> Result<(Self, Vec<Self>), ImageError> {
+        let whole = Self::from_image(image, size)?;
+        let crops = rule
+            .crops(image.width(), image.height())
+            .into_iter()
+            .map(|(x, y, w, h)| Self::from_image(&image.crop_imm(x, y, w, h), size))
+            .collect::<Result<_, _>>()?;
+        Ok((whole, crops))
+    }
+}
+
+/// Decodes an encoded picture (PNG, JPEG, WebP or GIF), checked as every reader here checks it.
+pub fn decode_image(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
+    decode(bytes)
 }
 
 /// Decodes a picture, refusing empty and oversized ones before their pixels are allocated.

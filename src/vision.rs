@@ -11,10 +11,13 @@
 //! | place in a prompt | `<start_of_image>` | `<\|image\|>` |
 //! | expanded to | `\n\n<start_of_image>` soft tokens `<end_of_image>\n\n` | `<\|image>` soft tokens `<image\|>` |
 //!
-//! The expansions are those of HF 5.23's `Gemma3Processor` and `Gemma4Processor`.
+//! The expansions are those of HF 5.23's `Gemma3Processor` and `Gemma4Processor`. A Gemma 3
+//! picture read with pan-and-scan ([`ImageProcessor::with_pan_and_scan`]) is the whole picture
+//! and its crops ([`Picture::Crops`]), each its own run of soft tokens, placed as HF places them
+//! ("Here is the original image ... and here are some crops to help you see better ...").
 
 use crate::{
-    images::{ImageError, PatchBudget, PatchGrid, Pixels},
+    images::{decode_image, ImageError, PanAndScan, PatchBudget, PatchGrid, Pixels},
     Error, Gemma3Vision, Gemma4Vision, GemmaBackend, ImageEmbeds, Tokenizer,
 };
 use burn::tensor::Tensor;
@@ -28,6 +31,21 @@ pub enum Picture {
     Square(Pixels),
     /// Gemma 4: cut into patches on a grid.
     Patches(PatchGrid),
+    /// Gemma 3 with pan-and-scan: the whole picture and its crops, each resized to the tower's
+    /// square ([`crate::images::PanAndScan`]).
+    Crops { whole: Pixels, crops: Vec<Pixels> },
+}
+
+impl Picture {
+    /// The squares the tower reads, in the order their soft tokens come in a prompt (none for a
+    /// patch grid).
+    fn squares(&self) -> Vec<&Pixels> {
+        match self {
+            Self::Square(p) => vec![p],
+            Self::Crops { whole, crops } => std::iter::once(whole).chain(crops).collect(),
+            Self::Patches(_) => Vec::new(),
+        }
+    }
 }
 
 impl From<Pixels> for Picture {
@@ -56,35 +74,60 @@ pub struct ImageTokens {
 /// reading images, without the tower's weights ([`Vision::processor`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ImageProcessor {
-    /// Squares of `image_size` pixels, `soft_tokens` each.
-    Gemma3 { image_size: usize, soft_tokens: usize, tokens: ImageTokens },
+    /// Squares of `image_size` pixels, `soft_tokens` each; with pan-and-scan where set.
+    Gemma3 { image_size: usize, soft_tokens: usize, tokens: ImageTokens, pan_and_scan: Option<PanAndScan> },
     /// Patch grids within `budget`, at most `positions` patches a side.
     Gemma4 { budget: PatchBudget, positions: usize, tokens: ImageTokens },
 }
 
 impl ImageProcessor {
+    /// This Gemma 3 processor reading pictures with pan-and-scan (`Some`) or without; a Gemma 4
+    /// processor refuses it (its pictures keep their aspect ratio in a patch grid).
+    pub fn with_pan_and_scan(self, rule: Option<PanAndScan>) -> Result<Self, ImageError> {
+        match self {
+            Self::Gemma3 { image_size, soft_tokens, tokens, .. } => {
+                if let Some(r) = &rule {
+                    if r.max_num_crops < 2 || !(r.min_ratio_to_activate.is_finite() && r.min_ratio_to_activate >= 1.0) {
+                        return Err(ImageError::VisionMismatch(format!(
+                            "pan-and-scan makes 2 or more crops from a ratio of 1 or more; got {r:?}"
+                        )));
+                    }
+                }
+                Ok(Self::Gemma3 { image_size, soft_tokens, tokens, pan_and_scan: rule })
+            }
+            Self::Gemma4 { .. } if rule.is_some() => Err(ImageError::VisionMismatch(
+                "pan-and-scan is Gemma 3's: Gemma 4 keeps a picture's aspect ratio in its patch grid".into(),
+            )),
+            gemma4 => Ok(gemma4),
+        }
+    }
+
     /// Prepares a decoded picture.
     pub fn prepare(&self, image: &DynamicImage) -> Result<Picture, ImageError> {
         match self {
-            Self::Gemma3 { image_size, .. } => Ok(Pixels::from_image(image, *image_size)?.into()),
+            Self::Gemma3 { image_size, pan_and_scan: None, .. } => Ok(Pixels::from_image(image, *image_size)?.into()),
+            Self::Gemma3 { image_size, pan_and_scan: Some(rule), .. } => {
+                let (whole, crops) = Pixels::pan_and_scan(image, *image_size, rule)?;
+                Ok(match crops.is_empty() {
+                    true => whole.into(),
+                    false => Picture::Crops { whole, crops },
+                })
+            }
             Self::Gemma4 { budget, .. } => Ok(PatchGrid::from_image(image, *budget)?.into()),
         }
     }
 
     /// Reads and prepares the picture at `path` (PNG, JPEG, WebP or GIF).
     pub fn read(&self, path: impl AsRef<Path>) -> Result<Picture, ImageError> {
-        match self {
-            Self::Gemma3 { image_size, .. } => Ok(Pixels::from_path(path, *image_size)?.into()),
-            Self::Gemma4 { budget, .. } => Ok(PatchGrid::from_path(path, *budget)?.into()),
-        }
+        let path = path.as_ref();
+        let bytes =
+            std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
+        self.decode(&bytes)
     }
 
     /// Decodes and prepares an encoded picture (PNG, JPEG, WebP or GIF).
     pub fn decode(&self, bytes: &[u8]) -> Result<Picture, ImageError> {
-        match self {
-            Self::Gemma3 { image_size, .. } => Ok(Pixels::from_bytes(bytes, *image_size)?.into()),
-            Self::Gemma4 { budget, .. } => Ok(PatchGrid::from_bytes(bytes, *budget)?.into()),
-        }
+        self.prepare(&decode_image(bytes)?)
     }
 
     /// Where a prompt places a picture before expansion (`<start_of_image>` for Gemma 3,
@@ -111,19 +154,27 @@ impl ImageProcessor {
         }
     }
 
-    /// How many soft tokens `picture` takes, or why this model cannot read it.
+    /// How many soft tokens `picture` takes (a picture with crops: all of its runs together),
+    /// or why this model cannot read it.
     pub fn soft_tokens(&self, picture: &Picture) -> Result<usize, ImageError> {
+        Ok(self.runs(picture)?.iter().sum())
+    }
+
+    /// The runs of soft tokens `picture` takes in a prompt, in order (one, or one for the whole
+    /// picture and one for each of its crops), or why this model cannot read it.
+    pub fn runs(&self, picture: &Picture) -> Result<Vec<usize>, ImageError> {
         match (self, picture) {
-            (Self::Gemma3 { image_size, soft_tokens, .. }, Picture::Square(p)) => {
+            (Self::Gemma3 { image_size, soft_tokens, .. }, Picture::Square(_) | Picture::Crops { .. }) => {
                 let size = *image_size;
-                if p.size != size || p.values.len() != 3 * size * size {
+                let squares = picture.squares();
+                if let Some(p) = squares.iter().find(|p| p.size != size || p.values.len() != 3 * size * size) {
                     return Err(ImageError::VisionMismatch(format!(
                         "pictures for this tower are prepared at {size} pixels a side, got one at {} ({} values)",
                         p.size,
                         p.values.len()
                     )));
                 }
-                Ok(*soft_tokens)
+                Ok(vec![*soft_tokens; squares.len()])
             }
             (Self::Gemma4 { budget, positions, .. }, Picture::Patches(p)) => {
                 let (size, k) = (budget.patch_size, budget.pooling_kernel_size);
@@ -145,12 +196,12 @@ impl ImageProcessor {
                         p.rows, p.cols
                     )));
                 }
-                Ok((p.rows / k) * (p.cols / k))
+                Ok(vec![(p.rows / k) * (p.cols / k)])
             }
             (Self::Gemma3 { .. }, Picture::Patches(_)) => Err(ImageError::VisionMismatch(
                 "Gemma 3's tower reads square pictures (images::Pixels), not patch grids".into(),
             )),
-            (Self::Gemma4 { .. }, Picture::Square(_)) => Err(ImageError::VisionMismatch(
+            (Self::Gemma4 { .. }, Picture::Square(_) | Picture::Crops { .. }) => Err(ImageError::VisionMismatch(
                 "Gemma 4's tower reads patch grids (images::PatchGrid), not square pictures".into(),
             )),
         }
@@ -178,28 +229,54 @@ impl ImageProcessor {
         let mut pieces = text.split(place);
         let mut out = pieces.next().unwrap_or_default().to_string();
         for (piece, picture) in pieces.zip(pictures) {
-            let run = soft.repeat(self.soft_tokens(picture)?);
-            match self {
-                Self::Gemma3 { .. } => out.push_str(&format!("\n\n{begin}{run}{end}\n\n")),
-                Self::Gemma4 { .. } => out.push_str(&format!("{begin}{run}{end}")),
+            let sequences: Vec<String> = self
+                .runs(picture)?
+                .into_iter()
+                .map(|n| {
+                    let run = soft.repeat(n);
+                    match self {
+                        Self::Gemma3 { .. } => format!("\n\n{begin}{run}{end}\n\n"),
+                        Self::Gemma4 { .. } => format!("{begin}{run}{end}"),
+                    }
+                })
+                .collect();
+            match sequences.split_first() {
+                // HF's `Gemma3Processor.replace_image_token` for a picture with crops.
+                Some((whole, crops)) if !crops.is_empty() => out.push_str(&format!(
+                    "Here is the original image {whole} and here are some crops to help you see better {}",
+                    crops.join(" ")
+                )),
+                _ => out.push_str(&sequences.concat()),
             }
             out.push_str(piece);
         }
         Ok(out)
     }
 
-    /// Where each picture's soft tokens start in `ids`: one run of the soft token for each
-    /// picture, in order, each as long as its picture's soft tokens.
+    /// Where each run of soft tokens starts in `ids`: one run of the soft token for each
+    /// picture (for each square of a picture with crops: the whole, then each crop), in order,
+    /// each as long as its square's or grid's soft tokens.
     pub fn places(&self, ids: &[u32], pictures: &[Picture]) -> Result<Vec<usize>, ImageError> {
         let token = self.tokens().soft;
         let starts: Vec<usize> =
             (0..ids.len()).filter(|&i| ids[i] == token && (i == 0 || ids[i - 1] != token)).collect();
-        if starts.len() != pictures.len() {
-            return Err(ImageError::Count { images: pictures.len(), places: starts.len() });
+        let mut runs = Vec::new();
+        for picture in pictures {
+            runs.extend(self.runs(picture)?);
         }
-        for (&start, picture) in starts.iter().zip(pictures) {
+        if starts.len() != runs.len() {
+            return Err(match runs.len() == pictures.len() {
+                true => ImageError::Count { images: pictures.len(), places: starts.len() },
+                false => ImageError::VisionMismatch(format!(
+                    "{} pictures with their crops take {} runs of soft tokens; the prompt has {}",
+                    pictures.len(),
+                    runs.len(),
+                    starts.len()
+                )),
+            });
+        }
+        for (&start, &soft) in starts.iter().zip(&runs) {
             let run = ids[start..].iter().take_while(|&&t| t == token).count();
-            let soft = self.soft_tokens(picture)?;
             if run != soft {
                 return Err(ImageError::VisionMismatch(format!(
                     "the picture at {start} takes {soft} soft tokens; the prompt has a run of {run} there"
@@ -246,6 +323,7 @@ impl<B: GemmaBackend> Vision<B> {
                     image_size: c.vision.image_size,
                     soft_tokens: c.mm_tokens_per_image,
                     tokens: ImageTokens { soft: c.image_token_index, begin: c.boi_token_index, end: c.eoi_token_index },
+                    pan_and_scan: None,
                 }
             }
             Self::Gemma4 { tower, budget } => {
@@ -297,14 +375,16 @@ impl<B: GemmaBackend> Vision<B> {
     }
 
     /// The embeddings of `pictures` placed at their runs of soft tokens in `ids`
-    /// ([`ImageProcessor::places`]), for [`crate::Gemma::forward_hidden_with_images`].
+    /// ([`ImageProcessor::places`]: a picture with crops has a run for each square), for
+    /// [`crate::Gemma::forward_hidden_with_images`].
     pub fn embeds(&self, ids: &[u32], pictures: &[Picture], device: &B::Device) -> Result<Vec<ImageEmbeds<B>>, Error> {
         let starts = self.processor().places(ids, pictures)?;
         let features = self.checked_features(pictures, device)?;
         Ok(starts.into_iter().zip(features).map(|(start, features)| ImageEmbeds { start, features }).collect())
     }
 
-    /// The soft tokens of each picture (`[soft_tokens, text_hidden]`).
+    /// The soft tokens of each run (`[soft_tokens, text_hidden]`): one for each picture, and for
+    /// a picture with crops one for the whole picture then one for each crop.
     pub fn features(&self, pictures: &[Picture], device: &B::Device) -> Result<Vec<Tensor<B, 2>>, Error> {
         let processor = self.processor();
         for picture in pictures {
@@ -320,11 +400,8 @@ impl<B: GemmaBackend> Vision<B> {
         }
         let features: Vec<Tensor<B, 2>> = match self {
             Self::Gemma3(tower) => {
-                // One batch for every picture: they are all the tower's square.
-                let squares = pictures.iter().filter_map(|p| match p {
-                    Picture::Square(p) => Some(p.to_tensor::<B>(device)),
-                    Picture::Patches(_) => None,
-                });
+                // One batch for every square: they are all the tower's size.
+                let squares = pictures.iter().flat_map(Picture::squares).map(|p| p.to_tensor::<B>(device));
                 let features = tower.image_features(Tensor::cat(squares.collect(), 0))?;
                 let [n, tokens, width] = features.dims();
                 (0..n)
@@ -336,7 +413,7 @@ impl<B: GemmaBackend> Vision<B> {
                 .iter()
                 .filter_map(|p| match p {
                     Picture::Patches(grid) => Some(tower.image_features(&grid.to_patches::<B>(device))),
-                    Picture::Square(_) => None,
+                    Picture::Square(_) | Picture::Crops { .. } => None,
                 })
                 .collect::<Result<_, _>>()?,
         };

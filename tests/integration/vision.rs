@@ -495,6 +495,81 @@ fn gemma4_mmproj_gguf_matches_hf() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Pan-and-scan as HF's `Gemma3ImageProcessorPil` does it (`pan_and_scan.json`, made with
+/// transformers 5.23): the crop sizes of its rule for pictures of many shapes, the whole
+/// picture and its crops of two elongated pictures (values within one 8-bit level, as the plain
+/// preprocessing), and the prompt text `Gemma3Processor` makes of them; such a picture's squares
+/// are read as HF reads them, as separate images at their runs of soft tokens.
+#[test]
+fn pan_and_scan_matches_hf_gemma3_processor() {
+    use burn_gemma::images::PanAndScan;
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let fixture = common::read_json(dir.join("pan_and_scan.json"));
+    let rule_of = |r: &serde_json::Value| PanAndScan {
+        min_crop_size: r["pan_and_scan_min_crop_size"].as_u64().unwrap() as usize,
+        max_num_crops: r["pan_and_scan_max_num_crops"].as_u64().unwrap() as usize,
+        min_ratio_to_activate: r["pan_and_scan_min_ratio_to_activate"].as_f64().unwrap(),
+    };
+    let small = rule_of(&fixture["rule"]);
+    for case in fixture["crop_sizes"].as_array().unwrap() {
+        let rule = if case["rule"] == "default" { PanAndScan::default() } else { small };
+        let (w, h) = (case["width"].as_u64().unwrap() as u32, case["height"].as_u64().unwrap() as u32);
+        let got: Vec<[u64; 2]> =
+            rule.crops(w, h).iter().map(|&(_, _, cw, ch)| [u64::from(cw), u64::from(ch)]).collect();
+        let want: Vec<[u64; 2]> = case["crops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| [c[0].as_u64().unwrap(), c[1].as_u64().unwrap()])
+            .collect();
+        assert_eq!(got, want, "{w}x{h} with the {} rule", case["rule"]);
+    }
+
+    let (mut g, _) = vision_generator();
+    let processor = g.vision().unwrap().processor().with_pan_and_scan(Some(small)).unwrap();
+    let tokenizer = tokenizer_with_image_tokens();
+    let step = 2.0 / 255.0;
+    for case in fixture["pictures"].as_array().unwrap() {
+        let file = case["file"].as_str().unwrap();
+        let picture = processor.read(dir.join(file)).unwrap();
+        let burn_gemma::Picture::Crops { whole, crops } = &picture else { panic!("{file}: no crops") };
+        assert_eq!(crops.len() as u64, case["num_crops"].as_u64().unwrap(), "{file}");
+        let want: Vec<Vec<f32>> = case["squares"].as_array().unwrap().iter().map(floats_nested).collect();
+        for (i, (got, want)) in std::iter::once(whole).chain(crops).zip(&want).enumerate() {
+            let worst = got.values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            println!("{file} square {i}: within {worst:.2e} of HF");
+            assert!(got.values.len() == want.len() && worst <= step + 1e-6, "{file} square {i}: {worst:.4}");
+        }
+        let text = processor.expand("<start_of_image>", std::slice::from_ref(&picture), &tokenizer).unwrap();
+        assert_eq!(text, case["text"].as_str().unwrap(), "{file}");
+        // The squares at their runs, as separate pictures would be.
+        let ids = tokenizer.encode(&format!("w300{text}w301"), burn_gemma::Bos::Prepend).unwrap();
+        let config = burn_gemma::GenerationConfig { max_new_tokens: 4, ..Default::default() };
+        let squares: Vec<burn_gemma::Picture> = std::iter::once(whole).chain(crops).map(|p| p.clone().into()).collect();
+        let with_crops = g.continue_ids_with_images(&ids, std::slice::from_ref(&picture), &config, |_| {}).unwrap();
+        g.reset();
+        let separate = g.continue_ids_with_images(&ids, &squares, &config, |_| {}).unwrap();
+        g.reset();
+        assert_eq!(with_crops.tokens, separate.tokens, "{file}");
+        // One run short: refused, naming the runs.
+        let err = g.continue_ids_with_images(&ids, &squares[..3], &config, |_| {}).unwrap_err();
+        assert!(err.to_string().contains("3 images for 4 places"), "{err}");
+        g.reset();
+    }
+    // Gemma 4 keeps the aspect ratio: no pan-and-scan.
+    let (g4, _, _) = gemma4_vision_generator("gemma4");
+    let err = g4.vision().unwrap().processor().with_pan_and_scan(Some(PanAndScan::default())).unwrap_err();
+    assert!(err.to_string().contains("Gemma 3's"), "{err}");
+}
+
+/// A JSON array of numbers, nested to any depth, flattened.
+fn floats_nested(v: &serde_json::Value) -> Vec<f32> {
+    match v {
+        serde_json::Value::Array(items) => items.iter().flat_map(floats_nested).collect(),
+        other => vec![other.as_f64().unwrap() as f32],
+    }
+}
+
 /// The text helpers with a vocabulary that has the image tokens: `<start_of_image>` in the
 /// prompt (or none: the pictures go first) expands to Gemma 3's image sequence, and generation
 /// gives what the same ids give through `continue_ids_with_images`.
@@ -840,6 +915,7 @@ fn engine_reads_pictures_as_the_generator() {
             burn_gemma::Picture::Patches(p) => {
                 burn_gemma::images::PatchGrid { values: p.values.iter().rev().copied().collect(), ..p.clone() }.into()
             }
+            burn_gemma::Picture::Crops { .. } => panic!("the fixtures' pictures have no crops"),
         };
         let (first_ids, _, first_want) = prompts[0].clone();
         let other_want = {
@@ -896,6 +972,7 @@ fn engine_reads_pictures_as_the_generator() {
                 burn_gemma::images::PatchGrid { rows: 2, cols: 2, patch_size: 4, values: vec![0.5; 192] }.into()
             }
             burn_gemma::Picture::Patches(_) => burn_gemma::images::Pixels { size: 4, values: vec![0.0; 48] }.into(),
+            burn_gemma::Picture::Crops { .. } => panic!("the fixtures' pictures have no crops"),
         };
         let err = engine.submit(request(&first_ids, vec![wrong], 2, 64)).unwrap_err();
         assert!(matches!(&err, EngineError::Generation(Error::Image(ImageError::VisionMismatch(_)))), "{err}");
