@@ -70,6 +70,10 @@ struct Args {
     /// pictures in chat messages. (An HF multimodal checkpoint's own tower is loaded without it.)
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// Gemma 3: also read each elongated picture as 2-4 crops (HF's pan-and-scan, its default
+    /// sizes), each its own image in the prompt after the whole one.
+    #[arg(long)]
+    pan_and_scan: bool,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -114,7 +118,10 @@ impl BackendTask for Run {
             prefix_cache: args.prefix_cache,
             ..EngineConfig::default()
         };
-        let engine = Engine::with_vision(model, vision, tokenizer, config)?;
+        let mut engine = Engine::with_vision(model, vision, tokenizer, config)?;
+        if args.pan_and_scan {
+            engine.set_pan_and_scan(Some(burn_gemma::images::PanAndScan::default()))?;
+        }
         let model_id = args.model_id.clone().unwrap_or_else(|| {
             self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
         });

@@ -29,7 +29,7 @@ use crate::{
         check_input, check_vocabulary, checked_token, chunk_end, default_stop_tokens, first_sampled, prefill,
         prefill_with_images, sampled_ids, token_tensor, Utf8Stream,
     },
-    images::ImageError,
+    images::{ImageError, PanAndScan},
     sampling::Sampler,
     stop_text::StopText,
     vision::{ImageProcessor, Picture, Vision},
@@ -399,6 +399,15 @@ impl Engine {
     /// ([`Engine::with_vision`]).
     pub fn image_processor(&self) -> Option<&ImageProcessor> {
         self.images.as_ref()
+    }
+
+    /// Prepares Gemma 3 pictures with pan-and-scan from here on (`Some`), or without: what
+    /// [`Engine::image_processor`] (and so the server) makes of pictures. Fails for an engine
+    /// that reads no pictures or reads Gemma 4's.
+    pub fn set_pan_and_scan(&mut self, rule: Option<PanAndScan>) -> Result<(), Error> {
+        let processor = self.images.clone().ok_or(ImageError::NoVision)?;
+        self.images = Some(processor.with_pan_and_scan(rule)?);
+        Ok(())
     }
 
     /// The model's tokenizer.

@@ -562,6 +562,57 @@ fn pan_and_scan_matches_hf_gemma3_processor() {
     assert!(err.to_string().contains("Gemma 3's"), "{err}");
 }
 
+/// An engine set to pan-and-scan prepares a wide picture as its whole and crops (what the
+/// server then reads from a chat message), and generates from them the generator's tokens,
+/// with prompt chunks that end inside the crops' runs; a Gemma 4 engine refuses the setting.
+#[test]
+fn engine_reads_pan_and_scan_pictures_as_the_generator() {
+    use burn_gemma::engine::{Engine, EngineConfig, Event, Request};
+    use burn_gemma::images::PanAndScan;
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let rule = PanAndScan { min_crop_size: 8, ..PanAndScan::default() };
+    let bytes = std::fs::read(dir.join("wide.png")).unwrap();
+    let tokenizer = tokenizer_with_image_tokens();
+    let (model, vision, _, _) = engine_fixture("gemma3");
+    let mut engine =
+        Engine::with_vision(model, Some(vision), tokenizer_with_image_tokens(), EngineConfig::default()).unwrap();
+    engine.set_pan_and_scan(Some(rule)).unwrap();
+    let processor = engine.image_processor().unwrap().clone();
+    let picture = processor.decode(&bytes).unwrap();
+    assert!(matches!(&picture, burn_gemma::Picture::Crops { crops, .. } if crops.len() == 3));
+    let text = processor.expand("w300 <start_of_image> w301", std::slice::from_ref(&picture), &tokenizer).unwrap();
+    let ids = tokenizer.encode(&text, burn_gemma::Bos::Prepend).unwrap();
+    let want = {
+        let (mut g, _) = vision_generator();
+        let config = burn_gemma::GenerationConfig { max_new_tokens: 5, ..Default::default() };
+        g.continue_ids_with_images(&ids, std::slice::from_ref(&picture), &config, |_| {}).unwrap().tokens
+    };
+    for chunk in [5, 64] {
+        let mut request = Request::new(
+            ids.clone(),
+            burn_gemma::GenerationConfig {
+                max_new_tokens: 5,
+                prefill_chunk: std::num::NonZeroUsize::new(chunk).unwrap(),
+                ..Default::default()
+            },
+        );
+        request.images = vec![picture.clone()];
+        let mut got = Vec::new();
+        for event in engine.submit(request).unwrap() {
+            match event.unwrap() {
+                Event::Token(t) => got.push(t.id),
+                Event::Done(_) => break,
+            }
+        }
+        assert_eq!(got, want, "prompt chunks of {chunk}");
+    }
+    engine.shutdown();
+    let (model, vision, _, _) = engine_fixture("gemma4");
+    let mut engine = Engine::with_vision(model, Some(vision), gemma4_tokenizer(), EngineConfig::default()).unwrap();
+    assert!(engine.set_pan_and_scan(Some(rule)).is_err());
+    engine.shutdown();
+}
+
 /// A JSON array of numbers, nested to any depth, flattened.
 fn floats_nested(v: &serde_json::Value) -> Vec<f32> {
     match v {
