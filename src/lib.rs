@@ -21,8 +21,9 @@
 //! ```
 //!
 //! Multimodal Gemma 3 and Gemma 4 checkpoints read pictures ([`vision`]: load the tower with
-//! [`Checkpoint::load_vision_tower`], hand it to [`Generator::set_vision`] or
-//! [`engine::Engine::with_vision`]).
+//! [`Checkpoint::load_vision_tower`], or from llama.cpp's projector GGUF with
+//! [`MmprojCheckpoint`], hand it to [`Generator::set_vision`] or
+//! [`engine::Engine::with_vision`]; Gemma 3's pan-and-scan: [`images::PanAndScan`]).
 //!
 //! Errors are [`Error`], whose variants carry enums a caller can match ([`RequestError`],
 //! [`SamplingError`], [`TokenizerError`], [`FetchError`], [`BackendError`], [`OptionError`],

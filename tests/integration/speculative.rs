@@ -84,6 +84,32 @@ fn prompt_lookup_keeps_greedy_output() {
     }
 }
 
+/// A drafter taken back from a generator stops drafting there and drafts as before in another
+/// (what a caller lending one draft model to several generators does); generations start afresh
+/// after a reset.
+#[test]
+fn a_drafter_taken_back_drafts_elsewhere() {
+    let config = greedy(40);
+    let name = "tiny-gemma/gemma3";
+    let plain = run(name, None, &config);
+    let mut first = generator(name);
+    assert!(first.take_speculation().is_none());
+    first.set_speculation(Some(Speculation::prompt_lookup(k(4)).with_misses(Misses::KeepDrafting))).unwrap();
+    let drafted = first.continue_ids(&prompt(), &config, |_| {}).unwrap();
+    assert_eq!(drafted.tokens, plain.tokens);
+    assert!(stats(&drafted).drafted > 0);
+    let lent = first.take_speculation().expect("the drafter");
+    first.reset();
+    let undrafted = first.continue_ids(&prompt(), &config, |_| {}).unwrap();
+    assert!(undrafted.stats.speculation.is_none(), "drafting went on after the drafter was taken");
+    assert_eq!(undrafted.tokens, plain.tokens);
+    let mut second = generator(name);
+    second.set_speculation(Some(lent)).unwrap();
+    let again = second.continue_ids(&prompt(), &config, |_| {}).unwrap();
+    assert_eq!(again.tokens, plain.tokens);
+    assert_eq!(stats(&again).drafted, stats(&drafted).drafted, "the lent drafter drafts as it did");
+}
+
 /// A draft model: the target itself (every draft kept: the upper bound) and another random
 /// model of the same vocabulary (most refused): greedy output as without drafts.
 #[test]
