@@ -83,11 +83,11 @@ struct Args {
     seed: u64,
 }
 
-/// What a configuration's runs gave.
-struct Runs {
+/// One configuration: its drafter (none: plain decoding) and what its timed runs gave.
+struct Runs<B: GemmaBackend> {
     name: String,
+    drafter: Option<Speculation<B>>,
     decode: Vec<f64>,
-    tokens: Vec<u32>,
     same: bool,
     kept: usize,
     drafted: usize,
@@ -191,21 +191,18 @@ impl BackendTask for SpecBench {
         };
         let mut generator = Generator::new(target, tokenizer)?;
         let misses = if a.keep_drafting { Misses::KeepDrafting } else { Misses::Backoff };
-        let mut runs: Vec<Runs> = std::iter::once("none".to_string())
-            .chain(a.drafts.iter().cloned())
-            .map(|name| Runs {
-                name,
-                decode: Vec::new(),
-                tokens: Vec::new(),
-                same: true,
-                kept: 0,
-                drafted: 0,
-                per_step: 0.0,
-            })
-            .collect();
         let length = DraftLength::Fixed(a.draft_tokens);
+        let runs_of = |name: String, drafter: Option<Speculation<B>>| Runs {
+            name,
+            drafter,
+            decode: Vec::new(),
+            same: true,
+            kept: 0,
+            drafted: 0,
+            per_step: 0.0,
+        };
         // The drafters, built once (a draft model is loaded once and lent to each run).
-        let mut drafters: Vec<Option<Speculation<B>>> = vec![None];
+        let mut runs = vec![runs_of("none".into(), None)];
         for spec in &a.drafts {
             let drafter = match spec.as_str() {
                 "ngram" => Drafter::PromptLookup(Default::default()),
@@ -217,24 +214,23 @@ impl BackendTask for SpecBench {
                     None => return Err(format!("--drafts: unknown drafter `{other}` (ngram, self, model:SPEC)").into()),
                 },
             };
-            drafters.push(Some(Speculation::new(drafter, length).with_misses(misses)));
+            runs.push(runs_of(spec.clone(), Some(Speculation::new(drafter, length).with_misses(misses))));
         }
-        // Rounds: a warm-up, then `reps` timed; within a round the configurations alternate.
+        // Rounds: a warm-up, then `reps` timed; within a round the configurations alternate,
+        // plain decoding first, whose tokens the others' are compared with.
         for round in 0..=a.reps {
-            for (i, run) in runs.iter_mut().enumerate() {
-                generator.set_speculation(drafters[i].take())?;
+            let mut plain: Option<Vec<u32>> = None;
+            for run in runs.iter_mut() {
+                generator.set_speculation(run.drafter.take())?;
                 // Each run starts from an empty context (the recorded graphs stay).
                 generator.reset();
                 let started = Instant::now();
                 let out = generator.continue_ids(&prompt, &config, |_| {})?;
                 let wall = started.elapsed();
-                drafters[i] = generator.take_speculation();
+                run.drafter = generator.take_speculation();
                 let stats = &out.stats;
                 eprintln!("{} round {round}: {stats} ({:.2} s)", run.name, wall.as_secs_f64());
                 if round == 0 {
-                    if i == 0 {
-                        run.tokens = out.tokens.clone();
-                    }
                     continue;
                 }
                 run.decode.push(stats.decode_tokens_per_second());
@@ -243,11 +239,10 @@ impl BackendTask for SpecBench {
                     run.drafted = spec.drafted;
                     run.per_step = stats.generated_tokens.saturating_sub(1) as f64 / spec.target_steps.max(1) as f64;
                 }
-                run.tokens = out.tokens;
-            }
-            let plain = runs[0].tokens.clone();
-            for run in runs.iter_mut().skip(1) {
-                run.same &= run.tokens == plain || run.tokens.is_empty();
+                match &plain {
+                    None => plain = Some(out.tokens),
+                    Some(tokens) => run.same &= out.tokens == *tokens,
+                }
             }
         }
         let plain = median(runs[0].decode.clone());

@@ -291,6 +291,22 @@ fn token_id(file: &GgufFile, key: &'static str, default: u32) -> Result<u32, Mod
     }
 }
 
+/// A projector GGUF's vision projector type (`gemma3`, `gemma4v`, ...; empty where it has none).
+pub(crate) fn projector_type(file: &GgufFile) -> &str {
+    meta(file, "clip.vision.projector_type")
+        .or_else(|| meta(file, "clip.projector_type"))
+        .and_then(Value::as_str)
+        .unwrap_or("")
+}
+
+/// A projector GGUF's required unsigned metadata value.
+fn clip_uint(file: &GgufFile, field: &'static str) -> Result<usize, ModelError> {
+    meta(file, field)
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })
+}
+
 /// Gemma 3's vision config from llama.cpp's projector GGUF (`mmproj`, `clip.projector_type`
 /// `gemma3`): the tower's `clip.vision.*` keys, the pooling from `projector.scale_factor`
 /// (patches per soft token along a side, 4 by default), the text width from
@@ -300,22 +316,14 @@ pub(crate) fn gemma3_vision_config_from_gguf(
     file: &GgufFile,
     (boi, eoi, image): (u32, u32, u32),
 ) -> Result<Gemma3VisionConfig, ModelError> {
-    let projector = meta(file, "clip.vision.projector_type")
-        .or_else(|| meta(file, "clip.projector_type"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let projector = projector_type(file);
     if projector != "gemma3" {
         return Err(ModelError::UnsupportedConfig {
             field: "clip.projector_type",
             value: format!("{projector:?} (Gemma 3's projector is \"gemma3\")"),
         });
     }
-    let uint = |field: &'static str| -> Result<usize, ModelError> {
-        meta(file, field)
-            .and_then(Value::as_u64)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })
-    };
+    let uint = |field: &'static str| clip_uint(file, field);
     let vision = SiglipConfig {
         hidden_size: uint("clip.vision.embedding_length")?,
         intermediate_size: uint("clip.vision.feed_forward_length")?,
@@ -357,22 +365,14 @@ pub(crate) fn gemma4_vision_config_from_gguf(
     file: &GgufFile,
     (boi, eoi, image): (u32, u32, u32),
 ) -> Result<Gemma4ImageConfig, ModelError> {
-    let projector = meta(file, "clip.vision.projector_type")
-        .or_else(|| meta(file, "clip.projector_type"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let projector = projector_type(file);
     if projector != "gemma4v" {
         return Err(ModelError::UnsupportedConfig {
             field: "clip.vision.projector_type",
             value: format!("{projector:?} (Gemma 4's vision projector is \"gemma4v\")"),
         });
     }
-    let uint = |field: &'static str| -> Result<usize, ModelError> {
-        meta(file, field)
-            .and_then(Value::as_u64)
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or(ModelError::InvalidConfig { field, reason: "is missing from the GGUF metadata".into() })
-    };
+    let uint = |field: &'static str| clip_uint(file, field);
     let dim = |tensor: &'static str, axis: usize| -> Result<usize, ModelError> {
         file.tensors()
             .get(tensor)

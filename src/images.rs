@@ -46,16 +46,13 @@ pub struct Pixels {
 impl Pixels {
     /// Reads and prepares the picture at `path` for a tower of `size` pixels a side.
     pub fn from_path(path: impl AsRef<Path>, size: usize) -> Result<Self, ImageError> {
-        let path = path.as_ref();
-        let bytes =
-            std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
-        Self::from_bytes(&bytes, size)
+        Self::from_image(&read_image(path)?, size)
     }
 
     /// Decodes and prepares an encoded picture (PNG, JPEG, WebP or GIF) for a tower of `size`
     /// pixels a side.
     pub fn from_bytes(bytes: &[u8], size: usize) -> Result<Self, ImageError> {
-        Self::from_image(&decode(bytes)?, size)
+        Self::from_image(&decode_image(bytes)?, size)
     }
 
     /// Prepares a decoded picture.
@@ -108,33 +105,32 @@ impl Default for PanAndScan {
 pub type Crop = (u32, u32, u32, u32);
 
 impl PanAndScan {
+    /// Fails for a rule that cannot make crops as HF's does (fewer than 2 at most, or a ratio
+    /// under 1).
+    pub fn check(&self) -> Result<(), ImageError> {
+        match self.max_num_crops >= 2 && self.min_ratio_to_activate.is_finite() && self.min_ratio_to_activate >= 1.0 {
+            true => Ok(()),
+            false => Err(ImageError::VisionMismatch(format!(
+                "pan-and-scan makes 2 or more crops from a ratio of 1 or more; got {self:?}"
+            ))),
+        }
+    }
+
     /// The crops of a `width` x `height` picture, left to right then top to bottom: none where
     /// the picture is not elongated enough or the crops would be smaller than
     /// [`PanAndScan::min_crop_size`]; else 2 to [`PanAndScan::max_num_crops`] of them along the
     /// long side, as many as the aspect ratio rounded (the last one cut at the picture's edge).
     pub fn crops(&self, width: u32, height: u32) -> Vec<Crop> {
-        let (w, h) = (f64::from(width), f64::from(height));
-        if width == 0 || height == 0 {
+        let wide = width >= height;
+        let (long, short) = if wide { (width, height) } else { (height, width) };
+        let ratio = f64::from(long) / f64::from(short);
+        if short == 0 || ratio < self.min_ratio_to_activate {
             return Vec::new();
         }
-        let count = |long: f64, short: f64| -> Option<usize> {
-            if long / short < self.min_ratio_to_activate {
-                return None;
-            }
-            let ideal = (long / short + 0.5).floor() as usize;
-            let fits = (long / self.min_crop_size.max(1) as f64).floor() as usize;
-            Some(ideal.min(fits).max(2).min(self.max_num_crops))
-        };
-        let (across, down) = match width >= height {
-            true => match count(w, h) {
-                Some(n) => (n, 1),
-                None => return Vec::new(),
-            },
-            false => match count(h, w) {
-                Some(n) => (1, n),
-                None => return Vec::new(),
-            },
-        };
+        let ideal = (ratio + 0.5).floor() as usize;
+        let fits = (f64::from(long) / self.min_crop_size.max(1) as f64).floor() as usize;
+        let n = ideal.min(fits).max(2).min(self.max_num_crops);
+        let (across, down) = if wide { (n, 1) } else { (1, n) };
         let crop_w = width.div_ceil(across as u32);
         let crop_h = height.div_ceil(down as u32);
         if (crop_w.min(crop_h) as usize) < self.min_crop_size {
@@ -167,13 +163,16 @@ impl Pixels {
     }
 }
 
-/// Decodes an encoded picture (PNG, JPEG, WebP or GIF), checked as every reader here checks it.
-pub fn decode_image(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
-    decode(bytes)
+/// Reads and decodes the picture at `path` ([`decode_image`]).
+pub fn read_image(path: impl AsRef<Path>) -> Result<DynamicImage, ImageError> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
+    decode_image(&bytes)
 }
 
-/// Decodes a picture, refusing empty and oversized ones before their pixels are allocated.
-fn decode(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
+/// Decodes an encoded picture (PNG, JPEG, WebP or GIF), refusing empty and oversized ones before
+/// their pixels are allocated.
+pub fn decode_image(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
     if bytes.is_empty() {
         return Err(ImageError::Decode("no bytes".into()));
     }
@@ -278,15 +277,12 @@ pub struct PatchGrid {
 impl PatchGrid {
     /// Reads and prepares the picture at `path`.
     pub fn from_path(path: impl AsRef<Path>, budget: PatchBudget) -> Result<Self, ImageError> {
-        let path = path.as_ref();
-        let bytes =
-            std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
-        Self::from_bytes(&bytes, budget)
+        Self::from_image(&read_image(path)?, budget)
     }
 
     /// Decodes and prepares an encoded picture (PNG, JPEG, WebP or GIF).
     pub fn from_bytes(bytes: &[u8], budget: PatchBudget) -> Result<Self, ImageError> {
-        Self::from_image(&decode(bytes)?, budget)
+        Self::from_image(&decode_image(bytes)?, budget)
     }
 
     /// Prepares a decoded picture.

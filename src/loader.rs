@@ -395,11 +395,7 @@ impl MmprojCheckpoint {
                 reason: format!("the text model's tokenizer has no {piece} token to mark images with"),
             })
         };
-        let projector = ["clip.vision.projector_type", "clip.projector_type"]
-            .iter()
-            .find_map(|key| file.get(key).and_then(Value::as_str))
-            .unwrap_or("");
-        let config = match projector {
+        let config = match crate::gguf_config::projector_type(&file) {
             "gemma4v" => {
                 let ids = (id("<|image>")?, id("<image|>")?, id("<|image|>")?);
                 crate::gguf_config::gemma4_vision_config_from_gguf(&file, ids).map(MmprojConfig::Gemma4)
@@ -509,30 +505,26 @@ fn hf_candidates(name: &str) -> Vec<String> {
 /// without its prefix).
 fn mmproj_name(tower: &str) -> Option<String> {
     let fixed = match tower {
-        "embeddings.patch_embedding.weight" => Some("v.patch_embd.weight"),
-        "embeddings.patch_embedding.bias" => Some("v.patch_embd.bias"),
-        "embeddings.position_embedding.weight" => Some("v.position_embd.weight"),
-        "post_layernorm.weight" => Some("v.post_ln.weight"),
-        "post_layernorm.bias" => Some("v.post_ln.bias"),
-        _ => None,
+        "embeddings.patch_embedding.weight" => "v.patch_embd.weight",
+        "embeddings.patch_embedding.bias" => "v.patch_embd.bias",
+        "embeddings.position_embedding.weight" => "v.position_embd.weight",
+        "post_layernorm.weight" => "v.post_ln.weight",
+        "post_layernorm.bias" => "v.post_ln.bias",
+        _ => {
+            return mmproj_layer_name(tower, |part| match part {
+                "layer_norm1" => Some("ln1"),
+                "layer_norm2" => Some("ln2"),
+                "self_attn.q_proj" => Some("attn_q"),
+                "self_attn.k_proj" => Some("attn_k"),
+                "self_attn.v_proj" => Some("attn_v"),
+                "self_attn.out_proj" => Some("attn_out"),
+                "mlp.fc1" => Some("ffn_up"),
+                "mlp.fc2" => Some("ffn_down"),
+                _ => None,
+            })
+        }
     };
-    if let Some(fixed) = fixed {
-        return Some(fixed.into());
-    }
-    let (layer, rest) = tower.strip_prefix("encoder.layers.")?.split_once('.')?;
-    let (part, suffix) = rest.rsplit_once('.')?;
-    let part = match part {
-        "layer_norm1" => "ln1",
-        "layer_norm2" => "ln2",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.out_proj" => "attn_out",
-        "mlp.fc1" => "ffn_up",
-        "mlp.fc2" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("v.blk.{layer}.{part}.{suffix}"))
+    Some(fixed.into())
 }
 
 /// llama.cpp's projector-GGUF name (`mmproj`, projector `gemma4v`) of a Gemma 4 vision weight
@@ -541,35 +533,38 @@ fn mmproj_name(tower: &str) -> Option<String> {
 /// and their bounds beside them.
 fn gemma4_mmproj_name(tower: &str) -> Option<String> {
     let fixed = match tower {
-        "patch_embedder.input_proj.weight" => Some("v.patch_embd.weight"),
-        "patch_embedder.position_embedding_table" => Some("v.position_embd.weight"),
-        "std_bias" => Some("v.std_bias"),
-        "std_scale" => Some("v.std_scale"),
-        _ => None,
+        "patch_embedder.input_proj.weight" => "v.patch_embd.weight",
+        "patch_embedder.position_embedding_table" => "v.position_embd.weight",
+        "std_bias" => "v.std_bias",
+        "std_scale" => "v.std_scale",
+        _ => {
+            return mmproj_layer_name(tower, |part| match part.strip_suffix(".linear").unwrap_or(part) {
+                "input_layernorm" => Some("ln1"),
+                "post_attention_layernorm" => Some("attn_post_norm"),
+                "pre_feedforward_layernorm" => Some("ln2"),
+                "post_feedforward_layernorm" => Some("ffn_post_norm"),
+                "self_attn.q_proj" => Some("attn_q"),
+                "self_attn.k_proj" => Some("attn_k"),
+                "self_attn.v_proj" => Some("attn_v"),
+                "self_attn.o_proj" => Some("attn_out"),
+                "self_attn.q_norm" => Some("attn_q_norm"),
+                "self_attn.k_norm" => Some("attn_k_norm"),
+                "mlp.gate_proj" => Some("ffn_gate"),
+                "mlp.up_proj" => Some("ffn_up"),
+                "mlp.down_proj" => Some("ffn_down"),
+                _ => None,
+            })
+        }
     };
-    if let Some(fixed) = fixed {
-        return Some(fixed.into());
-    }
+    Some(fixed.into())
+}
+
+/// `v.blk.{layer}.{part}.{suffix}` of an encoder weight `encoder.layers.{layer}.{hf}.{suffix}`
+/// (`part` names HF's part as llama.cpp does; `None`: not a tower weight).
+fn mmproj_layer_name(tower: &str, part: impl Fn(&str) -> Option<&'static str>) -> Option<String> {
     let (layer, rest) = tower.strip_prefix("encoder.layers.")?.split_once('.')?;
-    let (part, suffix) = rest.rsplit_once('.')?;
-    let part = part.strip_suffix(".linear").unwrap_or(part);
-    let part = match part {
-        "input_layernorm" => "ln1",
-        "post_attention_layernorm" => "attn_post_norm",
-        "pre_feedforward_layernorm" => "ln2",
-        "post_feedforward_layernorm" => "ffn_post_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_out",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("v.blk.{layer}.{part}.{suffix}"))
+    let (hf, suffix) = rest.rsplit_once('.')?;
+    Some(format!("v.blk.{layer}.{}.{suffix}", part(hf)?))
 }
 
 /// Whether the HF tensor `name` of architecture `arch` is stored in a GGUF in another layout:
@@ -772,27 +767,21 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
         let dims = matrix_dims(shape)
             .ok_or_else(|| ModelError::InvalidInput(format!("`{name}`: shape {shape:?} is not a matrix")))?;
         match self.format {
-            Format::Hf { .. } => {
-                let data = self.host_data(name, shape, WeightKind::Matrix)?;
-                let values = data
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
-                quantize(name, &values, dims, format)
-            }
-            Format::Gguf(_) if gguf_conv_patches(name, self.arch) => {
-                let data = self.host_data(name, shape, WeightKind::Matrix)?;
-                let values = data
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
-                quantize(name, &values, dims, format)
-            }
-            Format::Gguf(file) => {
+            // The file's blocks requantized, where they run along HF's rows.
+            Format::Gguf(file) if !gguf_conv_patches(name, self.arch) => {
                 let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let q = file.quantized(&stored, format).map_err(|e| ModelError::Source(Box::new(e)))?;
                 self.mark_used(stored);
                 Ok(q)
+            }
+            // HF's values (and the patch kernel put back in HF's order) quantized here.
+            _ => {
+                let data = self.host_data(name, shape, WeightKind::Matrix)?;
+                let values = data
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                quantize(name, &values, dims, format)
             }
         }
     }

@@ -17,7 +17,7 @@
 //! ("Here is the original image ... and here are some crops to help you see better ...").
 
 use crate::{
-    images::{decode_image, ImageError, PanAndScan, PatchBudget, PatchGrid, Pixels},
+    images::{decode_image, read_image, ImageError, PanAndScan, PatchBudget, PatchGrid, Pixels},
     Error, Gemma3Vision, Gemma4Vision, GemmaBackend, ImageEmbeds, Tokenizer,
 };
 use burn::tensor::Tensor;
@@ -86,13 +86,7 @@ impl ImageProcessor {
     pub fn with_pan_and_scan(self, rule: Option<PanAndScan>) -> Result<Self, ImageError> {
         match self {
             Self::Gemma3 { image_size, soft_tokens, tokens, .. } => {
-                if let Some(r) = &rule {
-                    if r.max_num_crops < 2 || !(r.min_ratio_to_activate.is_finite() && r.min_ratio_to_activate >= 1.0) {
-                        return Err(ImageError::VisionMismatch(format!(
-                            "pan-and-scan makes 2 or more crops from a ratio of 1 or more; got {r:?}"
-                        )));
-                    }
-                }
+                rule.as_ref().map_or(Ok(()), PanAndScan::check)?;
                 Ok(Self::Gemma3 { image_size, soft_tokens, tokens, pan_and_scan: rule })
             }
             Self::Gemma4 { .. } if rule.is_some() => Err(ImageError::VisionMismatch(
@@ -119,10 +113,7 @@ impl ImageProcessor {
 
     /// Reads and prepares the picture at `path` (PNG, JPEG, WebP or GIF).
     pub fn read(&self, path: impl AsRef<Path>) -> Result<Picture, ImageError> {
-        let path = path.as_ref();
-        let bytes =
-            std::fs::read(path).map_err(|source| ImageError::Io { path: path.display().to_string(), source })?;
-        self.decode(&bytes)
+        self.prepare(&read_image(path)?)
     }
 
     /// Decodes and prepares an encoded picture (PNG, JPEG, WebP or GIF).

@@ -61,6 +61,15 @@ impl<B: Backend> Matrix<B> {
         }
     }
 
+    /// The dtype a product with it takes its input in: a dense matrix's own, f32 for the
+    /// others (their kernels convert as they read).
+    pub fn input_dtype(&self) -> DType {
+        match self {
+            Self::Dense(w) => w.val().dtype(),
+            _ => DType::F32,
+        }
+    }
+
     /// Bytes on the device (for [`Matrix::Ggml`], in host memory).
     pub fn device_bytes(&self) -> usize {
         match self {

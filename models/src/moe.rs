@@ -105,11 +105,7 @@ impl<B: GemmaBackend> Router<B> {
                 // A prompt's scores on the matrix units, through Burn's casts: a step of this
                 // many rows is not replayable.
                 graph::unsupported(|| "the expert router's casts of more than a decode step's rows".into());
-                let dtype = match &self.proj {
-                    Matrix::Dense(w) => w.val().dtype(),
-                    _ => DType::F32,
-                };
-                B::project(h.cast(dtype), &self.proj, Epilogue::Identity).cast(DType::F32)
+                B::project(h.cast(self.proj.input_dtype()), &self.proj, Epilogue::Identity).cast(DType::F32)
             }
         };
         Ok(B::route_experts(scores, self.per_expert_scale.val(), self.top_k)?)

@@ -286,28 +286,36 @@ fn tokenizer_with_specials(specials: &[(usize, &str)]) -> burn_gemma::Tokenizer 
     burn_gemma::Tokenizer::from_vocab(tokens, scores, types, 2).unwrap()
 }
 
-/// llama.cpp's projector GGUF of the fixture (its converter's names, metadata and the soft
-/// embedding norm stored as `1 + w`) gives HF's image features.
-#[test]
-fn gemma3_mmproj_gguf_matches_hf() {
+/// A projector GGUF's metadata as llama.cpp's converter writes it for the vision config `v`
+/// (HF's field names): `projector` is the projector type's key and value, `image_size` the
+/// size it records and `scale` the soft tokens' pooling per side.
+fn clip_gguf(projector: (&str, &str), v: &serde_json::Value, image_size: u32, scale: u32) -> common::gguf::GgufWriter {
     use common::gguf::{GgufWriter, Meta};
-    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
-    let reference = common::read_json(dir.join("reference.json"));
-    let config = common::read_json(dir.join("config.json"));
-    let v = &config["vision_config"];
     let u = |k: &str| v[k].as_u64().unwrap() as u32;
     let mut g = GgufWriter::default();
     g.meta("general.architecture", Meta::Str("clip".into()));
-    g.meta("clip.projector_type", Meta::Str("gemma3".into()));
+    g.meta(projector.0, Meta::Str(projector.1.into()));
     g.meta("clip.vision.embedding_length", Meta::U32(u("hidden_size")));
     g.meta("clip.vision.feed_forward_length", Meta::U32(u("intermediate_size")));
     g.meta("clip.vision.block_count", Meta::U32(u("num_hidden_layers")));
     g.meta("clip.vision.attention.head_count", Meta::U32(u("num_attention_heads")));
     g.meta("clip.vision.attention.layer_norm_epsilon", Meta::F32(1e-6));
-    g.meta("clip.vision.image_size", Meta::U32(u("image_size")));
+    g.meta("clip.vision.image_size", Meta::U32(image_size));
     g.meta("clip.vision.patch_size", Meta::U32(u("patch_size")));
+    g.meta("clip.vision.projector.scale_factor", Meta::U32(scale));
+    g
+}
+
+/// llama.cpp's projector GGUF of the fixture (its converter's names, metadata and the soft
+/// embedding norm stored as `1 + w`) gives HF's image features.
+#[test]
+fn gemma3_mmproj_gguf_matches_hf() {
+    let dir = common::fixtures().join("tiny-gemma-vision/gemma3");
+    let reference = common::read_json(dir.join("reference.json"));
+    let config = common::read_json(dir.join("config.json"));
+    let v = &config["vision_config"];
     // 4 patches a side, 2 soft tokens a side.
-    g.meta("clip.vision.projector.scale_factor", Meta::U32(2));
+    let mut g = clip_gguf(("clip.projector_type", "gemma3"), v, v["image_size"].as_u64().unwrap() as u32, 2);
     let tensors = common::f32_tensors(&std::fs::read(dir.join("model.safetensors")).unwrap());
     for (hf, (shape, mut values)) in tensors {
         let name = if let Some(tower) = hf.strip_prefix("model.vision_tower.") {
@@ -425,23 +433,13 @@ fn gemma4v_gguf_name(hf: &str) -> Option<String> {
 /// Gemma 4 projector refuses a tokenizer without Gemma 4's image tokens.
 #[test]
 fn gemma4_mmproj_gguf_matches_hf() {
-    use common::gguf::{GgufWriter, Meta};
     let dir = common::fixtures().join("tiny-gemma-vision/gemma4");
     let reference = common::read_json(dir.join("reference.json"));
     let config = common::read_json(dir.join("config.json"));
     let v = &config["vision_config"];
     let u = |k: &str| v[k].as_u64().unwrap() as u32;
-    let mut g = GgufWriter::default();
-    g.meta("general.architecture", Meta::Str("clip".into()));
-    g.meta("clip.vision.projector_type", Meta::Str("gemma4v".into()));
-    g.meta("clip.vision.embedding_length", Meta::U32(u("hidden_size")));
-    g.meta("clip.vision.feed_forward_length", Meta::U32(u("intermediate_size")));
-    g.meta("clip.vision.block_count", Meta::U32(u("num_hidden_layers")));
-    g.meta("clip.vision.attention.head_count", Meta::U32(u("num_attention_heads")));
-    g.meta("clip.vision.attention.layer_norm_epsilon", Meta::F32(1e-6));
-    g.meta("clip.vision.image_size", Meta::U32(224));
-    g.meta("clip.vision.patch_size", Meta::U32(u("patch_size")));
-    g.meta("clip.vision.projector.scale_factor", Meta::U32(u("pooling_kernel_size")));
+    // llama.cpp's converter writes an unused image size of 224 for Gemma 4.
+    let mut g = clip_gguf(("clip.vision.projector_type", "gemma4v"), v, 224, u("pooling_kernel_size"));
     let p = u("patch_size") as usize;
     let tensors = common::f32_tensors(&std::fs::read(dir.join("model.safetensors")).unwrap());
     for (hf, (shape, values)) in tensors {

@@ -13,7 +13,7 @@ use burn::{
     module::Module,
     tensor::{DType, Tensor},
 };
-use burn_gemma_kernels::{GemmaBackend, HostMatrix, Matrix};
+use burn_gemma_kernels::{GemmaBackend, HostMatrix};
 
 #[derive(Module, Debug)]
 pub struct Gemma3MultiModalProjector<B: GemmaBackend> {
@@ -71,10 +71,7 @@ impl<B: GemmaBackend> Gemma3MultiModalProjector<B> {
             .reshape([n * tokens * tokens, k, hidden])
             .mean_dim(1)
             .reshape([n, tokens * tokens, hidden]);
-        let dtype = match &self.mm_input_projection_weight.weight {
-            Matrix::Dense(w) => w.val().dtype(),
-            _ => DType::F32,
-        };
+        let dtype = self.mm_input_projection_weight.weight.input_dtype();
         self.mm_input_projection_weight.forward(self.mm_soft_emb_norm.forward(pooled).cast(dtype))
     }
 }
