@@ -1,10 +1,13 @@
 //! Which implementation each backend gets.
 
 use crate::{
-    cube, quant::kernel::Packed, quant::CodeLayout, AddNorm, AttentionOptions, Draws, Epilogue, ExpertProduct,
-    ExpertWeights, Experts, GateUpLayout, GemmaBackend, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix,
-    QkvLayout, QuantError, QuantizedMatrix, ReadBackError, ReservedMemory, RopeTables, Routes, SamplingParams,
-    StepPosition,
+    cube,
+    quant::kernel::Packed,
+    quant::kquant::{gemv::KPacked, HostKQuant, KQuantFormat, KQuantMatrix},
+    quant::CodeLayout,
+    AddNorm, AttentionOptions, Draws, Epilogue, ExpertProduct, ExpertWeights, Experts, GateUpLayout, GemmaBackend,
+    HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError, QuantizedMatrix, ReadBackError,
+    ReservedMemory, RopeTables, Routes, SamplingParams, StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -30,14 +33,17 @@ where
     }
 
     /// Dense weights packed; quantized codes packed into `u32` words, scales in f16 where the
-    /// device has it.
-    /// GGUF blocks are converted to the closest of Q8 and Q4 first.
+    /// device has it. GGUF's Q4_K, Q5_K and Q6_K blocks are kept with their own bits
+    /// ([`crate::quant::kquant`]); other GGUF blocks are converted to the closest of Q8 and Q4.
     fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Result<Matrix<Self>, QuantError> {
+        let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
         Ok(match matrix {
             HostMatrix::Dense(w) => Matrix::Dense(Param::from_tensor(cube::tensor(cube::float(w)))),
             HostMatrix::Quantized(host) => {
-                let scale_dtype = if Self::supports_dtype(device, DType::F16) { DType::F16 } else { DType::F32 };
                 Matrix::Quantized(QuantizedMatrix::upload(&host, CodeLayout::Words, scale_dtype, device))
+            }
+            HostMatrix::Ggml(blocks) if KQuantFormat::of(blocks.dtype()).is_some() => {
+                Matrix::KQuant(KQuantMatrix::upload(&HostKQuant::from_blocks(&blocks)?, scale_dtype, device))
             }
             HostMatrix::Ggml(blocks) => {
                 return Self::upload_matrix(HostMatrix::Quantized(blocks.to_quantized()?), device)
@@ -51,7 +57,8 @@ where
     /// kernels, the epilogue inside them (one launch, the GELU halving what is written); larger
     /// ones to the prefill GEMM on the matrix units ([`crate::gemm`]; quantized weights
     /// dequantized into a transient dense matrix first), then one GELU kernel over the
-    /// interleaved product.
+    /// interleaved product. K-quant matrices take the matrix-vector kernel up to `GEMV_MAX_ROWS`
+    /// rows and the dequantized prefill GEMM above.
     fn project(x: Tensor<Self, 2>, weight: &Matrix<Self>, epilogue: Epilogue) -> Tensor<Self, 2> {
         let [rows, cols] = x.dims();
         let gemv_rows = rows <= crate::linear::GEMV_MAX_ROWS;
@@ -64,6 +71,7 @@ where
         let direct = |w: &Matrix<Self>| match w {
             Matrix::Dense(w) => gemv_rows && x.dtype() == w.val().dtype(),
             Matrix::Quantized(_) => mma_rows || gemv_rows,
+            Matrix::KQuant(_) => gemv_rows,
             Matrix::Stacked(_) | Matrix::Ggml(_) => false,
         };
         let into_columns = |x: &CubeTensor<R>, w: &Matrix<Self>, epilogue: Epilogue, out: &CubeTensor<R>, at: usize| {
@@ -75,12 +83,13 @@ where
                     crate::quant::mma::product_into(x.clone(), &packed(w), epilogue, out, at)
                 }
                 Matrix::Quantized(w) => crate::quant::kernel::gemv_into(x.clone(), &packed(w), epilogue, out, at),
+                Matrix::KQuant(w) => crate::quant::kquant::gemv::gemv_into(x.clone(), &kpacked(w), epilogue, out, at),
                 // Not direct: the callers' guards keep these out.
                 Matrix::Stacked(_) | Matrix::Ggml(_) => {}
             }
         };
         let product = match weight {
-            Matrix::Dense(_) | Matrix::Quantized(_) if direct(weight) => {
+            Matrix::Dense(_) | Matrix::Quantized(_) | Matrix::KQuant(_) if direct(weight) => {
                 let x = cube::float(x);
                 let out = crate::cube::empty(&x, [rows, epilogue.out_width(weight.dims()[0])], x.dtype);
                 into_columns(&x, weight, epilogue, &out, 0);
@@ -111,6 +120,11 @@ where
                 let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
                 prefill_product(x, dense)
             }
+            Matrix::KQuant(w) => {
+                crate::graph::unsupported(|| "a prefill product".into());
+                let dense = cube::tensor(crate::quant::kquant::dequant::dequantize(&kpacked(w), x.dtype()));
+                prefill_product(x, dense)
+            }
             // Only built by the Candle backend's upload; multiplied on the host if handed here.
             Matrix::Ggml(w) => {
                 crate::graph::unsupported(|| "a GGUF block matrix multiplied on the host".into());
@@ -139,11 +153,21 @@ where
             .iter()
             .map(|block| match block {
                 Matrix::Quantized(q) => Some(packed(q)),
-                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) => None,
+                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) | Matrix::KQuant(_) => None,
             })
             .collect();
         if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
             return cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype));
+        }
+        let kquant: Option<Vec<_>> = table
+            .iter()
+            .map(|block| match block {
+                Matrix::KQuant(q) => Some(kpacked(q)),
+                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) | Matrix::Quantized(_) => None,
+            })
+            .collect();
+        if let Some(blocks) = kquant.filter(|b| !b.is_empty()) {
+            return cube::tensor(crate::quant::kquant::dequant::embed(&blocks, cube::int(ids), scale, dtype));
         }
         if table.iter().any(|b| matches!(b, Matrix::Dense(w) if w.val().dtype() != dtype)) {
             crate::graph::unsupported(|| "an embedding cast by Burn".into());
@@ -153,6 +177,7 @@ where
             .map(|block| match block {
                 Matrix::Dense(w) => cube::float(w.val()),
                 Matrix::Quantized(q) => crate::quant::kernel::dequantize(&packed(q), dtype),
+                Matrix::KQuant(q) => crate::quant::kquant::dequant::dequantize(&kpacked(q), dtype),
                 Matrix::Stacked(_) | Matrix::Ggml(_) => {
                     crate::graph::unsupported(|| "a stacked or host-held embedding table made dense".into());
                     cube::float(block.dense_reference(dtype, &ids.device()))
@@ -603,6 +628,23 @@ where
     match crate::gemm::kernel::prefill(cube::float(x.clone()), cube::float(w.clone())) {
         Ok(out) => cube::tensor(out),
         Err(_) => crate::linear::reference(x, w),
+    }
+}
+
+/// The device tensors of a k-quant matrix as kernel arguments.
+pub(crate) fn kpacked<R, F, I, BT>(w: &KQuantMatrix<CubeBackend<R, F, I, BT>>) -> KPacked<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    KPacked {
+        lo: cube::int(w.lo.val()),
+        hi: w.hi.as_ref().map(|h| cube::int(h.val())),
+        meta: cube::int(w.meta.val()),
+        supers: cube::float(w.supers.val()),
+        format: w.format,
     }
 }
 

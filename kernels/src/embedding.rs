@@ -18,7 +18,7 @@ pub fn table_reference<B: Backend>(
         .iter()
         .map(|block| match block {
             Matrix::Quantized(q) => Some(q),
-            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) => None,
+            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) | Matrix::KQuant(_) => None,
         })
         .collect();
     if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
@@ -28,7 +28,7 @@ pub fn table_reference<B: Backend>(
         .iter()
         .map(|block| match block {
             Matrix::Ggml(q) => Some(q),
-            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Quantized(_) => None,
+            Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Quantized(_) | Matrix::KQuant(_) => None,
         })
         .collect();
     if let Some(blocks) = ggml.filter(|b| !b.is_empty()) {

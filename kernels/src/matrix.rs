@@ -3,7 +3,7 @@
 
 use crate::{
     gelu, linear,
-    quant::{self, GgmlBlocks, GgmlMatrix, QuantError},
+    quant::{self, GgmlBlocks, GgmlMatrix, KQuantMatrix, QuantError},
     HostQuantized, QuantizedMatrix,
 };
 use burn::{
@@ -22,6 +22,9 @@ pub enum Matrix<B: Backend> {
     /// Blocks in a GGUF block type, in host memory, multiplied by candle's quantized CPU kernels
     /// (the Candle backend's form of every block-quantized matrix; see [`quant::ggml`]).
     Ggml(GgmlMatrix<B>),
+    /// GGUF's Q4_K, Q5_K or Q6_K super-blocks on the device with the file's bits (the GPU
+    /// backends' form of those types; see [`quant::kquant`]).
+    KQuant(KQuantMatrix<B>),
     /// Consecutive row blocks stored differently (a GGUF's `q` and `k` in Q4_K and `v` in
     /// Q6_K, say): one product, whose output is the blocks' outputs side by side.
     Stacked(Vec<Block<B>>),
@@ -34,6 +37,7 @@ pub enum Block<B: Backend> {
     Dense(Param<Tensor<B, 2>>),
     Quantized(QuantizedMatrix<B>),
     Ggml(GgmlMatrix<B>),
+    KQuant(KQuantMatrix<B>),
 }
 
 impl<B: Backend> Block<B> {
@@ -43,6 +47,7 @@ impl<B: Backend> Block<B> {
             Self::Dense(w) => Matrix::Dense(w.clone()),
             Self::Quantized(w) => Matrix::Quantized(w.clone()),
             Self::Ggml(w) => Matrix::Ggml(w.clone()),
+            Self::KQuant(w) => Matrix::KQuant(w.clone()),
         }
     }
 }
@@ -54,6 +59,7 @@ impl<B: Backend> Matrix<B> {
             Self::Dense(w) => w.val().dims(),
             Self::Quantized(w) => w.shape,
             Self::Ggml(w) => w.shape,
+            Self::KQuant(w) => w.shape,
             Self::Stacked(parts) => {
                 let dims: Vec<[usize; 2]> = parts.iter().map(|p| p.matrix().dims()).collect();
                 [dims.iter().map(|d| d[0]).sum(), dims.first().map_or(0, |d| d[1])]
@@ -76,6 +82,7 @@ impl<B: Backend> Matrix<B> {
             Self::Dense(w) => w.val().shape().num_elements() * w.val().dtype().size(),
             Self::Quantized(w) => w.device_bytes(),
             Self::Ggml(w) => w.host_bytes(),
+            Self::KQuant(w) => w.device_bytes(),
             Self::Stacked(parts) => parts.iter().map(|p| p.matrix().device_bytes()).sum(),
         }
     }
@@ -92,6 +99,7 @@ impl<B: Backend> Matrix<B> {
                 Self::Dense(w) => blocks.push(Block::Dense(w)),
                 Self::Quantized(w) => blocks.push(Block::Quantized(w)),
                 Self::Ggml(w) => blocks.push(Block::Ggml(w)),
+                Self::KQuant(w) => blocks.push(Block::KQuant(w)),
                 Self::Stacked(inner) => blocks.extend(inner),
             }
         }
@@ -105,6 +113,7 @@ impl<B: Backend> Matrix<B> {
             Self::Dense(w) => w.val().cast(dtype),
             Self::Quantized(w) => quant::dequantize_reference(w, dtype),
             Self::Ggml(w) => w.dense(dtype, device),
+            Self::KQuant(w) => w.dense_reference(dtype),
             Self::Stacked(parts) => {
                 Tensor::cat(parts.iter().map(|p| p.matrix().dense_reference(dtype, device)).collect(), 0)
             }
@@ -153,6 +162,7 @@ pub fn reference<B: Backend>(x: Tensor<B, 2>, w: &Matrix<B>, epilogue: Epilogue)
         Matrix::Dense(w) => linear::reference(x, w.val()),
         Matrix::Quantized(w) => quant::project_reference(x, w),
         Matrix::Ggml(w) => return w.product(x, epilogue),
+        Matrix::KQuant(w) => linear::reference(x.clone(), w.dense_reference(x.dtype())),
         Matrix::Stacked(parts) => {
             Tensor::cat(parts.iter().map(|p| reference(x.clone(), &p.matrix(), Epilogue::Identity)).collect(), 1)
         }

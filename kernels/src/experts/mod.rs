@@ -103,7 +103,7 @@ where
         Matrix::Dense(w) => expert_gemv(x, cube::float(w.val()), shape, ids(), weights, product, dtype),
         Matrix::Quantized(w) => expert_qgemv(x, &packed(w), shape, ids(), weights, product, dtype),
         // `upload_experts` stacks only dense and quantized matrices.
-        Matrix::Ggml(_) | Matrix::Stacked(_) => {
+        Matrix::Ggml(_) | Matrix::KQuant(_) | Matrix::Stacked(_) => {
             return project_reference(cube::tensor(x), experts, routes, product, dtype)
         }
     }))
@@ -173,7 +173,7 @@ fn matrix_rows<B: Backend>(matrix: &Matrix<B>, range: Range<usize>) -> Option<Ma
             Some(Matrix::Dense(Param::from_tensor(w.val().slice([range, 0..cols]))))
         }
         Matrix::Quantized(q) => Some(Matrix::Quantized(q.rows(range))),
-        Matrix::Ggml(_) | Matrix::Stacked(_) => None,
+        Matrix::Ggml(_) | Matrix::KQuant(_) | Matrix::Stacked(_) => None,
     }
 }
 

@@ -30,7 +30,7 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 /// `x [n, in] @ w^T` through the backend against f64 sums over `ws` (`w` on the host,
 /// `[out, in]` row-major), in `x`'s dtype.
-fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws: &[f32], what: &str) {
+pub(crate) fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws: &[f32], what: &str) {
     let [n, inp] = x.dims();
     let out = ws.len() / inp;
     let (dtype, device) = (x.dtype(), x.device());

@@ -189,7 +189,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
 /// the GELU epilogue as the unsplit kernel does.
 #[allow(clippy::too_many_arguments, clippy::collapsible_else_if)]
 #[cube]
-fn split_reduce_and_store<F: Float>(
+pub(crate) fn split_reduce_and_store<F: Float>(
     acc: &Array<f32>,
     out: &mut Array<F>,
     place: OutPlace,
@@ -296,7 +296,7 @@ const PLANES_PER_SM: usize = 16;
 /// reached 1,167 GB/s with the units 66% busy converting activations once per feature; split
 /// four ways they keep four features per plane and reached 1,430 GB/s (16.4 us against 20.0 us
 /// per product; a 12B-shaped q4 token 7.7% faster, q8 9.1%).
-fn work_split<R: CubeRuntime>(
+pub(crate) fn work_split<R: CubeRuntime>(
     client: &ComputeClient<R>,
     n: usize,
     out_features: usize,
@@ -333,7 +333,7 @@ fn work_split<R: CubeRuntime>(
 
 /// Code vectors each unit loads per row before using any: enough 16-byte loads in flight per
 /// unit (`unroll * per_plane`, about 4) to cover the memory latency.
-fn gemv_unroll(per_plane: usize, n: usize) -> usize {
+pub(crate) fn gemv_unroll(per_plane: usize, n: usize) -> usize {
     if n > 2 {
         return 1;
     }

@@ -22,6 +22,7 @@ pub mod device;
 pub mod embedding;
 pub mod gemv;
 pub mod ggml;
+pub mod kquant;
 pub mod mma;
 
 #[cfg(test)]
@@ -30,6 +31,7 @@ pub(crate) mod check;
 pub use device::{dequantize_reference, project_reference, CodeLayout, QuantizedMatrix};
 pub use embedding::embed_reference;
 pub use ggml::{GgmlBlocks, GgmlMatrix};
+pub use kquant::{HostKQuant, KQuantFormat, KQuantMatrix};
 use rayon::prelude::*;
 
 /// The CubeCL launchers, for the backends.
@@ -113,6 +115,9 @@ pub enum QuantError {
     /// A stack of expert matrices whose rows do not split evenly among the experts.
     #[error("a [{rows}, {cols}] stack of matrices does not split into {count} experts")]
     Experts { rows: usize, cols: usize, count: usize },
+    /// A GGUF block type that is not a k-quant kept on the GPU (Q4_K, Q5_K, Q6_K).
+    #[error("{dtype} is not one of the k-quant types kept as they are (Q4_K, Q5_K, Q6_K)")]
+    NotKQuant { dtype: String },
     /// candle-core refused the blocks.
     #[error("candle: {0}")]
     Candle(String),
