@@ -12,8 +12,9 @@ use burn_gemma_kernels::{GgmlBlocks, HostQuantized, QuantFormat};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightFormat {
     /// The checkpoint's own format: GGUF block types as the file stores them, which the Candle
-    /// backend multiplies as they are and the GPU backends convert at load (Q8_0 and Q5_0 to Q8;
-    /// Q4_0, Q4_1 and Q4_K to Q4; other block types requantized to Q8); float tensors dense in
+    /// backend multiplies as they are; the GPU backends keep Q4_K, Q5_K and Q6_K as they are too
+    /// (their bits rearranged for the kernels) and convert the others at load (Q8_0 and Q5_0 to
+    /// Q8; Q4_0 and Q4_1 to Q4; other block types requantized to Q8); float tensors dense in
     /// the model dtype.
     #[default]
     Native,

@@ -16,7 +16,8 @@
 
 //!
 //! Here: the formats and host quantization; [`device`]: the device form; [`gemv`]: the decode
-//! product; [`embedding`]: the table gather.
+//! product; [`embedding`]: the table gather; [`kquant`]: GGUF's Q4_K, Q5_K and Q6_K kept with
+//! their own bits on the GPU; [`ggml`]: GGUF blocks on the host (the Candle backend).
 
 pub mod device;
 pub mod embedding;

@@ -2,7 +2,8 @@
 //! stores them ([`GgmlBlocks`]), and held as they are by backends that multiply them without a
 //! conversion ([`GgmlMatrix`]: the Candle backend, through candle's quantized CPU kernels).
 //!
-//! Backends that read only this crate's formats convert at upload ([`GgmlBlocks::to_quantized`]):
+//! The GPU backends keep Q4_K, Q5_K and Q6_K as they are ([`super::kquant`]). Backends that read
+//! only this crate's formats convert the other types at upload ([`GgmlBlocks::to_quantized`]):
 //! Q8_0 and Q5_0 to Q8, Q4_0 and Q4_1 to Q4 exactly, Q4_K to Q4 up to rounding its two-level
 //! scales to f16, every other type dequantized and requantized to Q8.
 //!
