@@ -98,13 +98,14 @@ pub fn resolve_weights(
         // kernels and the GPU kernels read the codes directly.
         "auto" if backend_name.starts_with("ndarray") => WeightFormat::Dense,
         "auto" | "native" => WeightFormat::Native,
+        "converted" => WeightFormat::Converted,
         "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
         "q4" => WeightFormat::Quantized(QuantFormat::Q4),
         other => {
             let dense = parse_dtype(other).map_err(|_| OptionError::Unknown {
                 option: "--weights",
                 value: other.into(),
-                expected: "auto, native, q8, q4, bf16, f16 or f32",
+                expected: "auto, native, converted, q8, q4, bf16, f16 or f32",
             })?;
             if let Some(asked) = asked.filter(|&a| a != dense) {
                 return Err(
@@ -417,6 +418,7 @@ mod tests {
             (WeightFormat::Quantized(QuantFormat::Q4), DType::F16)
         );
         assert_eq!(resolve_weights("f32", None, "cuda:0").unwrap(), (WeightFormat::Dense, DType::F32));
+        assert_eq!(resolve_weights("converted", None, "cuda:0").unwrap(), (WeightFormat::Converted, DType::BF16));
         assert_eq!(resolve_weights("bf16", Some("bf16"), "cuda:0").unwrap(), (WeightFormat::Dense, DType::BF16));
         let conflict = resolve_weights("f32", Some("bf16"), "cuda:0").unwrap_err().to_string();
         assert!(conflict.contains("--weights f32") && conflict.contains("--dtype"), "{conflict}");

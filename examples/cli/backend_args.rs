@@ -15,10 +15,11 @@ pub struct BackendArgs {
     /// f32 | f16 | bf16: compute dtype; default: bf16 on CUDA/ROCm, f32 elsewhere.
     #[arg(long)]
     pub dtype: Option<String>,
-    /// auto | native | q8 | q4 | bf16 | f16 | f32: how weight matrices are kept on the device
-    /// (`native`: a GGUF's own block types, multiplied as they are on Candle and converted to
-    /// q8/q4 for the GPU kernels; dense for safetensors; `auto`: native, except dense on
-    /// NdArray, which dequantizes on every product).
+    /// auto | native | converted | q8 | q4 | bf16 | f16 | f32: how weight matrices are kept on
+    /// the device (`native`: a GGUF's own block types, multiplied as they are on Candle and by
+    /// the GPU kernels for Q4_K/Q5_K/Q6_K, other types converted to q8/q4 on GPUs; `converted`:
+    /// every block type converted to the closest of q8/q4; dense for safetensors; `auto`:
+    /// native, except dense on NdArray, which dequantizes on every product).
     #[arg(long, default_value = "auto")]
     pub weights: String,
     /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the

@@ -66,7 +66,7 @@ impl<B: GemmaBackend> Embedding<B> {
                 Some(blocks) if blocks.closest_format() == QuantFormat::Q4 => {
                     Some(HostMatrix::Quantized(requantize(blocks)?))
                 }
-                Some(blocks) => Some(HostMatrix::Ggml(blocks)),
+                Some(blocks) => Some(settings.native(blocks, name)?),
             },
         };
         let max_bytes = B::max_buffer_bytes(device);

@@ -28,7 +28,7 @@ impl WeightSettings {
             return None;
         }
         match self.format {
-            WeightFormat::Native => Some(BlockRequest::Native),
+            WeightFormat::Native | WeightFormat::Converted => Some(BlockRequest::Native),
             WeightFormat::Quantized(q) | WeightFormat::Dequantized(q) => Some(BlockRequest::Format(q)),
             WeightFormat::Dense => None,
         }
@@ -59,6 +59,20 @@ impl WeightSettings {
     }
 }
 
+impl WeightSettings {
+    /// A checkpoint's own blocks as this format keeps them: as they are, or for
+    /// [`WeightFormat::Converted`] in the closest of this crate's formats.
+    pub(crate) fn native<B: GemmaBackend>(&self, blocks: GgmlBlocks, name: &str) -> Result<HostMatrix<B>, ModelError> {
+        match self.format {
+            WeightFormat::Converted => blocks
+                .to_quantized()
+                .map(HostMatrix::Quantized)
+                .map_err(|source| ModelError::Quantize { name: name.to_string(), source }),
+            _ => Ok(HostMatrix::Ggml(blocks)),
+        }
+    }
+}
+
 /// A block format asked of a [`WeightSource`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BlockRequest {
@@ -84,7 +98,7 @@ pub(crate) fn load_matrix<B: GemmaBackend>(
         }
         Some(BlockRequest::Native) => {
             if let Some(blocks) = source.load_blocks(name, shape)? {
-                return Ok(HostMatrix::Ggml(blocks));
+                return settings.native(blocks, name);
             }
         }
         None => {}

@@ -18,6 +18,12 @@ pub enum WeightFormat {
     /// the model dtype.
     #[default]
     Native,
+    /// GGUF block types converted at load to the closest of this crate's formats
+    /// ([`burn_gemma_kernels::GgmlBlocks::to_quantized`]: Q4_0, Q4_1 and Q4_K to Q4, others to
+    /// Q8; float tensors dense): more bytes per decode token than [`WeightFormat::Native`] on a
+    /// GPU (Q6_K's 6.56 bits become 8.5, Q4_K's 4.5 become 5), but batches of 3 to 64 rows
+    /// multiply those formats on the matrix units without a dense copy of each matrix.
+    Converted,
     /// Every matrix quantized to this format (the embedding table at least Q8); matrices
     /// whose rows do not split into 32-wide blocks stay dense in the model dtype, as GGUF
     /// files keep them.
@@ -35,6 +41,7 @@ impl std::fmt::Display for WeightFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Native => f.write_str("native"),
+            Self::Converted => f.write_str("converted"),
             Self::Quantized(q) => write!(f, "{q}"),
             Self::Dequantized(q) => write!(f, "{q}-dequantized"),
             Self::Dense => f.write_str("dense"),

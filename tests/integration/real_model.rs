@@ -203,6 +203,19 @@ fn real_model_short_cases_on_wgpu() {
     check_cases(&loaded, &device, cases, DENSE);
 }
 
+/// The file's own blocks on the GPU kernels: Q4_K and Q6_K kept with their bits (the k-quant
+/// kernels), Q5_0 and Q8_0 converted to Q8 exactly, so the weights are the file's and every
+/// product runs in f32: HF's logits as closely as dense weights, prompts (the dequantized
+/// matrices) and one token at a time (the matrix-vector kernels) alike.
+#[cfg(feature = "wgpu")]
+#[test]
+fn real_model_native_blocks_on_wgpu() {
+    let device = Default::default();
+    let loaded = load::<burn_gemma::backends::Wgpu>(&device, WeightFormat::Native);
+    check_cases(&loaded, &device, &["capital"], DENSE);
+    check_decode_path(&loaded, &device, &["capital"], DENSE);
+}
+
 /// The verify step of speculative decoding ([`burn_gemma::Gemma::forward_each`]) on the real
 /// model with its own blocks on the CPU: every row's logits are, bit for bit, those of a
 /// one-token step at its position, past the sliding window's wrap (512 positions) too.
