@@ -97,7 +97,10 @@ pub fn resolve_weights(
         // weights are much faster there; Candle multiplies GGUF blocks with candle's quantized
         // kernels and the GPU kernels read the codes directly.
         "auto" if backend_name.starts_with("ndarray") => WeightFormat::Dense,
-        "auto" | "native" => WeightFormat::Native,
+        "auto" if backend_name.starts_with("candle") => WeightFormat::Native,
+        // The GPU kernels decode Q4/Q8 faster than the file's k-quants (`PreferredBlocks`).
+        "auto" => WeightFormat::Converted,
+        "native" => WeightFormat::Native,
         "converted" => WeightFormat::Converted,
         "q8" | "q8_0" => WeightFormat::Quantized(QuantFormat::Q8),
         "q4" => WeightFormat::Quantized(QuantFormat::Q4),
@@ -412,7 +415,8 @@ mod tests {
     fn weights_and_kv_flags_resolve() {
         assert_eq!(resolve_weights("auto", None, "candle (CPU)").unwrap(), (WeightFormat::Native, DType::F32));
         assert_eq!(resolve_weights("auto", None, "ndarray (CPU)").unwrap(), (WeightFormat::Dense, DType::F32));
-        assert_eq!(resolve_weights("auto", None, "cuda:0").unwrap(), (WeightFormat::Native, DType::BF16));
+        assert_eq!(resolve_weights("auto", None, "cuda:0").unwrap(), (WeightFormat::Converted, DType::BF16));
+        assert_eq!(resolve_weights("native", None, "cuda:0").unwrap(), (WeightFormat::Native, DType::BF16));
         assert_eq!(
             resolve_weights("Q4", Some("f16"), "cuda:0").unwrap(),
             (WeightFormat::Quantized(QuantFormat::Q4), DType::F16)

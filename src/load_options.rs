@@ -2,6 +2,7 @@
 
 use crate::{GemmaBackend, KvFormat, WeightFormat};
 use burn::tensor::DType;
+use burn_gemma_kernels::PreferredBlocks;
 use burn_gemma_model::ModelOptions;
 
 /// How far loading has come: tensors read of the checkpoint's total.
@@ -16,8 +17,10 @@ pub struct LoadProgress {
 ///
 /// - device: the backend's default device;
 /// - dtype: the backend's preferred activation dtype (bf16 on CUDA, f32 elsewhere);
-/// - weights: the checkpoint's own format ([`WeightFormat::Native`]) where the backend
-///   multiplies block-quantized matrices directly, dense on the plain CPU reference (NdArray);
+/// - weights: the backend's [`GemmaBackend::preferred_blocks`]: the checkpoint's own format
+///   ([`WeightFormat::Native`]) on Candle, GGUF blocks converted to Q8/Q4
+///   ([`WeightFormat::Converted`]) on the GPU backends, dense on the plain CPU reference
+///   (NdArray);
 /// - KV cache: dense in the activation dtype;
 /// - progress: none.
 ///
@@ -106,10 +109,10 @@ impl<B: GemmaBackend> LoadOptions<B> {
     /// The model options these resolve to on backend `B`.
     pub fn model_options(&self) -> ModelOptions {
         let dtype = self.dtype.unwrap_or_else(|| B::preferred_dtype(&self.device));
-        let weights = self.weights.unwrap_or(if B::quantized_products_fast() {
-            WeightFormat::Native
-        } else {
-            WeightFormat::Dense
+        let weights = self.weights.unwrap_or(match B::preferred_blocks() {
+            PreferredBlocks::Native => WeightFormat::Native,
+            PreferredBlocks::Converted => WeightFormat::Converted,
+            PreferredBlocks::Dense => WeightFormat::Dense,
         });
         ModelOptions { dtype, weights, kv_cache: self.kv_cache }
     }

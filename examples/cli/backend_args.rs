@@ -19,7 +19,8 @@ pub struct BackendArgs {
     /// the device (`native`: a GGUF's own block types, multiplied as they are on Candle and by
     /// the GPU kernels for Q4_K/Q5_K/Q6_K, other types converted to q8/q4 on GPUs; `converted`:
     /// every block type converted to the closest of q8/q4; dense for safetensors; `auto`:
-    /// native, except dense on NdArray, which dequantizes on every product).
+    /// native on Candle, converted on GPUs (their Q8/Q4 kernels decode faster than the
+    /// k-quant ones), dense on NdArray, which dequantizes on every product).
     #[arg(long, default_value = "auto")]
     pub weights: String,
     /// auto | bf16 | f16 | f32 | int8: how the KV cache stores keys and values (`auto`: the

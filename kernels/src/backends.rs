@@ -23,6 +23,11 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    /// Converted to Q8/Q4 (see [`crate::PreferredBlocks::Converted`]).
+    fn preferred_blocks() -> crate::PreferredBlocks {
+        crate::PreferredBlocks::Converted
+    }
+
     /// bf16 on CUDA (matrix units), f32 elsewhere.
     fn preferred_dtype(_device: &Self::Device) -> DType {
         #[cfg(feature = "cuda")]
@@ -672,8 +677,8 @@ where
     burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>,
     burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<I>>,
 {
-    fn quantized_products_fast() -> bool {
-        false
+    fn preferred_blocks() -> crate::PreferredBlocks {
+        crate::PreferredBlocks::Dense
     }
 }
 

@@ -74,7 +74,26 @@ pub fn read_back<B: burn::tensor::backend::Backend, const D: usize>(
         .map_err(|e| fail(format!("{e:?}")))
 }
 
-pub use quant::{GgmlBlocks, GgmlMatrix, HostQuantized, QuantError, QuantFormat, QuantizedMatrix};
+pub use quant::{
+    GgmlBlocks, GgmlMatrix, HostKQuant, HostQuantized, KQuantFormat, KQuantMatrix, QuantError, QuantFormat,
+    QuantizedMatrix,
+};
+
+/// How a backend best keeps a checkpoint's block-quantized matrices by default
+/// ([`GemmaBackend::preferred_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreferredBlocks {
+    /// As the file stores them.
+    Native,
+    /// Converted to the closest of Q8 and Q4. The GPU backends' choice: on the H200 their Q4
+    /// and Q8 matrix-vector kernels decode faster than the k-quant ones read the file's fewer
+    /// bytes (Gemma 3 12B shapes, tg128: 510 against 460 tok/s for Q4_K, 473 against 379 for
+    /// Q6_K, 179 against 156 on a Q4_K_M file; `docs/gpu-runs/2026-11-28-kquant`): the k-quant
+    /// kernels decode more per weight and are bound by issuing instructions, not by memory.
+    Converted,
+    /// Dequantized, dense in the model dtype.
+    Dense,
+}
 pub use rms_norm::AddNorm;
 pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
@@ -134,11 +153,12 @@ pub trait GemmaBackend: ReservedMemory {
         DType::F32
     }
 
-    /// Whether block-quantized matrices multiply without a dense copy per product (the GPU
-    /// kernels and candle's block products do; the plain reference dequantizes every time, so
-    /// dense weights are the better default there).
-    fn quantized_products_fast() -> bool {
-        true
+    /// How this backend best keeps a checkpoint's block-quantized matrices when a load asks
+    /// for nothing else: as the file stores them (candle's block products), converted to Q8/Q4
+    /// (the GPU kernels: see [`PreferredBlocks::Converted`]), or dense (the plain reference
+    /// dequantizes on every product).
+    fn preferred_blocks() -> PreferredBlocks {
+        PreferredBlocks::Native
     }
 
     /// Puts a checkpoint matrix in the layout this backend's kernels read, once at load: dense

@@ -7,7 +7,6 @@ use crate::quant::check::{check_product, host, values};
 use crate::quant::ggml::tests::random_blocks;
 use crate::quant::GgmlBlocks;
 use crate::{gelu, matrix, Epilogue, GemmaBackend, HostMatrix, Matrix};
-use burn::module::Param;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use candle_core::quantized::GgmlDType;
 
@@ -49,23 +48,28 @@ fn kquant<B: GemmaBackend>(device: &B::Device, dtype: DType) {
             let ws = blocks.dequantize().expect("candle dequantizes");
             check_product(x, &w, &ws, &format!("{ty:?} project {n}x{inp} -> {out}"));
         }
-        // Gate and up rows interleaved in blocks of four, the GELU in the kernel's epilogue.
+        // Gate and up rows interleaved in blocks of four, the GELU in the kernel's epilogue,
+        // against f64 host products of the separate matrices.
         let (features, inp) = (48, 512);
         let gate = random_blocks(ty, features, inp, s + 50);
         let up = random_blocks(ty, features, inp, s + 51);
+        let (gw, uw) = (gate.dequantize().expect("dequantizes"), up.dequantize().expect("dequantizes"));
         let joined = GgmlBlocks::interleave_pairs(gate, up, gelu::PAIR_BLOCK).expect("pairs");
         let w = upload::<B>(&joined, device);
-        let dense = Tensor::<B, 2>::from_data(
-            TensorData::new(joined.dequantize().expect("dequantizes"), [2 * features, inp]),
-            (device, DType::F32),
-        );
         for n in [1, 2, 5] {
             let x = activations::<B>(n, inp, s + 60 + n as u64, dtype, device);
-            let expected = matrix::reference(
-                x.clone().cast(DType::F32),
-                &Matrix::Dense(Param::from_tensor(dense.clone())),
-                Epilogue::GeluPairs,
-            );
+            let xs = host(x.clone());
+            let dot = |r: usize, w: &[f32], o: usize| {
+                (0..inp).map(|c| xs[r * inp + c] as f64 * w[o * inp + c] as f64).sum::<f64>()
+            };
+            let expected: Vec<f32> = (0..n)
+                .flat_map(|r| (0..features).map(move |o| (r, o)))
+                .map(|(r, o)| {
+                    let (g, u) = (dot(r, &gw, o), dot(r, &uw, o));
+                    (0.5 * g * (1.0 + (0.797_884_560_8 * (g + 0.044715 * g * g * g)).tanh()) * u) as f32
+                })
+                .collect();
+            let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, features]), (device, DType::F32));
             let got = B::project(x, &w, Epilogue::GeluPairs);
             assert_eq!(got.dtype(), dtype);
             assert_close(got, expected, tolerance(dtype) * 2.0, &format!("{ty:?} GELU pairs {n} rows"));
