@@ -122,13 +122,17 @@ where
             }
             Matrix::Quantized(w) => {
                 crate::graph::unsupported(|| "a prefill product".into());
-                let dense = cube::tensor(crate::quant::kernel::dequantize(&packed(w), x.dtype()));
-                prefill_product(x, dense)
+                let w = packed(w);
+                dequantized_product(x, weight.dims(), |rows, dtype| {
+                    crate::quant::kernel::dequantize_rows(&w, rows, dtype)
+                })
             }
             Matrix::KQuant(w) => {
                 crate::graph::unsupported(|| "a prefill product".into());
-                let dense = cube::tensor(crate::quant::kquant::dequant::dequantize(&kpacked(w), x.dtype()));
-                prefill_product(x, dense)
+                let w = kpacked(w);
+                dequantized_product(x, weight.dims(), |rows, dtype| {
+                    crate::quant::kquant::dequant::dequantize_rows(&w, rows, dtype)
+                })
             }
             // Only built by the Candle backend's upload; multiplied on the host if handed here.
             Matrix::Ggml(w) => {
@@ -634,6 +638,36 @@ where
         Ok(out) => cube::tensor(out),
         Err(_) => crate::linear::reference(x, w),
     }
+}
+
+/// `x @ w^T` for a block-quantized `w` of `dims` (`[out, in]`): its rows dequantized into
+/// transient dense matrices (`dequantize(rows, dtype)`) no larger than one buffer of the device
+/// may be (wgpu caps a buffer at 128 MiB; a Gemma embedding table dense in f32 is 0.7-3.9 GB),
+/// each multiplied by the prefill GEMM, the products side by side.
+fn dequantized_product<R, F, I, BT>(
+    x: Tensor<CubeBackend<R, F, I, BT>, 2>,
+    dims: [usize; 2],
+    dequantize: impl Fn(Range<usize>, DType) -> CubeTensor<R>,
+) -> Tensor<CubeBackend<R, F, I, BT>, 2>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let [out, cols] = dims;
+    let dtype = x.dtype();
+    let max_bytes = <CubeBackend<R, F, I, BT> as ReservedMemory>::max_buffer_bytes(&x.device());
+    let chunk = (max_bytes / (cols * dtype.size()).max(1)).max(1);
+    if chunk >= out {
+        return prefill_product(x, cube::tensor(dequantize(0..out, dtype)));
+    }
+    let parts: Vec<_> = (0..out)
+        .step_by(chunk)
+        .map(|start| prefill_product(x.clone(), cube::tensor(dequantize(start..(start + chunk).min(out), dtype))))
+        .collect();
+    crate::graph::unsupported(|| "a dequantized product joined by Burn".into());
+    Tensor::cat(parts, 1)
 }
 
 /// The device tensors of a k-quant matrix as kernel arguments.

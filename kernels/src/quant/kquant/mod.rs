@@ -181,6 +181,41 @@ fn codes_of(format: KQuantFormat, block: &[u8]) -> [u8; SUPER] {
     q
 }
 
+/// One super-block's share of the device arrays.
+struct Rearranged<'a> {
+    lo: &'a mut [u32],
+    hi: Option<&'a mut [u32]>,
+    meta: &'a mut [u32],
+    supers: &'a mut [f32],
+}
+
+impl Rearranged<'_> {
+    /// Writes the super-block `block` (GGUF bytes) of `format`.
+    fn fill(self, format: KQuantFormat, block: &[u8]) {
+        let q = codes_of(format, block);
+        for (w, word) in self.lo.iter_mut().enumerate() {
+            *word = (0..8).fold(0, |acc, n| acc | ((q[8 * w + n] & 0xF) as u32) << (4 * n));
+        }
+        if let Some(hi) = self.hi {
+            let hb = format.hi_bits();
+            let per = 32 / hb;
+            for (w, word) in hi.iter_mut().enumerate() {
+                *word = (0..per).fold(0, |acc, n| acc | ((q[per * w + n] >> 4) as u32) << (hb * n));
+            }
+        }
+        let (supers_at, meta_at) = match format {
+            KQuantFormat::Q4K | KQuantFormat::Q5K => (&[0, 2][..], 4),
+            KQuantFormat::Q6K => (&[208][..], 192),
+        };
+        for (value, &at) in self.supers.iter_mut().zip(supers_at) {
+            *value = f16_at(block, at);
+        }
+        for (k, word) in self.meta.iter_mut().enumerate() {
+            *word = word_at(block, meta_at + 4 * k);
+        }
+    }
+}
+
 impl HostKQuant {
     /// Rearranges `blocks` (Q4_K, Q5_K or Q6_K) for the device; other types are refused.
     pub fn from_blocks(blocks: &GgmlBlocks) -> Result<Self, QuantError> {
@@ -207,38 +242,14 @@ impl HostKQuant {
         let meta = out.meta.par_chunks_mut(mw);
         let supers = out.supers.par_chunks_mut(sw);
         let raw = blocks.bytes().par_chunks_exact(size);
-        let fill = |(((block, lo), meta), supers): (((&[u8], &mut [u32]), &mut [u32]), &mut [f32]),
-                    hi: Option<&mut [u32]>| {
-            let q = codes_of(format, block);
-            for (w, word) in lo.iter_mut().enumerate() {
-                *word = (0..8).fold(0, |acc, n| acc | ((q[8 * w + n] & 0xF) as u32) << (4 * n));
-            }
-            if let Some(hi) = hi {
-                let per = 32 / hb;
-                for (w, word) in hi.iter_mut().enumerate() {
-                    *word = (0..per).fold(0, |acc, n| acc | ((q[per * w + n] >> 4) as u32) << (hb * n));
-                }
-            }
-            match format {
-                KQuantFormat::Q4K | KQuantFormat::Q5K => {
-                    supers[0] = f16_at(block, 0);
-                    supers[1] = f16_at(block, 2);
-                    for (k, word) in meta.iter_mut().enumerate() {
-                        *word = word_at(block, 4 + 4 * k);
-                    }
-                }
-                KQuantFormat::Q6K => {
-                    supers[0] = f16_at(block, 208);
-                    for (k, word) in meta.iter_mut().enumerate() {
-                        *word = word_at(block, 192 + 4 * k);
-                    }
-                }
-            }
-        };
         if hb == 0 {
-            raw.zip(lo).zip(meta).zip(supers).for_each(|parts| fill(parts, None));
+            raw.zip(lo).zip(meta).zip(supers).for_each(|(((block, lo), meta), supers)| {
+                Rearranged { lo, hi: None, meta, supers }.fill(format, block)
+            });
         } else {
-            raw.zip(lo).zip(meta).zip(supers).zip(hi).for_each(|(parts, hi)| fill(parts, Some(hi)));
+            raw.zip(lo).zip(meta).zip(supers).zip(hi).for_each(|((((block, lo), meta), supers), hi)| {
+                Rearranged { lo, hi: Some(hi), meta, supers }.fill(format, block)
+            });
         }
         Ok(out)
     }
