@@ -102,7 +102,7 @@ pub struct FlashTiling {
     pub prefetch: Prefetch,
     /// Head size.
     pub dim: usize,
-    /// Value columns per cube (`dim`, or half of it above [`MAX_DV`]).
+    /// Value columns per cube (`dim`, or half of it above `MAX_DV`).
     pub dv: usize,
 }
 
@@ -124,7 +124,7 @@ impl FlashTiling {
     }
 
     /// The tiling for heads of `dim` with `layout`, where the kernel takes it (`dim` a multiple
-    /// of 16 up to [`MAX_DIM`], value columns a multiple of the keys per tile).
+    /// of 16 up to `MAX_DIM`, value columns a multiple of the keys per tile).
     pub fn new(dim: usize, layout: FlashLayout) -> Option<Self> {
         let FlashLayout { planes, bk, prefetch } = layout;
         let dv = if dim <= MAX_DV { dim } else { dim / 2 };
@@ -140,7 +140,7 @@ impl FlashTiling {
 
     /// The tiling the kernel uses for heads of `dim` under `shared` bytes of shared memory per
     /// cube: the layout [`set_flash_layout`] gave where it fits, else the first of
-    /// [`DEFAULT_LAYOUTS`] that fits.
+    /// `DEFAULT_LAYOUTS` that fits.
     pub fn choose(dim: usize, shared: usize) -> Option<Self> {
         let fits = |t: &Self| t.shared_bytes() <= shared;
         let chosen = flash_layout().and_then(|l| Self::new(dim, l)).filter(fits);

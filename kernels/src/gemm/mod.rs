@@ -53,7 +53,7 @@ pub enum GemmKernel {
     DoubleTma { tiles: TileKind },
     /// No matrix units: each unit computes a small tile with scalar products.
     Unit,
-    /// NVIDIA's cuBLASLt (CUDA only, loaded at run time; [`cublas`]): its heuristic's first
+    /// NVIDIA's cuBLASLt (CUDA only, loaded at run time; `cublas`): its heuristic's first
     /// algorithm for the shape, `wgmma` on Hopper.
     CublasLt,
     /// AMD's hipBLASLt (ROCm only, loaded at run time; `hipblas`, built with the `rocm`

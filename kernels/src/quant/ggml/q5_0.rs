@@ -38,7 +38,7 @@ pub fn simd() -> bool {
     }
 }
 
-/// The fastest dot product this CPU runs: the AVX2 kernel, else the scalar [`reference`].
+/// The fastest dot product this CPU runs: the AVX2 kernel, else the scalar `reference`.
 pub fn dot_fn() -> DotFn {
     #[cfg(target_arch = "x86_64")]
     if simd() {
