@@ -158,24 +158,11 @@ where
     /// One kernel launch per table (dense or quantized); a table mixing the two (which the
     /// loader never builds) gathers from the quantized blocks dequantized whole.
     fn embed(table: &[Matrix<Self>], ids: Tensor<Self, 2, Int>, scale: f64, dtype: DType) -> Tensor<Self, 3> {
-        let quantized: Option<Vec<_>> = table
-            .iter()
-            .map(|block| match block {
-                Matrix::Quantized(q) => Some(packed(q)),
-                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) | Matrix::KQuant(_) => None,
-            })
-            .collect();
-        if let Some(blocks) = quantized.filter(|b| !b.is_empty()) {
+        if let Some(blocks) = every_block(table, |b| if let Matrix::Quantized(q) = b { Some(packed(q)) } else { None })
+        {
             return cube::tensor(crate::quant::kernel::embed(&blocks, cube::int(ids), scale, dtype));
         }
-        let kquant: Option<Vec<_>> = table
-            .iter()
-            .map(|block| match block {
-                Matrix::KQuant(q) => Some(kpacked(q)),
-                Matrix::Dense(_) | Matrix::Stacked(_) | Matrix::Ggml(_) | Matrix::Quantized(_) => None,
-            })
-            .collect();
-        if let Some(blocks) = kquant.filter(|b| !b.is_empty()) {
+        if let Some(blocks) = every_block(table, |b| if let Matrix::KQuant(q) = b { Some(kpacked(q)) } else { None }) {
             return cube::tensor(crate::quant::kquant::dequant::embed(&blocks, cube::int(ids), scale, dtype));
         }
         if table.iter().any(|b| matches!(b, Matrix::Dense(w) if w.val().dtype() != dtype)) {
@@ -638,6 +625,14 @@ where
         Ok(out) => cube::tensor(out),
         Err(_) => crate::linear::reference(x, w),
     }
+}
+
+/// `part` of every block of a table, where every block has one (and there is a block).
+fn every_block<B: burn::tensor::backend::Backend, T>(
+    table: &[Matrix<B>],
+    part: impl Fn(&Matrix<B>) -> Option<T>,
+) -> Option<Vec<T>> {
+    table.iter().map(part).collect::<Option<Vec<T>>>().filter(|b| !b.is_empty())
 }
 
 /// `x @ w^T` for a block-quantized `w` of `dims` (`[out, in]`): its rows dequantized into

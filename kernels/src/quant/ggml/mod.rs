@@ -211,7 +211,7 @@ fn dequantize(q: &QTensor) -> Result<Vec<f32>, QuantError> {
     q.dequantize(&cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(candle_error)
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
@@ -333,7 +333,7 @@ fn from_q4(dtype: GgmlDType, raw: &[u8], rows: usize, cols: usize) -> Result<Hos
 }
 
 /// The 6-bit scale and min of Q4_K sub-block `j` from the 12 packed bytes.
-fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+pub(crate) fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

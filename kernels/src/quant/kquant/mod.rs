@@ -32,6 +32,7 @@ mod check;
 pub mod dequant;
 pub mod gemv;
 
+use super::ggml::{f16_at, q4k_scale_min};
 use super::{GgmlBlocks, QuantError};
 use burn::{
     module::{Module, Param},
@@ -134,21 +135,8 @@ pub struct HostKQuant {
     pub supers: Vec<f32>,
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
 fn word_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-/// The 6-bit scale and min of Q4_K/Q5_K sub-block `j` from the 12 packed bytes.
-fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    }
 }
 
 /// One super-block's codes (`0..16`, `0..32` or `0..64`) in the weights' order, from GGUF's
@@ -276,13 +264,16 @@ impl HostKQuant {
     pub fn value(&self, i: usize) -> f32 {
         let sb = i / SUPER;
         let within = i % SUPER;
-        let meta = &self.meta[sb * self.format.meta_words()..];
-        let bytes: Vec<u8> = meta[..self.format.meta_words()].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let words = self.format.meta_words();
+        let mut bytes = [0u8; 16];
+        for (k, word) in self.meta[sb * words..(sb + 1) * words].iter().enumerate() {
+            bytes[4 * k..4 * k + 4].copy_from_slice(&word.to_le_bytes());
+        }
         let q = self.code(i) as f32;
         match self.format {
             KQuantFormat::Q4K | KQuantFormat::Q5K => {
                 let (d, dmin) = (self.supers[2 * sb], self.supers[2 * sb + 1]);
-                let (sc, m) = scale_min(within / 32, &bytes);
+                let (sc, m) = q4k_scale_min(within / 32, &bytes);
                 d * sc as f32 * q - dmin * m as f32
             }
             KQuantFormat::Q6K => self.supers[sb] * bytes[within / 16] as i8 as f32 * (q - 32.0),
