@@ -18,6 +18,7 @@
 //! candle picks its AVX2 code at compile time: the repository's `.cargo/config.toml` builds for
 //! x86-64-v3.
 
+pub mod gelu;
 pub mod product;
 pub mod q5_0;
 
@@ -378,7 +379,7 @@ impl<B: Backend> GgmlMatrix<B> {
 
     /// `x [n, cols] @ self^T -> [n, rows]` in `x`'s dtype, then `epilogue`, on the host: the
     /// product by [`product::product`] (see the module docs), the GELU of
-    /// [`Epilogue::GeluPairs`] by [`product::gelu_pairs`] (one pass over the product, in
+    /// [`Epilogue::GeluPairs`] by [`gelu::gelu_pairs`] (one pass over the product, in
     /// parallel, where Burn's elementwise operations would take several).
     pub fn product(&self, x: Tensor<B, 2>, epilogue: Epilogue) -> Tensor<B, 2> {
         let n = x.dims()[0];
@@ -387,7 +388,7 @@ impl<B: Backend> GgmlMatrix<B> {
         let out = checked(product::product(&values, &self.blocks), "multiply");
         let (out, width) = match epilogue {
             Epilogue::Identity => (out, self.shape[0]),
-            Epilogue::GeluPairs => (product::gelu_pairs(&out, self.shape[0]), self.shape[0] / 2),
+            Epilogue::GeluPairs => (gelu::gelu_pairs(&out, self.shape[0]), self.shape[0] / 2),
         };
         Tensor::from_data(TensorData::new(out, [n, width]), (&device, dtype))
     }

@@ -57,19 +57,24 @@ pub fn product(x: &[f32], w: &QTensor) -> Result<Vec<f32>, ProductError> {
     let Cow::Borrowed(bytes) = data else { return Err(ProductError::NotHost) };
     let shape = Shape { m: x.len() / cols, k: cols, n: rows };
     match w.dtype() {
-        GgmlDType::Q4_0 => typed::<BlockQ4_0>(x, bytes, shape, BlockQ4_0::vec_dot),
-        GgmlDType::Q4_1 => typed::<BlockQ4_1>(x, bytes, shape, BlockQ4_1::vec_dot),
+        GgmlDType::Q4_0 => typed::<BlockQ4_0>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q4_1 => typed::<BlockQ4_1>(x, bytes, shape, BlockFns::candle()),
         // candle's Q5_0 dot product is scalar: ours runs AVX2 where the CPU has it.
-        GgmlDType::Q5_0 => typed::<BlockQ5_0>(x, bytes, shape, super::q5_0::dot_fn()),
-        GgmlDType::Q5_1 => typed::<BlockQ5_1>(x, bytes, shape, BlockQ5_1::vec_dot),
-        GgmlDType::Q8_0 => typed::<BlockQ8_0>(x, bytes, shape, BlockQ8_0::vec_dot),
-        GgmlDType::Q8_1 => typed::<BlockQ8_1>(x, bytes, shape, BlockQ8_1::vec_dot),
-        GgmlDType::Q2K => typed::<BlockQ2K>(x, bytes, shape, BlockQ2K::vec_dot),
-        GgmlDType::Q3K => typed::<BlockQ3K>(x, bytes, shape, BlockQ3K::vec_dot),
-        GgmlDType::Q4K => typed::<BlockQ4K>(x, bytes, shape, BlockQ4K::vec_dot),
-        GgmlDType::Q5K => typed::<BlockQ5K>(x, bytes, shape, BlockQ5K::vec_dot),
-        GgmlDType::Q6K => typed::<BlockQ6K>(x, bytes, shape, BlockQ6K::vec_dot),
-        GgmlDType::Q8K => typed::<BlockQ8K>(x, bytes, shape, BlockQ8K::vec_dot),
+        GgmlDType::Q5_0 => typed::<BlockQ5_0>(
+            x,
+            bytes,
+            shape,
+            BlockFns { dot: super::q5_0::dot_fn(), to_float: super::q5_0::dequantize },
+        ),
+        GgmlDType::Q5_1 => typed::<BlockQ5_1>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q8_0 => typed::<BlockQ8_0>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q8_1 => typed::<BlockQ8_1>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q2K => typed::<BlockQ2K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q3K => typed::<BlockQ3K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q4K => typed::<BlockQ4K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q5K => typed::<BlockQ5K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q6K => typed::<BlockQ6K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q8K => typed::<BlockQ8K>(x, bytes, shape, BlockFns::candle()),
         other @ (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => Err(ProductError::Type(other)),
     }
 }
@@ -84,12 +89,26 @@ struct Shape {
 /// A row of weight blocks times a row of activation blocks (`GgmlType::vec_dot`'s form).
 type Dot<T> = fn(usize, &[T], &[<T as GgmlType>::VecDotType]) -> f32;
 
+/// What a product does with blocks of `T`: their dot product with activation blocks (decode)
+/// and their dequantization (prompts).
+struct BlockFns<T: GgmlType> {
+    dot: Dot<T>,
+    to_float: fn(&[T], &mut [f32]),
+}
+
+impl<T: GgmlType> BlockFns<T> {
+    /// candle's own.
+    fn candle() -> Self {
+        Self { dot: T::vec_dot, to_float: T::to_float }
+    }
+}
+
 /// The product over the blocks of `T` that `bytes` holds, each pair of rows multiplied by `dot`.
 fn typed<T: GgmlType>(
     x: &[f32],
     bytes: &[u8],
     Shape { m, k, n }: Shape,
-    dot: Dot<T>,
+    fns: BlockFns<T>,
 ) -> Result<Vec<f32>, ProductError> {
     let size = std::mem::size_of::<T>();
     let per_row = k / T::BLCK_SIZE;
@@ -105,7 +124,7 @@ fn typed<T: GgmlType>(
     // Every block type is `#[repr(C)]` plain data (f16 and byte arrays), valid for any bits.
     let w: &[T] = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
     if m >= DENSE_ROWS {
-        return dense_product(x, w, Shape { m, k, n });
+        return dense_product(x, w, Shape { m, k, n }, fns.to_float);
     }
     let mut xq = vec![T::VecDotType::zeros(); m * per_row];
     for (src, dst) in x.chunks_exact(k).zip(xq.chunks_exact_mut(per_row)) {
@@ -116,7 +135,7 @@ fn typed<T: GgmlType>(
     out.par_chunks_mut(COLUMNS * m).zip(w.par_chunks(COLUMNS * per_row)).for_each(|(out, w)| {
         for (column, weights) in out.chunks_exact_mut(m).zip(w.chunks_exact(per_row)) {
             for (value, activations) in column.iter_mut().zip(xq.chunks_exact(per_row)) {
-                *value = dot(k, weights, activations);
+                *value = (fns.dot)(k, weights, activations);
             }
         }
     });
@@ -135,49 +154,35 @@ fn typed<T: GgmlType>(
 /// The product in f32: chunks of [`DENSE_CHUNK`] weight rows dequantized (rows in parallel),
 /// each multiplied by candle's f32 matmul; the activations are not quantized, so the result is
 /// the reference product up to summation order.
-fn dense_product<T: GgmlType>(x: &[f32], w: &[T], Shape { m, k, n }: Shape) -> Result<Vec<f32>, ProductError> {
+fn dense_product<T: GgmlType>(
+    x: &[f32],
+    w: &[T],
+    Shape { m, k, n }: Shape,
+    to_float: fn(&[T], &mut [f32]),
+) -> Result<Vec<f32>, ProductError> {
     let candle = |e: candle_core::Error| ProductError::Candle(e.to_string());
     let cpu = candle_core::Device::Cpu;
     let per_row = k / T::BLCK_SIZE;
     let x = candle_core::Tensor::from_slice(x, (m, k), &cpu).map_err(candle)?;
-    let mut out = vec![0.0f32; m * n];
+    let mut out = Vec::new();
     for (c, blocks) in w.chunks(DENSE_CHUNK * per_row).enumerate() {
         let rows = blocks.len() / per_row;
         let mut dense = vec![0.0f32; rows * k];
-        dense.par_chunks_mut(k).zip(blocks.par_chunks(per_row)).for_each(|(d, b)| T::to_float(b, d));
+        dense.par_chunks_mut(k).zip(blocks.par_chunks(per_row)).for_each(|(d, b)| to_float(b, d));
         let weights = candle_core::Tensor::from_vec(dense, (rows, k), &cpu).map_err(candle)?;
         let y = x.matmul(&weights.t().map_err(candle)?).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>());
         let y = y.map_err(candle)?;
+        if rows == n {
+            // One chunk: the product is the whole output.
+            return Ok(y);
+        }
         let first = c * DENSE_CHUNK;
+        out.resize(m * n, 0.0);
         for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
             dst[first..first + rows].copy_from_slice(src);
         }
     }
     Ok(out)
-}
-
-/// `gelu_tanh(gate) * up` of a row-major product `y` of `width` columns whose gate and up
-/// columns are interleaved in blocks of [`crate::gelu::PAIR_BLOCK`]
-/// ([`crate::gelu::pairs_reference`]'s layout): `[rows, width / 2]`, in f32, rows in parallel.
-pub fn gelu_pairs(y: &[f32], width: usize) -> Vec<f32> {
-    const PAIR: usize = crate::gelu::PAIR_BLOCK;
-    let half = width / 2;
-    let mut out = vec![0.0f32; y.len() / 2];
-    out.par_chunks_mut(half.max(1)).zip(y.par_chunks(width.max(1))).for_each(|(out, y)| {
-        for (out, pair) in out.chunks_exact_mut(PAIR).zip(y.chunks_exact(2 * PAIR)) {
-            let (gate, up) = pair.split_at(PAIR);
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = gelu_tanh(g) * u;
-            }
-        }
-    });
-    out
-}
-
-/// The tanh approximation of GELU: `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`.
-fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
 }
 
 #[cfg(test)]
@@ -279,33 +284,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    #[cfg(feature = "ndarray")]
-    #[test]
-    fn gelu_pairs_match_the_reference() {
-        use crate::test_util::TestBackend as B;
-        use burn::tensor::{Tensor, TensorData};
-        let seed = seed();
-        let (rows, width) = (5, 24);
-        let mut s = seed;
-        let y: Vec<f32> = (0..rows * width)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
-            })
-            .collect();
-        let got = gelu_pairs(&y, width);
-        let device = Default::default();
-        let expected =
-            crate::gelu::pairs_reference(Tensor::<B, 2>::from_data(TensorData::new(y, [rows, width]), &device))
-                .into_data()
-                .to_vec::<f32>()
-                .expect("f32");
-        assert_eq!(got.len(), expected.len());
-        for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
-            assert!(a.is_finite() && (a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{i}: {a} vs {b}");
         }
     }
 

@@ -82,6 +82,26 @@ pub fn reference(w: &[u8], x: &[u8]) -> f32 {
     sum
 }
 
+/// Q5_0 blocks to f32, `d * code` as candle's `to_float` computes them (bit for bit), written
+/// so that the loop over a block compiles to vector code (fixed-size halves, no indexing past
+/// what the compiler can see): candle's `to_float` indexes the output by computed offsets and
+/// ran at about 2 cycles a weight, 6% of a 128-token prompt of the real 270M on two cores,
+/// whose layers keep 63 M weights in Q5_0 and are dequantized once per prompt chunk.
+pub fn dequantize(blocks: &[BlockQ5_0], out: &mut [f32]) {
+    for (block, out) in bytes(blocks).chunks_exact(Q5_0_BYTES).zip(out.chunks_exact_mut(BLOCK)) {
+        let d = scale(block);
+        let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+        let packed = &block[6..Q5_0_BYTES];
+        let (low_half, high_half) = out.split_at_mut(16);
+        for (j, ((lo, hi), &byte)) in low_half.iter_mut().zip(high_half.iter_mut()).zip(packed).enumerate() {
+            let bit_lo = (high >> j) & 1;
+            let bit_hi = (high >> (j + 16)) & 1;
+            *lo = (((byte & 15) as u32 | bit_lo << 4) as i32 - 16) as f32 * d;
+            *hi = (((byte >> 4) as u32 | bit_hi << 4) as i32 - 16) as f32 * d;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn avx2_dot(_n: usize, w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f32 {
     // SAFETY: `dot_fn` hands this function out only after `simd()` found AVX2 and FMA.
@@ -167,6 +187,22 @@ mod tests {
     }
 
     /// The reference is candle's scalar Q5_0 dot product, bit for bit.
+    /// Our dequantization gives candle's `to_float` values, bit for bit (odd row counts).
+    #[test]
+    fn dequantize_is_candles_to_float() {
+        use candle_core::quantized::k_quants::GgmlType;
+        for blocks in [1, 3, 37] {
+            let (w, _) = rows(blocks, seed() ^ blocks as u64);
+            let w = as_blocks(&w);
+            let mut ours = vec![f32::NAN; blocks * BLOCK];
+            let mut candle = vec![0.0f32; blocks * BLOCK];
+            dequantize(&w, &mut ours);
+            BlockQ5_0::to_float(&w, &mut candle);
+            assert!(ours.iter().all(|v| v.is_finite()));
+            assert_eq!(ours, candle, "{blocks} blocks");
+        }
+    }
+
     #[test]
     fn reference_is_candles_dot_product() {
         let seed = seed();
