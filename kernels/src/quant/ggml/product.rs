@@ -263,7 +263,12 @@ mod tests {
     #[test]
     fn prompt_products_are_the_dequantized_f32_product() {
         let seed = seed();
-        for (dtype, rows, cols) in [(GgmlDType::Q8_0, 37, 128), (GgmlDType::Q4K, 21, 512), (GgmlDType::Q6K, 13, 256)] {
+        for (dtype, rows, cols) in [
+            (GgmlDType::Q8_0, 37, 128),
+            (GgmlDType::Q5_0, 19, 192),
+            (GgmlDType::Q4K, 21, 512),
+            (GgmlDType::Q6K, 13, 256),
+        ] {
             let blocks = random_blocks(dtype, rows, cols, seed);
             let w = blocks.qtensor().expect("candle tensor");
             let dense = blocks.dequantize().expect("dequantizes");
