@@ -213,6 +213,8 @@ impl BackendTask for Bench {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }
         let load = Instant::now();
+        // (tensors read, seconds since the load began) at each progress report.
+        let tensor_marks = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(usize, f64)>::new()));
         let model = match a.model.strip_prefix("synthetic:") {
             Some(preset) => {
                 let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
@@ -228,12 +230,28 @@ impl BackendTask for Bench {
                 Gemma::<B>::load(config, &mut RandomWeights::new(a.seed), &options, &device)?
             }
             None => {
-                let options =
-                    LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
-                Checkpoint::open(&a.model)?.load(options)?.model
+                let checkpoint = Checkpoint::open(&a.model)?;
+                let opened = load.elapsed().as_secs_f64();
+                let marks = std::sync::Arc::clone(&tensor_marks);
+                let options = LoadOptions::<B>::new()
+                    .device(device.clone())
+                    .dtype(dtype)
+                    .weights(weights)
+                    .kv_cache(kv_cache)
+                    .progress(move |p| {
+                        if let Ok(mut m) = marks.lock() {
+                            m.push((p.loaded, load.elapsed().as_secs_f64()));
+                        }
+                    });
+                let model = checkpoint.load(options)?.model;
+                eprintln!("load: checkpoint opened in {opened:.2} s");
+                model
             }
         };
         let _ = B::sync(&device);
+        if let Ok(marks) = tensor_marks.lock() {
+            load_timeline(&marks, load.elapsed().as_secs_f64());
+        }
         let config = model.config().clone();
         eprintln!(
             "model {} ({:.2} B parameters, {:.2} GB of weights on the device), backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}, loaded in {:.1} s",
@@ -448,4 +466,18 @@ fn main() -> Result<(), CliError> {
     let kind = args.backend.check()?;
     args.backend.start_threads()?;
     dispatch(kind, Bench(args.clone()), &mut |note| eprintln!("{note}"))?
+}
+
+/// Where a checkpoint's load spent its time: until the first tensor was read, the slowest
+/// tensors (the time since the previous report), and from the last tensor to the device's sync.
+fn load_timeline(marks: &[(usize, f64)], total: f64) {
+    let (Some(&(_, first)), Some(&(_, last))) = (marks.first(), marks.last()) else { return };
+    let mut gaps: Vec<(usize, f64)> = marks.windows(2).map(|w| (w[1].0, w[1].1 - w[0].1)).collect();
+    gaps.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let slowest: Vec<String> = gaps.iter().take(8).map(|(i, s)| format!("#{i} {s:.2} s")).collect();
+    eprintln!(
+        "load: first tensor at {first:.2} s, {} tensors by {last:.2} s (slowest: {}), synchronized at {total:.2} s",
+        marks.len(),
+        slowest.join(", ")
+    );
 }

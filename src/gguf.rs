@@ -2,8 +2,10 @@
 //!
 //! Every count, string, array, dimension and offset is checked against the file before it is
 //! used, so a damaged or hostile file yields a [`GgufError`] instead of a huge allocation or a
-//! panic. Tensor data is dequantized through candle-core's GGML block decoders.
+//! panic. Tensor data is dequantized through candle-core's GGML block decoders, on every core.
 
+use crate::floats::{self, Float};
+use burn::tensor::{DType, TensorData};
 use burn_gemma_kernels::{quant::QuantError, GgmlBlocks, HostQuantized, QuantFormat};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use memmap2::Mmap;
@@ -302,19 +304,58 @@ impl GgufFile {
         self.mmap.get(info.start..info.end).ok_or_else(|| GgufError::NoTensor(name.to_string()))
     }
 
-    /// Dequantizes tensor `name` to f32, row-major in [`TensorInfo::shape`] order.
+    /// Dequantizes tensor `name` to f32, row-major in [`TensorInfo::shape`] order: float
+    /// tensors converted on every core, block types rows in parallel (candle's block decoders).
     pub fn dequantize(&self, name: &str) -> Result<Vec<f32>, GgufError> {
-        let fail = |e: candle_core::Error| GgufError::Dequantize { name: name.to_string(), reason: e.to_string() };
+        let fail = |reason: String| GgufError::Dequantize { name: name.to_string(), reason };
         let info = self.tensor(name)?;
         let raw = self.bytes(name)?;
+        if let Some(from) = float_type(info.dtype) {
+            return Ok(floats::to_f32(raw, from));
+        }
+        if let [.., cols] = info.shape[..] {
+            let rows = info.shape.iter().product::<usize>() / cols.max(1);
+            if let Ok(blocks) = GgmlBlocks::new(info.dtype, rows, cols, raw.to_vec()) {
+                return blocks.dequantize().map_err(|e| fail(e.to_string()));
+            }
+        }
         // GGML dims are innermost-first; candle wants outermost-first like our shape.
-        let q = qtensor_from_ggml(info.dtype, raw, info.shape.clone(), &candle_core::Device::Cpu).map_err(fail)?;
+        let candle = |e: candle_core::Error| fail(e.to_string());
+        let q = qtensor_from_ggml(info.dtype, raw, info.shape.clone(), &candle_core::Device::Cpu).map_err(candle)?;
         q.dequantize(&candle_core::Device::Cpu)
-            .map_err(fail)?
+            .map_err(candle)?
             .flatten_all()
-            .map_err(fail)?
+            .map_err(candle)?
             .to_vec1::<f32>()
-            .map_err(fail)
+            .map_err(candle)
+    }
+
+    /// Tensor `name` in `dtype` (F32, F16 or BF16), row-major in [`TensorInfo::shape`] order:
+    /// float tensors converted from the file's bytes in one pass on every core (a copy where the
+    /// types agree), block types dequantized and converted.
+    pub fn tensor_data(&self, name: &str, dtype: DType) -> Result<TensorData, GgufError> {
+        let info = self.tensor(name)?;
+        let shape = info.shape.clone();
+        let to = Float::of(dtype).ok_or_else(|| GgufError::Dequantize {
+            name: name.to_string(),
+            reason: format!("{dtype:?} is not a float type (F32, F16 and BF16 are)"),
+        })?;
+        let bytes = match float_type(info.dtype) {
+            Some(from) => floats::convert(self.bytes(name)?, from, to),
+            None if to == Float::F32 => return Ok(TensorData::new(self.dequantize(name)?, shape)),
+            None => floats::from_f32(&self.dequantize(name)?, to),
+        };
+        Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+    }
+}
+
+/// The float types among GGUF's tensor types.
+fn float_type(dtype: GgmlDType) -> Option<Float> {
+    match dtype {
+        GgmlDType::F32 => Some(Float::F32),
+        GgmlDType::F16 => Some(Float::F16),
+        GgmlDType::BF16 => Some(Float::Bf16),
+        _ => None,
     }
 }
 

@@ -34,6 +34,7 @@ pub mod chat;
 pub mod engine;
 mod error;
 pub mod fetch;
+mod floats;
 pub mod generation;
 pub mod gguf;
 mod gguf_config;

@@ -3,6 +3,7 @@
 
 use crate::{
     error::TokenizerError,
+    floats::{self, Float},
     gguf::{GgufFile, Value},
     load_options::ProgressFn,
     safetensors::{Dtype, SafetensorsFile},
@@ -657,9 +658,15 @@ fn gguf_name(name: &str, arch: Architecture) -> Option<String> {
 }
 
 impl Source<'_> {
-    /// The tensor `name` on the host, in its stored dtype (GGUF: dequantized to f32), with HF
-    /// conventions.
-    fn host_data(&mut self, name: &str, shape: &[usize], kind: WeightKind) -> Result<TensorData, ModelError> {
+    /// The tensor `name` on the host in `dtype`, with HF conventions: float values converted on
+    /// every core ([`crate::floats`]; other dtypes by Burn's conversion).
+    fn host_data(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        kind: WeightKind,
+        dtype: DType,
+    ) -> Result<TensorData, ModelError> {
         let mismatch = |actual: &[usize]| ModelError::ShapeMismatch {
             name: name.to_string(),
             expected: shape.to_vec(),
@@ -716,20 +723,28 @@ impl Source<'_> {
                 self.used.insert(stored);
                 TensorData::new(channels_last(&values, n, p), shape.to_vec())
             }
-            Format::Gguf(file) => {
+            Format::Gguf(file) if kind == WeightKind::Norm(NormScale::OnePlusWeight) => {
                 let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
                 let mut values = file.dequantize(&stored).map_err(|e| ModelError::Source(Box::new(e)))?;
-                if kind == WeightKind::Norm(NormScale::OnePlusWeight) {
-                    // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
-                    // scale by `w` and are stored as they are).
-                    values.iter_mut().for_each(|v| *v -= 1.0);
-                }
+                // llama.cpp's converter stores Gemma 1-3 norm weights as `1 + w` (Gemma 4's
+                // scale by `w` and are stored as they are).
+                values.iter_mut().for_each(|v| *v -= 1.0);
                 self.used.insert(stored);
                 TensorData::new(values, shape.to_vec())
             }
+            Format::Gguf(file) => {
+                let stored = Self::gguf_tensor(file, self.arch, name, shape)?;
+                let data = match Float::of(dtype) {
+                    Some(_) => file.tensor_data(&stored, dtype),
+                    None => file.dequantize(&stored).map(|values| TensorData::new(values, shape.to_vec())),
+                };
+                let data = data.map_err(|e| ModelError::Source(Box::new(e)))?;
+                self.used.insert(stored);
+                data
+            }
         };
         self.report();
-        Ok(data)
+        Ok(to_dtype(data, dtype))
     }
 }
 
@@ -776,11 +791,8 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
             }
             // HF's values (and the patch kernel put back in HF's order) quantized here.
             _ => {
-                let data = self.host_data(name, shape, WeightKind::Matrix)?;
-                let values = data
-                    .convert::<f32>()
-                    .into_vec::<f32>()
-                    .map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
+                let data = self.host_data(name, shape, WeightKind::Matrix, DType::F32)?;
+                let values = data.into_vec::<f32>().map_err(|e| ModelError::Source(format!("{name}: {e:?}").into()))?;
                 quantize(name, &values, dims, format)
             }
         }
@@ -808,7 +820,7 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, ModelError> {
-        let data = self.host_data(name, &shape, kind)?;
+        let data = self.host_data(name, &shape, kind, dtype)?;
         Ok(Tensor::from_data(data, (device, dtype)))
     }
 
@@ -820,7 +832,7 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Vec<Tensor<B, 2>>, ModelError> {
-        let data = self.host_data(name, &shape, WeightKind::Matrix)?;
+        let data = self.host_data(name, &shape, WeightKind::Matrix, dtype)?;
         let row_bytes = shape[1] * data.dtype.size();
         let bytes = data.as_bytes();
         Ok(row_chunks(shape[0], rows_per_chunk)
@@ -832,6 +844,20 @@ impl<B: Backend> WeightSource<B> for Source<'_> {
                 )
             })
             .collect())
+    }
+}
+
+/// `data` in `dtype`: float to float on every core ([`crate::floats`]), else Burn's conversion.
+fn to_dtype(data: TensorData, dtype: DType) -> TensorData {
+    if data.dtype == dtype {
+        return data;
+    }
+    match (Float::of(data.dtype), Float::of(dtype)) {
+        (Some(from), Some(to)) => {
+            let shape = data.shape.clone();
+            TensorData::from_bytes_vec(floats::convert(data.as_bytes(), from, to), shape, dtype)
+        }
+        _ => data.convert_dtype(dtype),
     }
 }
 

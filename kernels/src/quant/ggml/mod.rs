@@ -207,9 +207,9 @@ fn candle_error(e: candle_core::Error) -> QuantError {
     QuantError::Candle(e.to_string())
 }
 
-fn dequantize(q: &QTensor) -> Result<Vec<f32>, QuantError> {
-    let cpu = candle_core::Device::Cpu;
-    q.dequantize(&cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>()).map_err(candle_error)
+/// A `[rows, cols]` block matrix in f32, rows in parallel ([`product::dequantize`]).
+pub(crate) fn dequantize(q: &QTensor) -> Result<Vec<f32>, QuantError> {
+    product::dequantize(q).map_err(|e| QuantError::Candle(e.to_string()))
 }
 
 pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -470,7 +470,9 @@ pub(crate) mod tests {
         let blocks = rows * cols / dtype.block_size();
         // Offsets of the f16 scale fields (Q6_K's scale is its last two bytes).
         let f16_at: &[usize] = match dtype {
-            GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q2K => &[0, 2],
+            GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K | GgmlDType::Q5K => &[0, 2],
+            // Q2_K's `d` and `dmin` follow its scales and codes.
+            GgmlDType::Q2K => &[size - 4, size - 2],
             GgmlDType::Q6K | GgmlDType::Q3K => &[size - 2],
             _ => &[0],
         };

@@ -53,29 +53,91 @@ pub fn product(x: &[f32], w: &QTensor) -> Result<Vec<f32>, ProductError> {
     if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(ProductError::Shape { len: x.len(), cols });
     }
+    let shape = Shape { m: x.len() / cols, k: cols, n: rows };
+    with_blocks(w, Product { x, shape })
+}
+
+/// Every weight of a block matrix in f32, row-major: rows dequantized in parallel, each by the
+/// block type's `to_float` (candle's, or this crate's where it has its own, as for the product).
+pub fn dequantize(w: &QTensor) -> Result<Vec<f32>, ProductError> {
+    let (rows, cols) = w.shape().dims2().map_err(|e| ProductError::Candle(e.to_string()))?;
+    with_blocks(w, Dequantize { rows, cols })
+}
+
+/// Work over a block matrix, whatever block type it holds.
+trait BlockWork {
+    type Output;
+    /// Runs over `w`, `[rows, cols]` blocks of `T`.
+    fn run<T: GgmlType>(self, w: &[T], fns: BlockFns<T>) -> Result<Self::Output, ProductError>;
+}
+
+/// `work` over `w`'s blocks as the block type they are.
+fn with_blocks<W: BlockWork>(w: &QTensor, work: W) -> Result<W::Output, ProductError> {
     let data = w.data().map_err(|e| ProductError::Candle(e.to_string()))?;
     let Cow::Borrowed(bytes) = data else { return Err(ProductError::NotHost) };
-    let shape = Shape { m: x.len() / cols, k: cols, n: rows };
     match w.dtype() {
-        GgmlDType::Q4_0 => typed::<BlockQ4_0>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q4_1 => typed::<BlockQ4_1>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q4_0 => typed::<BlockQ4_0, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q4_1 => typed::<BlockQ4_1, W>(bytes, work, BlockFns::candle()),
         // candle's Q5_0 dot product is scalar: ours runs AVX2 where the CPU has it.
-        GgmlDType::Q5_0 => typed::<BlockQ5_0>(
-            x,
+        GgmlDType::Q5_0 => typed::<BlockQ5_0, W>(
             bytes,
-            shape,
+            work,
             BlockFns { dot: super::q5_0::dot_fn(), to_float: super::q5_0::dequantize },
         ),
-        GgmlDType::Q5_1 => typed::<BlockQ5_1>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q8_0 => typed::<BlockQ8_0>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q8_1 => typed::<BlockQ8_1>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q2K => typed::<BlockQ2K>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q3K => typed::<BlockQ3K>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q4K => typed::<BlockQ4K>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q5K => typed::<BlockQ5K>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q6K => typed::<BlockQ6K>(x, bytes, shape, BlockFns::candle()),
-        GgmlDType::Q8K => typed::<BlockQ8K>(x, bytes, shape, BlockFns::candle()),
+        GgmlDType::Q5_1 => typed::<BlockQ5_1, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q8_0 => typed::<BlockQ8_0, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q8_1 => typed::<BlockQ8_1, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q2K => typed::<BlockQ2K, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q3K => typed::<BlockQ3K, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q4K => typed::<BlockQ4K, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q5K => typed::<BlockQ5K, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q6K => typed::<BlockQ6K, W>(bytes, work, BlockFns::candle()),
+        GgmlDType::Q8K => typed::<BlockQ8K, W>(bytes, work, BlockFns::candle()),
         other @ (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => Err(ProductError::Type(other)),
+    }
+}
+
+/// `bytes` (a candle `QTensor`'s host storage) as blocks of `T`, handed to `work`.
+fn typed<T: GgmlType, W: BlockWork>(bytes: &[u8], work: W, fns: BlockFns<T>) -> Result<W::Output, ProductError> {
+    let size = std::mem::size_of::<T>();
+    if !bytes.len().is_multiple_of(size) {
+        return Err(ProductError::Type(T::DTYPE));
+    }
+    if bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0 {
+        return Err(ProductError::NotHost);
+    }
+    // SAFETY: `bytes` is the storage of a candle `QTensor` of dtype `T::DTYPE` in host memory,
+    // which candle keeps as a `Vec<T>` (`QuantizedType for Vec<T>`), viewed as bytes: its start is
+    // aligned for `T` (checked above) and its length is a whole number of `T` (checked above).
+    // Every block type is `#[repr(C)]` plain data (f16 and byte arrays), valid for any bits.
+    let w: &[T] = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
+    work.run(w, fns)
+}
+
+/// [`dequantize`]'s work.
+struct Dequantize {
+    rows: usize,
+    cols: usize,
+}
+
+impl BlockWork for Dequantize {
+    type Output = Vec<f32>;
+
+    fn run<T: GgmlType>(self, w: &[T], fns: BlockFns<T>) -> Result<Vec<f32>, ProductError> {
+        let Self { rows, cols } = self;
+        let per_row = cols / T::BLCK_SIZE;
+        if !cols.is_multiple_of(T::BLCK_SIZE) || w.len() != rows * per_row {
+            return Err(ProductError::Type(T::DTYPE));
+        }
+        let mut out = vec![0.0f32; rows * cols];
+        // Whole rows per task (at least 64 KiB of output), so a thin matrix is not split finely.
+        let rows_per_task = (16_384 / cols.max(1)).max(1);
+        out.par_chunks_mut(rows_per_task * cols).zip(w.par_chunks(rows_per_task * per_row)).for_each(|(d, b)| {
+            for (d, b) in d.chunks_exact_mut(cols).zip(b.chunks_exact(per_row)) {
+                (fns.to_float)(b, d);
+            }
+        });
+        Ok(out)
     }
 }
 
@@ -103,26 +165,31 @@ impl<T: GgmlType> BlockFns<T> {
     }
 }
 
-/// The product over the blocks of `T` that `bytes` holds, each pair of rows multiplied by `dot`.
-fn typed<T: GgmlType>(
+/// [`product`]'s work: activations `x` times the weight rows.
+struct Product<'a> {
+    x: &'a [f32],
+    shape: Shape,
+}
+
+impl BlockWork for Product<'_> {
+    type Output = Vec<f32>;
+
+    fn run<T: GgmlType>(self, w: &[T], fns: BlockFns<T>) -> Result<Vec<f32>, ProductError> {
+        multiply(self.x, w, self.shape, fns)
+    }
+}
+
+/// The product over the blocks `w` of `T`, each pair of rows multiplied by `fns.dot`.
+fn multiply<T: GgmlType>(
     x: &[f32],
-    bytes: &[u8],
+    w: &[T],
     Shape { m, k, n }: Shape,
     fns: BlockFns<T>,
 ) -> Result<Vec<f32>, ProductError> {
-    let size = std::mem::size_of::<T>();
     let per_row = k / T::BLCK_SIZE;
-    if !k.is_multiple_of(T::BLCK_SIZE) || bytes.len() != n * per_row * size {
+    if !k.is_multiple_of(T::BLCK_SIZE) || w.len() != n * per_row {
         return Err(ProductError::Type(T::DTYPE));
     }
-    if bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0 {
-        return Err(ProductError::NotHost);
-    }
-    // SAFETY: `bytes` is the storage of a candle `QTensor` of dtype `T::DTYPE` in host memory,
-    // which candle keeps as a `Vec<T>` (`QuantizedType for Vec<T>`), viewed as bytes: its start is
-    // aligned for `T` (checked above) and its length is a whole number of `T` (checked above).
-    // Every block type is `#[repr(C)]` plain data (f16 and byte arrays), valid for any bits.
-    let w: &[T] = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) };
     if m >= DENSE_ROWS {
         return dense_product(x, w, Shape { m, k, n }, fns.to_float);
     }
@@ -198,6 +265,37 @@ mod tests {
                 ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
             })
             .collect()
+    }
+
+    /// The parallel dequantization is candle's, bit for bit, for every block type a GGUF file
+    /// holds (rows spread over several tasks, the last one partial).
+    #[test]
+    fn dequantize_matches_candle() {
+        let seed = seed();
+        let (rows, cols) = (67, 512);
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
+            let q = random_blocks(dtype, rows, cols, seed).qtensor().expect("a candle tensor");
+            let expected =
+                q.dequantize(&candle_core::Device::Cpu).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>());
+            let expected = expected.expect("candle dequantizes");
+            let ours = dequantize(&q).expect("dequantizes");
+            assert_eq!(ours.len(), rows * cols, "{dtype:?}");
+            assert!(ours.iter().all(|v| v.is_finite()), "{dtype:?}: a value is not finite");
+            for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?} value {i}: {a} against candle's {b} (seed {seed})");
+            }
+        }
     }
 
     /// How far two summation orders of the Q5_0 x Q8_0 dot product of activations `x` and dequantized
