@@ -8,7 +8,7 @@
 # llama.cpp from the kit ($GPU_BENCH_KIT, default ../shared/gpu-bench) in /tmp/lcpp-cpu without
 # -march=native (its native build dies with "Illegal instruction" on CPUs that report AMX), about
 # 10 minutes on 2 cores. Prompt 128, 64 generated tokens, 3 reps, the machine's physical cores
-# for both (THREADS=N to change).
+# for both (THREADS=N to change; PROMPTS="128,512" for several prompt lengths).
 # RUNS: our backend:weights pairs (default: Candle with the file's own blocks, Candle with dense
 # f32 weights, NdArray dense).
 # Results: bench-cpu-out/ (ours.txt, llama.jsonl, table.md).
@@ -19,6 +19,7 @@ lcpp=${LCPP_CPU:-/tmp/lcpp-cpu}
 out=${OUT:-bench-cpu-out}
 threads=${THREADS:-$(lscpu -p=Core,Socket | grep -v '^#' | sort -u | wc -l)}
 runs=${RUNS:-candle:native candle:f32 ndarray:f32}
+prompts=${PROMPTS:-128}
 mkdir -p "$out"
 if [ ! -x "$lcpp/build/bin/llama-bench" ]; then
   command -v cmake > /dev/null || python3 -m pip install -q cmake
@@ -39,9 +40,9 @@ if [ ${#files[@]} -eq 0 ]; then
 fi
 : > "$out/ours.txt"; : > "$out/llama.jsonl"
 for f in "${files[@]}"; do
-  LD_LIBRARY_PATH=$lcpp/build/bin "$lcpp/build/bin/llama-bench" -m "$f" -p 128 -n 64 -r 3 -t "$threads" -o jsonl >> "$out/llama.jsonl" 2> /dev/null
+  LD_LIBRARY_PATH=$lcpp/build/bin "$lcpp/build/bin/llama-bench" -m "$f" -p "$prompts" -n 64 -r 3 -t "$threads" -o jsonl >> "$out/llama.jsonl" 2> /dev/null
   for run in $runs; do
-    "$bench" --model "$f" --backend "${run%%:*}" --weights "${run#*:}" --threads "$threads" --prompt-len 128 --gen 64 \
+    "$bench" --model "$f" --backend "${run%%:*}" --weights "${run#*:}" --threads "$threads" --prompt-len "$prompts" --gen 64 \
       --reps 3 >> "$out/ours.txt" 2>&1
   done
 done
@@ -51,13 +52,15 @@ out = sys.argv[1]
 llama = {}
 for line in open(os.path.join(out, "llama.jsonl")):
     r = json.loads(line)
-    llama[(r["model_filename"], "pp" if r["n_prompt"] else "tg")] = statistics.median(r["samples_ts"])
-print(f"| model file | backend (weights) | llama.cpp pp128 | ours pp128 | ratio | llama.cpp tg64 | ours tg64 | ratio | resident after load |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    key = r["n_prompt"] if r["n_prompt"] else "tg"
+    llama[(r["model_filename"], key)] = statistics.median(r["samples_ts"])
+print(f"| model file | backend (weights) | prompt | llama.cpp pp | ours pp | ratio | llama.cpp tg64 | ours tg64 | ratio | resident after load |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for line in open(os.path.join(out, "ours.txt")):
     if line.startswith("JSON "):
         r = json.loads(line[5:])
-        lpp, ltg = llama.get((r["model"], "pp"), float("nan")), llama.get((r["model"], "tg"), float("nan"))
+        n = r.get("prompt_len", 128)
+        lpp, ltg = llama.get((r["model"], n), float("nan")), llama.get((r["model"], "tg"), float("nan"))
         rss = r.get("rss_loaded_bytes", 0) / 1e6
-        print(f"| {os.path.basename(r['model'])} | {r['backend']} ({r['weights']}, {r['dtype']}) | {lpp:.1f} | {r['pp']:.1f} | {r['pp'] / lpp:.2f} | {ltg:.1f} | {r['tg']:.1f} | {r['tg'] / ltg:.2f} | {rss:.0f} MB |")
+        print(f"| {os.path.basename(r['model'])} | {r['backend']} ({r['weights']}, {r['dtype']}) | {n} | {lpp:.1f} | {r['pp']:.1f} | {r['pp'] / lpp:.2f} | {ltg:.1f} | {r['tg']:.1f} | {r['tg'] / ltg:.2f} | {rss:.0f} MB |")
 EOF
