@@ -790,6 +790,50 @@ where
         }
     }
 
+    /// f32 rows normalized and rotated on the host in one pass ([`crate::rope::host`]); other
+    /// dtypes, and positions past the tables, by the reference.
+    fn qk_norm_rope(
+        x: Tensor<Self, 4>,
+        tables: &RopeTables<Self>,
+        position: usize,
+        qk_norm: Option<(Tensor<Self, 1>, f64)>,
+    ) -> Tensor<Self, 4> {
+        let [_, _, seq, head_dim] = x.dims();
+        let half = head_dim / 2;
+        let host = || {
+            let [positions, table_half] = tables.cos.dims();
+            if head_dim % 2 != 0 || table_half != half || position + seq > positions || seq == 0 {
+                return None;
+            }
+            let rows = |t: &Tensor<Self, 2>| host_f32(&t.clone().slice([position..position + seq, 0..half]));
+            let norm = match &qk_norm {
+                Some((weight, eps)) => Some((host_f32(weight)?, *eps as f32)),
+                None => None,
+            };
+            Some((host_f32(&x)?, rows(&tables.cos)?, rows(&tables.sin)?, norm))
+        };
+        match host() {
+            Some((values, cos, sin, norm)) => {
+                let (dims, device) = (x.dims(), x.device());
+                let norm = norm.as_ref().map(|(w, eps)| (w.as_slice(), *eps));
+                let out = crate::rope::host::qk_norm_rope(&values, &cos, &sin, seq, norm);
+                Tensor::from_data(TensorData::new(out, dims), (&device, DType::F32))
+            }
+            None => crate::rope::reference(x, tables.cos.clone(), tables.sin.clone(), position, qk_norm),
+        }
+    }
+
+    /// The reference, its queries and keys rotated by [`Self::qk_norm_rope`] (host rows), so
+    /// that a one-token step computes each position as a prompt or a verify step does, bit
+    /// for bit.
+    fn qkv_rope_append(
+        qkv: Tensor<Self, 2>,
+        layout: &QkvLayout<Self>,
+        store: KvStore<Self>,
+    ) -> Result<(Tensor<Self, 4>, KvStore<Self>), ReadBackError> {
+        crate::qkv::rotated_by(qkv, layout, store, crate::qkv::Rotation::Backend)
+    }
+
     /// Dense stores by [`crate::kv::splice_dense`]: Burn's `slice_assign` on Candle masks and
     /// pads the rows to the store's size, several passes over every layer's whole cache at each
     /// token (a sixth of a 270M decode token's time at 2,048 positions).

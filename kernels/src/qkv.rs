@@ -91,6 +91,27 @@ pub fn reference<B: GemmaBackend>(
     layout: &QkvLayout<B>,
     store: KvStore<B>,
 ) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
+    rotated_by(qkv, layout, store, Rotation::Reference)
+}
+
+/// What rotates a decode step's queries and keys in [`rotated_by`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rotation {
+    /// [`rope::reference`]: the plain reference the kernels are tested against.
+    Reference,
+    /// The backend's [`GemmaBackend::qk_norm_rope`], the one its prompts use: a backend with its
+    /// own rotation (Candle's host rows) keeps a one-token step bit for bit equal to the same
+    /// position in a prompt or a verify step.
+    Backend,
+}
+
+/// [`reference`] with queries and keys rotated by `rotation`.
+pub fn rotated_by<B: GemmaBackend>(
+    qkv: Tensor<B, 2>,
+    layout: &QkvLayout<B>,
+    store: KvStore<B>,
+    rotation: Rotation,
+) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, width] = qkv.dims();
     let positions = layout.position.resolve_rows(batch)?;
     let table = match &layout.blocks {
@@ -98,7 +119,7 @@ pub fn reference<B: GemmaBackend>(
         _ => None,
     };
     if table.is_none() && (batch == 0 || (batch == store.shape()[0] && positions.windows(2).all(|w| w[0] == w[1]))) {
-        return one_position(qkv, layout, positions.first().copied().unwrap_or(0), store);
+        return one_position(qkv, layout, positions.first().copied().unwrap_or(0), store, rotation);
     }
     // One sequence at a time (at positions of their own, fewer than the store's, or paged),
     // each into its row of the store: its slot's block in a paged store, whose slot in the
@@ -117,7 +138,7 @@ pub fn reference<B: GemmaBackend>(
             }
         };
         let row = qkv.clone().slice([b..b + 1, 0..width]);
-        let (q, rows) = one_position(row, layout, position, store.rows(at..at + 1))?;
+        let (q, rows) = one_position(row, layout, position, store.rows(at..at + 1), rotation)?;
         store = store.replace_rows(at, rows);
         queries.push(q);
     }
@@ -130,6 +151,7 @@ fn one_position<B: GemmaBackend>(
     layout: &QkvLayout<B>,
     position: usize,
     store: KvStore<B>,
+    rotation: Rotation,
 ) -> Result<(Tensor<B, 4>, KvStore<B>), crate::ReadBackError> {
     let [batch, _] = qkv.dims();
     let slot = step::slot(position, store.shape()[2]);
@@ -137,8 +159,10 @@ fn one_position<B: GemmaBackend>(
     let part =
         |first: usize, n: usize| qkv.clone().slice([0..batch, first * d..(first + n) * d]).reshape([batch, n, 1, d]);
     let norm = |w: fn(&HeadNorms<B>) -> &Tensor<B, 1>| layout.norm.as_ref().map(|n| (w(n).clone(), n.eps));
-    let rotate =
-        |x: Tensor<B, 4>, norm| rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), position, norm);
+    let rotate = |x: Tensor<B, 4>, norm| match rotation {
+        Rotation::Reference => rope::reference(x, layout.rope.cos.clone(), layout.rope.sin.clone(), position, norm),
+        Rotation::Backend => B::qk_norm_rope(x, &layout.rope, position, norm),
+    };
     let q = rotate(part(0, layout.heads), norm(|n| &n.query));
     let (heads, kv_heads) = (layout.heads, layout.kv_heads);
     let v = match layout.kv {

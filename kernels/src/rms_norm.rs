@@ -59,7 +59,7 @@ pub(crate) mod host {
     use rayon::prelude::*;
 
     /// `x * (1 / sqrt(mean(x^2) + eps)) * (1 + weight)` of one row into `out`.
-    fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    pub(crate) fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let mut lanes = [0.0f32; 8];
         let chunks = x.chunks_exact(8);
         let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();

@@ -12,6 +12,9 @@ use burn_gemma::{Checkpoint, Gemma, GemmaBackend, WeightFormat};
 struct Tolerance {
     /// Largest error of a top-5 logit.
     logits: f32,
+    /// Largest error of a top-5 logit in a one-token step of greedy decoding where it picks
+    /// another token than HF (see `check_cases`).
+    steps: f32,
     /// Greedy decoding is checked up to the first step whose top-2 logits are closer than this.
     margin: f64,
     /// Least share of teacher-forced positions whose top-1 token is HF's.
@@ -19,7 +22,11 @@ struct Tolerance {
 }
 
 /// Dense f32 weights (dequantized from the file): the f32 computation of HF's.
-const DENSE: Tolerance = Tolerance { logits: 2e-2, margin: 0.05, top1: 0.99 };
+const DENSE: Tolerance = Tolerance { logits: 2e-2, steps: 2e-2, margin: 0.05, top1: 0.99 };
+
+/// The file's own blocks on Candle: prompts as dense weights, one-token steps with quantized
+/// activations (measured up to 2.3 on top-5 logits; see `real_model_native_blocks_on_candle_cpu`).
+const NATIVE_CANDLE: Tolerance = Tolerance { steps: 4.0, ..DENSE };
 
 struct Loaded<B: GemmaBackend> {
     model: Gemma<B>,
@@ -39,7 +46,7 @@ fn load<B: GemmaBackend>(device: &B::Device, format: WeightFormat) -> Loaded<B> 
 
 /// Teacher-forced logits and greedy decoding for the named cases (all when `only` is empty).
 fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[&str], tolerance: Tolerance) {
-    let Tolerance { logits: logit_tolerance, margin, top1 } = tolerance;
+    let Tolerance { logits: logit_tolerance, steps: step_tolerance, margin, top1 } = tolerance;
     for case in loaded.reference["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         if !only.is_empty() && !only.contains(&name) {
@@ -72,16 +79,44 @@ fn check_cases<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, only: &[
         }
         let agreement = agree as f64 / sequence.len() as f64;
 
-        // Greedy through the KV cache, token by token, up to the first low-margin step.
+        // Greedy through the KV cache, token by token, up to the first low-margin step. Where a
+        // backend's one-token steps compute differently from its prompts (quantized activations
+        // on Candle's native blocks, which move logits by units), a step may pick another of HF's
+        // top-5 only where HF's own margin there is within twice this step's measured deviation
+        // from HF's logits (a tie at our precision); the sequences part there, so checking stops.
         let margins: Vec<f64> =
             top_logits[prompt.len() - 1..].iter().map(|r| r[0].as_f64().unwrap() - r[1].as_f64().unwrap()).collect();
-        let checked = margins.iter().position(|&m| m < margin).unwrap_or(greedy.len());
+        let mut checked = margins.iter().position(|&m| m < margin).unwrap_or(greedy.len());
         let mut cache = loaded.model.new_cache(1, prompt.len() + greedy.len()).unwrap();
         let mut next = prompt.clone();
         let mut produced = Vec::new();
-        for _ in 0..checked {
+        for step in 0..checked {
             let logits = loaded.model.forward_last(token_tensor::<B>(&next, device), &mut cache).unwrap();
-            let token = logits.argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap()[0] as u32;
+            let row = logits.into_data().to_vec::<f32>().unwrap();
+            let token = (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as u32;
+            if token != greedy[step] {
+                let at = prompt.len() - 1 + step;
+                let (ids, refs) = (common::ids(&top_ids[at]), top_logits[at].as_array().unwrap());
+                let deviation = ids
+                    .iter()
+                    .zip(refs)
+                    .map(|(&id, want)| (row[id as usize] - want.as_f64().unwrap() as f32).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(ids.contains(&token), "{name}: step {step} picked {token}, not among HF's top-5 {ids:?}");
+                assert!(
+                    deviation <= step_tolerance,
+                    "{name}: step {step}: logit deviation {deviation} > {step_tolerance}"
+                );
+                assert!(
+                    margins[step] <= 2.0 * deviation as f64,
+                    "{name}: step {step} picked {token} over HF's {} with HF's margin {} beyond twice the deviation {deviation}",
+                    greedy[step],
+                    margins[step]
+                );
+                println!("{name}: step {step} is a tie at this path's precision (HF margin {:.3}, deviation {deviation:.3}): checked up to it", margins[step]);
+                checked = step;
+                break;
+            }
             produced.push(token);
             next = vec![token];
         }
@@ -173,12 +208,12 @@ fn check_decode_path<B: GemmaBackend>(loaded: &Loaded<B>, device: &B::Device, on
 fn real_model_native_blocks_on_candle_cpu() {
     let device = Default::default();
     let loaded = load::<burn_gemma::backends::Candle>(&device, WeightFormat::Native);
-    check_cases(&loaded, &device, &[], DENSE);
+    check_cases(&loaded, &device, &[], NATIVE_CANDLE);
     check_decode_path(
         &loaded,
         &device,
         &["capital", "code", "story", "unicode", "chat"],
-        Tolerance { logits: 4.0, margin: 1.0, top1: 0.85 },
+        Tolerance { logits: 4.0, steps: 4.0, margin: 1.0, top1: 0.85 },
     );
 }
 
