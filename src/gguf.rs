@@ -6,7 +6,10 @@
 
 use crate::floats::{self, Float};
 use burn::tensor::{DType, TensorData};
-use burn_gemma_kernels::{quant::QuantError, GgmlBlocks, HostQuantized, QuantFormat};
+use burn_gemma_kernels::{
+    quant::{ggml::product, QuantError},
+    GgmlBlocks, HostQuantized, QuantFormat,
+};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use memmap2::Mmap;
 use std::{collections::HashMap, fs::File, path::Path};
@@ -305,7 +308,8 @@ impl GgufFile {
     }
 
     /// Dequantizes tensor `name` to f32, row-major in [`TensorInfo::shape`] order: float
-    /// tensors converted on every core, block types rows in parallel (candle's block decoders).
+    /// tensors converted on every core, block types rows in parallel (candle's block decoders,
+    /// [`product::dequantize`]).
     pub fn dequantize(&self, name: &str) -> Result<Vec<f32>, GgufError> {
         let fail = |reason: String| GgufError::Dequantize { name: name.to_string(), reason };
         let info = self.tensor(name)?;
@@ -313,21 +317,12 @@ impl GgufFile {
         if let Some(from) = float_type(info.dtype) {
             return Ok(floats::to_f32(raw, from));
         }
-        if let [.., cols] = info.shape[..] {
-            let rows = info.shape.iter().product::<usize>() / cols.max(1);
-            if let Ok(blocks) = GgmlBlocks::new(info.dtype, rows, cols, raw.to_vec()) {
-                return blocks.dequantize().map_err(|e| fail(e.to_string()));
-            }
-        }
-        // GGML dims are innermost-first; candle wants outermost-first like our shape.
-        let candle = |e: candle_core::Error| fail(e.to_string());
-        let q = qtensor_from_ggml(info.dtype, raw, info.shape.clone(), &candle_core::Device::Cpu).map_err(candle)?;
-        q.dequantize(&candle_core::Device::Cpu)
-            .map_err(candle)?
-            .flatten_all()
-            .map_err(candle)?
-            .to_vec1::<f32>()
-            .map_err(candle)
+        // Rows of the innermost dimension; candle wants outermost-first dims like our shape.
+        let cols = info.shape.last().copied().unwrap_or(1);
+        let rows = info.shape.iter().product::<usize>() / cols.max(1);
+        let q = qtensor_from_ggml(info.dtype, raw, vec![rows, cols], &candle_core::Device::Cpu)
+            .map_err(|e| fail(e.to_string()))?;
+        product::dequantize(&q).map_err(|e| fail(e.to_string()))
     }
 
     /// Tensor `name` in `dtype` (F32, F16 or BF16), row-major in [`TensorInfo::shape`] order:

@@ -164,6 +164,32 @@ fn round(x: f32) -> f32 {
     t + up.copysign(x)
 }
 
+/// One block of `BLOCK` values into `dst`'s codes; returns its scale and offset (0 for Q8).
+fn quantize_block(format: QuantFormat, src: &[f32], dst: &mut [u8]) -> (f32, f32) {
+    match format {
+        QuantFormat::Q8 => {
+            let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let scale = f16_round(amax / 127.0);
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d = (round(v * inv).clamp(-127.0, 127.0) + 128.0) as u8;
+            }
+            (scale, 0.0)
+        }
+        QuantFormat::Q4 => {
+            let lo = src.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+            let hi = src.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let offset = f16_round(lo);
+            let scale = f16_round((hi - offset) / 15.0);
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d = round((v - offset) * inv).clamp(0.0, 15.0) as u8;
+            }
+            (scale, offset)
+        }
+    }
+}
+
 /// Rounds to the nearest f16, as scales are stored.
 fn f16_round(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
@@ -195,28 +221,10 @@ impl HostQuantized {
             .zip(offset_slots)
             .for_each(|(((values, codes), scales), offsets)| {
                 for (b, (src, dst)) in values.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
-                    match format {
-                        QuantFormat::Q8 => {
-                            let amax = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                            let scale = f16_round(amax / 127.0);
-                            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                            for (d, &v) in dst.iter_mut().zip(src) {
-                                *d = (round(v * inv).clamp(-127.0, 127.0) + 128.0) as u8;
-                            }
-                            scales[b] = scale;
-                        }
-                        QuantFormat::Q4 => {
-                            let lo = src.iter().fold(f32::INFINITY, |m, &v| m.min(v));
-                            let hi = src.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                            let offset = f16_round(lo);
-                            let scale = f16_round((hi - offset) / 15.0);
-                            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                            for (d, &v) in dst.iter_mut().zip(src) {
-                                *d = round((v - offset) * inv).clamp(0.0, 15.0) as u8;
-                            }
-                            scales[b] = scale;
-                            offsets[b] = offset;
-                        }
+                    let (scale, offset) = quantize_block(format, src, dst);
+                    scales[b] = scale;
+                    if let Some(slot) = offsets.get_mut(b) {
+                        *slot = offset;
                     }
                 }
             });

@@ -129,16 +129,33 @@ impl BlockWork for Dequantize {
         if !cols.is_multiple_of(T::BLCK_SIZE) || w.len() != rows * per_row {
             return Err(ProductError::Type(T::DTYPE));
         }
-        let mut out = vec![0.0f32; rows * cols];
-        // Whole rows per task (at least 64 KiB of output), so a thin matrix is not split finely.
-        let rows_per_task = (16_384 / cols.max(1)).max(1);
-        out.par_chunks_mut(rows_per_task * cols).zip(w.par_chunks(rows_per_task * per_row)).for_each(|(d, b)| {
-            for (d, b) in d.chunks_exact_mut(cols).zip(b.chunks_exact(per_row)) {
-                (fns.to_float)(b, d);
-            }
-        });
-        Ok(out)
+        to_f32(w, cols, fns.to_float)
     }
+}
+
+/// Whole `cols`-wide rows of blocks `w` in f32, rows in parallel, each by `to_float`.
+fn to_f32<T: GgmlType>(w: &[T], cols: usize, to_float: fn(&[T], &mut [f32])) -> Result<Vec<f32>, ProductError> {
+    // candle's Q8_1 `to_float` is `unimplemented!` (Q8_1 only ever pairs with other blocks in
+    // dot products).
+    if T::DTYPE == GgmlDType::Q8_1 {
+        return Err(ProductError::Type(T::DTYPE));
+    }
+    let per_row = cols / T::BLCK_SIZE;
+    if w.is_empty() {
+        return Ok(Vec::new());
+    }
+    if per_row == 0 {
+        return Err(ProductError::Type(T::DTYPE));
+    }
+    let mut out = vec![0.0f32; w.len() * T::BLCK_SIZE];
+    // Whole rows per task (at least 64 KiB of output), so a thin matrix is not split finely.
+    let rows_per_task = (16_384 / cols.max(1)).max(1);
+    out.par_chunks_mut(rows_per_task * cols).zip(w.par_chunks(rows_per_task * per_row)).for_each(|(d, b)| {
+        for (d, b) in d.chunks_exact_mut(cols).zip(b.chunks_exact(per_row)) {
+            to_float(b, d);
+        }
+    });
+    Ok(out)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -234,8 +251,7 @@ fn dense_product<T: GgmlType>(
     let mut out = Vec::new();
     for (c, blocks) in w.chunks(DENSE_CHUNK * per_row).enumerate() {
         let rows = blocks.len() / per_row;
-        let mut dense = vec![0.0f32; rows * k];
-        dense.par_chunks_mut(k).zip(blocks.par_chunks(per_row)).for_each(|(d, b)| to_float(b, d));
+        let dense = to_f32(blocks, k, to_float)?;
         let weights = candle_core::Tensor::from_vec(dense, (rows, k), &cpu).map_err(candle)?;
         let y = x.matmul(&weights.t().map_err(candle)?).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>());
         let y = y.map_err(candle)?;
