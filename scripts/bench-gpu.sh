@@ -27,6 +27,7 @@
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
 #                                          entry (model:weights, GGUF files from `prepare` by name)
+#   bash .gpu-bench/bench-gpu.sh llama     only builds llama.cpp in /tmp/lcpp
 #   bash .gpu-bench/bench-gpu.sh prepare4  Gemma 4 files: $G4MODELS ("e2b e4b") written as Q8_0 by
 #                                          gen_gguf4.py, requantized to $G4QUANTS by llama-quantize
 #   bash .gpu-bench/bench-gpu.sh gemma4    their decode side by side (llama-bench, F16 KV; ours, bf16
@@ -37,8 +38,9 @@
 #                                          2k-token prompt on the real 270M
 #   bash .gpu-bench/bench-gpu.sh accuracy  the accuracy table on the real 270M model
 #                                          ($MODEL_FILE, see `chunks`) against the HF fixture
-# The real model (253 MB) does not fit one call (64 MiB): `scripts/bench-gpu.sh chunks` here
-# splits it into .gpu-model-1 .. .gpu-model-N; calls carrying them in turn, each within 30 s
+# The real model (253 MB) does not fit one call (64 MiB with the working tree, which is 33 MiB):
+# `scripts/bench-gpu.sh chunks` here
+# splits it into .gpu-model-1 .. .gpu-model-N ($CHUNK, 28M), calls carrying them in turn, each within 30 s
 # of the previous one, run `cat .gpu-model-K/part >> $MODEL_FILE` there.
 #
 # Knobs (environment): MODELS="270m 1b 4b", QUANTS="Q8_0" (F16 is always written), REPS=5,
@@ -154,12 +156,15 @@ llama() { # file, depth
     log "llama-bench failed on $1 at depth $2"
 }
 
+# The executables carried in $here, unpacked into /tmp; one not carried this call keeps the copy an
+# earlier call of this warm machine left there (calls that carry model chunks have no room for them).
 unpack() {
   bin=/tmp/burn-gemma-bench
-  gzip -dc "$here/bench.gz" > $bin && chmod +x $bin
-  gzip -dc "$here/kernel_bench.gz" > /tmp/burn-gemma-kernel-bench && chmod +x /tmp/burn-gemma-kernel-bench
-  gzip -dc "$here/accuracy.gz" > /tmp/burn-gemma-accuracy && chmod +x /tmp/burn-gemma-accuracy
-  gzip -dc "$here/kernel_tests.gz" > /tmp/burn-gemma-kernel-tests && chmod +x /tmp/burn-gemma-kernel-tests
+  local name
+  for name in bench kernel_bench accuracy kernel_tests; do
+    [ -s "$here/$name.gz" ] || continue
+    gzip -dc "$here/$name.gz" > "/tmp/burn-gemma-${name//_/-}" && chmod +x "/tmp/burn-gemma-${name//_/-}"
+  done
 }
 
 copy_bandwidth() {
@@ -211,21 +216,29 @@ quant() {
   python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
 }
 
-# Gemma 4: random-weight GGUFs of the $G4MODELS shapes written as Q8_0 (gen_gguf4.py), and
-# Q4_K_M requantized from them by llama-quantize.
+# Gemma 4: random-weight GGUFs of the $G4MODELS shapes in each of $G4QUANTS: Q8_0 and Q4_K_M
+# written directly by gen_gguf4.py (Q4_K_M with the types llama-quantize gives each matrix; minutes
+# faster on 31B), other types requantized from the Q8_0 file by llama-quantize.
 prepare4() {
   build_llama || return 1
   mkdir -p "$GGUF"
   for m in $G4MODELS; do
-    if [ ! -s "$GGUF/g4-$m-Q8_0.gguf" ]; then
-      log "writing $GGUF/g4-$m-Q8_0.gguf"
-      python3 "$here/gen_gguf4.py" "$m" "$here/kit/gemma3-vocab.json.gz" "$GGUF/g4-$m-Q8_0.gguf" >> "$OUT/log.txt" 2>&1 || return 1
-    fi
     for q in $G4QUANTS; do
-      [ "$q" = Q8_0 ] || [ -s "$GGUF/g4-$m-$q.gguf" ] && continue
-      log "requantizing g4-$m to $q"
-      "$LCPP/build/bin/llama-quantize" --allow-requantize "$GGUF/g4-$m-Q8_0.gguf" "$GGUF/g4-$m-$q.gguf" "$q" "$(nproc)" \
-        > /dev/null 2>&1 || return 1
+      local f=$GGUF/g4-$m-$q.gguf
+      [ -s "$f" ] && continue
+      case $q in
+        Q8_0 | Q4_K_M)
+          log "writing $f"
+          python3 "$here/gen_gguf4.py" "$m" "$here/kit/gemma3-vocab.json.gz" "$f" "${q,,}" >> "$OUT/log.txt" 2>&1 || return 1 ;;
+        *)
+          if [ ! -s "$GGUF/g4-$m-Q8_0.gguf" ]; then
+            log "writing $GGUF/g4-$m-Q8_0.gguf"
+            python3 "$here/gen_gguf4.py" "$m" "$here/kit/gemma3-vocab.json.gz" "$GGUF/g4-$m-Q8_0.gguf" >> "$OUT/log.txt" 2>&1 || return 1
+          fi
+          log "requantizing g4-$m to $q"
+          "$LCPP/build/bin/llama-quantize" --allow-requantize "$GGUF/g4-$m-Q8_0.gguf" "$f" "$q" "$(nproc)" \
+            > /dev/null 2>&1 || return 1 ;;
+      esac
     done
   done
   log "prepared: $(ls -s "$GGUF" | tr '\n' ' ')"
@@ -348,7 +361,7 @@ chunks() {
   cd "$(dirname "$0")/.."
   local src=${1:-$HOME/.cache/burn-gemma/gemma-3-270m-q4_k_m.gguf}
   rm -rf .gpu-model-* && mkdir -p /tmp/gpu-model-split && rm -f /tmp/gpu-model-split/part*
-  split -b 60M -d "$src" /tmp/gpu-model-split/part
+  split -b "${CHUNK:-28M}" -d "$src" /tmp/gpu-model-split/part
   local i=1
   for p in /tmp/gpu-model-split/part*; do
     mkdir -p .gpu-model-$i && mv "$p" .gpu-model-$i/part
@@ -427,6 +440,7 @@ case "${1:-}" in
   ab) ab ;;
   hostprof) hostprof ;;
   prepare4) prepare4 ;;
+  llama) build_llama ;;
   gemma4) gemma4 ;;
   prefill) prefill ;;
   chunks) shift; chunks "$@" ;;

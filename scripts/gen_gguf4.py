@@ -1,8 +1,12 @@
-# Writes a Gemma 4 GGUF (`gemma4` architecture, Q8_0 blocks written directly, random weights,
+# Writes a Gemma 4 GGUF (`gemma4` architecture, quantized blocks written directly, random weights,
 # the real Gemma 3 vocabulary as a SentencePiece `llama` tokenizer) of a published text shape, for
 # speed tests: llama.cpp and burn-gemma read the same file. Metadata and tensor names as
 # llama.cpp's converter writes them (conversion/gemma.py, Gemma4Model).
-#   python3 gen_gguf4.py e2b|e4b|31b|26b-a4b VOCAB.json.gz OUT.gguf
+#   python3 gen_gguf4.py e2b|e4b|31b|26b-a4b VOCAB.json.gz OUT.gguf [q8_0|q4_k_m]
+# q4_k_m gives each matrix the type llama-quantize's Q4_K_M gives it (src/llama-quant.cpp; the
+# E2B file's 541 types checked against it): Q6_K for the tied embedding tables, for attn_v and
+# ffn_down on the layers its `use_more_bits` picks, Q8_0 for the per-layer projection, Q4_K for
+# the rest; it writes a 31B file in about a minute where requantizing the Q8_0 one takes minutes.
 # Needs the pure-Python `gguf` package (llama.cpp's gguf-py) and numpy.
 import sys, gzip, json, numpy as np, gguf
 
@@ -26,6 +30,8 @@ CFG = {
 HD, HD_FULL, PARTIAL = 256, 512, 0.25
 
 size, vocab_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+quant = sys.argv[4] if len(sys.argv) > 4 else "q8_0"
+assert quant in ("q8_0", "q4_k_m"), f"unknown quantization {quant}"
 c = CFG[size]
 voc = json.load(gzip.open(vocab_path, "rt"))
 V = len(voc["tokens"])
@@ -79,23 +85,51 @@ def q8(rows, cols):
     reps = -(-blocks // POOL)
     return np.tile(pool, reps)[: blocks * 34].reshape(rows, cols // 32 * 34)
 
-def mat(name, rows, cols):
-    w.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+# Pools of random k-quant super-blocks (256 weights): random codes and sub-block scales, small f16
+# super-block scales (Q4_K: d and dmin first; Q6_K: d last), so weights stay near real magnitudes.
+Q4K, Q6K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+def kpool(qt, scale_at):
+    size = gguf.GGML_QUANT_SIZES[qt][1]
+    p = rng.integers(0, 256, size=(1 << 16, size), dtype=np.uint8)
+    for at, d in scale_at:
+        p[:, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+    return p
+kpools = {Q4K: kpool(Q4K, [(0, 1e-4), (2, 5e-5)]), Q6K: kpool(Q6K, [(gguf.GGML_QUANT_SIZES[Q6K][1] - 2, 1e-4)])}
+
+def kq(qt, rows, cols):
+    p = kpools[qt]
+    n = rows * cols // 256
+    return np.tile(p, (-(-n // p.shape[0]), 1))[:n].reshape(rows, cols // 256 * p.shape[1])
+
+# llama-quantize's Q4_K_M choice of more bits: the first and last eighth of the layers and every
+# third between (indices over the tensors of that role, as it counts them).
+more_bits = lambda i, n: i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+def mat(name, rows, cols, six=False):
+    if quant == "q8_0":
+        w.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        qt = Q6K if six else Q4K
+        w.add_tensor(name, kq(qt, rows, cols), raw_dtype=qt)
 
 def experts_mat(name, experts, rows, cols):
+    assert quant == "q8_0", "expert tensors are written as Q8_0 only"
     w.add_tensor(name, q8(experts * rows, cols).reshape(experts, rows, cols // 32 * 34), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
 def norm(name, n):
     w.add_tensor(name, (1.0 + rng.standard_normal(n) * 0.05).astype(np.float32))
 
-mat("token_embd.weight", V, h)
+mat("token_embd.weight", V, h, six=True)
 norm("output_norm.weight", h)
 rotated = int(PARTIAL * HD_FULL / 2)
 w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (HD_FULL // 2 - rotated), dtype=np.float32))
 if c["ple"]:
-    mat("per_layer_token_embd.weight", V, L * c["ple"])
-    mat("per_layer_model_proj.weight", L * c["ple"], h)
+    mat("per_layer_token_embd.weight", V, L * c["ple"], six=True)
+    # llama-quantize keeps this projection in Q8_0 for every type.
+    w.add_tensor("per_layer_model_proj.weight", q8(L * c["ple"], h), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     norm("per_layer_proj_norm.weight", c["ple"])
+has_v = [i < first_shared and (swa[i] or not c["k_eq_v"]) for i in range(L)]
+n_v = sum(has_v)
 for i in range(L):
     p = f"blk.{i}."
     hd, kv = (HD, c["kv"]) if swa[i] else (HD_FULL, c["kv_full"])
@@ -104,12 +138,12 @@ for i in range(L):
     if i < first_shared:
         mat(p + "attn_k.weight", kv * hd, h)
         norm(p + "attn_k_norm.weight", hd)
-        if swa[i] or not c["k_eq_v"]:
-            mat(p + "attn_v.weight", kv * hd, h)
+        if has_v[i]:
+            mat(p + "attn_v.weight", kv * hd, h, six=more_bits(sum(has_v[:i]), n_v))
     mat(p + "attn_output.weight", h, nh * hd)
     for n in ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"]:
         norm(p + n + ".weight", h)
-    mat(p + "ffn_gate.weight", ffn[i], h); mat(p + "ffn_up.weight", ffn[i], h); mat(p + "ffn_down.weight", h, ffn[i])
+    mat(p + "ffn_gate.weight", ffn[i], h); mat(p + "ffn_up.weight", ffn[i], h); mat(p + "ffn_down.weight", h, ffn[i], six=more_bits(i, L))
     w.add_tensor(p + "layer_output_scale.weight", np.array([0.5], dtype=np.float32))
     if "moe" in c:
         # The router (f32, as the converter keeps small tensors), its input scale and the

@@ -1,5 +1,5 @@
 //! `--section gemm`: every CubeCL matmul kernel of [`GemmKernel::candidates`] on the prefill
-//! products of Gemma 3 1B and 4B (and 270M), TFLOP/s and the largest difference to Burn's
+//! products of Gemma 3 270M, 1B, 4B and 12B and Gemma 4 31B (its sliding layers), TFLOP/s and the largest difference to Burn's
 //! matmul (with `--gemm-kernels all`), beside what `GemmaBackend::project` does: the tuned
 //! kernel, and for Q8 and Q4 weights the dequantization before it.
 
@@ -24,6 +24,14 @@ pub const SHAPES: &[(&str, &str, usize, usize)] = &[
     ("4b", "o", 2560, 2048),
     ("4b", "gate|up", 2 * 10240, 2560),
     ("4b", "down", 2560, 10240),
+    ("12b", "qkv", 4096 + 2 * 2048, 3840),
+    ("12b", "o", 3840, 4096),
+    ("12b", "gate|up", 2 * 15360, 3840),
+    ("12b", "down", 3840, 15360),
+    ("31b", "qkv", 8192 + 2 * 4096, 5376),
+    ("31b", "o", 5376, 8192),
+    ("31b", "gate|up", 2 * 21504, 5376),
+    ("31b", "down", 5376, 21504),
 ];
 
 /// What the section measures.
