@@ -87,8 +87,9 @@ struct Args {
     /// default, flash attention on the matrix units where it runs).
     #[arg(long, value_enum, default_value_t = PromptAttention::Auto)]
     prefill_attention: PromptAttention,
-    /// auto | off: kernels of a replayed decode graph launched while their predecessor runs
-    /// (programmatic dependent launch, compute capability 9.0+; `off`: stream order).
+    /// auto | at-start | off: kernels of a replayed decode graph launched while their
+    /// predecessor runs (programmatic dependent launch, compute capability 9.0+), waiting for
+    /// it where they mark it (`at-start`: in their first statement); `off`: stream order.
     #[arg(long, default_value = "auto")]
     dependent_launch: burn_gemma_kernels::graph::DependentLaunch,
     /// Fewest multiply-adds (millions) of a product for which the tuner times cuBLASLt.

@@ -55,6 +55,7 @@ fn normalize<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 1>, 
 /// on Candle take seven, each allocating its result (the norms were 5% of a 128-token prompt of
 /// the real 270M on two cores). Sums of squares in eight f32 lanes (so that they vectorize),
 /// rows in parallel.
+#[cfg(feature = "candle")]
 pub(crate) mod host {
     use rayon::prelude::*;
 

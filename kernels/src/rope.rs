@@ -101,6 +101,7 @@ pub fn reference<B: Backend>(
 /// a dozen allocating passes (QK-norm and RoPE were 7% of a 128-token prompt of the real 270M on
 /// two cores). `x`: `[rows, head_dim]` f32 row-major whose row `r` is at position `r % seq` of
 /// the tables `cos`, `sin` (`[seq, head_dim / 2]`, already at the step's first position).
+#[cfg(feature = "candle")]
 pub(crate) mod host {
     use rayon::prelude::*;
 

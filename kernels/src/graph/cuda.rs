@@ -148,20 +148,49 @@ pub(crate) fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool)
 const DEPENDENT_LAUNCH_PROLOGUE: &str =
     "\nasm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\nasm volatile(\"griddepcontrol.launch_dependents;\");\n";
 
-/// `source` with [`DEPENDENT_LAUNCH_PROLOGUE`] as the first statement of the body of kernel
-/// `entry`, or `None` where the source does not have the shape cubecl-cpp 0.10 gives it (`entry
-/// (` after `__launch_bounds__(..)`, the parameters, then `\n) {`).
-fn with_dependent_launch(source: &str, entry: &str) -> Option<String> {
+/// What a kernel that marks its own wait ([`WAIT_MARKER`]) starts with instead.
+const LAUNCH_DEPENDENTS: &str = "\nasm volatile(\"griddepcontrol.launch_dependents;\");\n";
+
+/// The wait that replaces [`WAIT_MARKER`].
+const WAIT: &str = "asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n";
+
+/// The line cubecl-cpp 0.10 writes for a kernel's `comment!("burn-gemma: wait for the kernels
+/// before")`: a kernel whose statements before it read only what no kernel of a step writes (the
+/// weights) marks with it where the wait goes, so that those reads (the first step of a GEMV's
+/// weight loads) overlap the kernels before it. The `memory` clobber of the wait keeps the
+/// compiler from moving reads across it.
+const WAIT_MARKER: &str = "// burn-gemma: wait for the kernels before\n";
+
+/// `source` with the dependent-launch instructions in the body of kernel `entry`: at the marked
+/// place ([`WAIT_MARKER`], once) when the kernel marks one, else [`DEPENDENT_LAUNCH_PROLOGUE`] as
+/// its first statement. `None` where the source does not have the shape cubecl-cpp 0.10 gives it
+/// (`entry (` after `__launch_bounds__(..)`, the parameters, then `\n) {`), or marks the wait
+/// more than once.
+fn with_dependent_launch(source: &str, entry: &str, order: KernelOrder) -> Option<String> {
     let name = format!("{entry} (");
     let signature = source
         .match_indices(&name)
         .map(|(at, _)| at)
         .find(|&at| source[..at].chars().next_back().is_some_and(|c| !(c.is_alphanumeric() || c == '_')))?;
     let body = signature + source[signature..].find("\n) {")? + "\n) ".len();
+    let (head, rest) = (&source[..=body], &source[body + 1..]);
     let mut out = String::with_capacity(source.len() + DEPENDENT_LAUNCH_PROLOGUE.len());
-    out.push_str(&source[..=body]);
-    out.push_str(DEPENDENT_LAUNCH_PROLOGUE);
-    out.push_str(&source[body + 1..]);
+    out.push_str(head);
+    let marks = match order {
+        KernelOrder::OverlappedAtStart => 0,
+        _ => rest.match_indices(WAIT_MARKER).count(),
+    };
+    match marks {
+        0 => {
+            out.push_str(DEPENDENT_LAUNCH_PROLOGUE);
+            out.push_str(rest);
+        }
+        1 => {
+            out.push_str(LAUNCH_DEPENDENTS);
+            out.push_str(&rest.replacen(WAIT_MARKER, WAIT, 1));
+        }
+        _ => return None,
+    }
     Some(out)
 }
 
@@ -171,19 +200,22 @@ pub(crate) enum KernelOrder {
     /// Each kernel is launched when its predecessor has finished (stream order).
     Serial,
     /// Programmatic dependent launch (compute capability 9.0+): each kernel after the first is
-    /// launched while its predecessor runs and waits for it in its first statement
-    /// ([`DEPENDENT_LAUNCH_PROLOGUE`]).
+    /// launched while its predecessor runs and waits for it where it marks the wait
+    /// ([`WAIT_MARKER`]), else in its first statement ([`DEPENDENT_LAUNCH_PROLOGUE`]).
     Overlapped,
+    /// As `Overlapped`, every kernel waiting in its first statement.
+    OverlappedAtStart,
 }
 
 impl KernelOrder {
-    /// [`KernelOrder::Overlapped`] where the device has programmatic dependent launch and
-    /// `mode` allows it.
+    /// The overlapped orders where the device has programmatic dependent launch and `mode`
+    /// asks for one.
     pub(crate) fn for_architecture(arch: u32, mode: super::DependentLaunch) -> Self {
-        if arch >= 90 && mode == super::DependentLaunch::Auto {
-            Self::Overlapped
-        } else {
-            Self::Serial
+        use super::DependentLaunch;
+        match mode {
+            DependentLaunch::Auto if arch >= 90 => Self::Overlapped,
+            DependentLaunch::AtStart if arch >= 90 => Self::OverlappedAtStart,
+            _ => Self::Serial,
         }
     }
 }
@@ -212,8 +244,10 @@ fn load(
     let shared = compiled.repr.as_ref().map_or(0, |r| r.shared_memory_size());
     let source = match order {
         KernelOrder::Serial => compiled.source.clone(),
-        KernelOrder::Overlapped => with_dependent_launch(&compiled.source, &compiled.entrypoint_name)
-            .ok_or_else(|| compile_error("no kernel body found to place the dependency wait in".into()))?,
+        KernelOrder::Overlapped | KernelOrder::OverlappedAtStart => {
+            with_dependent_launch(&compiled.source, &compiled.entrypoint_name, order)
+                .ok_or_else(|| compile_error("no kernel body found to place the dependency wait in".into()))?
+        }
     };
     let (ptx, cached) = ptx(&source, arch, &name)?;
     let entry = CString::new(compiled.entrypoint_name.clone()).map_err(|e| compile_error(e.to_string()))?;
@@ -478,18 +512,44 @@ mod tests {
         let source = "struct info_st { uint x; };\n__device__ void not_gemv_f32 () {}\n\n\
                       extern \"C\" __global__ void __launch_bounds__(256)gemv_f32 (\n\
                       float* x_0,\nconst __grid_constant__ info_st info\n) {\nuint a = threadIdx.x;\n}\n";
-        let placed = with_dependent_launch(source, "gemv_f32").expect("kernel body");
+        let placed = with_dependent_launch(source, "gemv_f32", KernelOrder::Overlapped).expect("kernel body");
         let body = placed.find("\n) {").expect("body") + 4;
         assert!(placed[body..].starts_with(DEPENDENT_LAUNCH_PROLOGUE), "{placed}");
         assert!(placed[body + DEPENDENT_LAUNCH_PROLOGUE.len()..].starts_with("\nuint a = threadIdx.x;"));
         assert_eq!(placed.len(), source.len() + DEPENDENT_LAUNCH_PROLOGUE.len());
         // Neither the struct's braces nor a function whose name ends in the kernel's are taken.
         assert!(placed.starts_with("struct info_st { uint x; };\n__device__ void not_gemv_f32 () {}\n"));
-        assert!(with_dependent_launch(source, "other_kernel").is_none());
+        assert!(with_dependent_launch(source, "other_kernel", KernelOrder::Overlapped).is_none());
         use super::super::DependentLaunch;
         assert_eq!(KernelOrder::for_architecture(90, DependentLaunch::Auto), KernelOrder::Overlapped);
         assert_eq!(KernelOrder::for_architecture(90, DependentLaunch::Off), KernelOrder::Serial);
         assert_eq!(KernelOrder::for_architecture(89, DependentLaunch::Auto), KernelOrder::Serial);
+        assert_eq!(KernelOrder::for_architecture(90, DependentLaunch::AtStart), KernelOrder::OverlappedAtStart);
+        assert_eq!(KernelOrder::for_architecture(89, DependentLaunch::AtStart), KernelOrder::Serial);
+    }
+
+    #[test]
+    fn a_marked_wait_goes_where_the_kernel_marks_it() {
+        let source = "extern \"C\" __global__ void __launch_bounds__(256)qgemv (\nfloat* x_0\n) {\n\
+                      uint w = codes[threadIdx.x];\n// burn-gemma: wait for the kernels before\nfloat a = x_0[0];\n}\n";
+        let placed = with_dependent_launch(source, "qgemv", KernelOrder::Overlapped).expect("kernel body");
+        let body = placed.find("\n) {").expect("body") + 4;
+        // The successor's launch is released first; the wait sits between the weight load
+        // and the first read of an activation, and nothing else moves.
+        assert!(placed[body..].starts_with(LAUNCH_DEPENDENTS), "{placed}");
+        let load = placed.find("uint w = codes").expect("load");
+        let wait = placed.find(WAIT).expect("wait");
+        let read = placed.find("float a = x_0").expect("read");
+        assert!(load < wait && wait < read, "{placed}");
+        assert!(!placed.contains(WAIT_MARKER));
+        assert_eq!(placed.matches("griddepcontrol.wait").count(), 1);
+        // Two marks are refused: the kernel would wait where its reads may already have run.
+        let twice = source.replace("float a", "// burn-gemma: wait for the kernels before\nfloat a");
+        assert!(with_dependent_launch(&twice, "qgemv", KernelOrder::Overlapped).is_none());
+        // At the start, marks ignored (the comment stays a comment).
+        let start = with_dependent_launch(source, "qgemv", KernelOrder::OverlappedAtStart).expect("kernel body");
+        assert!(start[body..].starts_with(DEPENDENT_LAUNCH_PROLOGUE), "{start}");
+        assert!(start.contains(WAIT_MARKER));
     }
 
     #[test]

@@ -16,7 +16,10 @@
 //!    capability 9.0+ the kernels follow one another by programmatic dependent launch: each
 //!    kernel's first statements wait for its predecessor and then release its successor, whose
 //!    launch and block start-up so overlap this kernel's run (`KernelOrder` in `cuda.rs`;
-//!    [`set_dependent_launch`] turns it off).
+//!    [`set_dependent_launch`] turns it off). A kernel may mark a later place for its wait
+//!    (`comment!("burn-gemma: wait for the kernels before")`) when everything it does before
+//!    the mark reads only what no kernel of a step writes: the quantized GEMV issues its first
+//!    weight loads there, which then overlap the kernels before it.
 //! 4. **Replay.** Per token: copy the step's values (position, token ids, sampling draws) into
 //!    the small device buffers the kernels read them from, launch the graph, read the ids back.
 //!
@@ -67,9 +70,14 @@ pub enum GraphError {
 /// already built keep theirs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DependentLaunch {
-    /// Where the device has it (9.0+); stream order elsewhere.
+    /// Where the device has it (9.0+), stream order elsewhere; a kernel that marks where it
+    /// starts reading its predecessors' results (the quantized GEMV, after issuing its first
+    /// weight loads) waits there, every other kernel in its first statement.
     #[default]
     Auto,
+    /// As `Auto`, but every kernel waits in its first statement (marks ignored): the mode before
+    /// the marks, kept for measuring them.
+    AtStart,
     /// Stream order: each kernel launched when its predecessor has finished.
     Off,
 }
@@ -79,27 +87,27 @@ impl std::str::FromStr for DependentLaunch {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "auto" => Ok(Self::Auto),
+            "at-start" => Ok(Self::AtStart),
             "off" => Ok(Self::Off),
-            other => Err(format!("unknown dependent-launch mode `{other}` (expected auto or off)")),
+            other => Err(format!("unknown dependent-launch mode `{other}` (expected auto, at-start or off)")),
         }
     }
 }
 
-static DEPENDENT_LAUNCH_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The process's [`DependentLaunch`] as its index in `MODES`.
+static DEPENDENT_LAUNCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+const MODES: [DependentLaunch; 3] = [DependentLaunch::Auto, DependentLaunch::AtStart, DependentLaunch::Off];
 
 /// Sets [`DependentLaunch`] for the graphs this process builds from now on ([`DependentLaunch::Auto`]
 /// by default), as the GEMM tuner's settings are set.
 pub fn set_dependent_launch(mode: DependentLaunch) {
-    DEPENDENT_LAUNCH_OFF.store(mode == DependentLaunch::Off, std::sync::atomic::Ordering::Relaxed);
+    let index = MODES.iter().position(|&m| m == mode).unwrap_or(0) as u8;
+    DEPENDENT_LAUNCH.store(index, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The [`DependentLaunch`] graphs are built with now.
 pub fn dependent_launch() -> DependentLaunch {
-    if DEPENDENT_LAUNCH_OFF.load(std::sync::atomic::Ordering::Relaxed) {
-        DependentLaunch::Off
-    } else {
-        DependentLaunch::Auto
-    }
+    MODES[DEPENDENT_LAUNCH.load(std::sync::atomic::Ordering::Relaxed) as usize % MODES.len()]
 }
 
 /// What one recording session collects on this thread.

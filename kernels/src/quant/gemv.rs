@@ -113,23 +113,28 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     let mut dots = Array::<f32>::new(slots);
     let mut sx = Array::<f32>::new(m);
     let mut v0 = lane;
+    // The first step's weights are loaded before anything an earlier kernel writes is read: in
+    // a replayed graph the wait for the kernels before goes at the marker below, so these loads
+    // overlap their tail (see `crate::graph`'s dependent launch).
+    load_codes::<S, NW>(
+        codes,
+        scales,
+        offsets,
+        &code_at,
+        &scale_at,
+        &mut cw,
+        &mut scale,
+        &mut offset,
+        v0,
+        vectors,
+        group_units,
+        words_per_block,
+        per_plane,
+        unroll,
+        q4,
+    );
+    comment!("burn-gemma: wait for the kernels before");
     while v0 < vectors {
-        #[unroll]
-        for u in 0..unroll {
-            // Past the row's end a unit re-reads its last vector and discards it below.
-            let v = min(v0 + u * group_units, vectors - 1);
-            // A vector never straddles two blocks: one scale (and offset) per row.
-            let block = (v * nw) / words_per_block;
-            #[unroll]
-            for r in 0..per_plane {
-                let at = comptime!(u * per_plane + r);
-                cw[at] = codes[code_at[r] + v];
-                scale[at] = f32::cast_from(scales[scale_at[r] + block]);
-                if q4 {
-                    offset[at] = f32::cast_from(offsets[scale_at[r] + block]);
-                }
-            }
-        }
         #[unroll]
         for u in 0..unroll {
             let v = v0 + u * group_units;
@@ -174,11 +179,71 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
             }
         }
         v0 += comptime!(unroll * group_units);
+        if v0 < vectors {
+            load_codes::<S, NW>(
+                codes,
+                scales,
+                offsets,
+                &code_at,
+                &scale_at,
+                &mut cw,
+                &mut scale,
+                &mut offset,
+                v0,
+                vectors,
+                group_units,
+                words_per_block,
+                per_plane,
+                unroll,
+                q4,
+            );
+        }
     }
     if comptime!(splits > 1) {
         split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
     } else {
         reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
+    }
+}
+
+/// Loads one step of [`qgemv_kernel`]: `unroll` code vectors (from `v0`, `group_units` apart) of
+/// each of the `per_plane` rows starting at `code_at` / `scale_at`, with each vector's block
+/// scale (and Q4 offset), all issued before any is used. Past the row's end a unit re-reads its
+/// last vector, which the step discards.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn load_codes<S: Float, NW: Size>(
+    codes: &Array<Vector<u32, NW>>,
+    scales: &Array<S>,
+    offsets: &Array<S>,
+    code_at: &Array<usize>,
+    scale_at: &Array<usize>,
+    cw: &mut Array<Vector<u32, NW>>,
+    scale: &mut Array<f32>,
+    offset: &mut Array<f32>,
+    v0: usize,
+    vectors: usize,
+    #[comptime] group_units: usize,
+    #[comptime] words_per_block: usize,
+    #[comptime] per_plane: usize,
+    #[comptime] unroll: usize,
+    #[comptime] q4: bool,
+) {
+    let nw = codes.vector_size();
+    #[unroll]
+    for u in 0..unroll {
+        let v = min(v0 + u * group_units, vectors - 1);
+        // A vector never straddles two blocks: one scale (and offset) per row.
+        let block = (v * nw) / words_per_block;
+        #[unroll]
+        for r in 0..per_plane {
+            let at = comptime!(u * per_plane + r);
+            cw[at] = codes[code_at[r] + v];
+            scale[at] = f32::cast_from(scales[scale_at[r] + block]);
+            if q4 {
+                offset[at] = f32::cast_from(offsets[scale_at[r] + block]);
+            }
+        }
     }
 }
 
