@@ -21,6 +21,7 @@
 pub mod gelu;
 pub mod product;
 pub mod q5_0;
+pub mod q8_0;
 
 use super::{HostQuantized, QuantError, QuantFormat, BLOCK};
 use crate::Epilogue;

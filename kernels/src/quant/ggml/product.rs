@@ -85,7 +85,10 @@ fn with_blocks<W: BlockWork>(w: &QTensor, work: W) -> Result<W::Output, ProductE
             BlockFns { dot: super::q5_0::dot_fn(), to_float: super::q5_0::dequantize },
         ),
         GgmlDType::Q5_1 => typed::<BlockQ5_1, W>(bytes, work, BlockFns::candle()),
-        GgmlDType::Q8_0 => typed::<BlockQ8_0, W>(bytes, work, BlockFns::candle()),
+        // candle's Q8_0 dot converts its scales through run-time dispatched calls: ours by F16C.
+        GgmlDType::Q8_0 => {
+            typed::<BlockQ8_0, W>(bytes, work, BlockFns { dot: super::q8_0::dot_fn(), to_float: BlockQ8_0::to_float })
+        }
         GgmlDType::Q8_1 => typed::<BlockQ8_1, W>(bytes, work, BlockFns::candle()),
         GgmlDType::Q2K => typed::<BlockQ2K, W>(bytes, work, BlockFns::candle()),
         GgmlDType::Q3K => typed::<BlockQ3K, W>(bytes, work, BlockFns::candle()),

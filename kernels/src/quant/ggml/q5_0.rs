@@ -110,7 +110,7 @@ fn avx2_dot(_n: usize, w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::{Q5_0_BYTES, Q8_0_BYTES};
     use std::arch::x86_64::*;
 
@@ -118,9 +118,12 @@ mod avx2 {
     /// converted by one F16C instruction. `half`'s conversion, outside code compiled for F16C,
     /// checks the CPU at run time and calls its converter, twice a block: with those calls the
     /// kernel moved the real 270M's Q5_0 bytes at about 60% of the rate of candle's Q8_0 dot.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; both slices hold at least two bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(w: &[u8], x: &[u8]) -> __m256 {
+    pub(in super::super) unsafe fn scales(w: &[u8], x: &[u8]) -> __m256 {
         let both = u32::from_le_bytes([w[0], w[1], x[0], x[1]]) as i32;
         let s = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
         _mm256_broadcastss_ps(_mm_mul_ss(s, _mm_movehdup_ps(s)))
