@@ -69,7 +69,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    let words_per_block = comptime!(32usize / per_word);
     // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
     // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
     let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
@@ -128,7 +127,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         v0,
         vectors,
         group_units,
-        words_per_block,
         per_plane,
         unroll,
         q4,
@@ -192,7 +190,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
                 v0,
                 vectors,
                 group_units,
-                words_per_block,
                 per_plane,
                 unroll,
                 q4,
@@ -224,12 +221,12 @@ fn load_codes<S: Float, NW: Size>(
     v0: usize,
     vectors: usize,
     #[comptime] group_units: usize,
-    #[comptime] words_per_block: usize,
     #[comptime] per_plane: usize,
     #[comptime] unroll: usize,
     #[comptime] q4: bool,
 ) {
     let nw = codes.vector_size();
+    let words_per_block = comptime!(if q4 { 4usize } else { 8usize });
     #[unroll]
     for u in 0..unroll {
         let v = min(v0 + u * group_units, vectors - 1);

@@ -50,8 +50,9 @@ pub fn dot_fn() -> DotFn {
     reference_dot
 }
 
-/// `blocks` as the bytes they are stored in.
-fn bytes<T>(blocks: &[T]) -> &[u8] {
+/// `blocks` (candle's block types) as the bytes they are stored in; [`super::q8_0`] reads its
+/// blocks through it too.
+pub(super) fn bytes<T>(blocks: &[T]) -> &[u8] {
     // SAFETY: candle's block types are `#[repr(C)]` plain data (an f16 and byte arrays; candle
     // asserts their sizes, 22 and 34 bytes, so there is no padding): every byte is initialized.
     unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(blocks)) }

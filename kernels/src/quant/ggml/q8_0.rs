@@ -8,6 +8,7 @@
 //! both ([`super::q5_0`] does the same). A Q8_0 block is 34 bytes: the f16 scale and 32 `i8`
 //! codes.
 
+use super::q5_0::bytes;
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 
 #[cfg(any(target_arch = "x86_64", test))]
@@ -26,14 +27,6 @@ pub fn dot_fn() -> DotFn {
         return avx2_dot;
     }
     BlockQ8_0::vec_dot
-}
-
-/// `blocks` as the bytes they are stored in.
-#[cfg(any(target_arch = "x86_64", test))]
-fn bytes(blocks: &[BlockQ8_0]) -> &[u8] {
-    // SAFETY: candle's `BlockQ8_0` is `#[repr(C)]` plain data, 34 bytes (an f16 and 32 bytes;
-    // candle asserts the size, so there is no padding): every byte is initialized.
-    unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(blocks)) }
 }
 
 #[cfg(target_arch = "x86_64")]
