@@ -19,7 +19,7 @@ mod backend_args;
 
 use backend_args::BackendArgs;
 use burn_gemma::{
-    backends::{dispatch, resident_bytes, BackendTask},
+    backends::{dispatch, parse_kv_cache, resident_bytes, BackendTask},
     generation::token_tensor,
     Checkpoint, Gemma, GemmaBackend, GemmaConfig, KvCache, LoadOptions, ModelOptions,
 };
@@ -64,9 +64,14 @@ struct Args {
     prefill_chunk: std::num::NonZeroUsize,
     #[arg(long, default_value_t = 128)]
     gen: usize,
-    /// Context already in the cache before the timed prefill and decode.
-    #[arg(long, default_value_t = 0)]
-    depth: usize,
+    /// Context already in the cache before the timed prefill and decode, comma-separated: each
+    /// is measured in turn on the one loaded model (as llama-bench's `-d 512,8192`).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    depth: Vec<usize>,
+    /// KV-cache formats measured in turn on the one loaded model, each in a cache of its own,
+    /// comma-separated (values as `--kv-cache`, which is the one measured by default).
+    #[arg(long, value_delimiter = ',')]
+    kv_caches: Vec<String>,
     #[arg(long, default_value_t = 5)]
     reps: usize,
     /// Seed of synthetic weights and of the token ids.
@@ -108,19 +113,21 @@ struct Args {
 
 struct Bench(Args);
 
-/// Bytes of keys and values one decode step reads at `position` (sliding layers read at most
-/// their window).
+/// Bytes of keys and values one decode step reads at `position`: every layer reads its type's
+/// heads and head size (Gemma 4's full layers have their own), sliding layers at most their
+/// window (KV-sharing layers read another layer's store, counted as read again).
 fn kv_read_bytes(config: &GemmaConfig, kv: KvFormat, position: usize) -> usize {
-    let per_position = match kv {
-        KvFormat::Dense(dtype) => config.head_dim * dtype.size(),
-        // Codes plus one f32 scale per position and head.
-        KvFormat::Int8 => config.head_dim + 4,
-    };
     config
         .layer_types
         .iter()
         .map(|&t| {
-            2 * config.num_key_value_heads * per_position * config.window(t).map_or(position, |w| w.min(position))
+            let head_dim = config.head_dim_of(t);
+            let per_position = match kv {
+                KvFormat::Dense(dtype) => head_dim * dtype.size(),
+                // Codes plus one f32 scale per position and head.
+                KvFormat::Int8 => head_dim + 4,
+            };
+            2 * config.kv_heads_of(t) * per_position * config.window(t).map_or(position, |w| w.min(position))
         })
         .sum()
 }
@@ -262,116 +269,124 @@ impl BackendTask for Bench {
             load.elapsed().as_secs_f64()
         );
         let longest = a.prompt_len.iter().copied().max().unwrap_or(1);
-        let capacity = a.depth + longest.max(a.gen) + 1;
-        let mut cache = model.new_cache(1, capacity)?;
-        // Host memory after the load and the cache (CPU backends: the weights and the cache).
-        let rss_loaded = resident_bytes().unwrap_or(0);
-        let mut state = a.seed;
-        let context = ids(a.depth, config.vocab_size, &mut state);
-        let mut graphs = match a.cuda_graph {
-            CudaGraph::Off => None,
-            _ => Some(DecodeGraphs::<B>::new(SamplingParams::GREEDY, 1, capacity)),
+        let deepest = a.depth.iter().copied().max().unwrap_or(0);
+        let capacity = deepest + longest.max(a.gen) + 1;
+        let kv_formats = match a.kv_caches.is_empty() {
+            true => vec![kv_cache],
+            false => a.kv_caches.iter().map(|k| parse_kv_cache(k, dtype)).collect::<Result<Vec<_>, _>>()?,
         };
-        for &prompt_len in &a.prompt_len {
-            let prompt = ids(prompt_len, config.vocab_size, &mut state);
-            let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let mut gpu_share = Vec::new();
-            let mut peak = 0u64;
-            for rep in 0..=a.reps {
-                // Prefill at depth.
-                cache.reset();
-                if !context.is_empty() {
-                    feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
-                }
-                let _ = B::sync(&device);
-                let start = Instant::now();
-                let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
-                let prefill = start.elapsed();
-                peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
-                // Decode at depth.
-                cache.reset();
-                if !context.is_empty() {
-                    feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
-                }
-                let _ = B::sync(&device);
-                let profiler = match (&a.host_profile, rep == a.reps) {
-                    (Some(_), true) => Some(host_profile::start()?),
-                    _ => None,
-                };
-                let start = Instant::now();
-                let mut enqueue = Duration::ZERO;
-                let mut gpu = Duration::ZERO;
-                for _ in 0..a.gen {
-                    let step = Instant::now();
-                    if let Some(g) = graphs.as_mut() {
-                        match g.step(&model, &mut cache, &[token], &[0.0]) {
-                            Ok(ids) => {
-                                let times = g.last_replay();
-                                enqueue += times.issue;
-                                gpu += times.gpu;
-                                token = ids.first().copied().unwrap_or(0);
-                                continue;
-                            }
-                            // Auto: eager where the backend is not CUDA, and where the step cannot
-                            // be recorded (said once).
-                            Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
-                                if !matches!(e, GraphError::NotCuda(_)) {
-                                    eprintln!("decoding eagerly, the CUDA graph failed: {e}");
-                                }
-                                graphs = None;
-                            }
-                            Err(e) => return Err(e.into()),
-                        }
-                    }
-                    let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
-                    let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
-                    enqueue += step.elapsed();
-                    token = first_id::<B>(next);
-                }
-                let decode = start.elapsed();
-                if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
-                    host_profile::finish(profiler, path)?;
-                    eprintln!("host profile of {} decode tokens written to {}", a.gen, path.display());
-                }
-                peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
-                if rep == 0 {
-                    continue; // warm-up
-                }
-                pp.push(prompt_len as f64 / prefill.as_secs_f64());
-                tg.push(a.gen as f64 / decode.as_secs_f64());
-                host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
-                if graphs.is_some() {
-                    gpu_share.push(100.0 * gpu.as_secs_f64() / decode.as_secs_f64());
-                }
-                ttft.push(prefill.as_secs_f64() * 1e3);
-            }
-            let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
-            let show = |what: &str, s: &Stat, unit: &str| {
-                println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
+        for &kv_cache in &kv_formats {
+            let mut cache = KvCache::new(&config, 1, capacity, kv_cache, &device)?;
+            // Host memory after the load and the cache (CPU backends: the weights and the cache).
+            let rss_loaded = resident_bytes().unwrap_or(0);
+            let mut graphs = match a.cuda_graph {
+                CudaGraph::Off => None,
+                _ => Some(DecodeGraphs::<B>::new(SamplingParams::GREEDY, 1, capacity)),
             };
-            println!(
-                "{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps",
-                a.model, a.depth, a.reps
-            );
-            show(&format!("prefill pp{}", prompt_len), &pp, "tok/s");
-            let tuning = burn_gemma_kernels::gemm::tune::summary();
-            if tuning.tuned > 0 || tuning.cached > 0 {
-                println!(
+            for &depth in &a.depth {
+                // The same ids for a depth whatever else is measured: the context, then the prompts.
+                let mut state = a.seed;
+                let context = ids(depth, config.vocab_size, &mut state);
+                for &prompt_len in &a.prompt_len {
+                    let prompt = ids(prompt_len, config.vocab_size, &mut state);
+                    let (mut pp, mut tg, mut ttft, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                    let mut gpu_share = Vec::new();
+                    let mut peak = 0u64;
+                    for rep in 0..=a.reps {
+                        // Prefill at depth.
+                        cache.reset();
+                        if !context.is_empty() {
+                            feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
+                        }
+                        let _ = B::sync(&device);
+                        let start = Instant::now();
+                        let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
+                        let prefill = start.elapsed();
+                        peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+                        // Decode at depth.
+                        cache.reset();
+                        if !context.is_empty() {
+                            feed(&model, &mut cache, &context, a.prefill_chunk, &device)?;
+                        }
+                        let _ = B::sync(&device);
+                        let profiler = match (&a.host_profile, rep == a.reps) {
+                            (Some(_), true) => Some(host_profile::start()?),
+                            _ => None,
+                        };
+                        let start = Instant::now();
+                        let mut enqueue = Duration::ZERO;
+                        let mut gpu = Duration::ZERO;
+                        for _ in 0..a.gen {
+                            let step = Instant::now();
+                            if let Some(g) = graphs.as_mut() {
+                                match g.step(&model, &mut cache, &[token], &[0.0]) {
+                                    Ok(ids) => {
+                                        let times = g.last_replay();
+                                        enqueue += times.issue;
+                                        gpu += times.gpu;
+                                        token = ids.first().copied().unwrap_or(0);
+                                        continue;
+                                    }
+                                    // Auto: eager where the backend is not CUDA, and where the step cannot
+                                    // be recorded (said once).
+                                    Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
+                                        if !matches!(e, GraphError::NotCuda(_)) {
+                                            eprintln!("decoding eagerly, the CUDA graph failed: {e}");
+                                        }
+                                        graphs = None;
+                                    }
+                                    Err(e) => return Err(e.into()),
+                                }
+                            }
+                            let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
+                            let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
+                            enqueue += step.elapsed();
+                            token = first_id::<B>(next);
+                        }
+                        let decode = start.elapsed();
+                        if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
+                            host_profile::finish(profiler, path)?;
+                            eprintln!("host profile of {} decode tokens written to {}", a.gen, path.display());
+                        }
+                        peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
+                        if rep == 0 {
+                            continue; // warm-up
+                        }
+                        pp.push(prompt_len as f64 / prefill.as_secs_f64());
+                        tg.push(a.gen as f64 / decode.as_secs_f64());
+                        host.push(enqueue.as_secs_f64() * 1e3 / a.gen as f64);
+                        if graphs.is_some() {
+                            gpu_share.push(100.0 * gpu.as_secs_f64() / decode.as_secs_f64());
+                        }
+                        ttft.push(prefill.as_secs_f64() * 1e3);
+                    }
+                    let (pp, tg, ttft, host) = (stat(pp), stat(tg), stat(ttft), stat(host));
+                    let show = |what: &str, s: &Stat, unit: &str| {
+                        println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max)
+                    };
+                    println!(
+                        "{} | {name} | {dtype:?} | weights {weights} | KV {kv_cache} | depth {} | {} reps",
+                        a.model, depth, a.reps
+                    );
+                    show(&format!("prefill pp{}", prompt_len), &pp, "tok/s");
+                    let tuning = burn_gemma_kernels::gemm::tune::summary();
+                    if tuning.tuned > 0 || tuning.cached > 0 {
+                        println!(
                     "prefill GEMM tuning: {} shape classes timed in {:.2} s (first rep, untimed warm-up), {} choices read from the cache",
                     tuning.tuned,
                     tuning.time.as_secs_f64(),
                     tuning.cached
                 );
-            }
-            show(&format!("decode tg{}", a.gen), &tg, "tok/s");
-            show("time to first token", &ttft, "ms");
-            show("decode host time per token", &host, "ms");
-            let graph_json = match &graphs {
-                Some(g) => {
-                    let share = stat(gpu_share);
-                    show("decode GPU busy (graph)", &share, "%");
-                    let setup = g.setup();
-                    println!(
+                    }
+                    show(&format!("decode tg{}", a.gen), &tg, "tok/s");
+                    show("time to first token", &ttft, "ms");
+                    show("decode host time per token", &host, "ms");
+                    let graph_json = match &graphs {
+                        Some(g) => {
+                            let share = stat(gpu_share);
+                            show("decode GPU busy (graph)", &share, "%");
+                            let setup = g.setup();
+                            println!(
                         "{:<28} {} launches per token, {} recording(s) in {:.0} ms ({} kernels compiled, {} from the PTX cache)",
                         "CUDA graph",
                         setup.launches,
@@ -380,42 +395,48 @@ impl BackendTask for Bench {
                         setup.compiled,
                         setup.cached
                     );
-                    format!(
+                            format!(
                         ",\"cuda_graph\":true,\"gpu_busy_pct\":{:.2},\"graph_launches\":{},\"graph_setup_ms\":{:.1}",
                         share.median,
                         setup.launches,
                         setup.time.as_secs_f64() * 1e3
                     )
-                }
-                None => ",\"cuda_graph\":false".to_string(),
-            };
-            println!(
-                "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
-                "decode time per token",
-                1e3 / tg.median
-            );
-            match B::memory_reserved(&device) {
-                Some(_) => {
-                    println!("{:<28} {:.2} GiB reserved", "peak device memory", peak as f64 / (1u64 << 30) as f64)
-                }
-                None => println!("{:<28} not reported by this backend", "peak device memory"),
-            }
-            let rss_end = resident_bytes().unwrap_or(0);
-            println!(
-                "{:<28} {:.0} MB after load, {:.0} MB at the end ({} CPU threads)",
-                "resident host memory",
-                rss_loaded as f64 / 1e6,
-                rss_end as f64 / 1e6,
-                rayon::current_num_threads()
-            );
-            let host_json = format!(
-                ",\"threads\":{},\"rss_loaded_bytes\":{rss_loaded},\"rss_end_bytes\":{rss_end}",
-                rayon::current_num_threads()
-            );
-            println!(
+                        }
+                        None => ",\"cuda_graph\":false".to_string(),
+                    };
+                    println!(
+                        "{:<28} {:>16.3} ms (wall; the rest of each token waits for the device)",
+                        "decode time per token",
+                        1e3 / tg.median
+                    );
+                    match B::memory_reserved(&device) {
+                        Some(_) => {
+                            println!(
+                                "{:<28} {:.2} GiB reserved",
+                                "peak device memory",
+                                peak as f64 / (1u64 << 30) as f64
+                            )
+                        }
+                        None => println!("{:<28} not reported by this backend", "peak device memory"),
+                    }
+                    let rss_end = resident_bytes().unwrap_or(0);
+                    println!(
+                        "{:<28} {:.0} MB after load, {:.0} MB at the end ({} CPU threads)",
+                        "resident host memory",
+                        rss_loaded as f64 / 1e6,
+                        rss_end as f64 / 1e6,
+                        rayon::current_num_threads()
+                    );
+                    let host_json = format!(
+                        ",\"threads\":{},\"rss_loaded_bytes\":{rss_loaded},\"rss_end_bytes\":{rss_end}",
+                        rayon::current_num_threads()
+                    );
+                    println!(
                 "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}{host_json}}}",
-                a.model, a.depth, pp.median, tg.median, ttft.median, host.median, prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, a.depth + a.gen / 2), tuning.time.as_secs_f64()
+                a.model, depth, pp.median, tg.median, ttft.median, host.median, prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, depth + a.gen / 2), tuning.time.as_secs_f64()
             );
+                }
+            }
         }
         Ok(())
     }

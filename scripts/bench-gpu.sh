@@ -14,10 +14,12 @@
 #                                          than one device call allows, so use prepare, then run)
 #   bash .gpu-bench/bench-gpu.sh profile   only the decode profile (GGUFs if prepared, else
 #                                          synthetic models of the same shapes; no llama.cpp)
-#   bash .gpu-bench/bench-gpu.sh quant     quantized weights and KV caches: llama-bench (F16 and
-#                                          q8_0 KV) and ours (bf16 and int8 KV) on the Q8_0 and
-#                                          Q4_K_M files at depths 512 and 8192, the kernel table
-#                                          with the quantized GEMVs ($OUT/quant.md)
+#   bash .gpu-bench/bench-gpu.sh quant     decode on quantized files: llama-bench tg128 (F16 and q8_0
+#                                          KV) and ours (bf16 and int8 KV, one load per file) on
+#                                          $QSTEMS (default $QMODELS x $QFILES) at depths $QDEPTHS
+#                                          ("512 8192"), the table in $OUT/quant.md
+#   bash .gpu-bench/bench-gpu.sh prepare3  Gemma 3 files $G3MODELS x $G3QUANTS written directly
+#                                          (gen_gguf4.py g3-*), no F16 file or llama-quantize
 #   bash .gpu-bench/bench-gpu.sh hostprof  where the host's time goes while issuing decode work
 #                                          (sampled stacks, synthetic models, $HOSTPROF)
 #   bash .gpu-bench/bench-gpu.sh tests     the kernel tests with the cuda feature (f32 and bf16), the
@@ -62,6 +64,8 @@ HF=${HF:-1}
 PMODELS=${PMODELS:-"1b 4b"}
 PFILES=${PFILES:-"F16 Q8_0 Q4_K_M"}
 PLENS=${PLENS:-"512,4096"}
+G3MODELS=${G3MODELS:-"1b 4b 12b"}
+G3QUANTS=${G3QUANTS:-"Q4_K_M Q8_0"}
 G4MODELS=${G4MODELS:-"e2b e4b"}
 G4QUANTS=${G4QUANTS:-"Q8_0 Q4_K_M"}
 G4DEPTH=${G4DEPTH:-0}
@@ -97,7 +101,7 @@ bundle() {
   cp -r tests/fixtures/tiny-gemma .gpu-bench/
   # A previous build's bench, for `ab` (PREV_BENCH: its gzipped, stripped executable).
   if [ -n "${PREV_BENCH:-}" ]; then mkdir -p .gpu-bench/prev && cp "$PREV_BENCH" .gpu-bench/prev/bench.gz; fi
-  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/prefill_table.py scripts/decode_profile.py scripts/host_profile.py \
+  cp scripts/bench-gpu.sh scripts/bench_table.py scripts/quant_table.py scripts/prefill_table.py scripts/decode_profile.py scripts/host_profile.py scripts/kernel_bandwidth.py \
     scripts/gen_gguf4.py .gpu-bench/
   cp tests/fixtures/gemma3-270m-reference.json .gpu-bench/
   cp "$kit"/gen_gguf.py "$kit"/gemma3-vocab.json.gz "$kit"/hf_bench.py "$kit"/llama.cpp-src.tgz .gpu-bench/kit/
@@ -194,26 +198,43 @@ quant() {
   [ -x "$LCPP/build/bin/llama-bench" ] || { log "no llama.cpp build: run 'prepare' first"; return 1; }
   unpack
   copy_bandwidth
-  for m in $QMODELS; do
-    for q in $QFILES; do
-      f=$GGUF/$m-$q.gguf
-      [ -s "$f" ] || { log "missing $f"; continue; }
-      for d in $QDEPTHS; do
-        for kv in f16 q8_0; do
-          log "llama-bench $m $q depth $d KV $kv"
-          "$LCPP/build/bin/llama-bench" -m "$f" -p 512 -n 128 -d "$d" -fa 1 -ngl 99 -r "$REPS" -ctk $kv -ctv $kv -o jsonl \
-            >> "$OUT/quant-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f depth $d KV $kv"
-        done
-        for kv in bf16 int8; do
-          log "ours $m $q depth $d KV $kv"
-          "$bin" --model "$f" --backend cuda --dtype bf16 --weights native --kv-cache $kv --prompt-len 512 --gen 128 \
-            --depth "$d" --reps "$REPS" >> "$OUT/quant-ours.txt" 2>&1 || log "our bench failed on $f depth $d KV $kv"
-        done
-      done
+  local stems=${QSTEMS:-}
+  if [ -z "$stems" ]; then
+    for m in $QMODELS; do for q in $QFILES; do stems="$stems $m-$q"; done; done
+  fi
+  local depths=${QDEPTHS// /,}
+  for stem in $stems; do
+    f=$GGUF/$stem.gguf
+    [ -s "$f" ] || { log "missing $f"; continue; }
+    for kv in f16 q8_0; do
+      log "llama-bench $stem tg128 depths $depths KV $kv"
+      "$LCPP/build/bin/llama-bench" -m "$f" -p 0 -n 128 -d "$depths" -fa 1 -ngl 99 -r "$REPS" -ctk $kv -ctv $kv -o jsonl \
+        >> "$OUT/quant-llama.jsonl" 2>> "$OUT/log.txt" || log "llama-bench failed on $f KV $kv"
+    done
+    # One load for every depth and both KV formats (the weights as the GPU backends keep them
+    # by default); a 16-token prompt, as the table reports decode only.
+    log "ours $stem tg128 depths $depths KV bf16,int8"
+    "$bin" --model "$f" --backend cuda --dtype bf16 --kv-caches bf16,int8 --prompt-len 16 --gen 128 \
+      --depth "$depths" --reps "$REPS" >> "$OUT/quant-ours.txt" 2>&1 || log "our bench failed on $f"
+  done
+  python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
+}
+
+# Gemma 3 files of the $G3MODELS shapes in each of $G3QUANTS (Q8_0, Q4_K_M), written directly by
+# gen_gguf4.py (Q4_K_M with llama-quantize's per-tensor types) as $GGUF/<model>-<quant>.gguf:
+# no F16 file first (a 27B one would be 54 GB).
+prepare3() {
+  mkdir -p "$GGUF"
+  export PYTHONPATH=${PYTHONPATH:-$LCPP/gguf-py}
+  for m in $G3MODELS; do
+    for q in $G3QUANTS; do
+      local f=$GGUF/$m-$q.gguf
+      [ -s "$f" ] && continue
+      log "writing $f"
+      python3 "$here/gen_gguf4.py" "g3-$m" "$here/kit/gemma3-vocab.json.gz" "$f" "${q,,}" >> "$OUT/log.txt" 2>&1 || return 1
     done
   done
-  /tmp/burn-gemma-kernel-bench --backend cuda --dtype bf16 --section kernels > "$OUT/kernels.txt" 2>> "$OUT/log.txt" || log "kernel_bench failed"
-  python3 "$here/quant_table.py" "$OUT" > "$OUT/quant.md" && cat "$OUT/quant.md"
+  log "prepared: $(ls -s "$GGUF" | tr '\n' ' ')"
 }
 
 # Gemma 4: random-weight GGUFs of the $G4MODELS shapes in each of $G4QUANTS: Q8_0 and Q4_K_M
@@ -439,6 +460,7 @@ case "${1:-}" in
   tests) kernel_tests ;;
   ab) ab ;;
   hostprof) hostprof ;;
+  prepare3) prepare3 ;;
   prepare4) prepare4 ;;
   llama) build_llama ;;
   gemma4) gemma4 ;;

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The quantized side-by-side table of `scripts/bench-gpu.sh quant`, from its results folder.
+"""The decode side-by-side table of `scripts/bench-gpu.sh quant`, from its results folder.
 
-Reads quant-llama.jsonl (llama-bench -o jsonl, F16 and q8_0 KV), quant-ours.txt (our bench's
-`JSON {...}` lines, bf16 and int8 KV), env.txt (GPU, copy bandwidth) and kernels.txt (the kernel
-table, whose GEMV rows are repeated here).
+Reads quant-llama.jsonl (llama-bench -o jsonl, tg128 with F16 and q8_0 KV, medians of its
+samples), quant-ours.txt (our bench's `JSON {...}` lines, bf16 and int8 KV), env.txt (GPU, copy
+bandwidth) and kernels.txt if there (the kernel table, whose GEMV rows are repeated here).
 
 Bytes per decode token: llama.cpp reads its file's tensors (gguf-py, when importable; else the
 file size) plus its KV cache; we report our own counts from the bench (`weight_bytes`: weights
@@ -38,23 +38,23 @@ def main(out):
         if line.startswith("JSON "):
             r = json.loads(line[5:])
             ours[(os.path.basename(r["model"]), r["depth"], r["kv_cache"])] = r
-    print("| file | depth | KV (llama.cpp / ours) | llama.cpp pp512 | ours pp512 | llama.cpp tg128 | ours tg128 | tg ratio | our MB/token (weights + KV) | our % of floor |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| file | depth | KV (llama.cpp / ours) | llama.cpp tg128 | ours tg128 | tg ratio | our MB/token (weights + KV) | our floor tok/s | our % of floor |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     files = sorted({k[0] for k in ours} | {k[0] for k in llama})
     depths = sorted({k[1] for k in ours} | {k[1] for k in llama})
     for f in files:
         for d in depths:
             for lkv, okv in [("f16", "bf16"), ("q8_0", "int8")]:
                 r = ours.get((f, d, okv))
-                lpp, ltg = llama.get((f, d, lkv, "pp"), float("nan")), llama.get((f, d, lkv, "tg"), float("nan"))
-                if r is None and lpp != lpp:
+                ltg = llama.get((f, d, lkv, "tg"), float("nan"))
+                if r is None and ltg != ltg:
                     continue
-                opp, otg = (r["pp"], r["tg"]) if r else (float("nan"), float("nan"))
+                otg = r["tg"] if r else float("nan")
                 per_token = (r["weight_bytes"] + r.get("kv_read_bytes", 0)) if r else float("nan")
                 floor = bw / per_token if r else float("nan")
                 print(
-                    f"| {f} | {d} | {lkv} / {okv} | {lpp:,.0f} | {opp:,.0f} | {ltg:,.1f} | {otg:,.1f} | {otg / ltg:.2f} | "
-                    f"{per_token / 1e6:,.0f} | {100 * otg / floor:.0f}% |"
+                    f"| {f} | {d} | {lkv} / {okv} | {ltg:,.1f} | {otg:,.1f} | {otg / ltg:.2f} | "
+                    f"{per_token / 1e6:,.0f} | {floor:,.0f} | {100 * otg / floor:.0f}% |"
                 )
     kernels = os.path.join(out, "kernels.txt")
     if os.path.exists(kernels):
