@@ -307,7 +307,7 @@ fn dense_product<T: GgmlType>(
     chunk_bytes: usize,
 ) -> Result<Vec<f32>, ProductError> {
     let per_row = k / T::BLCK_SIZE;
-    if x.len() != m * k || w.len() != n * per_row {
+    if per_row == 0 || x.len() != m * k || w.len() != n * per_row {
         return Err(ProductError::Shape { len: x.len(), cols: k });
     }
     let chunk_rows = (chunk_bytes / (4 * k.max(1))).max(1);
@@ -412,10 +412,10 @@ mod tests {
         }
     }
 
-    /// How far two summation orders of the Q5_0 x Q8_0 dot product of activations `x` and dequantized
+    /// How far two summation orders of a Q5_0 or Q8_0 x Q8_0 dot product of activations `x` and dequantized
     /// weights `w` may differ: 2 (blocks + 8) roundings of the sum of the terms' magnitudes,
     /// bounded by |w| (|x| + its block's largest |x| / 127).
-    fn q5_0_order_bound(x: &[f32], w: &[f32]) -> f64 {
+    fn order_bound(x: &[f32], w: &[f32]) -> f64 {
         let magnitude: f64 = x
             .chunks_exact(32)
             .zip(w.chunks_exact(32))
@@ -428,7 +428,9 @@ mod tests {
     }
 
     /// Decode-sized products (under [`DENSE_ROWS`] rows) are candle's matmul, bit for bit (Q5_0
-    /// through our AVX2 dot product: up to the rounding of its summation order).
+    /// and Q8_0 through our AVX2 dot products: up to the rounding of their summation order;
+    /// candle's Q8_0 dot sums as ours only where candle is compiled for AVX2, and a build for
+    /// x86-64 without it runs candle's scalar one against our run-time-detected kernel).
     #[test]
     fn products_equal_candles_matmul() {
         let seed = seed();
@@ -452,14 +454,13 @@ mod tests {
                     .and_then(|y| y.to_vec1::<f32>())
                     .expect("candle's matmul");
                 assert!(got.iter().all(|v| v.is_finite()), "{dtype:?} m {m}");
-                if dtype == GgmlDType::Q5_0 && super::super::q5_0::simd() {
-                    // Our AVX2 Q5_0 dot product sums its blocks in eight lanes, candle's scalar
-                    // one in order: equal up to `q5_0_order_bound`.
+                if matches!(dtype, GgmlDType::Q5_0 | GgmlDType::Q8_0) && super::super::q5_0::simd() {
+                    // Our AVX2 dot products sum their blocks in eight lanes, candle's scalar
+                    // ones in order: equal up to `order_bound`.
                     let dense = random_blocks(dtype, rows, cols, seed).dequantize().expect("dequantizes");
                     for i in 0..m {
                         for j in 0..rows {
-                            let bound =
-                                q5_0_order_bound(&x[i * cols..(i + 1) * cols], &dense[j * cols..(j + 1) * cols]);
+                            let bound = order_bound(&x[i * cols..(i + 1) * cols], &dense[j * cols..(j + 1) * cols]);
                             let (g, e) = (got[i * rows + j] as f64, expected[i * rows + j] as f64);
                             assert!((g - e).abs() <= bound, "{dtype:?} m {m} ({i}, {j}): {g} vs candle's {e}");
                         }
