@@ -50,7 +50,7 @@ std::thread_local! {
     /// [`dense_product`]'s dequantized chunk, reused: a fresh buffer per chunk cost its page
     /// faults and zeroing (with the copies around candle's matmul, 14% of a 128-token prompt of
     /// the real 270M on two cores).
-    static DENSE_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static DENSE_SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Why a product could not run.
@@ -241,7 +241,7 @@ fn multiply<T: GgmlType>(
     chunk_bytes: usize,
 ) -> Result<Vec<f32>, ProductError> {
     let per_row = k / T::BLCK_SIZE;
-    if !k.is_multiple_of(T::BLCK_SIZE) || w.len() != n * per_row {
+    if per_row == 0 || !k.is_multiple_of(T::BLCK_SIZE) || w.len() != n * per_row {
         return Err(ProductError::Type(T::DTYPE));
     }
     if m >= DENSE_ROWS {
@@ -307,62 +307,52 @@ fn dense_product<T: GgmlType>(
     chunk_bytes: usize,
 ) -> Result<Vec<f32>, ProductError> {
     let per_row = k / T::BLCK_SIZE;
-    if per_row == 0 || x.len() != m * k || w.len() != n * per_row {
-        return Err(ProductError::Shape { len: x.len(), cols: k });
-    }
     let chunk_rows = (chunk_bytes / (4 * k.max(1))).max(1);
     let mut out = vec![0.0f32; m * n];
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    DENSE_SCRATCH.with(|scratch| -> Result<(), ProductError> {
-        // A product inside another's `to_float` cannot happen (block types dequantize alone);
-        // if the buffer is taken anyway, a fresh one serves.
-        let mut own = Vec::new();
-        let mut guard = scratch.try_borrow_mut();
-        let dense: &mut Vec<f32> = match guard.as_mut() {
-            Ok(d) => d,
-            Err(_) => &mut own,
-        };
-        for (c, blocks) in w.chunks(chunk_rows * per_row).enumerate() {
-            let rows = blocks.len() / per_row;
-            if dense.len() < rows * k {
-                dense.resize(rows * k, 0.0);
-            }
-            let dense = &mut dense[..rows * k];
-            to_f32_into(blocks, k, to_float, dense)?;
-            let first = c * chunk_rows;
-            // SAFETY: `out` is `m x n` row-major and columns `first..first + rows` lie within
-            // its `n` (the chunks cover the weight rows in order); `x` is `m x k` row-major and
-            // `dense` is `rows x k` row-major, read as its transpose (`k x rows`: row stride 1,
-            // column stride `k`). All three outlive the call, and `out` is not otherwise
-            // borrowed during it. (The transposed product, `dense` as the left operand, measured
-            // no faster: prompt pairs 0.90-1.05x.)
-            unsafe {
-                gemm::gemm(
-                    m,
-                    rows,
-                    k,
-                    out.as_mut_ptr().add(first),
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    dense.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0f32,
-                    1.0f32,
-                    false,
-                    false,
-                    false,
-                    parallelism,
-                );
-            }
+    // Taken for the product and put back after it (a product that fails drops it).
+    let mut dense = DENSE_SCRATCH.take();
+    for (c, blocks) in w.chunks(chunk_rows * per_row).enumerate() {
+        let rows = blocks.len() / per_row;
+        if dense.len() < rows * k {
+            dense.resize(rows * k, 0.0);
         }
-        Ok(())
-    })?;
+        let dense = &mut dense[..rows * k];
+        to_f32_into(blocks, k, to_float, dense)?;
+        let first = c * chunk_rows;
+        // SAFETY: `out` is `m x n` row-major and columns `first..first + rows` lie within
+        // its `n` (the chunks cover the weight rows in order); `x` is `m x k` row-major and
+        // `dense` is `rows x k` row-major, read as its transpose (`k x rows`: row stride 1,
+        // column stride `k`; `multiply` checked `w`, `product` derived `m` from `x`). All three
+        // outlive the call, and `out` is not otherwise
+        // borrowed during it. (The transposed product, `dense` as the left operand, measured
+        // no faster: prompt pairs 0.90-1.05x.)
+        unsafe {
+            gemm::gemm(
+                m,
+                rows,
+                k,
+                out.as_mut_ptr().add(first),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                dense.as_ptr(),
+                k as isize,
+                1,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+    }
+    DENSE_SCRATCH.set(dense);
     Ok(out)
 }
 
