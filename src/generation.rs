@@ -7,7 +7,7 @@ use crate::{
     sampling::{Sampler, SamplingConfig},
     speculative::{
         accept::{keeps, pick, residual},
-        Drafter, Drafts, Proposal, Speculation, SpeculationStats,
+        DraftSteps, Drafter, Drafts, Proposal, Speculation, SpeculationStats,
     },
     tokenizer::Bos,
     vision::{Picture, Vision},
@@ -15,7 +15,10 @@ use crate::{
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::graph::GraphError;
-use burn_gemma_model::{Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows};
+use burn_gemma_kernels::SamplingParams;
+use burn_gemma_model::{
+    Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows, WindowStore,
+};
 use std::{
     collections::VecDeque,
     num::NonZeroUsize,
@@ -334,6 +337,12 @@ pub struct Generator<B: GemmaBackend> {
     interrupt: Arc<AtomicBool>,
     /// Recorded decode steps for the current cache.
     graphs: Option<DecodeGraphs<B>>,
+    /// Recorded verify steps of speculative decoding for the current cache, one per count of
+    /// rows drafted for.
+    verify_graphs: Vec<DecodeGraphs<B>>,
+    /// How the cache stores sliding windows: every position where verify steps are recorded
+    /// (they write all their rows before any attends), else rings.
+    window_store: WindowStore,
     /// Why decoding stays eager in `Auto` mode.
     graph_off: Option<EagerReason>,
     /// The model's chat layout.
@@ -376,6 +385,8 @@ impl<B: GemmaBackend> Generator<B> {
             default_stops,
             interrupt: Arc::new(AtomicBool::new(false)),
             graphs: None,
+            verify_graphs: Vec::new(),
+            window_store: WindowStore::Ring,
             graph_off: None,
             speculation: None,
             rewind: None,
@@ -721,6 +732,11 @@ impl<B: GemmaBackend> Generator<B> {
             .into());
         }
         let capacity = needed.min(limit);
+        // Verify steps replayed as CUDA graphs write every draft before any attends: the cache
+        // then keeps every position of its sliding windows.
+        let drafts = self.speculation.as_ref().is_some_and(|s| !s.drafter.reads_hidden_states());
+        let cuda = burn_gemma_kernels::graph::available::<B>(&self.model.device()).is_ok();
+        self.window_store = if graph && drafts && cuda { WindowStore::EveryPosition } else { WindowStore::Ring };
         self.settle_cache();
         if let Some(spec) = &mut self.speculation {
             spec.restart();
@@ -936,7 +952,13 @@ impl<B: GemmaBackend> Generator<B> {
                 let tokens = lookup.draft(&sequence, k);
                 Drafts { proposals: vec![Proposal::Certain; tokens.len()], tokens }
             }
-            Drafter::Model(model) => model.draft(&sequence, k, &mut run.draft_sampler, run.prefill_chunk)?,
+            Drafter::Model(model) => {
+                let steps = match run.graph && self.window_store == WindowStore::EveryPosition {
+                    true => DraftSteps::Graph,
+                    false => DraftSteps::Eager,
+                };
+                model.draft(&sequence, k, &mut run.draft_sampler, (run.prefill_chunk, steps))?
+            }
             Drafter::Assistant(assistant) => {
                 // Drafts start from the state that chose the pending token.
                 let Some(last) = self.target_hidden.as_ref().filter(|h| h.position + 1 == cache.len()) else {
@@ -950,24 +972,44 @@ impl<B: GemmaBackend> Generator<B> {
             return Ok(None);
         }
         let drafted = drafts.tokens.len();
-        let mut cache = self.take_cache(run.capacity)?;
-        let verified = (|| {
-            let checkpoint = cache.checkpoint(1 + drafted)?;
-            let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
-            let ids = token_tensor(&ids, &self.model.device());
-            let hidden = self.model.forward_hidden(ids, &mut cache, QueryRows::Each)?;
-            Ok::<_, Error>((checkpoint, self.model.logits(hidden.clone()), hidden))
-        })();
-        self.cache = Some(cache);
-        let (checkpoint, logits, hidden) = verified?;
-        self.context.append(&mut run.input);
-        let (kept, next) = self.judge(run, logits, &drafts)?;
+        let mut verified = None;
+        if run.graph && cache.takes_consecutive_rows() && !spec.drafter.reads_hidden_states() {
+            match self.verify_on_graph(run, &drafts, k) {
+                Ok(v) => verified = Some(v),
+                Err(e) if run.cuda_graph == CudaGraph::On => return Err(e),
+                Err(e) => {
+                    // Auto: eager from here on (a failed recording ran nothing).
+                    run.graph = false;
+                    if let Error::Model(e) = &e {
+                        self.note_graph_off(e);
+                    }
+                }
+            }
+        }
+        let (checkpoint, kept, next, hidden) = match verified {
+            Some((checkpoint, kept, next)) => (checkpoint, kept, next, None),
+            None => {
+                let mut cache = self.take_cache(run.capacity)?;
+                let verified = (|| {
+                    let checkpoint = cache.checkpoint(1 + drafted)?;
+                    let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
+                    let ids = token_tensor(&ids, &self.model.device());
+                    let hidden = self.model.forward_hidden(ids, &mut cache, QueryRows::Each)?;
+                    Ok::<_, Error>((checkpoint, self.model.logits(hidden.clone()), hidden))
+                })();
+                self.cache = Some(cache);
+                let (checkpoint, logits, hidden) = verified?;
+                self.context.append(&mut run.input);
+                let (kept, next) = self.judge(run, logits, &drafts)?;
+                (checkpoint, kept, next, Some(hidden))
+            }
+        };
         let keep = self.context.len() + kept;
         if let Some(cache) = self.cache.as_mut() {
             cache.rewind(&checkpoint, keep)?;
         }
         self.rewind = Some(checkpoint);
-        if spec.drafter.reads_hidden_states() {
+        if let Some(hidden) = hidden.filter(|_| spec.drafter.reads_hidden_states()) {
             // Row `kept` chose `next`.
             let [_, _, width] = hidden.dims();
             let row = hidden.slice([0..1, kept..kept + 1, 0..width]).reshape([1, width]);
@@ -982,6 +1024,56 @@ impl<B: GemmaBackend> Generator<B> {
         run.queue.extend(drafts.tokens[..kept].iter().map(|&t| (t, true)));
         run.queue.push_back((next, false));
         Ok(run.queue.pop_front())
+    }
+
+    /// The verify step replayed as a CUDA graph of `1 + k` rows (recorded first where needed):
+    /// the pending token, the drafts, and copies of the last draft up to `k` (their rows are
+    /// computed and never kept, so that one recording serves every draft count). Returns the
+    /// checkpoint taken before it, the drafts kept and the model's own next token; the pending
+    /// token joins the context. Greedy reads back each row's choice only; sampled reads the
+    /// logits of the drafted rows.
+    fn verify_on_graph(
+        &mut self,
+        run: &mut Run,
+        drafts: &Drafts,
+        k: usize,
+    ) -> Result<(Checkpoint<B>, usize, u32), Error> {
+        let rows = 1 + k;
+        let drafted = drafts.tokens.len();
+        let pad = drafts.tokens.last().copied().unwrap_or(run.input[0]);
+        let ids: Vec<u32> =
+            run.input.iter().chain(&drafts.tokens).copied().chain(std::iter::repeat(pad)).take(rows).collect();
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::InvalidInput("KV cache missing".into()))?;
+        let at = self.verify_graphs.iter().position(|g| g.rows() == rows && g.serves(&SamplingParams::GREEDY, cache));
+        let mut graphs = match at {
+            Some(i) => self.verify_graphs.swap_remove(i),
+            None => DecodeGraphs::verify(SamplingParams::GREEDY, rows, cache.capacity()),
+        };
+        let checkpoint = cache.checkpoint(rows)?;
+        let before = graphs.setup();
+        let stepped = graphs.step(&self.model, cache, &ids, &vec![0.0; rows]);
+        let after = graphs.setup();
+        let stats = &mut run.stats;
+        stats.graph_setup.recordings += after.recordings - before.recordings;
+        stats.graph_setup.time += after.time - before.time;
+        stats.graph_setup.compiled += after.compiled - before.compiled;
+        stats.graph_setup.cached += after.cached - before.cached;
+        let logits = graphs.last_logits();
+        self.verify_graphs.push(graphs);
+        let choices = stepped?;
+        self.context.append(&mut run.input);
+        if run.sampler.is_greedy() {
+            let kept = drafts.tokens.iter().zip(&choices).take_while(|(d, c)| d == c).count();
+            let next =
+                checked_token(i64::from(choices[kept]), self.model.config().vocab_size, run.tokens.len() + kept)?;
+            return Ok((checkpoint, kept, next));
+        }
+        let logits = logits.ok_or_else(|| ModelError::InvalidInput("the verify step kept no logits".into()))?;
+        let vocab = logits.dims()[1];
+        let logits =
+            logits.slice([0..1 + drafted, 0..vocab]).cast(burn::tensor::DType::F32).reshape([1, 1 + drafted, vocab]);
+        let (kept, next) = self.judge(run, logits, drafts)?;
+        Ok((checkpoint, kept, next))
     }
 
     /// How many drafts the model keeps, and its own token after them, from the logits of the
@@ -1082,6 +1174,7 @@ impl<B: GemmaBackend> Generator<B> {
     /// Remembers why decoding stays eager (see [`Generator::eager_reason`]).
     fn note_graph_off(&mut self, e: &ModelError) {
         self.graphs = None;
+        self.verify_graphs.clear();
         self.graph_off = Some(match e {
             ModelError::Graph(GraphError::NotCuda(_)) => EagerReason::NotCuda,
             other => EagerReason::GraphFailed(other.to_string()),
@@ -1098,16 +1191,18 @@ impl<B: GemmaBackend> Generator<B> {
     /// holds fewer than `capacity` positions.
     fn take_cache(&mut self, capacity: usize) -> Result<KvCache<B>, Error> {
         let old_capacity = self.cache.as_ref().map_or(0, |c| c.capacity());
-        let cache = match self.cache.take().filter(|c| c.capacity() >= capacity) {
+        let windows = self.window_store;
+        let cache = match self.cache.take().filter(|c| c.capacity() >= capacity && c.window_store() == windows) {
             Some(cache) => cache,
             None => {
                 // Grow in steps so that a chat does not reallocate every turn; the old cache is
                 // freed before the new one is allocated.
                 let limit = self.max_context();
                 let capacity = capacity.max(old_capacity * 2).next_multiple_of(256).min(limit);
-                let mut cache = self.model.new_cache(1, capacity)?;
+                let mut cache = self.model.new_cache_with(1, capacity, windows)?;
                 // The recorded steps write the old cache's buffers.
                 self.graphs = None;
+                self.verify_graphs.clear();
                 if !self.context.is_empty() {
                     // Re-run the conversation into the larger cache.
                     self.model.forward_last(token_tensor(&self.context, &self.model.device()), &mut cache)?;

@@ -54,8 +54,8 @@ pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
     AssistantConfig, BatchGraphs, CudaGraph, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant,
     Gemma4ImageConfig, Gemma4Patches, Gemma4Vision, GemmaConfig, GraphSetup, ImageEmbeds, KvCache, KvFormat,
-    ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StoredRows, WeightFormat,
-    WeightSource,
+    ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StepRows, StoredRows,
+    WeightFormat, WeightSource, WindowStore,
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{

@@ -362,7 +362,12 @@ where
                     // Positions of their own, and a shape only the one-mask kernels take: one
                     // sequence at a time, at its position read back.
                     let positions = device.resolve_rows(q.meta.shape()[0])?;
-                    return crate::attention::decode_each_sequence(cube::tensor(q), store, &positions, options);
+                    return crate::attention::decode_each_sequence(
+                        cube::tensor(q),
+                        store,
+                        (&device, &positions),
+                        options,
+                    );
                 }
                 Ok(cube::tensor(attention(q, kv, options, Some(position(&device)), None)?))
             }
@@ -559,8 +564,8 @@ where
 {
     match p {
         StepPosition::Host(p) => crate::step::kernel::Position::Host(*p),
-        StepPosition::Device { values, bound } => {
-            crate::step::kernel::Position::Device { values: cube::int(values.clone()), bound: *bound }
+        StepPosition::Device { values, bound, rows } => {
+            crate::step::kernel::Position::Device { values: cube::int(values.clone()), bound: *bound, rows: *rows }
         }
     }
 }

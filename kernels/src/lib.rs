@@ -97,7 +97,7 @@ pub enum PreferredBlocks {
 pub use rms_norm::AddNorm;
 pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
-pub use step::StepPosition;
+pub use step::{StepPosition, StepRows};
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use std::ops::Range;
@@ -328,8 +328,9 @@ pub trait GemmaBackend: ReservedMemory {
                 let batch = q.dims()[0];
                 let positions = position.resolve_rows(batch)?;
                 if batch > 0 && (batch != store.shape()[0] || positions.windows(2).any(|w| w[0] != w[1])) {
-                    // Sequences at positions of their own (or fewer than the store's): one at a time.
-                    return attention::decode_each_sequence(q, store, &positions, options);
+                    // Sequences at positions of their own (or fewer than the store's), or
+                    // consecutive rows of one sequence: one at a time.
+                    return attention::decode_each_sequence(q, store, (&position, &positions), options);
                 }
                 let p = positions.first().copied().unwrap_or(0);
                 let (visible, mask) = step::decode_visible(p, store.shape()[2], options.mask.window);

@@ -128,7 +128,7 @@ pub fn rotated_by<B: GemmaBackend>(
     let mut queries = Vec::with_capacity(batch);
     for (b, &position) in positions.iter().enumerate() {
         let at = match &table {
-            None => b,
+            None => layout.position.store_row(b),
             Some((table, rows)) => {
                 let slot = step::slot(position, table.slots());
                 table.block_of(rows, b, slot).ok_or_else(|| crate::ReadBackError {
@@ -302,6 +302,8 @@ pub(crate) mod kernel {
         value_offset: u32,
         position: u32,
         position_stride: u32,
+        row_step: u32,
+        store_stride: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
@@ -315,10 +317,12 @@ pub(crate) mod kernel {
         let b = CUBE_POS_Y as usize;
         let mut position = position;
         if position_on_device {
-            position = step[b * position_stride as usize];
+            // Consecutive rows of one sequence: row `b` at the first row's position plus `b`,
+            // in store row 0.
+            position = step[b * position_stride as usize] + b as u32 * row_step;
         }
         let slot = position % slots;
-        let row_b = store_row(blocks, b, slot as usize, table_width, block_shift, paged);
+        let row_b = store_row(blocks, b * store_stride as usize, slot as usize, table_width, block_shift, paged);
         let row_slot = store_slot(slot as usize, block_shift, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
@@ -392,6 +396,8 @@ pub(crate) mod kernel {
         value_offset: u32,
         position: u32,
         position_stride: u32,
+        row_step: u32,
+        store_stride: u32,
         eps: f32,
         #[comptime] dim: usize,
         #[comptime] norm: bool,
@@ -405,10 +411,12 @@ pub(crate) mod kernel {
         let b = CUBE_POS_Y as usize;
         let mut position = position;
         if position_on_device {
-            position = step[b * position_stride as usize];
+            // Consecutive rows of one sequence: row `b` at the first row's position plus `b`,
+            // in store row 0.
+            position = step[b * position_stride as usize] + b as u32 * row_step;
         }
         let slot = position % slots;
-        let row_b = store_row(blocks, b, slot as usize, table_width, block_shift, paged);
+        let row_b = store_row(blocks, b * store_stride as usize, slot as usize, table_width, block_shift, paged);
         let row_slot = store_slot(slot as usize, block_shift, paged);
         let kind = role(r, heads, kv_heads);
         let mut stage = SharedMemory::<f32>::new(dim);
@@ -583,6 +591,8 @@ pub(crate) mod kernel {
                 value_offset as u32,
                 position,
                 layout.position.stride(),
+                layout.position.row_step(),
+                layout.position.store_stride(),
                 eps as f32,
                 dim,
                 has_norm,
@@ -617,6 +627,8 @@ pub(crate) mod kernel {
                 value_offset as u32,
                 position,
                 layout.position.stride(),
+                layout.position.row_step(),
+                layout.position.store_stride(),
                 eps as f32,
                 dim,
                 has_norm,
@@ -634,7 +646,7 @@ pub(crate) mod kernel {
 mod gpu {
     use super::QkvLayout;
     use crate::gpu_test::{assert_close, seed, tolerance};
-    use crate::{rope, GemmaBackend, KvFormat, KvStore, RopeTables, StepPosition};
+    use crate::{rope, GemmaBackend, KvFormat, KvStore, RopeTables, StepPosition, StepRows};
     use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
     /// Two independent stores holding the same earlier rows (the kernels write in place, so
@@ -672,12 +684,16 @@ mod gpu {
         /// As `PerSequence`, into a paged store: the sequences' slots in shuffled blocks of a
         /// pool with a spare block, which must stay as it was.
         Paged,
+        /// Consecutive rows of one sequence (`position + b` for row `b`, a verify step), all in
+        /// the first sequence of a store with one more, which must stay as it was.
+        Consecutive,
     }
 
     /// Gemma's head shapes and odd ones, with and without QK-norm, dense and int8 stores, the
     /// first and last slot (rings that wrapped and stores that did not), batches of 1 to 3, the
-    /// position passed at launch, read from a device buffer, read per sequence, and per
-    /// sequence into a paged store; the untouched slots must stay as they were.
+    /// position passed at launch, read from a device buffer, read per sequence, per sequence
+    /// into a paged store, and for consecutive rows of one sequence; the untouched slots must
+    /// stay as they were.
     pub fn qkv_rope_append<B: GemmaBackend>(device: &B::Device, dtype: DType) {
         seed::<B>(device, "qkv_rope_append");
         let cases = [
@@ -701,7 +717,8 @@ mod gpu {
             (Some(ValueNorm::Unweighted), KvRows::FromKeys, true),
             (Some(ValueNorm::Unweighted), KvRows::Shared, false),
         ];
-        let placements = [Placement::Host, Placement::Device, Placement::PerSequence, Placement::Paged];
+        let placements =
+            [Placement::Host, Placement::Device, Placement::PerSequence, Placement::Paged, Placement::Consecutive];
         for ((batch, heads, kv_heads, dim, slots, position), placement) in
             cases.into_iter().flat_map(|case| placements.map(|p| (case, p)))
         {
@@ -711,15 +728,22 @@ mod gpu {
                 Placement::Host => StepPosition::Host(position),
                 Placement::Device => {
                     let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
-                    StepPosition::Device { values, bound: position + 3 }
+                    StepPosition::Device { values, bound: position + 3, rows: StepRows::Sequences }
                 }
                 Placement::PerSequence | Placement::Paged => {
                     let own: Vec<i64> = (0..batch).map(|b| (position + 3 * b) as i64).collect();
                     let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
-                    StepPosition::Device { values, bound: last + 2 }
+                    StepPosition::Device { values, bound: last + 2, rows: StepRows::Sequences }
+                }
+                Placement::Consecutive => {
+                    let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
+                    StepPosition::Device { values, bound: position + batch + 1, rows: StepRows::Consecutive }
                 }
             };
-            let store_batch = if placement == Placement::PerSequence { batch + 1 } else { batch };
+            let store_batch = match placement {
+                Placement::PerSequence | Placement::Consecutive => batch + 1,
+                _ => batch,
+            };
             // Paged: blocks of the largest of 4, 3, 2 or 1 slots dividing `slots`, sequence
             // `b`'s `i`-th at `(b * width + i) * 5 + 1` modulo the pool (one block spare).
             let block = [4, 3, 2, 1].into_iter().find(|b| slots.is_multiple_of(*b)).unwrap_or(1);

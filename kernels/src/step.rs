@@ -12,6 +12,11 @@
 //! the device buffer then holds one position per sequence, `values[b]` for sequence `b`, and
 //! every sequence writes its own slot and attends to its own visible slots. A buffer of one
 //! position serves every sequence of the batch.
+//!
+//! Or the rows are consecutive positions of one sequence ([`StepRows::Consecutive`], the
+//! verify step of speculative decoding): row `b` is at `values[0] + b` in the store's first
+//! sequence, written before any row attends, and attends up to its own position, so that it
+//! sees the rows before it and not those after it.
 
 use crate::{graph, AttentionMask, ReadBackError};
 use burn::tensor::{backend::Backend, Int, Tensor};
@@ -23,8 +28,20 @@ pub enum StepPosition<B: Backend> {
     Host(usize),
     /// On the device (an int tensor; the kernels read its low 32 bits), read by the kernels
     /// when they run: a recorded step replays at any positions up to `bound`, which sizes the
-    /// launch grids. One value for the whole batch, or one per sequence (`values[b]`).
-    Device { values: Tensor<B, 1, Int>, bound: usize },
+    /// launch grids (every row's position is at most `bound`). One value for the whole batch,
+    /// or one per sequence (`values[b]`), or the first of consecutive rows ([`StepRows`]).
+    Device { values: Tensor<B, 1, Int>, bound: usize, rows: StepRows },
+}
+
+/// What the rows of a step at a device position are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StepRows {
+    /// Row `b` is sequence `b` of the store, at `values[b]` (or `values[0]` where the buffer
+    /// holds one position for the batch).
+    #[default]
+    Sequences,
+    /// Every row is of the store's first sequence, row `b` at position `values[0] + b`.
+    Consecutive,
 }
 
 impl<B: Backend> StepPosition<B> {
@@ -40,9 +57,22 @@ impl<B: Backend> StepPosition<B> {
         self.resolve_rows(1)?.first().copied().ok_or_else(|| fail("no position"))
     }
 
-    /// Whether the sequences of the batch step at positions of their own.
+    /// Whether the rows of the batch step at positions of their own (sequences with a position
+    /// each, or consecutive rows of one sequence).
     pub fn per_sequence(&self) -> bool {
-        matches!(self, Self::Device { values, .. } if values.dims()[0] > 1)
+        match self {
+            Self::Host(_) => false,
+            Self::Device { rows: StepRows::Consecutive, .. } => true,
+            Self::Device { values, .. } => values.dims()[0] > 1,
+        }
+    }
+
+    /// The store row (sequence) that row `b` of the step reads and writes.
+    pub fn store_row(&self, b: usize) -> usize {
+        match self {
+            Self::Device { rows: StepRows::Consecutive, .. } => 0,
+            _ => b,
+        }
     }
 
     /// The position of each of `batch` sequences on the host (see [`StepPosition::resolve`]):
@@ -51,7 +81,7 @@ impl<B: Backend> StepPosition<B> {
     pub fn resolve_rows(&self, batch: usize) -> Result<Vec<usize>, ReadBackError> {
         match self {
             Self::Host(p) => Ok(vec![*p; batch]),
-            Self::Device { values, .. } => {
+            Self::Device { values, rows, .. } => {
                 graph::unsupported(|| "an operation read the step's position back to the host".into());
                 let fail = |reason: String| ReadBackError { what: "the step's position", reason };
                 let held = values.dims()[0];
@@ -61,7 +91,10 @@ impl<B: Backend> StepPosition<B> {
                 let data = values.clone().try_into_data().map_err(|e| fail(format!("{e:?}")))?;
                 let all = data.convert::<i64>().into_vec::<i64>().map_err(|e| fail(format!("{e:?}")))?;
                 let row = |b: usize| {
-                    let value = all[if held == 1 { 0 } else { b }];
+                    let value = match rows {
+                        StepRows::Sequences => all[if held == 1 { 0 } else { b }],
+                        StepRows::Consecutive => all[0] + b as i64,
+                    };
                     // The kernels read the low 32 bits.
                     usize::try_from(value).map_err(|_| fail(format!("the buffer holds {value}, not a position")))
                 };
@@ -90,6 +123,8 @@ pub fn decode_visible(position: usize, slots: usize, window: Option<usize>) -> (
 pub(crate) mod kernel {
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 
+    use super::StepRows;
+
     /// A [`super::StepPosition`] with the device buffer as a kernel argument (built per launch,
     /// never stored).
     #[derive(Clone)]
@@ -97,10 +132,11 @@ pub(crate) mod kernel {
     pub enum Position<R: CubeRuntime> {
         Host(usize),
         /// `values[b]` for sequence `b`, or `values[0]` for all where it holds one (low 32
-        /// bits), at most `bound`.
+        /// bits), plus `b` for consecutive rows; at most `bound`.
         Device {
             values: CubeTensor<R>,
             bound: usize,
+            rows: StepRows,
         },
     }
 
@@ -122,9 +158,27 @@ pub(crate) mod kernel {
         /// position per sequence, 0 where one serves the batch.
         pub fn stride(&self) -> u32 {
             match self {
+                Self::Device { rows: StepRows::Consecutive, .. } => 0,
                 Self::Device { values, .. } if values.meta.shape()[0] > 1 => 1,
                 _ => 0,
             }
+        }
+
+        /// Row `b`'s position is its buffer value plus `b * row_step()`: 1 for consecutive
+        /// rows of one sequence, else 0.
+        pub fn row_step(&self) -> u32 {
+            u32::from(matches!(self, Self::Device { rows: StepRows::Consecutive, .. }))
+        }
+
+        /// Row `b` reads and writes store row `b * store_stride()`: 0 for consecutive rows of
+        /// one sequence, else 1.
+        pub fn store_stride(&self) -> u32 {
+            1 - self.row_step()
+        }
+
+        /// Whether the rows are at positions of their own.
+        pub fn per_row(&self) -> bool {
+            self.stride() > 0 || self.row_step() > 0
         }
 
         /// The buffer argument: the position's buffer, or `stand_in` (never read).

@@ -4,11 +4,15 @@
 //! from 256, so a 4,096-token generation records five times) and replays it: per token the
 //! host writes the position, the token ids and the sampling draws into the step's buffers,
 //! launches the graph, and reads the sampled ids back.
+//!
+//! [`DecodeGraphs::verify`] records the verify step of speculative decoding the same way: a
+//! fixed number of consecutive positions of one sequence (the pending token and the drafts) in
+//! one step ([`StepRows::Consecutive`]), each row's choice read back together.
 
 use crate::{model::StepInputs, Gemma, KvCache, ModelError};
 use burn::tensor::DType;
 use burn_gemma_kernels::graph::{self, GraphError, Replay, StepBuffer, StepGraph};
-use burn_gemma_kernels::{GemmaBackend, SamplingParams};
+use burn_gemma_kernels::{GemmaBackend, SamplingParams, StepRows};
 use std::time::{Duration, Instant};
 
 /// Whether decoding replays a recorded CUDA graph.
@@ -105,7 +109,9 @@ impl GraphSetup {
 /// buffers); a [`KvCache::reset`] keeps it valid.
 pub struct DecodeGraphs<B: GemmaBackend> {
     sampling: SamplingParams,
+    /// Sequences per step, or consecutive rows of one sequence ([`DecodeGraphs::verify`]).
     batch: usize,
+    rows: StepRows,
     capacity: usize,
     /// The [`KvCache::id`] of the cache the steps were recorded with (they write its buffers).
     cache: Option<u64>,
@@ -117,13 +123,31 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
     /// Nothing recorded yet; steps sample with `sampling` for a cache of `batch` sequences and
     /// `capacity` positions.
     pub fn new(sampling: SamplingParams, batch: usize, capacity: usize) -> Self {
-        Self { sampling, batch, capacity, cache: None, current: None, setup: GraphSetup::default() }
+        let rows = StepRows::Sequences;
+        Self { sampling, batch, rows, capacity, cache: None, current: None, setup: GraphSetup::default() }
+    }
+
+    /// Nothing recorded yet; each step runs `rows` consecutive positions of the only sequence
+    /// of a cache of `capacity` positions (the pending token and `rows - 1` drafts: a verify
+    /// step), every row sampled with `sampling`. The cache must keep every position of its
+    /// sliding windows ([`crate::WindowStore::EveryPosition`]) where `rows > 1`.
+    pub fn verify(sampling: SamplingParams, rows: usize, capacity: usize) -> Self {
+        Self { rows: StepRows::Consecutive, ..Self::new(sampling, rows, capacity) }
+    }
+
+    /// Rows per step: sequences, or consecutive positions for [`DecodeGraphs::verify`].
+    pub fn rows(&self) -> usize {
+        self.batch
     }
 
     /// Whether these graphs serve `sampling` on a cache of this batch and capacity.
     pub fn serves(&self, sampling: &SamplingParams, cache: &KvCache<B>) -> bool {
+        let batch = match self.rows {
+            StepRows::Sequences => self.batch,
+            StepRows::Consecutive => 1,
+        };
         self.sampling == *sampling
-            && self.batch == cache.batch()
+            && batch == cache.batch()
             && self.capacity == cache.capacity()
             && self.cache.is_none_or(|id| id == cache.id())
     }
@@ -147,6 +171,10 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
     /// One decode step at the cache's length: `ids` (one per sequence) go in, the sampled ids
     /// come out, the cache advances by one. Records the step first when the position leaves the
     /// current bucket.
+    ///
+    /// For [`DecodeGraphs::verify`]: `ids` (one per row) at the cache's length onwards, the
+    /// choice after each row comes out, and the cache advances by every row (take back those
+    /// not kept with [`KvCache::rewind`]).
     pub fn step(
         &mut self,
         model: &Gemma<B>,
@@ -154,9 +182,13 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         ids: &[u32],
         draws: &[f32],
     ) -> Result<Vec<u32>, ModelError> {
+        let (cache_batch, advance) = match self.rows {
+            StepRows::Sequences => (self.batch, 1),
+            StepRows::Consecutive => (1, self.batch),
+        };
         if ids.len() != self.batch
             || draws.len() != self.batch
-            || cache.batch() != self.batch
+            || cache.batch() != cache_batch
             || cache.capacity() != self.capacity
         {
             return Err(ModelError::InvalidInput(format!(
@@ -176,12 +208,14 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
                 cache.id()
             )));
         }
-        cache.check_room(1)?;
+        cache.check_room(advance)?;
         let position = cache.len();
-        if self.current.as_ref().is_none_or(|r| position > r.bound) {
+        // The last row's position picks the bucket.
+        let last = position + advance - 1;
+        if self.current.as_ref().is_none_or(|r| last > r.bound) {
             // Free the previous bucket's buffers before allocating the next.
             self.current = None;
-            self.current = Some(self.record(model, cache, bucket_bound(position, self.capacity))?);
+            self.current = Some(self.record(model, cache, bucket_bound(last, self.capacity))?);
             self.cache = Some(cache.id());
         }
         let Some(step) = self.current.as_mut() else {
@@ -196,7 +230,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         }
         let mut out = vec![0u8; self.batch * step.int_bytes];
         step.graph.replay(Replay { writes: &writes, read: Some((&step.out, &mut out)) })?;
-        cache.advance(1);
+        cache.advance(advance);
         Ok(out
             .chunks_exact(step.int_bytes)
             .map(|c| {
@@ -212,7 +246,10 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
     fn record(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>, bound: usize) -> Result<Recorded<B>, ModelError> {
         let start = Instant::now();
         let device = model.device();
-        let inputs = StepInputs::<B>::zeros(self.batch, bound, &device);
+        let inputs = match self.rows {
+            StepRows::Sequences => StepInputs::<B>::zeros(self.batch, bound, &device),
+            StepRows::Consecutive => StepInputs::<B>::zeros_consecutive(self.batch, bound, &device),
+        };
         let sampling = self.sampling;
         let (result, recording) = graph::record::<B, _>(&device, || model.decode_step(&inputs, cache, &sampling))?;
         let (out, logits) = result?;

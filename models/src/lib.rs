@@ -26,9 +26,11 @@ pub mod vision;
 pub mod weights;
 
 pub use assistant::{AssistantConfig, DraftInput, DraftOutput, Gemma4Assistant, OrderedEmbeddings};
-pub use attention::{Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, StoredRows};
+pub use attention::{
+    Checkpoint, KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, StoredRows, WindowStore,
+};
 pub use batch_graph::BatchGraphs;
-pub use burn_gemma_kernels::{KvFormat, Matrix};
+pub use burn_gemma_kernels::{KvFormat, Matrix, StepRows};
 pub use config::{Architecture, GemmaConfig, ImageAttention, KvSource, LayerType, MoeConfig, NormScale, RopeConfig};
 pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;

@@ -20,20 +20,24 @@ use burn::{
     module::Module,
     tensor::{DType, Int, Tensor},
 };
-use burn_gemma_kernels::{Draws, GemmaBackend, KvFormat, SamplingParams, StepPosition};
+use burn_gemma_kernels::{Draws, GemmaBackend, KvFormat, SamplingParams, StepPosition, StepRows};
 
 /// The per-token values of a decode step, in device buffers (see [`Gemma::decode_step`]): a
 /// replayed step reads them there after the host rewrote them.
 #[derive(Debug, Clone)]
 pub struct StepInputs<B: GemmaBackend> {
-    /// `[1]` (int): the position of every sequence; or `[batch]`: each sequence's own.
+    /// `[1]` (int): the position of every sequence (of the first row, for consecutive rows);
+    /// or `[batch]`: each sequence's own.
     pub position: Tensor<B, 1, Int>,
-    /// `[batch, 1]` (int): each sequence's token at its position.
+    /// `[batch, 1]` (int): each row's token at its position.
     pub ids: Tensor<B, 2, Int>,
-    /// `[batch]` (f32): the uniform draw each sequence samples with (greedy reads none).
+    /// `[batch]` (f32): the uniform draw each row samples with (greedy reads none).
     pub draws: Tensor<B, 1>,
-    /// The largest position the step serves: attention grids are sized for it.
+    /// The largest position of any row the step serves: attention grids are sized for it.
     pub bound: usize,
+    /// Whether the rows are sequences of the cache, or consecutive positions of its first
+    /// sequence (a verify step of speculative decoding, see [`StepRows`]).
+    pub rows: StepRows,
 }
 
 impl<B: GemmaBackend> StepInputs<B> {
@@ -44,7 +48,31 @@ impl<B: GemmaBackend> StepInputs<B> {
             ids: Tensor::zeros([batch, 1], device),
             draws: Tensor::zeros([batch], (device, DType::F32)),
             bound,
+            rows: StepRows::Sequences,
         }
+    }
+
+    /// Zeroed buffers for `rows` consecutive positions of one sequence, every row's position
+    /// at most `bound` (a recorded verify step writes them before each replay).
+    pub fn zeros_consecutive(rows: usize, bound: usize, device: &B::Device) -> Self {
+        Self { rows: StepRows::Consecutive, ..Self::zeros(rows, bound, device) }
+    }
+
+    /// `ids` at consecutive positions of the cache's first sequence from `position` (a verify
+    /// step run eagerly); nothing is sampled on the device.
+    pub fn consecutive(ids: &[u32], position: usize, device: &B::Device) -> Result<Self, ModelError> {
+        if ids.is_empty() {
+            return Err(ModelError::InvalidInput("a verify step over no tokens".into()));
+        }
+        let ints = |v: Vec<i64>, shape: Vec<usize>| burn::tensor::TensorData::new(v, shape);
+        let rows = ids.len();
+        Ok(Self {
+            position: Tensor::from_data(ints(vec![position as i64], vec![1]), device),
+            ids: Tensor::from_data(ints(ids.iter().map(|&t| i64::from(t)).collect(), vec![rows, 1]), device),
+            draws: Tensor::zeros([rows], (device, DType::F32)),
+            bound: position + rows - 1,
+            rows: StepRows::Consecutive,
+        })
     }
 
     /// Zeroed buffers for `batch` sequences at a position each, serving positions up to
@@ -72,6 +100,7 @@ impl<B: GemmaBackend> StepInputs<B> {
             ids: Tensor::from_data(ids, device),
             draws: Tensor::zeros([batch], (device, DType::F32)),
             bound: positions.iter().copied().max().unwrap_or(0),
+            rows: StepRows::Sequences,
         })
     }
 }
@@ -234,6 +263,17 @@ impl<B: GemmaBackend> Gemma<B> {
         KvCache::new(&self.config, batch, capacity, self.kv_cache, &self.device())
     }
 
+    /// [`Gemma::new_cache`] with sliding windows stored as `windows` says (see
+    /// [`crate::WindowStore`]).
+    pub fn new_cache_with(
+        &self,
+        batch: usize,
+        capacity: usize,
+        windows: crate::WindowStore,
+    ) -> Result<KvCache<B>, ModelError> {
+        KvCache::with_window_store(&self.config, (batch, capacity), windows, self.kv_cache, &self.device())
+    }
+
     /// A paged KV cache (see [`KvCache::paged`]) in this model's KV format.
     pub fn new_paged_cache(&self, layout: crate::PagedLayout) -> Result<KvCache<B>, ModelError> {
         KvCache::paged(&self.config, layout, self.kv_cache, &self.device())
@@ -340,28 +380,67 @@ impl<B: GemmaBackend> Gemma<B> {
     /// activation dtype (capped where the config has a final softcap). The `batch` sequences
     /// are the first of `cache`'s, each at its own position where `inputs.position` holds one
     /// per sequence ([`StepInputs::sequences`]).
+    ///
+    /// Or the rows are consecutive positions of the cache's first sequence
+    /// ([`StepRows::Consecutive`], a verify step): every row's keys and values are written
+    /// first, then row `b` attends up to its own position, and its logits are those a
+    /// one-position step there computes (up to the products' summation over several rows). The
+    /// cache must then keep every position of its sliding windows
+    /// ([`crate::WindowStore::EveryPosition`]) unless there is one row.
     pub fn decode_logits(&self, inputs: &StepInputs<B>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
         let [batch, seq] = inputs.ids.dims();
         let positions = inputs.position.dims()[0];
-        if seq != 1 || batch == 0 || batch > cache.batch() || (positions != 1 && positions != batch) {
-            return Err(ModelError::InvalidInput(format!(
-                "a decode step takes one token per sequence, for at most the cache's {} sequences, at one \
-                 position or one per sequence; got tokens [{batch}, {seq}] at {positions} positions",
-                cache.batch()
-            )));
+        match inputs.rows {
+            StepRows::Sequences
+                if seq != 1 || batch == 0 || batch > cache.batch() || (positions != 1 && positions != batch) =>
+            {
+                return Err(ModelError::InvalidInput(format!(
+                    "a decode step takes one token per sequence, for at most the cache's {} sequences, at one \
+                     position or one per sequence; got tokens [{batch}, {seq}] at {positions} positions",
+                    cache.batch()
+                )));
+            }
+            StepRows::Consecutive if seq != 1 || batch == 0 || positions != 1 => {
+                return Err(ModelError::InvalidInput(format!(
+                    "a verify step takes one token per row at the first row's position; got tokens [{batch}, {seq}] \
+                     at {positions} positions"
+                )));
+            }
+            StepRows::Consecutive if batch > 1 && !cache.takes_consecutive_rows() => {
+                return Err(ModelError::InvalidInput(
+                    "a verify step of several rows needs an unpaged KV cache that keeps every position of its \
+                     sliding windows (KvCache::with_window_store, WindowStore::EveryPosition)"
+                        .into(),
+                ));
+            }
+            _ => {}
         }
         if inputs.bound >= cache.capacity() {
             return Err(ModelError::ContextOverflow { needed: inputs.bound + 1, capacity: cache.capacity() });
         }
         self.check_cache(cache)?;
         cache.sync_blocks();
-        let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound };
+        let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound, rows: inputs.rows };
         let hidden = self.layers_forward(inputs.ids.clone(), &[], cache, &position)?;
         let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
         Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
         })
+    }
+
+    /// `ids` at consecutive positions from the cache's length, as one decode step
+    /// ([`StepRows::Consecutive`]: what [`crate::DecodeGraphs::verify`] records): every row's
+    /// logits `[rows, vocab]` in the activation dtype (capped where the config has a final
+    /// softcap), each those of a one-position step at its position (as [`Gemma::forward_each`]
+    /// gives them); the cache advances by every row. Several rows need a cache that keeps every
+    /// position of its sliding windows ([`crate::WindowStore::EveryPosition`]).
+    pub fn decode_consecutive(&self, ids: &[u32], cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
+        cache.check_room(ids.len())?;
+        let inputs = StepInputs::consecutive(ids, cache.len(), &self.device())?;
+        let logits = self.decode_logits(&inputs, cache)?;
+        cache.advance(ids.len());
+        Ok(logits)
     }
 
     /// Logits (f32) of final hidden states `[batch, seq, hidden]` ([`Gemma::forward_hidden`])

@@ -1,6 +1,7 @@
 //! A smaller Gemma drafting for a larger one of the same vocabulary (Gemma 3 270M for Gemma 3
 //! 1B-27B), with a KV cache of its own that follows the conversation: each step it runs the
-//! tokens the target accepted since its last draft, then decodes the draft token by token.
+//! tokens the target accepted since its last draft, then decodes the draft token by token,
+//! eagerly or replaying a recorded CUDA graph per token ([`DraftSteps`]).
 
 use super::accept::{pick, Proposal};
 use crate::{
@@ -8,9 +9,25 @@ use crate::{
     sampling::Sampler,
     Error, Gemma, GemmaBackend, KvCache,
 };
-use burn::tensor::Tensor;
-use burn_gemma_model::Checkpoint;
+use burn::tensor::{DType, Tensor};
+use burn_gemma_kernels::SamplingParams;
+use burn_gemma_model::{Checkpoint, DecodeGraphs, ModelError, WindowStore};
 use std::num::NonZeroUsize;
+
+/// How a draft model runs its one-token steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSteps {
+    /// As the model's tensor operations.
+    Eager,
+    /// Replayed as a recorded CUDA graph, in a cache that keeps every position of its sliding
+    /// windows (taking refused drafts back then only moves its length). Where recording fails
+    /// the model drafts eagerly from then on.
+    Graph,
+}
+
+/// Tokens of a catch-up (what the target accepted since the last draft) that run as graph
+/// steps; more run eagerly as one prompt chunk first (a new conversation's prompt).
+const GRAPH_CATCH_UP: usize = 8;
 
 /// A draft model and the state of its cache.
 pub struct DraftModel<B: GemmaBackend> {
@@ -21,6 +38,10 @@ pub struct DraftModel<B: GemmaBackend> {
     /// Taken before the last draft's tokens were written: lets the cache drop those the
     /// target refused.
     checkpoint: Option<Checkpoint<B>>,
+    /// Recorded one-token steps for the current cache ([`DraftSteps::Graph`]).
+    graphs: Option<DecodeGraphs<B>>,
+    /// Why graph steps failed, after which every step is eager.
+    graph_failed: Option<String>,
 }
 
 impl<B: GemmaBackend> std::fmt::Debug for DraftModel<B> {
@@ -41,7 +62,13 @@ impl<B: GemmaBackend> DraftModel<B> {
     /// Wraps a loaded model (its vocabulary is checked against the target's when it is set on
     /// a [`crate::Generator`]).
     pub fn new(model: Gemma<B>) -> Self {
-        Self { model, cache: None, fed: Vec::new(), checkpoint: None }
+        Self { model, cache: None, fed: Vec::new(), checkpoint: None, graphs: None, graph_failed: None }
+    }
+
+    /// Why this drafter's steps run eagerly although graphs were asked for (`None` while they
+    /// replay, or were never asked for).
+    pub fn graph_failure(&self) -> Option<&str> {
+        self.graph_failed.as_deref()
     }
 
     /// The draft model.
@@ -51,13 +78,13 @@ impl<B: GemmaBackend> DraftModel<B> {
 
     /// Up to `k` tokens continuing `context` (every token of the conversation, the one not yet
     /// run by the target included), chosen by `sampler`: greedy, or drawn with its filters,
-    /// repetition penalty and random draws.
+    /// repetition penalty and random draws; each one-token step run as `steps` says.
     pub fn draft(
         &mut self,
         context: &[u32],
         k: usize,
         sampler: &mut Sampler,
-        chunk: NonZeroUsize,
+        (chunk, steps): (NonZeroUsize, DraftSteps),
     ) -> Result<Drafts, Error> {
         let limit = self.model.config().max_position_embeddings;
         // Room for the context and the draft's tokens but the last, which is never run.
@@ -65,29 +92,26 @@ impl<B: GemmaBackend> DraftModel<B> {
         if k == 0 || context.is_empty() {
             return Ok(Drafts::default());
         }
-        let mut cache = self.synced_cache(context, context.len() + k - 1)?;
+        let windows = match steps {
+            DraftSteps::Graph => WindowStore::EveryPosition,
+            DraftSteps::Eager => WindowStore::Ring,
+        };
+        let graph = steps == DraftSteps::Graph && self.graph_failed.is_none();
+        let mut cache = self.synced_cache(context, context.len() + k - 1, windows)?;
         // The cache takes back at most a sliding window's positions.
         let k = k.min(cache.checkpoint_limit() + 1);
-        let device = self.model.device();
-        let result = (|| {
-            let logits = prefill(&self.model, &mut cache, &context[self.fed.len()..], chunk, &device)?;
-            self.fed = context.to_vec();
-            let checkpoint = cache.checkpoint(k - 1)?;
-            let mut drafts = Drafts::default();
-            let mut logits = logits;
-            for i in 0..k {
-                let history: Vec<u32> = context.iter().chain(&drafts.tokens).copied().collect();
-                let (token, proposal) = choose(logits.clone(), &history, sampler)?;
-                drafts.tokens.push(token);
-                drafts.proposals.push(proposal);
-                if i + 1 < k {
-                    logits = self.model.forward_last(token_tensor(&[token], &device), &mut cache)?;
-                    self.fed.push(token);
-                }
+        let mut result = self.draft_into(&mut cache, context, k, sampler, (chunk, graph));
+        if let Err(Error::Model(e)) = &result {
+            if graph && matches!(**e, ModelError::Graph(_)) {
+                // Recording failed: eager from here on, starting afresh.
+                self.graph_failed = Some(e.to_string());
+                self.graphs = None;
+                cache.reset();
+                self.fed.clear();
+                self.checkpoint = None;
+                result = self.draft_into(&mut cache, context, k, sampler, (chunk, false));
             }
-            self.checkpoint = Some(checkpoint);
-            Ok(drafts)
-        })();
+        }
         if result.is_err() {
             // What the cache holds is no longer known: the next draft starts afresh.
             cache.reset();
@@ -98,19 +122,96 @@ impl<B: GemmaBackend> DraftModel<B> {
         result
     }
 
+    /// [`DraftModel::draft`] into `cache` (synced), `k` tokens at most its checkpoint limit;
+    /// `graph`: one-token steps replay a recorded CUDA graph.
+    fn draft_into(
+        &mut self,
+        cache: &mut KvCache<B>,
+        context: &[u32],
+        k: usize,
+        sampler: &mut Sampler,
+        (chunk, graph): (NonZeroUsize, bool),
+    ) -> Result<Drafts, Error> {
+        let device = self.model.device();
+        let pending = &context[self.fed.len()..];
+        let mut last = if graph {
+            // A long catch-up (a new prompt) runs as a prompt first; its last tokens step.
+            let (bulk, steps) = pending.split_at(pending.len().saturating_sub(GRAPH_CATCH_UP));
+            if !bulk.is_empty() {
+                prefill(&self.model, cache, bulk, chunk, &device)?;
+            }
+            let mut last = None;
+            for &token in steps {
+                last = Some(self.graph_step(cache, token)?);
+            }
+            last.ok_or_else(|| ModelError::InvalidInput("a draft with nothing to run".into()))?
+        } else {
+            Step::Logits(prefill(&self.model, cache, pending, chunk, &device)?)
+        };
+        self.fed = context.to_vec();
+        let checkpoint = cache.checkpoint(k - 1)?;
+        let mut drafts = Drafts::default();
+        for i in 0..k {
+            let (token, proposal) = match &last {
+                // The graph's choice is greedy without penalties; anything else draws from its
+                // logits.
+                Step::Chosen(_, logits) if !sampler.is_greedy() || sampler.penalizes() => {
+                    let history: Vec<u32> = context.iter().chain(&drafts.tokens).copied().collect();
+                    choose(logits.clone().cast(DType::F32), &history, sampler)?
+                }
+                Step::Chosen(token, _) => (*token, Proposal::Certain),
+                Step::Logits(logits) => {
+                    let history: Vec<u32> = context.iter().chain(&drafts.tokens).copied().collect();
+                    choose(logits.clone(), &history, sampler)?
+                }
+            };
+            drafts.tokens.push(token);
+            drafts.proposals.push(proposal);
+            if i + 1 < k {
+                last = if graph {
+                    self.graph_step(cache, token)?
+                } else {
+                    Step::Logits(self.model.forward_last(token_tensor(&[token], &device), cache)?)
+                };
+                self.fed.push(token);
+            }
+        }
+        self.checkpoint = Some(checkpoint);
+        Ok(drafts)
+    }
+
+    /// One token through the recorded step (recorded first where needed): the model's greedy
+    /// choice after it, and its logits.
+    fn graph_step(&mut self, cache: &mut KvCache<B>, token: u32) -> Result<Step<B>, Error> {
+        let mut graphs = match self.graphs.take() {
+            Some(g) if g.serves(&SamplingParams::GREEDY, cache) => g,
+            _ => DecodeGraphs::new(SamplingParams::GREEDY, 1, cache.capacity()),
+        };
+        let chosen = graphs.step(&self.model, cache, &[token], &[0.0]);
+        let logits = graphs.last_logits();
+        self.graphs = Some(graphs);
+        let chosen = chosen?;
+        let token = checked_token(chosen.first().map_or(-1, |&t| i64::from(t)), self.model.config().vocab_size, 0)?;
+        let logits = logits.ok_or_else(|| ModelError::InvalidInput("the draft step kept no logits".into()))?;
+        Ok(Step::Chosen(token, logits))
+    }
+
     /// The cache, holding a prefix of `context` short of its last token (`self.fed` says
-    /// which), with room for `positions`: the tokens since the last draft that `context` no
-    /// longer has are taken back, or everything where they cannot be. `context` is not empty.
-    fn synced_cache(&mut self, context: &[u32], positions: usize) -> Result<KvCache<B>, Error> {
+    /// which), with room for `positions`, its sliding windows stored as `windows` says: the
+    /// tokens since the last draft that `context` no longer has are taken back, or everything
+    /// where they cannot be. `context` is not empty.
+    fn synced_cache(&mut self, context: &[u32], positions: usize, windows: WindowStore) -> Result<KvCache<B>, Error> {
         // The last token is always run again: its logits give the first draft.
         let common = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len() - 1);
-        let mut cache = match self.cache.take().filter(|c| c.capacity() >= positions) {
+        let mut cache = match self.cache.take().filter(|c| c.capacity() >= positions && c.window_store() == windows) {
             Some(cache) => cache,
             None => {
                 let limit = self.model.config().max_position_embeddings;
                 self.fed.clear();
                 self.checkpoint = None;
-                self.model.new_cache(1, positions.next_multiple_of(256).min(limit))?
+                // The recorded steps write the old cache's buffers.
+                self.graphs = None;
+                self.model.new_cache_with(1, positions.next_multiple_of(256).min(limit), windows)?
             }
         };
         if cache.len() > common {
@@ -122,6 +223,13 @@ impl<B: GemmaBackend> DraftModel<B> {
         self.fed.truncate(cache.len());
         Ok(cache)
     }
+}
+
+/// What a one-token step of the draft model left: its logits (`[1, vocab]`, f32), or, from a
+/// replayed graph, its greedy choice and its logits (`[1, vocab]`, the activation dtype).
+enum Step<B: GemmaBackend> {
+    Logits(Tensor<B, 2>),
+    Chosen(u32, Tensor<B, 2>),
 }
 
 /// The draft token of `logits` (`[1, vocab]`, f32) and what it was drawn from: the sampler's

@@ -16,7 +16,7 @@ mod ngram;
 
 pub use accept::Proposal;
 pub use assistant::AssistantDrafter;
-pub use draft_model::{DraftModel, Drafts};
+pub use draft_model::{DraftModel, DraftSteps, Drafts};
 pub use ngram::PromptLookup;
 
 use crate::GemmaBackend;

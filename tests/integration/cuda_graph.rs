@@ -232,6 +232,7 @@ fn gemma4_moe_bf16_decode_paths() {
         ids: Tensor::from_data(TensorData::new(vec![i64::from(next)], [1, 1]), &d),
         draws: Tensor::zeros([1], (&d, DType::F32)),
         bound: capacity - 1,
+        rows: burn_gemma::StepRows::Sequences,
     };
     let mut cache = prefilled(&bf16);
     let device_eager = logits_of(bf16.decode_logits(&step_inputs(), &mut cache).unwrap());
@@ -256,4 +257,69 @@ fn gemma4_moe_bf16_decode_paths() {
         far(&replayed, &reference)
     );
     assert!(far(&device_eager, &replayed) <= BF16_STEP, "the recording changed the step's logits");
+}
+
+/// The verify step of speculative decoding recorded and replayed ([`DecodeGraphs::verify`]):
+/// `rows` consecutive positions per replay in a cache that keeps every position of its sliding
+/// windows, against the same step run eagerly ([`Gemma::decode_consecutive`]) on a cache of its
+/// own: the same greedy choice for every row and logits within `tolerance`, step after step
+/// with a few rows taken back after each (as rejected drafts are), across an attended-length
+/// bucket and the sliding windows' wrap. Returns the largest logit difference.
+fn compare_verify(model: &Gemma<B>, prompt: &[u32], rows: usize, rounds: usize, tolerance: f32, what: &str) -> f32 {
+    use burn_gemma::WindowStore;
+    let d = device();
+    let capacity = prompt.len() + rounds * rows + 1;
+    let cache = || model.new_cache_with(1, capacity, WindowStore::EveryPosition).unwrap();
+    let (mut eager, mut graphed) = (cache(), cache());
+    for c in [&mut eager, &mut graphed] {
+        model.forward_last(token_tensor::<B>(prompt, &d), c).unwrap();
+    }
+    let mut graphs = DecodeGraphs::<B>::verify(SamplingParams::GREEDY, rows, capacity);
+    let mut worst = 0.0f32;
+    for round in 0..rounds {
+        // Arbitrary tokens; a round keeps `round % rows` of its rows plus one.
+        let ids: Vec<u32> = (0..rows).map(|i| (1000 + 7919 * (round * rows + i)) as u32 % 2000 + 3).collect();
+        let checkpoints = (eager.checkpoint(rows).unwrap(), graphed.checkpoint(rows).unwrap());
+        let logits = model.decode_consecutive(&ids, &mut eager).unwrap().cast(DType::F32);
+        let vocab = logits.dims()[1];
+        let want = logits.clone().argmax(1).into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        let got = graphs.step(model, &mut graphed, &ids, &vec![0.0; rows]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let expected = logits.into_data().to_vec::<f32>().unwrap();
+        let replayed = graphs.last_logits().unwrap().cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+        assert_eq!(replayed.len(), rows * vocab, "{what}");
+        assert!(replayed.iter().all(|v| v.is_finite()), "{what}: non-finite logits in round {round}");
+        let diff = replayed.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        worst = worst.max(diff);
+        let want: Vec<u32> = want.into_iter().map(|t| t as u32).collect();
+        assert_eq!(got, want, "{what}: round {round} at {}; logits differ by {diff}", eager.len() - rows);
+        assert!(diff <= tolerance, "{what}: round {round}: logits differ by {diff} > {tolerance}");
+        let keep = eager.len() - rows + 1 + round % rows;
+        eager.rewind(&checkpoints.0, keep).unwrap();
+        graphed.rewind(&checkpoints.1, keep).unwrap();
+    }
+    println!("{what}: {rounds} verify steps of {rows} rows equal, logits max diff {worst:.2e}; {:?}", graphs.setup());
+    worst
+}
+
+#[test]
+fn verify_steps_graph_equals_eager() {
+    let d = device();
+    for name in ["gemma2", "gemma3", "gemma4-e"] {
+        let dir = common::fixtures().join("tiny-gemma").join(name);
+        let options = LoadOptions::<B>::new().device(d.clone()).dtype(DType::F32).weights(WeightFormat::Dense);
+        let model = Checkpoint::open(&dir).unwrap().load(options).unwrap().model;
+        let prompt: Vec<u32> = (1..12).collect();
+        // The tiny models' 8-position windows wrap many times over 20 rounds.
+        for rows in [2, 5] {
+            compare_verify(&model, &prompt, rows, 20, 1e-4, &format!("{name}, {rows} rows"));
+        }
+    }
+    let config = GemmaConfig::preset("gemma3-1b").unwrap();
+    let prompt: Vec<u32> = (0..500).map(|i| (i * 7919 % 262_000) as u32 + 2).collect();
+    for (name, kv_cache) in [("bf16 KV", None), ("int8 KV", Some(KvFormat::Int8))] {
+        let options = ModelOptions { dtype: DType::BF16, weights: WeightFormat::Quantized(QuantFormat::Q4), kv_cache };
+        let model = Gemma::<B>::load(config.clone(), &mut RandomWeights::new(3), &options, &d).unwrap();
+        // 500 + 12 rounds of 5 crosses the 512-position bucket and the 512-position window.
+        compare_verify(&model, &prompt, 5, 12, BF16_STEP, &format!("1B q4 {name}"));
+    }
 }

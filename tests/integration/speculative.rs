@@ -10,7 +10,7 @@ use burn_gemma::{
     sampling::Sampler,
     speculative::{DraftLength, DraftModel, Drafter, Misses, PromptLookup, Speculation, SpeculationStats},
     Checkpoint, Error, Gemma, GenerationConfig, GenerationOutput, Generator, ModelOptions, RequestError,
-    SamplingConfig,
+    SamplingConfig, WindowStore,
 };
 use burn_gemma_model::{weights::WeightKind, ModelError, RandomWeights, WeightSource};
 use std::num::NonZeroUsize;
@@ -358,6 +358,64 @@ fn verify_rows<Bk: burn_gemma::GemmaBackend>() {
                 let vocab = one.dims()[2];
                 let diff: f32 = (rows.clone().slice([0..1, i..i + 1, 0..vocab]) - one).abs().max().into_scalar().elem();
                 assert!(diff < 1e-4, "{name}: position {} after a prefix of {start}: {diff}", start + i);
+            }
+        }
+    }
+}
+
+/// The verify step as one decode step of consecutive rows (what a recorded verify step runs on
+/// CUDA) in a cache that keeps every position of its sliding windows: each row's logits are the
+/// eager verify step's (each row on its own, in a ring cache), before and past the 8-position
+/// window's wrap; taking rows back only moves the length, and the next tokens' logits are
+/// those of a cache that never held the rejected rows. The bound is f32 rounding, as in
+/// `verify_rows_equal_one_token_steps` (products of 5 rows and of 1 sum in other orders).
+#[test]
+fn consecutive_rows_equal_the_verify_step() {
+    consecutive_rows::<B>();
+    consecutive_rows::<burn_gemma::backends::Candle>();
+}
+
+fn consecutive_rows<Bk: burn_gemma::GemmaBackend>() {
+    let device = Default::default();
+    let close = |got: Tensor<Bk, 2>, want: Tensor<Bk, 2>, what: &str| {
+        let got = got.cast(DType::F32);
+        assert!(got.clone().is_finite().all().into_scalar().elem::<bool>(), "{what}: non-finite logits");
+        let diff: f32 = (got - want).abs().max().into_scalar().elem();
+        assert!(diff < 1e-4, "{what}: logits differ by {diff}");
+    };
+    for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma2"] {
+        let model: Gemma<Bk> = Checkpoint::open(common::fixtures().join(name))
+            .unwrap()
+            .load(common::dense_f32::<Bk>(&device))
+            .map(burn_gemma::Loaded::into_parts)
+            .unwrap()
+            .0;
+        let ids = |t: &[u32]| burn_gemma::generation::token_tensor::<Bk>(t, &device);
+        let tokens: Vec<u32> = (0..40u32).map(|i| 300 + (i * 37) % 200).collect();
+        let next = [450u32, 451, 452, 453];
+        for start in [2usize, 6, 13, 20] {
+            let (prefix, chunk) = (&tokens[..start], &tokens[start..start + 5]);
+            for kept in [0, 2, 5] {
+                let what = format!("{name}: 5 rows after {start}, {kept} kept");
+                let mut ring = model.new_cache(1, 64).unwrap();
+                model.forward(ids(prefix), &mut ring).unwrap();
+                // A ring the rows would wrap refuses them.
+                assert!(model.decode_consecutive(chunk, &mut ring).is_err(), "{what}: a ring took consecutive rows");
+                assert_eq!(ring.len(), start, "{what}: a refused step moved the cache");
+                let want = model.forward_each(ids(chunk), &mut ring).unwrap();
+                let vocab = want.dims()[2];
+                let mut every = model.new_cache_with(1, 64, WindowStore::EveryPosition).unwrap();
+                model.forward(ids(prefix), &mut every).unwrap();
+                let checkpoint = every.checkpoint(chunk.len()).unwrap();
+                let got = model.decode_consecutive(chunk, &mut every).unwrap();
+                assert_eq!(every.len(), start + chunk.len(), "{what}");
+                close(got, want.reshape([chunk.len(), vocab]), &format!("{what}: verify rows"));
+                every.rewind(&checkpoint, start + kept).unwrap();
+                let got = model.forward(ids(&next), &mut every).unwrap().reshape([next.len(), vocab]);
+                let mut clean = model.new_cache(1, 64).unwrap();
+                model.forward(ids(&tokens[..start + kept]), &mut clean).unwrap();
+                let want = model.forward(ids(&next), &mut clean).unwrap().reshape([next.len(), vocab]);
+                close(got, want, &format!("{what}: the tokens after the rewind"));
             }
         }
     }

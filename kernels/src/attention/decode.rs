@@ -110,6 +110,8 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     q_offset: u32,
     k_offset: u32,
     position_stride: u32,
+    row_step: u32,
+    store_stride: u32,
     window: u32,
     scale: f32,
     cap: f32,
@@ -133,8 +135,11 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
     let mut kv_len = kv_len;
     let mut q_offset = q_offset;
     let mut k_offset = k_offset;
+    // The store row the query row reads: its own sequence, or the first for consecutive rows
+    // of one sequence (row `b` then at the first row's position plus `b`).
+    let sb = b * store_stride as usize;
     if position_on_device {
-        let p = step[b * position_stride as usize];
+        let p = step[b * position_stride as usize] + b as u32 * row_step;
         kv_len = min(p + 1, kv_len);
         q_offset = p;
         k_offset = p + 1 - kv_len;
@@ -241,7 +246,7 @@ fn decode_attention_kernel<F: Float, N: Size, NC: Size>(
             for u in 0..kb {
                 let key = min(j0 + u, end - 1);
                 // The key's store row and slot there (its block in a paged store).
-                let row = store_row(blocks, b, key, table_width, block_shift, paged);
+                let row = store_row(blocks, sb, key, table_width, block_shift, paged);
                 let at = store_slot(key, block_shift, paged);
                 if int8 {
                     let slot = (row * kv_heads + kvh) * shape.slots + at;
@@ -525,6 +530,8 @@ pub(super) fn attention<R: CubeRuntime>(
         mask.q_offset as u32,
         mask.k_offset as u32,
         position.as_ref().map_or(0, Position::stride),
+        position.as_ref().map_or(0, Position::row_step),
+        position.as_ref().map_or(1, Position::store_stride),
         mask.window.unwrap_or(0) as u32,
         scale as f32,
         softcap.unwrap_or(1.0) as f32,

@@ -91,20 +91,21 @@ pub fn reference<B: Backend>(
     probs.matmul(v).reshape([batch, q_heads, q_len, head_dim])
 }
 
-/// Decode attention one sequence at a time, sequence `b` at `positions[b]` over its own rows of
-/// `store` ([`KvView::Decode`] at a host position): for sequences at positions of their own
-/// where one launch cannot serve them all (the references, and head sizes without a decode
-/// kernel).
+/// Decode attention one row at a time, row `b` at `positions[b]` over its store row
+/// (`at.store_row(b)`: its own sequence, or the first for consecutive rows of one sequence) of
+/// `store` ([`KvView::Decode`] at a host position): for rows at positions of their own where
+/// one launch cannot serve them all (the references, and head sizes without a decode kernel).
 ///
 /// - `q`: `[positions.len(), q_heads, 1, head_dim]`; returns the same shape.
 pub(crate) fn decode_each_sequence<B: crate::GemmaBackend>(
     q: Tensor<B, 4>,
     store: &crate::KvStore<B>,
-    positions: &[usize],
+    (at, positions): (&crate::StepPosition<B>, &[usize]),
     options: &AttentionOptions,
 ) -> Result<Tensor<B, 4>, crate::ReadBackError> {
     let rows = positions.iter().enumerate().map(|(b, &p)| {
-        let rows = store.rows(b..b + 1);
+        let row = at.store_row(b);
+        let rows = store.rows(row..row + 1);
         let view = crate::KvView::Decode { store: &rows, position: crate::StepPosition::Host(p), blocks: None };
         B::grouped_attention(q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]), view, options)
     });
@@ -392,7 +393,7 @@ pub(crate) mod kernel {
         Ok(match (tiling, position) {
             (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position, blocks),
             (None, None | Some(Position::Host(_))) => prefill(q, kv, out, options, super::prefill_attention()),
-            (None, Some(position @ Position::Device { .. })) if position.stride() > 0 => {
+            (None, Some(position @ Position::Device { .. })) if position.per_row() => {
                 // The caller runs such sequences one at a time ([`decode_kernel_applies`]).
                 return Err(crate::ReadBackError {
                     what: "the step's positions",
@@ -705,7 +706,7 @@ mod gpu {
     /// far past the position (the device form sizes its splits for the bound), against f64
     /// attention over the visible slots.
     pub fn decode_at_position<B: GemmaBackend>(device: &B::Device, dtype: DType) {
-        use crate::{KvFormat, StepPosition};
+        use crate::{KvFormat, StepPosition, StepRows};
         seed::<B>(device, "decode_at_position");
         // (batch, q heads, kv heads, slots, dim, position, window, bound)
         let cases = [
@@ -731,9 +732,10 @@ mod gpu {
                 let expected =
                     Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, 1, dim]), (device, DType::F32));
                 let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
-                for (how, at) in
-                    [("host", StepPosition::Host(position)), ("device", StepPosition::Device { values, bound })]
-                {
+                for (how, at) in [
+                    ("host", StepPosition::Host(position)),
+                    ("device", StepPosition::Device { values, bound, rows: StepRows::Sequences }),
+                ] {
                     let view = KvView::Decode { store: &store, position: at, blocks: None };
                     let got = B::grouped_attention(q.clone(), view, &options).expect("the step position reads back");
                     let what = format!(
@@ -751,7 +753,7 @@ mod gpu {
     /// ones it does not (run one sequence at a time), against f64 attention over each
     /// sequence's own visible slots.
     pub fn decode_per_sequence<B: GemmaBackend>(device: &B::Device, dtype: DType) {
-        use crate::{KvFormat, StepPosition};
+        use crate::{KvFormat, StepPosition, StepRows};
         seed::<B>(device, "decode_per_sequence");
         // (store batch, q heads, kv heads, slots, dim, positions, window, bound)
         type Case = (usize, usize, usize, usize, usize, &'static [usize], Option<usize>, usize);
@@ -783,7 +785,7 @@ mod gpu {
                     Tensor::<B, 4>::from_data(TensorData::new(expected, [batch, hq, 1, dim]), (device, DType::F32));
                 let own: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
                 let values = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(own, [batch]), device);
-                let at = StepPosition::Device { values, bound };
+                let at = StepPosition::Device { values, bound, rows: StepRows::Sequences };
                 let view = KvView::Decode { store: &store, position: at.clone(), blocks: None };
                 let got = B::grouped_attention(q.clone(), view, &options).expect("the step positions read back");
                 let what = format!(
@@ -800,9 +802,56 @@ mod gpu {
         }
     }
 
+    /// Consecutive rows of one sequence (a verify step): row `b` at `position + b` over the
+    /// store's first sequence (of two), a store of a slot per position with and without a
+    /// sliding window (the window then cuts each row's keys at its own position), dense and
+    /// int8, head sizes the decode kernel takes and one it does not, against f64 attention of
+    /// each row over the keys up to its position.
+    pub fn decode_consecutive_rows<B: GemmaBackend>(device: &B::Device, dtype: DType) {
+        use crate::{KvFormat, StepPosition, StepRows};
+        seed::<B>(device, "decode_consecutive_rows");
+        // (q heads, kv heads, slots, dim, position, rows, window, bound)
+        let cases = [
+            (4, 1, 600, 256, 517, 5, None, 1023),
+            (8, 2, 64, 64, 40, 7, Some(8), 63),
+            (2, 2, 40, 128, 0, 3, Some(33), 255),
+            (8, 1, 50, 512, 33, 4, Some(16), 49),
+            (4, 2, 30, 70, 19, 5, Some(6), 31),
+        ];
+        for (hq, hkv, slots, dim, position, rows, window, bound) in cases {
+            for format in [KvFormat::Dense(dtype), KvFormat::Int8] {
+                if format == KvFormat::Int8 && dim % 4 != 0 {
+                    continue;
+                }
+                let (store, q, options) =
+                    decode_inputs::<B>([2, hkv, slots, dim], format, [rows, hq], window, dtype, device);
+                let mut expected = Vec::new();
+                for b in 0..rows {
+                    let p = position + b;
+                    let (visible, mask) = crate::step::decode_visible(p, usize::MAX, window);
+                    let (k, v) = B::kv_read(&store.rows(0..1), 0..visible, DType::F32);
+                    let q = q.clone().slice(burn::tensor::s![b..b + 1, .., .., ..]);
+                    let exact = AttentionOptions { mask, ..options };
+                    expected.extend(super::naive(&host(q), &host(k), &host(v), [1, hq, hkv, 1, visible, dim], &exact));
+                }
+                let expected =
+                    Tensor::<B, 4>::from_data(TensorData::new(expected, [rows, hq, 1, dim]), (device, DType::F32));
+                let values = Tensor::<B, 1, burn::tensor::Int>::from_data([position as i64], device);
+                let at = StepPosition::Device { values, bound, rows: StepRows::Consecutive };
+                let view = KvView::Decode { store: &store, position: at, blocks: None };
+                let got = B::grouped_attention(q.clone(), view, &options).expect("the step position reads back");
+                let what = format!(
+                    "decode of {rows} consecutive rows hq{hq} hkv{hkv} slots {slots} d{dim} from {position} window {window:?} {format}"
+                );
+                assert_close(got, expected, tolerance(dtype), &what);
+            }
+        }
+    }
+
     gpu_tests!(
         attention_matches_reference => attention,
         decode_at_position_matches_reference => decode_at_position,
-        decode_per_sequence_matches_reference => decode_per_sequence
+        decode_per_sequence_matches_reference => decode_per_sequence,
+        decode_consecutive_rows_matches_reference => decode_consecutive_rows
     );
 }

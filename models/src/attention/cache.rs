@@ -4,7 +4,7 @@
 use super::paged::{BlockPool, PagedLayout, PrefixCache, Reservation, Source};
 use super::prefix::{NodeKey, PrefixIndex};
 use super::rewind::{ring_slots, Checkpoint};
-use super::ring::{ring_writes, window_in_order, Span};
+use super::ring::{ring_writes, window_in_order, Span, WindowStore};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
 use burn_gemma_kernels::{
@@ -92,7 +92,7 @@ impl<B: GemmaBackend> LayerCache<B> {
     fn new(plan: &LayerPlan, format: KvFormat, device: &B::Device) -> Self {
         Self {
             store: Some(B::kv_zeros(plan.store_dims(), format, device)),
-            span: Span::new(plan.window, plan.shape.capacity),
+            span: Span::new(plan.window, plan.shape.capacity, plan.window_store),
             shared_chunk: None,
             shared: plan.shared,
             query_rows: QueryRows::Together,
@@ -177,8 +177,15 @@ impl<B: GemmaBackend> LayerCache<B> {
         let blocks = self.take_bidirectional(position, t)?;
         let pinned = self.pinned.take();
         let rows = self.query_rows;
+        // A windowed layer keeps every position as a full one does, masked by its window.
+        let window = self.span.window();
         match self.span {
-            Span::Full => self.update(|store| {
+            Span::Windowed(_) if !blocks.is_empty() => Err(ModelError::InvalidInput(
+                "image tokens attending both ways in a cache that keeps every position of its sliding-window layers \
+                 (WindowStore::EveryPosition)"
+                    .into(),
+            )),
+            Span::Full | Span::Windowed(_) => self.update(|store| {
                 let store = pinned.apply(B::kv_write(store, keys, values, position));
                 let out = match rows {
                     QueryRows::Together if !blocks.is_empty() => by_segment(q, position, &blocks, |rows, block| {
@@ -191,12 +198,12 @@ impl<B: GemmaBackend> LayerCache<B> {
                         vec![(store.view(end), scores.with(mask))]
                     })?,
                     QueryRows::Together => {
-                        let mask = AttentionMask { q_offset: position, k_offset: 0, window: None };
+                        let mask = AttentionMask { q_offset: position, k_offset: 0, window };
                         B::grouped_attention(q, store.view(position + t), &scores.with(mask))?
                     }
                     // What a one-position step at each row's position reads.
                     QueryRows::Each => each_row(q, |i| {
-                        let (visible, mask) = step::decode_visible(position + i, usize::MAX, None);
+                        let (visible, mask) = step::decode_visible(position + i, usize::MAX, window);
                         (store.view(visible), scores.with(mask))
                     })?,
                 };
@@ -587,6 +594,7 @@ pub struct KvCache<B: GemmaBackend> {
     /// cache's buffers and refuses any other ([`crate::DecodeGraphs`]).
     id: u64,
     paging: Option<Paging<B>>,
+    window_store: WindowStore,
 }
 
 /// The pools of a paged cache.
@@ -656,6 +664,8 @@ struct LayerPlan {
     layer: usize,
     shape: LayerShape,
     window: Option<usize>,
+    /// How a sliding window is stored.
+    window_store: WindowStore,
     /// Later layers attend over its keys (Gemma 4's KV sharing).
     shared: bool,
     paged: Option<InPool>,
@@ -676,7 +686,10 @@ impl LayerPlan {
         let s = self.shape;
         match self.paged {
             Some(p) => [p.blocks, s.kv_heads, p.block_size, s.head_dim],
-            None => [s.batch, s.kv_heads, Span::new(self.window, s.capacity).slots(s.capacity), s.head_dim],
+            None => {
+                let slots = Span::new(self.window, s.capacity, self.window_store).slots(s.capacity);
+                [s.batch, s.kv_heads, slots, s.head_dim]
+            }
         }
     }
 }
@@ -696,7 +709,34 @@ impl<B: GemmaBackend> KvCache<B> {
         format: KvFormat,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        Self::build(config, batch, capacity, format, None, device)
+        Self::build(config, (batch, capacity, WindowStore::Ring), format, None, device)
+    }
+
+    /// [`KvCache::new`] with sliding windows stored as `windows` says:
+    /// [`WindowStore::EveryPosition`] for recorded verify steps of speculative decoding
+    /// ([`crate::VerifyGraphs`]), which costs a full layer's memory per sliding layer.
+    pub fn with_window_store(
+        config: &GemmaConfig,
+        (batch, capacity): (usize, usize),
+        windows: WindowStore,
+        format: KvFormat,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::build(config, (batch, capacity, windows), format, None, device)
+    }
+
+    /// How the sliding-window layers store their keys.
+    pub fn window_store(&self) -> WindowStore {
+        self.window_store
+    }
+
+    /// Whether a step's rows may be consecutive positions of the first sequence, all written
+    /// before any attends ([`burn_gemma_kernels::StepRows::Consecutive`]): unpaged, and no
+    /// sliding-window ring shorter than the capacity (a later row's write would replace a key
+    /// an earlier row reads).
+    pub fn takes_consecutive_rows(&self) -> bool {
+        self.paging.is_none()
+            && self.layers.iter().all(|layer| !matches!(layer.span, Span::Ring(w) if w < self.capacity))
     }
 
     /// Allocates a paged cache (see [`PagedLayout`]): sequences take blocks as they join
@@ -710,13 +750,12 @@ impl<B: GemmaBackend> KvCache<B> {
         format: KvFormat,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        Self::build(config, layout.sequences, layout.capacity, format, Some(layout), device)
+        Self::build(config, (layout.sequences, layout.capacity, WindowStore::Ring), format, Some(layout), device)
     }
 
     fn build(
         config: &GemmaConfig,
-        batch: usize,
-        capacity: usize,
+        (batch, capacity, window_store): (usize, usize, WindowStore),
         format: KvFormat,
         paged: Option<PagedLayout>,
         device: &B::Device,
@@ -740,7 +779,7 @@ impl<B: GemmaBackend> KvCache<B> {
             }
             _ => {}
         }
-        let (plans, pools) = Self::plan(config, batch, capacity, paged)?;
+        let (plans, pools) = Self::plan(config, (batch, capacity, window_store), paged)?;
         Self::check_memory(&plans, batch, capacity, format, device)?;
         let mut layers = Vec::new();
         let mut layer_of = Vec::with_capacity(config.num_hidden_layers);
@@ -768,15 +807,14 @@ impl<B: GemmaBackend> KvCache<B> {
             capacity,
             evicted: 0,
         });
-        Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging })
+        Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging, window_store })
     }
 
     /// The store of every layer with keys of its own, and a paged cache's pools (one per
     /// distinct count of slots per sequence).
     fn plan(
         config: &GemmaConfig,
-        batch: usize,
-        capacity: usize,
+        (batch, capacity, window_store): (usize, usize, WindowStore),
         paged: Option<PagedLayout>,
     ) -> Result<(Vec<LayerPlan>, Vec<BlockPool<B>>), ModelError> {
         let producers: Vec<usize> = (0..config.num_hidden_layers).filter_map(|i| config.kv_producer(i)).collect();
@@ -796,7 +834,7 @@ impl<B: GemmaBackend> KvCache<B> {
             let paged = match paged {
                 None => None,
                 Some(layout) => {
-                    let slots = Span::new(window, capacity).slots(capacity);
+                    let slots = Span::new(window, capacity, WindowStore::Ring).slots(capacity);
                     let bs = layout.block_size;
                     if bs == 0 || !slots.is_multiple_of(bs) {
                         return Err(ModelError::InvalidInput(format!(
@@ -827,7 +865,7 @@ impl<B: GemmaBackend> KvCache<B> {
                     Some(InPool { pool, blocks: pools[pool].store_blocks(), block_size: bs })
                 }
             };
-            plans.push(LayerPlan { layer: i, shape, window, shared: producers.contains(&i), paged });
+            plans.push(LayerPlan { layer: i, shape, window, window_store, shared: producers.contains(&i), paged });
         }
         Ok((plans, pools))
     }
@@ -964,7 +1002,7 @@ impl<B: GemmaBackend> KvCache<B> {
             .iter()
             .filter_map(|layer| match layer.span {
                 Span::Ring(w) => Some(w),
-                Span::Full => None,
+                Span::Full | Span::Windowed(_) => None,
             })
             .min()
             .unwrap_or(self.capacity)

@@ -5,9 +5,25 @@
 //! that is smaller: positions never reach the capacity, so such a ring never wraps and behaves
 //! as the window). Attention does not depend on the order of its keys, so a decode query reads
 //! the ring as it lies; a chunk of several positions reads the previous window in order first.
+//!
+//! Or a sliding-window layer keeps every position as a full layer does ([`WindowStore::EveryPosition`],
+//! [`Span::Windowed`]) and masks by the window: more memory, but writing positions ahead
+//! never overwrites what an earlier position still attends to, so a verify step's rows can all
+//! be written before any attends, and taking rejected positions back only moves the length.
 
 use burn_gemma_kernels::{step, AttentionMask};
 use std::ops::Range;
+
+/// How a KV cache stores the keys of sliding-window layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WindowStore {
+    /// A ring of the window's slots (the least memory).
+    #[default]
+    Ring,
+    /// A slot per position, as a full-attention layer, masked by the window: what a recorded
+    /// verify step of speculative decoding needs (see the module docs).
+    EveryPosition,
+}
 
 /// Which slots a layer's positions occupy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,30 +32,34 @@ pub enum Span {
     Full,
     /// A ring of this many slots.
     Ring(usize),
+    /// Every position up to the capacity, slot = position, attending within this window.
+    Windowed(usize),
 }
 
 impl Span {
-    /// The span of a layer with `window` (`None` for full attention) in a cache of `capacity`.
-    pub fn new(window: Option<usize>, capacity: usize) -> Self {
-        match window {
-            None => Self::Full,
-            Some(w) => Self::Ring(w.min(capacity)),
+    /// The span of a layer with `window` (`None` for full attention) in a cache of `capacity`
+    /// storing windows as `store` says.
+    pub fn new(window: Option<usize>, capacity: usize, store: WindowStore) -> Self {
+        match (window, store) {
+            (None, _) => Self::Full,
+            (Some(w), WindowStore::Ring) => Self::Ring(w.min(capacity)),
+            (Some(w), WindowStore::EveryPosition) => Self::Windowed(w),
         }
     }
 
     /// Slots the layer's store needs for a cache of `capacity` positions.
     pub fn slots(self, capacity: usize) -> usize {
         match self {
-            Self::Full => capacity,
+            Self::Full | Self::Windowed(_) => capacity,
             Self::Ring(slots) => slots,
         }
     }
 
-    /// The sliding window, for a ring.
+    /// The sliding window, for a ring or a windowed full store.
     pub fn window(self) -> Option<usize> {
         match self {
             Self::Full => None,
-            Self::Ring(w) => Some(w),
+            Self::Ring(w) | Self::Windowed(w) => Some(w),
         }
     }
 
@@ -48,7 +68,7 @@ impl Span {
     /// the store's size ([`burn_gemma_kernels::step`]; a full store has a slot per position).
     pub fn decode(self, position: usize) -> DecodeStep {
         let slots = match self {
-            Self::Full => usize::MAX,
+            Self::Full | Self::Windowed(_) => usize::MAX,
             Self::Ring(w) => w,
         };
         let (visible, mask) = step::decode_visible(position, slots, self.window());
@@ -107,9 +127,13 @@ mod tests {
 
     #[test]
     fn window_larger_than_capacity_keeps_capacity_slots() {
-        assert_eq!(Span::new(Some(512), 100), Span::Ring(100));
-        assert_eq!(Span::new(Some(8), 100), Span::Ring(8));
-        assert_eq!(Span::new(None, 100), Span::Full);
+        let ring = WindowStore::Ring;
+        assert_eq!(Span::new(Some(512), 100, ring), Span::Ring(100));
+        assert_eq!(Span::new(Some(8), 100, ring), Span::Ring(8));
+        assert_eq!(Span::new(None, 100, ring), Span::Full);
+        assert_eq!(Span::new(None, 100, WindowStore::EveryPosition), Span::Full);
+        assert_eq!(Span::new(Some(8), 100, WindowStore::EveryPosition), Span::Windowed(8));
+        assert_eq!(Span::Windowed(8).slots(100), 100);
         assert_eq!((Span::Ring(100).slots(100), Span::Full.slots(100)), (100, 100));
         // A ring of the capacity never wraps: every position up to it is visible.
         let step = Span::Ring(100).decode(99);
@@ -127,6 +151,9 @@ mod tests {
             (Span::Ring(4), 4, (0, 4, 1)),
             (Span::Ring(4), 9, (1, 4, 6)),
             (Span::Ring(1), 5, (0, 1, 5)),
+            // Every position kept: the whole history is visible to the kernels, whose mask
+            // keeps the window.
+            (Span::Windowed(4), 9, (9, 10, 0)),
         ];
         for (span, position, (slot, visible, k_offset)) in table {
             let step = span.decode(position);
@@ -138,7 +165,8 @@ mod tests {
             assert_eq!(step.mask.q_offset, position);
             // The keys the mask places are exactly the ones in the window.
             let keys = step.mask.k_offset..step.mask.k_offset + step.visible;
-            assert!(keys.clone().all(|k| step.mask.visible(position, k)), "{span:?} at {position}: {keys:?}");
+            let seen = keys.clone().filter(|&k| step.mask.visible(position, k)).count();
+            assert_eq!(seen, step.visible.min(span.window().unwrap_or(usize::MAX)), "{span:?} at {position}: {keys:?}");
         }
     }
 
