@@ -241,7 +241,15 @@ impl BackendTask for SpecBench {
                 }
                 match &plain {
                     None => plain = Some(out.tokens),
-                    Some(tokens) => run.same &= out.tokens == *tokens,
+                    Some(tokens) => {
+                        if let Some(at) = out.tokens.iter().zip(tokens).position(|(a, b)| a != b) {
+                            eprintln!(
+                                "{} round {round}: token {at} is {} where decoding without drafts made {}",
+                                run.name, out.tokens[at], tokens[at]
+                            );
+                        }
+                        run.same &= out.tokens == *tokens;
+                    }
                 }
             }
         }

@@ -1192,7 +1192,10 @@ impl<B: GemmaBackend> Generator<B> {
     fn take_cache(&mut self, capacity: usize) -> Result<KvCache<B>, Error> {
         let old_capacity = self.cache.as_ref().map_or(0, |c| c.capacity());
         let windows = self.window_store;
-        let cache = match self.cache.take().filter(|c| c.capacity() >= capacity && c.window_store() == windows) {
+        // A cache keeping every position serves ring layouts' steps too: kept rather than
+        // reallocated (with its recorded steps) when drafting stops.
+        let serves = |c: &KvCache<B>| c.window_store() == windows || windows == WindowStore::Ring;
+        let cache = match self.cache.take().filter(|c| c.capacity() >= capacity && serves(c)) {
             Some(cache) => cache,
             None => {
                 // Grow in steps so that a chat does not reallocate every turn; the old cache is

@@ -25,9 +25,17 @@ pub enum DraftSteps {
     Graph,
 }
 
-/// Tokens of a catch-up (what the target accepted since the last draft) that run as graph
-/// steps; more run eagerly as one prompt chunk first (a new conversation's prompt).
-const GRAPH_CATCH_UP: usize = 8;
+/// Rows of the recorded catch-up step: the tokens the target accepted since the last draft
+/// run through it as consecutive rows, at most this many a replay (fewer padded with the last,
+/// their rows taken back).
+const CATCH_UP_ROWS: usize = 8;
+
+/// A catch-up longer than this (a new conversation's prompt) runs eagerly as a prompt, but for
+/// its last token. On a GPU an eager step is bound by its launches (a 1B-shaped model on an
+/// H200: 11.9 ms eager, 1.4 ms replayed, BENCHMARKS.md), so up to 16 replays still cost less;
+/// a catch-up after the longest pause in drafting ([`super::MAX_PAUSE`] tokens) stays
+/// replayed.
+const EAGER_CATCH_UP: usize = 16 * CATCH_UP_ROWS;
 
 /// A draft model and the state of its cache.
 pub struct DraftModel<B: GemmaBackend> {
@@ -40,6 +48,8 @@ pub struct DraftModel<B: GemmaBackend> {
     checkpoint: Option<Checkpoint<B>>,
     /// Recorded one-token steps for the current cache ([`DraftSteps::Graph`]).
     graphs: Option<DecodeGraphs<B>>,
+    /// Recorded catch-up steps of [`CATCH_UP_ROWS`] consecutive rows for the current cache.
+    catch_up: Option<DecodeGraphs<B>>,
     /// Why graph steps failed, after which every step is eager.
     graph_failed: Option<String>,
 }
@@ -62,7 +72,7 @@ impl<B: GemmaBackend> DraftModel<B> {
     /// Wraps a loaded model (its vocabulary is checked against the target's when it is set on
     /// a [`crate::Generator`]).
     pub fn new(model: Gemma<B>) -> Self {
-        Self { model, cache: None, fed: Vec::new(), checkpoint: None, graphs: None, graph_failed: None }
+        Self { model, cache: None, fed: Vec::new(), checkpoint: None, graphs: None, catch_up: None, graph_failed: None }
     }
 
     /// Why this drafter's steps run eagerly although graphs were asked for (`None` while they
@@ -106,6 +116,7 @@ impl<B: GemmaBackend> DraftModel<B> {
                 // Recording failed: eager from here on, starting afresh.
                 self.graph_failed = Some(e.to_string());
                 self.graphs = None;
+                self.catch_up = None;
                 cache.reset();
                 self.fed.clear();
                 self.checkpoint = None;
@@ -135,14 +146,17 @@ impl<B: GemmaBackend> DraftModel<B> {
         let device = self.model.device();
         let pending = &context[self.fed.len()..];
         let mut last = if graph {
-            // A long catch-up (a new prompt) runs as a prompt first; its last tokens step.
-            let (bulk, steps) = pending.split_at(pending.len().saturating_sub(GRAPH_CATCH_UP));
-            if !bulk.is_empty() {
-                prefill(&self.model, cache, bulk, chunk, &device)?;
-            }
+            // A long catch-up (a new prompt) runs as a prompt first, but for its last token.
+            let rest = match pending.len() > EAGER_CATCH_UP {
+                true => {
+                    prefill(&self.model, cache, &pending[..pending.len() - 1], chunk, &device)?;
+                    &pending[pending.len() - 1..]
+                }
+                false => pending,
+            };
             let mut last = None;
-            for &token in steps {
-                last = Some(self.graph_step(cache, token)?);
+            for rows in rest.chunks(CATCH_UP_ROWS) {
+                last = Some(self.graph_rows(cache, rows)?);
             }
             last.ok_or_else(|| ModelError::InvalidInput("a draft with nothing to run".into()))?
         } else {
@@ -180,6 +194,40 @@ impl<B: GemmaBackend> DraftModel<B> {
         Ok(drafts)
     }
 
+    /// `tokens` (at most [`CATCH_UP_ROWS`]) through the recorded catch-up step as consecutive
+    /// rows, padded with the last token to the step's rows (the padding's positions taken
+    /// back); one token, or too little room left in the cache for the padding, through the
+    /// one-token step. The model's greedy choice after the last token, and its logits.
+    fn graph_rows(&mut self, cache: &mut KvCache<B>, tokens: &[u32]) -> Result<Step<B>, Error> {
+        let [.., last] = tokens else {
+            return Err(ModelError::InvalidInput("a catch-up step over no tokens".into()).into());
+        };
+        if tokens.len() == 1 || cache.len() + CATCH_UP_ROWS > cache.capacity() {
+            let mut step = None;
+            for &token in tokens {
+                step = Some(self.graph_step(cache, token)?);
+            }
+            return step.ok_or_else(|| ModelError::InvalidInput("a catch-up step over no tokens".into()).into());
+        }
+        let mut graphs = match self.catch_up.take() {
+            Some(g) if g.serves(&SamplingParams::GREEDY, cache) => g,
+            _ => DecodeGraphs::verify(SamplingParams::GREEDY, CATCH_UP_ROWS, cache.capacity()),
+        };
+        let padded: Vec<u32> = tokens.iter().copied().chain(std::iter::repeat(*last)).take(CATCH_UP_ROWS).collect();
+        let start = cache.len();
+        let checkpoint = cache.checkpoint(CATCH_UP_ROWS)?;
+        let chosen = graphs.step(&self.model, cache, &padded, &[0.0; CATCH_UP_ROWS]);
+        let logits = graphs.last_logits();
+        self.catch_up = Some(graphs);
+        let chosen = chosen?;
+        cache.rewind(&checkpoint, start + tokens.len())?;
+        let row = tokens.len() - 1;
+        let token = checked_token(i64::from(chosen[row]), self.model.config().vocab_size, 0)?;
+        let logits = logits.ok_or_else(|| ModelError::InvalidInput("the catch-up step kept no logits".into()))?;
+        let vocab = logits.dims()[1];
+        Ok(Step::Chosen(token, logits.slice([row..row + 1, 0..vocab])))
+    }
+
     /// One token through the recorded step (recorded first where needed): the model's greedy
     /// choice after it, and its logits.
     fn graph_step(&mut self, cache: &mut KvCache<B>, token: u32) -> Result<Step<B>, Error> {
@@ -211,6 +259,7 @@ impl<B: GemmaBackend> DraftModel<B> {
                 self.checkpoint = None;
                 // The recorded steps write the old cache's buffers.
                 self.graphs = None;
+                self.catch_up = None;
                 self.model.new_cache_with(1, positions.next_multiple_of(256).min(limit), windows)?
             }
         };

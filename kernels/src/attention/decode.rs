@@ -479,7 +479,11 @@ pub(super) fn attention<R: CubeRuntime>(
             hi.saturating_sub(lo)
         }
     };
-    let base_cubes = batch * kv_heads;
+    // Consecutive rows of one sequence split their keys as a one-row step does, so that each
+    // row sums in the order of the step at its position (a verify step's greedy choices are
+    // then those of decoding without drafts, but for the products over several rows).
+    let per_row = position.as_ref().is_some_and(|p| p.row_step() > 0);
+    let base_cubes = if per_row { kv_heads } else { batch * kv_heads };
     let splits = TARGET_CUBES
         .div_ceil(base_cubes)
         .min(span.div_ceil(tiling.planes * tiling.keys * DECODE_STEPS_PER_PLANE))
