@@ -277,11 +277,18 @@ impl BackendTask for Run {
                 false => DraftLength::Fixed(self.args.draft_tokens),
             };
             generator.set_speculation(Some(Speculation::new(drafter, length)))?;
-            if !name.contains("CPU") {
+            let cuda = burn_gemma_kernels::graph::available::<B>(&device).is_ok();
+            if cuda && dtype != DType::F32 {
                 eprintln!(
-                    "note: on GPUs the drafts' verify steps and a draft model's steps run eagerly, while plain \
-                     decoding replays one recorded step: on an H200 decoding with drafts ran at 0.04-0.31x of \
-                     decoding without (BENCHMARKS.md, Speculative decoding); drafts pay on the CPU backends"
+                    "note: drafts are verified on recorded CUDA graphs; in {dtype:?} a near tie can make greedy \
+                     text part from decoding without drafts (a verify step's products over several rows sum in \
+                     another order; --dtype f32 makes it far rarer)"
+                );
+            } else if !cuda && !name.contains("CPU") {
+                eprintln!(
+                    "note: on this backend the drafts' verify steps and a draft model's steps run eagerly (recorded \
+                     steps are CUDA's): on an H200 eager drafting ran at 0.04-0.31x of plain decoding \
+                     (BENCHMARKS.md, Speculative decoding)"
                 );
             }
         }

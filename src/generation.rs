@@ -114,6 +114,17 @@ impl Stats {
         self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
     }
 
+    /// Adds what recording cost between two readings of a [`DecodeGraphs::setup`], and its
+    /// launches per step.
+    fn count_setup(&mut self, before: GraphSetup, after: GraphSetup) {
+        let setup = &mut self.graph_setup;
+        setup.recordings += after.recordings - before.recordings;
+        setup.time += after.time - before.time;
+        setup.compiled += after.compiled - before.compiled;
+        setup.cached += after.cached - before.cached;
+        setup.launches = after.launches;
+    }
+
     /// Tokens per second after the first one.
     pub fn decode_tokens_per_second(&self) -> f64 {
         self.generated_tokens.saturating_sub(1) as f64 / self.decode.as_secs_f64().max(1e-9)
@@ -1044,20 +1055,15 @@ impl<B: GemmaBackend> Generator<B> {
         let ids: Vec<u32> =
             run.input.iter().chain(&drafts.tokens).copied().chain(std::iter::repeat(pad)).take(rows).collect();
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::InvalidInput("KV cache missing".into()))?;
+        let checkpoint = cache.checkpoint(rows)?;
         let at = self.verify_graphs.iter().position(|g| g.rows() == rows && g.serves(&SamplingParams::GREEDY, cache));
         let mut graphs = match at {
             Some(i) => self.verify_graphs.swap_remove(i),
             None => DecodeGraphs::verify(SamplingParams::GREEDY, rows, cache.capacity()),
         };
-        let checkpoint = cache.checkpoint(rows)?;
         let before = graphs.setup();
         let stepped = graphs.step(&self.model, cache, &ids, &vec![0.0; rows]);
-        let after = graphs.setup();
-        let stats = &mut run.stats;
-        stats.graph_setup.recordings += after.recordings - before.recordings;
-        stats.graph_setup.time += after.time - before.time;
-        stats.graph_setup.compiled += after.compiled - before.compiled;
-        stats.graph_setup.cached += after.cached - before.cached;
+        run.stats.count_setup(before, graphs.setup());
         let logits = graphs.last_logits();
         self.verify_graphs.push(graphs);
         let choices = stepped?;
@@ -1160,13 +1166,8 @@ impl<B: GemmaBackend> Generator<B> {
         };
         let before = graphs.setup();
         let ids = graphs.step(&self.model, cache, input, draws)?;
-        let after = graphs.setup();
         stats.graph_steps += 1;
-        stats.graph_setup.recordings += after.recordings - before.recordings;
-        stats.graph_setup.time += after.time - before.time;
-        stats.graph_setup.compiled += after.compiled - before.compiled;
-        stats.graph_setup.cached += after.cached - before.cached;
-        stats.graph_setup.launches = after.launches;
+        stats.count_setup(before, graphs.setup());
         self.graphs = Some(graphs);
         Ok(ids.first().map_or(-1, |&t| i64::from(t)))
     }

@@ -247,15 +247,27 @@ impl<Bk: Backend> WeightSource<Bk> for Blend {
 /// probabilities (computed apart, by a forward pass and the sampler's filters).
 #[test]
 fn sampled_output_keeps_the_model_distribution() {
+    sampled_distribution::<B>(&Default::default());
+}
+
+/// The same on CUDA, where the verify step and the draft model's steps replay recorded graphs
+/// and their logits are read back for the rule (f32).
+#[cfg(feature = "cuda")]
+#[test]
+fn sampled_output_keeps_the_model_distribution_on_cuda() {
+    sampled_distribution::<burn_gemma::backends::Cuda>(&burn::backend::cuda::CudaDevice::new(0));
+}
+
+fn sampled_distribution<Bk: burn_gemma::GemmaBackend>(device: &Bk::Device) {
     let sampling = |seed| SamplingConfig { temperature: 1.0, top_k: Some(5), seed, ..Default::default() };
     let config = |seed| GenerationConfig { max_new_tokens: 3, sampling: sampling(seed), ..Default::default() };
     let shape = model("tiny-gemma/gemma3").config().clone();
-    let device = Default::default();
-    let target = || Gemma::<B>::random(shape.clone(), 1, &ModelOptions::default(), &device).unwrap();
+    let options = ModelOptions { dtype: DType::F32, ..ModelOptions::default() };
+    let target = || Gemma::<Bk>::random(shape.clone(), 1, &options, device).unwrap();
     // 5% of another model: about 70% of drafts kept. (Redrawing refused drafts from the
     // target instead of the residual gives a chi-square near 110 here.)
     let blend = Blend { a: RandomWeights::new(1), b: RandomWeights::new(2), mix: 0.05 };
-    let draft = Gemma::<B>::load(shape.clone(), &mut { blend }, &ModelOptions::default(), &device).unwrap();
+    let draft = Gemma::<Bk>::load(shape.clone(), &mut { blend }, &options, device).unwrap();
     let mut g = Generator::new(target(), common::tiny_tokenizer()).unwrap();
     g.set_speculation(Some(Speculation::new(
         Drafter::Model(Box::new(DraftModel::new(draft))),
@@ -290,7 +302,7 @@ fn sampled_output_keeps_the_model_distribution() {
         let target = target();
         let mut cache = target.new_cache(1, 64).unwrap();
         let context: Vec<u32> = prompt.iter().copied().chain([t1]).collect();
-        let logits = target.forward(ids(&context), &mut cache).unwrap();
+        let logits = target.forward(burn_gemma::generation::token_tensor::<Bk>(&context, device), &mut cache).unwrap();
         let vocab = logits.dims()[2];
         let row: Vec<f32> =
             logits.slice([0..1, context.len() - 1..context.len(), 0..vocab]).into_data().to_vec().unwrap();
