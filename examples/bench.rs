@@ -300,7 +300,7 @@ impl BackendTask for Bench {
                         }
                         let _ = B::sync(&device);
                         let start = Instant::now();
-                        let mut token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
+                        let token = feed(&model, &mut cache, &prompt, a.prefill_chunk, &device)?;
                         let prefill = start.elapsed();
                         peak = peak.max(B::memory_reserved(&device).unwrap_or(0));
                         // Decode at depth.
@@ -314,35 +314,8 @@ impl BackendTask for Bench {
                             _ => None,
                         };
                         let start = Instant::now();
-                        let mut enqueue = Duration::ZERO;
-                        let mut gpu = Duration::ZERO;
-                        for _ in 0..a.gen {
-                            let step = Instant::now();
-                            if let Some(g) = graphs.as_mut() {
-                                match g.step(&model, &mut cache, &[token], &[0.0]) {
-                                    Ok(ids) => {
-                                        let times = g.last_replay();
-                                        enqueue += times.issue;
-                                        gpu += times.gpu;
-                                        token = ids.first().copied().unwrap_or(0);
-                                        continue;
-                                    }
-                                    // Auto: eager where the backend is not CUDA, and where the step cannot
-                                    // be recorded (said once).
-                                    Err(ModelError::Graph(e)) if a.cuda_graph == CudaGraph::Auto => {
-                                        if !matches!(e, GraphError::NotCuda(_)) {
-                                            eprintln!("decoding eagerly, the CUDA graph failed: {e}");
-                                        }
-                                        graphs = None;
-                                    }
-                                    Err(e) => return Err(e.into()),
-                                }
-                            }
-                            let logits = model.forward_last(token_tensor::<B>(&[token], &device), &mut cache)?;
-                            let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
-                            enqueue += step.elapsed();
-                            token = first_id::<B>(next);
-                        }
+                        let (enqueue, gpu) =
+                            decode_greedy(&model, &mut cache, (&mut graphs, a.cuda_graph), token, a.gen)?;
                         let decode = start.elapsed();
                         if let (Some(profiler), Some(path)) = (profiler, &a.host_profile) {
                             host_profile::finish(profiler, path)?;
@@ -440,6 +413,49 @@ impl BackendTask for Bench {
         }
         Ok(())
     }
+}
+
+/// Decodes `gen` greedy tokens after `token`: replaying `graphs` where there are some (under
+/// [`CudaGraph::Auto`] a step that cannot be recorded drops them, saying why once, and decodes
+/// eagerly from there), else eagerly. Returns the host's issue time and, from the replays, the
+/// GPU time.
+fn decode_greedy<B: GemmaBackend>(
+    model: &Gemma<B>,
+    cache: &mut KvCache<B>,
+    (graphs, mode): (&mut Option<DecodeGraphs<B>>, CudaGraph),
+    mut token: u32,
+    gen: usize,
+) -> Result<(Duration, Duration), CliError> {
+    let device = model.device();
+    let (mut enqueue, mut gpu) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..gen {
+        let step = Instant::now();
+        if let Some(g) = graphs.as_mut() {
+            match g.step(model, cache, &[token], &[0.0]) {
+                Ok(ids) => {
+                    let times = g.last_replay();
+                    enqueue += times.issue;
+                    gpu += times.gpu;
+                    token = ids.first().copied().unwrap_or(0);
+                    continue;
+                }
+                // Auto: eager where the backend is not CUDA, and where the step cannot be
+                // recorded (said once).
+                Err(ModelError::Graph(e)) if mode == CudaGraph::Auto => {
+                    if !matches!(e, GraphError::NotCuda(_)) {
+                        eprintln!("decoding eagerly, the CUDA graph failed: {e}");
+                    }
+                    *graphs = None;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let logits = model.forward_last(token_tensor::<B>(&[token], &device), cache)?;
+        let next = B::sample(logits, &SamplingParams::GREEDY, Draws::Host(&[0.0]))?;
+        enqueue += step.elapsed();
+        token = first_id::<B>(next);
+    }
+    Ok((enqueue, gpu))
 }
 
 /// Sampling the host's stacks with `pprof` (SIGPROF), written as collapsed stacks for
