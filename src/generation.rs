@@ -1203,7 +1203,15 @@ impl<B: GemmaBackend> Generator<B> {
                 // freed before the new one is allocated.
                 let limit = self.max_context();
                 let capacity = capacity.max(old_capacity * 2).next_multiple_of(256).min(limit);
-                let mut cache = self.model.new_cache_with(1, capacity, windows)?;
+                let mut cache = match self.model.new_cache_with(1, capacity, windows) {
+                    // Every position of the sliding windows does not fit: rings, and verify
+                    // steps run eagerly.
+                    Err(ModelError::DeviceMemory { .. }) if windows == WindowStore::EveryPosition => {
+                        self.window_store = WindowStore::Ring;
+                        self.model.new_cache_with(1, capacity, WindowStore::Ring)?
+                    }
+                    other => other?,
+                };
                 // The recorded steps write the old cache's buffers.
                 self.graphs = None;
                 self.verify_graphs.clear();
