@@ -985,7 +985,10 @@ impl<B: GemmaBackend> Generator<B> {
         let drafted = drafts.tokens.len();
         let mut verified = None;
         if run.graph && cache.takes_consecutive_rows() && !spec.drafter.reads_hidden_states() {
-            match self.verify_on_graph(run, &drafts, k) {
+            // One recording for every draft count: rows for the most drafts a step may make
+            // (adaptive lengths move), as many as the cache has room for.
+            let most = spec.max_length().min(room).max(k);
+            match self.verify_on_graph(run, &drafts, most) {
                 Ok(v) => verified = Some(v),
                 Err(e) if run.cuda_graph == CudaGraph::On => return Err(e),
                 Err(e) => {

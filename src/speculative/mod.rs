@@ -113,6 +113,14 @@ impl<B: GemmaBackend> Speculation<B> {
         self.current
     }
 
+    /// The most tokens any step drafts.
+    pub(crate) fn max_length(&self) -> usize {
+        match self.length {
+            DraftLength::Fixed(k) => k.get(),
+            DraftLength::Adaptive { max } => max.get(),
+        }
+    }
+
     /// Back to the first step's length, without a pause (a new request).
     pub(crate) fn restart(&mut self) {
         self.current = self.length.initial();

@@ -495,7 +495,15 @@ fn random_1b_drafts_keep_greedy_output_on_cuda() {
             .with_misses(Misses::KeepDrafting);
     let itself = Speculation::new(Drafter::Model(Box::new(DraftModel::new(load()))), DraftLength::Fixed(k(5)))
         .with_misses(Misses::KeepDrafting);
-    for (what, speculation) in [("prompt lookup", lookup), ("the target as its draft model", itself)] {
+    // Adaptive lengths: one recorded verify step of 1 + max rows serves every length.
+    let adaptive = Speculation::new(
+        Drafter::PromptLookup(PromptLookup { max_ngram: 3, min_ngram: 1 }),
+        DraftLength::Adaptive { max: k(6) },
+    )
+    .with_misses(Misses::KeepDrafting);
+    let runs =
+        [("prompt lookup", lookup), ("prompt lookup, adaptive", adaptive), ("the target as its draft model", itself)];
+    for (what, speculation) in runs {
         let out = run(Some(speculation));
         assert_eq!(out.tokens, plain.tokens, "random 1B with {what}");
         let s = stats(&out);
