@@ -348,8 +348,8 @@ pub struct Generator<B: GemmaBackend> {
     interrupt: Arc<AtomicBool>,
     /// Recorded decode steps for the current cache.
     graphs: Option<DecodeGraphs<B>>,
-    /// Recorded verify steps of speculative decoding for the current cache, one per count of
-    /// rows drafted for.
+    /// Recorded verify steps of speculative decoding for the current cache, one per row count
+    /// (the most drafts a step may make, fewer where the cache's end is near).
     verify_graphs: Vec<DecodeGraphs<B>>,
     /// How the cache stores sliding windows: every position where verify steps are recorded
     /// (they write all their rows before any attends), else rings.
@@ -744,10 +744,13 @@ impl<B: GemmaBackend> Generator<B> {
         }
         let capacity = needed.min(limit);
         // Verify steps replayed as CUDA graphs write every draft before any attends: the cache
-        // then keeps every position of its sliding windows.
-        let drafts = self.speculation.as_ref().is_some_and(|s| !s.drafter.reads_hidden_states());
+        // then keeps every position of its sliding windows (`graph` is off where an assistant,
+        // which reads the model's hidden states, drafts).
         let cuda = burn_gemma_kernels::graph::available::<B>(&self.model.device()).is_ok();
-        self.window_store = if graph && drafts && cuda { WindowStore::EveryPosition } else { WindowStore::Ring };
+        self.window_store = match graph && cuda && self.speculation.is_some() {
+            true => WindowStore::EveryPosition,
+            false => WindowStore::Ring,
+        };
         self.settle_cache();
         if let Some(spec) = &mut self.speculation {
             spec.restart();
@@ -984,7 +987,7 @@ impl<B: GemmaBackend> Generator<B> {
         }
         let drafted = drafts.tokens.len();
         let mut verified = None;
-        if run.graph && cache.takes_consecutive_rows() && !spec.drafter.reads_hidden_states() {
+        if run.graph && cache.takes_consecutive_rows() {
             // One recording for every draft count: rows for the most drafts a step may make
             // (adaptive lengths move), as many as the cache has room for.
             let most = spec.max_length().min(room).max(k);
@@ -1054,9 +1057,10 @@ impl<B: GemmaBackend> Generator<B> {
     ) -> Result<(Checkpoint<B>, usize, u32), Error> {
         let rows = 1 + k;
         let drafted = drafts.tokens.len();
-        let pad = drafts.tokens.last().copied().unwrap_or(run.input[0]);
-        let ids: Vec<u32> =
-            run.input.iter().chain(&drafts.tokens).copied().chain(std::iter::repeat(pad)).take(rows).collect();
+        let mut ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
+        if let Some(&last) = ids.last() {
+            ids.resize(rows, last);
+        }
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::InvalidInput("KV cache missing".into()))?;
         let checkpoint = cache.checkpoint(rows)?;
         let at = self.verify_graphs.iter().position(|g| g.rows() == rows && g.serves(&SamplingParams::GREEDY, cache));
@@ -1073,8 +1077,8 @@ impl<B: GemmaBackend> Generator<B> {
         self.context.append(&mut run.input);
         if run.sampler.is_greedy() {
             let kept = drafts.tokens.iter().zip(&choices).take_while(|(d, c)| d == c).count();
-            let next =
-                checked_token(i64::from(choices[kept]), self.model.config().vocab_size, run.tokens.len() + kept)?;
+            let next = choices.get(kept).map_or(-1, |&t| i64::from(t));
+            let next = checked_token(next, self.model.config().vocab_size, run.tokens.len() + kept)?;
             return Ok((checkpoint, kept, next));
         }
         let logits = logits.ok_or_else(|| ModelError::InvalidInput("the verify step kept no logits".into()))?;

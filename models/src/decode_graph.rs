@@ -140,12 +140,17 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         self.batch
     }
 
+    /// The sequences of the cache a step serves, and the positions it advances each by.
+    fn cache_rows(&self) -> (usize, usize) {
+        match self.rows {
+            StepRows::Sequences => (self.batch, 1),
+            StepRows::Consecutive => (1, self.batch),
+        }
+    }
+
     /// Whether these graphs serve `sampling` on a cache of this batch and capacity.
     pub fn serves(&self, sampling: &SamplingParams, cache: &KvCache<B>) -> bool {
-        let batch = match self.rows {
-            StepRows::Sequences => self.batch,
-            StepRows::Consecutive => 1,
-        };
+        let (batch, _) = self.cache_rows();
         self.sampling == *sampling
             && batch == cache.batch()
             && self.capacity == cache.capacity()
@@ -182,10 +187,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         ids: &[u32],
         draws: &[f32],
     ) -> Result<Vec<u32>, ModelError> {
-        let (cache_batch, advance) = match self.rows {
-            StepRows::Sequences => (self.batch, 1),
-            StepRows::Consecutive => (1, self.batch),
-        };
+        let (cache_batch, advance) = self.cache_rows();
         if ids.len() != self.batch
             || draws.len() != self.batch
             || cache.batch() != cache_batch

@@ -167,16 +167,12 @@ impl<B: GemmaBackend> DraftModel<B> {
         let mut drafts = Drafts::default();
         for i in 0..k {
             let (token, proposal) = match &last {
-                // The graph's choice is greedy without penalties; anything else draws from its
+                // The graph's choice is greedy without penalties; anything else draws from the
                 // logits.
-                Step::Chosen(_, logits) if !sampler.is_greedy() || sampler.penalizes() => {
+                Step::Chosen(token, _) if sampler.is_greedy() && !sampler.penalizes() => (*token, Proposal::Certain),
+                Step::Chosen(_, logits) | Step::Logits(logits) => {
                     let history: Vec<u32> = context.iter().chain(&drafts.tokens).copied().collect();
                     choose(logits.clone().cast(DType::F32), &history, sampler)?
-                }
-                Step::Chosen(token, _) => (*token, Proposal::Certain),
-                Step::Logits(logits) => {
-                    let history: Vec<u32> = context.iter().chain(&drafts.tokens).copied().collect();
-                    choose(logits.clone(), &history, sampler)?
                 }
             };
             drafts.tokens.push(token);
@@ -209,39 +205,22 @@ impl<B: GemmaBackend> DraftModel<B> {
             }
             return step.ok_or_else(|| ModelError::InvalidInput("a catch-up step over no tokens".into()).into());
         }
-        let mut graphs = match self.catch_up.take() {
-            Some(g) if g.serves(&SamplingParams::GREEDY, cache) => g,
-            _ => DecodeGraphs::verify(SamplingParams::GREEDY, CATCH_UP_ROWS, cache.capacity()),
-        };
         let padded: Vec<u32> = tokens.iter().copied().chain(std::iter::repeat(*last)).take(CATCH_UP_ROWS).collect();
         let start = cache.len();
         let checkpoint = cache.checkpoint(CATCH_UP_ROWS)?;
-        let chosen = graphs.step(&self.model, cache, &padded, &[0.0; CATCH_UP_ROWS]);
-        let logits = graphs.last_logits();
-        self.catch_up = Some(graphs);
-        let chosen = chosen?;
+        let capacity = cache.capacity();
+        let fresh = || DecodeGraphs::verify(SamplingParams::GREEDY, CATCH_UP_ROWS, capacity);
+        let step = replay(&self.model, (&mut self.catch_up, fresh), cache, &padded, tokens.len() - 1)?;
         cache.rewind(&checkpoint, start + tokens.len())?;
-        let row = tokens.len() - 1;
-        let token = checked_token(i64::from(chosen[row]), self.model.config().vocab_size, 0)?;
-        let logits = logits.ok_or_else(|| ModelError::InvalidInput("the catch-up step kept no logits".into()))?;
-        let vocab = logits.dims()[1];
-        Ok(Step::Chosen(token, logits.slice([row..row + 1, 0..vocab])))
+        Ok(step)
     }
 
     /// One token through the recorded step (recorded first where needed): the model's greedy
     /// choice after it, and its logits.
     fn graph_step(&mut self, cache: &mut KvCache<B>, token: u32) -> Result<Step<B>, Error> {
-        let mut graphs = match self.graphs.take() {
-            Some(g) if g.serves(&SamplingParams::GREEDY, cache) => g,
-            _ => DecodeGraphs::new(SamplingParams::GREEDY, 1, cache.capacity()),
-        };
-        let chosen = graphs.step(&self.model, cache, &[token], &[0.0]);
-        let logits = graphs.last_logits();
-        self.graphs = Some(graphs);
-        let chosen = chosen?;
-        let token = checked_token(chosen.first().map_or(-1, |&t| i64::from(t)), self.model.config().vocab_size, 0)?;
-        let logits = logits.ok_or_else(|| ModelError::InvalidInput("the draft step kept no logits".into()))?;
-        Ok(Step::Chosen(token, logits))
+        let capacity = cache.capacity();
+        let fresh = || DecodeGraphs::new(SamplingParams::GREEDY, 1, capacity);
+        replay(&self.model, (&mut self.graphs, fresh), cache, &[token], 0)
     }
 
     /// The cache, holding a prefix of `context` short of its last token (`self.fed` says
@@ -272,6 +251,31 @@ impl<B: GemmaBackend> DraftModel<B> {
         self.fed.truncate(cache.len());
         Ok(cache)
     }
+}
+
+/// `ids` through the recorded step kept in `slot` (made by `fresh` where there is none for
+/// `cache`, recorded where needed, put back after): the greedy choice after row `row` and that
+/// row's logits.
+fn replay<B: GemmaBackend>(
+    model: &Gemma<B>,
+    (slot, fresh): (&mut Option<DecodeGraphs<B>>, impl FnOnce() -> DecodeGraphs<B>),
+    cache: &mut KvCache<B>,
+    ids: &[u32],
+    row: usize,
+) -> Result<Step<B>, Error> {
+    let mut graphs = match slot.take() {
+        Some(g) if g.serves(&SamplingParams::GREEDY, cache) => g,
+        _ => fresh(),
+    };
+    let chosen = graphs.step(model, cache, ids, &vec![0.0; ids.len()]);
+    let logits = graphs.last_logits();
+    *slot = Some(graphs);
+    let chosen = chosen?;
+    let id = chosen.get(row).map_or(-1, |&t| i64::from(t));
+    let token = checked_token(id, model.config().vocab_size, 0)?;
+    let logits = logits.ok_or_else(|| ModelError::InvalidInput("a recorded draft step kept no logits".into()))?;
+    let vocab = logits.dims()[1];
+    Ok(Step::Chosen(token, logits.slice([row..row + 1, 0..vocab])))
 }
 
 /// What a one-token step of the draft model left: its logits (`[1, vocab]`, f32), or, from a

@@ -18,10 +18,14 @@ use std::num::NonZeroUsize;
 type B = NdArray;
 
 fn model(name: &str) -> Gemma<B> {
-    let dir = common::fixtures().join(name);
-    Checkpoint::open(&dir)
+    model_on::<B>(name, &Default::default())
+}
+
+/// The fixture `name` on backend `Bk`, dense f32.
+fn model_on<Bk: burn_gemma::GemmaBackend>(name: &str, device: &Bk::Device) -> Gemma<Bk> {
+    Checkpoint::open(common::fixtures().join(name))
         .unwrap()
-        .load(common::dense_f32::<B>(&Default::default()))
+        .load(common::dense_f32::<Bk>(device))
         .map(burn_gemma::Loaded::into_parts)
         .unwrap()
         .0
@@ -350,12 +354,7 @@ fn verify_rows_equal_one_token_steps() {
 fn verify_rows<Bk: burn_gemma::GemmaBackend>() {
     let device = Default::default();
     for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma2"] {
-        let model: Gemma<Bk> = Checkpoint::open(common::fixtures().join(name))
-            .unwrap()
-            .load(common::dense_f32::<Bk>(&device))
-            .map(burn_gemma::Loaded::into_parts)
-            .unwrap()
-            .0;
+        let model = model_on::<Bk>(name, &device);
         let ids = |t: &[u32]| burn_gemma::generation::token_tensor::<Bk>(t, &device);
         let tokens: Vec<u32> = (0..40u32).map(|i| 300 + (i * 37) % 200).collect();
         for start in [2usize, 5, 6, 13, 20] {
@@ -396,12 +395,7 @@ fn consecutive_rows<Bk: burn_gemma::GemmaBackend>() {
         assert!(diff < 1e-4, "{what}: logits differ by {diff}");
     };
     for name in ["tiny-gemma/gemma3", "tiny-gemma/gemma4-e", "tiny-gemma/gemma2"] {
-        let model: Gemma<Bk> = Checkpoint::open(common::fixtures().join(name))
-            .unwrap()
-            .load(common::dense_f32::<Bk>(&device))
-            .map(burn_gemma::Loaded::into_parts)
-            .unwrap()
-            .0;
+        let model = model_on::<Bk>(name, &device);
         let ids = |t: &[u32]| burn_gemma::generation::token_tensor::<Bk>(t, &device);
         let tokens: Vec<u32> = (0..40u32).map(|i| 300 + (i * 37) % 200).collect();
         let next = [450u32, 451, 452, 453];
