@@ -10,6 +10,9 @@
 //! A multimodal checkpoint (HF Gemma 3 or Gemma 4 with a vision tower, or a Gemma 3 GGUF with
 //! `--mmproj`) reads pictures in chat messages' `image_url` parts (`data:` URLs).
 //!
+//! `--draft ngram` has each request draft by prompt lookup and verify its drafts in the batched
+//! steps (greedy replies unchanged, sampled ones keeping the model's distribution).
+//!
 //! Ctrl-C stops taking connections and lets the requests in flight finish.
 
 #[path = "cli/backend_args.rs"]
@@ -19,7 +22,7 @@ use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     chat::ChatTemplate,
-    engine::{Engine, EngineConfig},
+    engine::{Engine, EngineConfig, EngineDrafts},
     server::{Server, ServerConfig},
     Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint,
 };
@@ -66,6 +69,15 @@ struct Args {
     /// choices of one request), which then run only the rest: on or off.
     #[arg(long, default_value_t = burn_gemma::PrefixCache::On)]
     prefix_cache: burn_gemma::PrefixCache,
+    /// Drafts each request verifies in its batched steps (speculative decoding, each request on
+    /// its own): `ngram` (prompt lookup over its prompt and output: pays on editing,
+    /// summarizing, code) or `off`. With drafts the KV cache keeps every position of the
+    /// sliding-window layers (a full layer's memory each).
+    #[arg(long, value_enum, default_value_t = ServerDraft::Off)]
+    draft: ServerDraft,
+    /// Most tokens a request drafts per step.
+    #[arg(long, default_value_t = NonZeroUsize::new(4).unwrap_or(NonZeroUsize::MIN))]
+    draft_tokens: NonZeroUsize,
     /// llama.cpp's vision projector GGUF (`mmproj`) for a Gemma 3 or Gemma 4 text GGUF:
     /// pictures in chat messages. (An HF multimodal checkpoint's own tower is loaded without it.)
     #[arg(long)]
@@ -79,6 +91,14 @@ struct Args {
     default_max_tokens: usize,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// Where `--draft` takes drafts from (the engine drafts by prompt lookup; a draft model or a
+/// Gemma 4 assistant drafts in `generate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ServerDraft {
+    Off,
+    Ngram,
 }
 
 struct Run {
@@ -116,6 +136,10 @@ impl BackendTask for Run {
             kv_positions: args.kv_positions,
             cuda_graph: args.cuda_graph,
             prefix_cache: args.prefix_cache,
+            drafts: match args.draft {
+                ServerDraft::Off => EngineDrafts::Off,
+                ServerDraft::Ngram => EngineDrafts::PromptLookup { tokens: args.draft_tokens },
+            },
             ..EngineConfig::default()
         };
         let mut engine = Engine::with_vision(model, vision, tokenizer, config)?;

@@ -17,6 +17,11 @@
 //! `--shared-prefix K` makes every prompt begin with the same `K` tokens (a shared system
 //! prompt), which the engine's prefix cache (`--prefix-cache`, on by default) runs once.
 //!
+//! `--prompt-files a.txt,b.txt,...` gives request `i` the text of file `i % count` as a user
+//! turn of the model's chat template instead (real prompts: `scripts/spec-prompts`), and
+//! `--draft ngram --draft-tokens K` has every request draft by prompt lookup
+//! ([`EngineDrafts`]); the drafts kept and drafted are printed with the counts.
+//!
 //! `--step-only` times the model's batched decode step alone instead (no engine, no sampling):
 //! `N` sequences at position `--prompt-len`, the step's logits read back (the device
 //! synchronized) each time; the median of 20 steps after 3: over a cache of a row per sequence,
@@ -25,25 +30,27 @@
 
 #[path = "cli/backend_args.rs"]
 mod backend_args;
+#[path = "cli/model_source.rs"]
+mod model_source;
 
 use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
-    engine::{Engine, EngineConfig, Event, Request},
-    BatchGraphs, Checkpoint, CudaGraph, Gemma, GemmaBackend, GenerationConfig, LoadOptions, PagedLayout, PrefixCache,
-    StepInputs,
+    chat::ChatTemplate,
+    engine::{Engine, EngineConfig, EngineDrafts, Event, Request},
+    BatchGraphs, CudaGraph, Gemma, GemmaBackend, GenerationConfig, PagedLayout, PrefixCache, StepInputs,
 };
 
 use clap::Parser;
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
-/// The program's errors: the library's, or a message about its command line.
-type CliError = Box<dyn std::error::Error>;
+use model_source::CliError;
 
 #[derive(Parser, Clone)]
 struct Args {
-    /// GGUF file or HF directory (its tokenizer is used).
+    /// GGUF file or HF directory (its tokenizer is used), or synthetic:<preset> (random
+    /// weights in a published model's shapes).
     #[arg(long)]
     model: String,
     /// Counts of requests submitted together, comma-separated.
@@ -51,6 +58,10 @@ struct Args {
     streams: Vec<NonZeroUsize>,
     #[arg(long, default_value_t = 512)]
     prompt_len: usize,
+    /// Generated prompts: random ids, or `copy` (a 40-id phrase of the request's own,
+    /// repeated: what prompt lookup finds).
+    #[arg(long, value_enum, default_value_t = PromptKind::Random)]
+    prompt: PromptKind,
     #[arg(long, default_value_t = 128)]
     gen: usize,
     #[arg(long, default_value_t = 3)]
@@ -71,8 +82,32 @@ struct Args {
     /// Prompts' blocks cached for later prompts that begin alike: on or off.
     #[arg(long, default_value_t = PrefixCache::On)]
     prefix_cache: PrefixCache,
+    /// Text prompts (user turns of the model's chat template), request `i` taking file `i %
+    /// count`, instead of `--prompt-len` random ids.
+    #[arg(long, value_delimiter = ',')]
+    prompt_files: Vec<std::path::PathBuf>,
+    /// Drafts each request verifies in its batched steps: off or ngram (prompt lookup).
+    #[arg(long, value_enum, default_value_t = BenchDraft::Off)]
+    draft: BenchDraft,
+    /// Most tokens a request drafts per step.
+    #[arg(long, default_value_t = NonZeroUsize::new(4).unwrap_or(NonZeroUsize::MIN))]
+    draft_tokens: NonZeroUsize,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// What generated prompts hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PromptKind {
+    Random,
+    Copy,
+}
+
+/// Where `--draft` takes drafts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BenchDraft {
+    Off,
+    Ngram,
 }
 
 /// Median milliseconds of one decode step over `n` sequences at `position` (logits read back).
@@ -83,8 +118,7 @@ fn step_ms<B: GemmaBackend>(model: &Gemma<B>, n: usize, position: usize, kind: C
             // As the engine makes it: blocks of 32 where they divide, each sequence holding its own.
             let capacity = (position + 2).next_multiple_of(32);
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
-            let layout =
-                PagedLayout { sequences: n, capacity, block_size, positions: None, prefix_cache: PrefixCache::Off };
+            let layout = PagedLayout::new(n, capacity, block_size);
             let mut cache = model.new_paged_cache(layout)?;
             for row in 0..n {
                 let reservation = cache.reserve(position + 2)?;
@@ -146,9 +180,11 @@ struct Run {
     /// Tokens per second while all `n` generate.
     decode: f64,
     generated: usize,
+    /// Prompt tokens of the `n` requests.
+    prompt_tokens: usize,
 }
 
-fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, CliError> {
+fn run_once(engine: &Engine, n: usize, args: &Args, (seed, texts): (u64, &[Vec<u32>])) -> Result<Run, CliError> {
     let vocab = engine.tokenizer().vocab_size() as u64;
     let random = |mut state: u64| {
         move || {
@@ -164,11 +200,21 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
     let mut next = random(seed);
     let generation = GenerationConfig { max_new_tokens: args.gen, ..GenerationConfig::default() };
     let requests: Vec<Request> = (0..n)
-        .map(|_| {
-            let own = std::iter::repeat_with(&mut next).take(args.prompt_len - shared.len());
+        .map(|i| {
+            if !texts.is_empty() {
+                return Request::new(texts[i % texts.len()].clone(), generation.clone());
+            }
+            let own: Vec<u32> = match args.prompt {
+                PromptKind::Random => std::iter::repeat_with(&mut next).take(args.prompt_len - shared.len()).collect(),
+                PromptKind::Copy => {
+                    let phrase: Vec<u32> = std::iter::repeat_with(&mut next).take(40).collect();
+                    phrase.into_iter().cycle().take(args.prompt_len - shared.len()).collect()
+                }
+            };
             Request::new(shared.iter().copied().chain(own).collect(), generation.clone())
         })
         .collect();
+    let prompt_tokens = requests.iter().map(|r| r.input.len()).sum();
     let start = Instant::now();
     let streams = requests.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<_>, _>>()?;
     let seen: Vec<Result<Seen, String>> = std::thread::scope(|scope| {
@@ -202,6 +248,7 @@ fn run_once(engine: &Engine, n: usize, args: &Args, seed: u64) -> Result<Run, Cl
         ttft: seen.iter().map(|s| s.first().as_secs_f64()).collect(),
         decode: if window > 0.0 { in_window / window } else { 0.0 },
         generated: seen.iter().map(|s| s.times.len()).sum(),
+        prompt_tokens,
     })
 }
 
@@ -214,12 +261,9 @@ impl BackendTask for Args {
     type Output = Result<(), CliError>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
-        let (weights, dtype, kv_cache) = self.backend.formats(name)?;
-        let checkpoint = Checkpoint::open(&self.model)?;
-        let options = LoadOptions::<B>::new().device(device).dtype(dtype).weights(weights).kv_cache(kv_cache);
-        let model = checkpoint.load(options)?.model;
-        let tokenizer = checkpoint.tokenizer()?;
-        drop(checkpoint);
+        let formats = self.backend.formats(name)?;
+        let (weights, dtype, kv_cache) = formats;
+        let (model, tokenizer) = model_source::load::<B>(&self.model, 0x5eed, formats, &device)?;
         if self.step_only {
             eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
             for &n in &self.streams {
@@ -243,40 +287,68 @@ impl BackendTask for Args {
             return Ok(());
         }
         let most = self.streams.iter().map(|n| n.get()).max().unwrap_or(1);
+        let template = ChatTemplate::for_architecture(model.config().model_type);
+        let texts = self
+            .prompt_files
+            .iter()
+            .map(|path| {
+                let text =
+                    std::fs::read_to_string(path).map_err(|e| format!("--prompt-files {}: {e}", path.display()))?;
+                Ok(tokenizer.encode(&template.user_turn(&text), burn_gemma::Bos::Prepend)?)
+            })
+            .collect::<Result<Vec<Vec<u32>>, CliError>>()?;
+        let longest = texts.iter().map(Vec::len).max().unwrap_or(self.prompt_len);
         let config = EngineConfig {
             max_running: NonZeroUsize::new(most).unwrap_or(NonZeroUsize::MIN),
             max_waiting: most,
             round_tokens: self.round_tokens,
-            max_sequence_len: NonZeroUsize::new(self.prompt_len + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
+            max_sequence_len: NonZeroUsize::new(longest + self.gen + 1).unwrap_or(NonZeroUsize::MIN),
             cuda_graph: self.cuda_graph,
             prefix_cache: self.prefix_cache,
+            drafts: match self.draft {
+                BenchDraft::Off => EngineDrafts::Off,
+                BenchDraft::Ngram => EngineDrafts::PromptLookup { tokens: self.draft_tokens },
+            },
             ..EngineConfig::default()
         };
         let engine = Engine::new(model, tokenizer, config)?;
         eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
         for &n in &self.streams {
             let n = n.get();
-            run_once(&engine, n, &self, 1)?; // warm-up: kernels compiled, buffers pooled
+            run_once(&engine, n, &self, (1, &texts))?; // warm-up: kernels compiled, buffers pooled
             let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
             let before = {
                 let m = engine.metrics();
-                [load(&m.decode_steps), load(&m.decode_micros), load(&m.prompt_micros)]
+                [
+                    load(&m.decode_steps),
+                    load(&m.decode_micros),
+                    load(&m.prompt_micros),
+                    load(&m.draft_tokens),
+                    load(&m.draft_tokens_accepted),
+                ]
             };
-            let runs =
-                (0..self.reps).map(|r| run_once(&engine, n, &self, 2 + r as u64)).collect::<Result<Vec<_>, _>>()?;
+            let runs = (0..self.reps)
+                .map(|r| run_once(&engine, n, &self, (2 + r as u64, &texts)))
+                .collect::<Result<Vec<_>, _>>()?;
             let ttft = median(runs.iter().map(|r| median(r.ttft.clone())).collect());
             let ttft_max = median(runs.iter().map(|r| r.ttft.iter().copied().fold(0.0, f64::max)).collect());
             let decode = median(runs.iter().map(|r| r.decode).collect());
-            let total = median(
-                runs.iter().map(|r| (n * self.prompt_len + r.generated) as f64 / r.wall.as_secs_f64()).collect(),
-            );
+            let total =
+                median(runs.iter().map(|r| (r.prompt_tokens + r.generated) as f64 / r.wall.as_secs_f64()).collect());
             let generated = median(runs.iter().map(|r| r.generated as f64).collect());
             let m = engine.metrics();
             let (steps, rows) = (
                 m.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
                 m.decode_rows.load(std::sync::atomic::Ordering::Relaxed),
             );
-            let after = [load(&m.decode_steps), load(&m.decode_micros), load(&m.prompt_micros)];
+            let after = [
+                load(&m.decode_steps),
+                load(&m.decode_micros),
+                load(&m.prompt_micros),
+                load(&m.draft_tokens),
+                load(&m.draft_tokens_accepted),
+            ];
+            let (drafted, kept) = (after[3] - before[3], after[4] - before[4]);
             let step_ms = (after[1] - before[1]) as f64 / 1e3 / (after[0] - before[0]).max(1) as f64;
             let graphs = format!(
                 "{} of {} decode steps replayed as CUDA graphs, {} recordings in {:.0} ms so far{}",
@@ -290,7 +362,8 @@ impl BackendTask for Args {
             println!(
                 "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
                  stream; whole run {total:.1} tok/s; {generated} tokens generated; engine: {step_ms:.2} ms per \
-                 decode step, {prompt_s:.2} s of prompts per run; {} prompt tokens cached so far; {graphs}",
+                 decode step, {prompt_s:.2} s of prompts per run; {kept} of {drafted} drafts kept; {} prompt tokens \
+                 cached so far; {graphs}",
                 ttft * 1e3,
                 ttft_max * 1e3,
                 decode / n as f64,
@@ -299,8 +372,8 @@ impl BackendTask for Args {
             println!(
                 "JSON {{\"streams\":{n},\"prompt\":{},\"gen\":{},\"ttft_median_s\":{ttft:.4},\"ttft_max_s\":{ttft_max:.4},\
                  \"decode_tok_s\":{decode:.1},\"decode_per_stream\":{:.1},\"total_tok_s\":{total:.1},\
-                 \"generated\":{generated},\"mean_batch_so_far\":{:.2}}}",
-                self.prompt_len,
+                 \"generated\":{generated},\"mean_batch_so_far\":{:.2},\"drafted\":{drafted},\"kept\":{kept}}}",
+                longest,
                 self.gen,
                 decode / n as f64,
                 rows as f64 / steps.max(1) as f64

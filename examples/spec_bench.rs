@@ -21,15 +21,16 @@
 
 #[path = "cli/backend_args.rs"]
 mod backend_args;
+#[path = "cli/model_source.rs"]
+mod model_source;
 
 use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
     chat::ChatTemplate,
     speculative::{DraftLength, DraftModel, Drafter, Misses, Speculation},
-    Checkpoint, Gemma, GemmaBackend, GemmaConfig, GenerationConfig, Generator, LoadOptions, ModelOptions, Tokenizer,
+    GemmaBackend, GemmaConfig, GenerationConfig, Generator, Tokenizer,
 };
-use burn_gemma_model::RandomWeights;
 use clap::Parser;
 use std::{num::NonZeroUsize, time::Instant};
 
@@ -96,40 +97,6 @@ struct Runs<B: GemmaBackend> {
 
 struct SpecBench(Args);
 
-impl SpecBench {
-    fn load<B: GemmaBackend>(
-        &self,
-        spec: &str,
-        seed: u64,
-        device: &B::Device,
-        backend: &str,
-    ) -> Result<(Gemma<B>, Option<Tokenizer>), CliError> {
-        let (weights, dtype, kv_cache) = self.0.backend.formats(backend)?;
-        Ok(match spec.strip_prefix("synthetic:") {
-            Some(preset) => {
-                let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
-                let config = GemmaConfig::preset(preset)?;
-                (Gemma::<B>::load(config, &mut RandomWeights::new(seed), &options, device)?, None)
-            }
-            None => {
-                let options =
-                    LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
-                let checkpoint = Checkpoint::open(spec)?;
-                let tokenizer = checkpoint.tokenizer()?;
-                (checkpoint.load(options)?.model, Some(tokenizer))
-            }
-        })
-    }
-}
-
-/// A tokenizer whose tokens are the ids themselves (`w<id>`), for random-weight models.
-fn id_tokenizer(vocab: usize) -> Result<Tokenizer, CliError> {
-    let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"].map(String::from).to_vec();
-    tokens.extend((4..vocab).map(|i| format!("w{i}")));
-    let types = (0..vocab).map(|i| if i < 4 { 3 } else { 1 }).collect();
-    Ok(Tokenizer::from_vocab(tokens, (0..vocab).map(|i| -(i as f32)).collect(), types, 2)?)
-}
-
 fn prompt_ids(a: &Args, config: &GemmaConfig, tokenizer: &Tokenizer) -> Result<Vec<u32>, CliError> {
     let vocab = config.vocab_size;
     if let Some(path) = &a.prompt_file {
@@ -173,14 +140,10 @@ impl BackendTask for SpecBench {
         if a.gen < 2 || a.reps == 0 || (a.prompt_file.is_none() && a.prompt_len < 2) {
             return Err("--gen and --prompt-len must be at least 2, --reps at least 1".into());
         }
-        let (_, dtype, _) = a.backend.formats(name)?;
+        let formats = a.backend.formats(name)?;
+        let dtype = formats.1;
         burn_gemma::backends::check_dtype::<B>(&device, dtype)?;
-        let (target, tokenizer) = self.load::<B>(&a.model, a.seed, &device, name)?;
-        let vocab = target.config().vocab_size;
-        let tokenizer = match tokenizer {
-            Some(t) => t,
-            None => id_tokenizer(vocab)?,
-        };
+        let (target, tokenizer) = model_source::load::<B>(&a.model, a.seed, formats, &device)?;
         let prompt = prompt_ids(&a, target.config(), &tokenizer)?;
         eprintln!("model {} on {name} ({dtype:?}), prompt of {} tokens, {} new", a.model, prompt.len(), a.gen);
         let config = GenerationConfig {
@@ -206,11 +169,13 @@ impl BackendTask for SpecBench {
         for spec in &a.drafts {
             let drafter = match spec.as_str() {
                 "ngram" => Drafter::PromptLookup(Default::default()),
-                "self" => Drafter::Model(Box::new(DraftModel::new(self.load::<B>(&a.model, a.seed, &device, name)?.0))),
+                "self" => Drafter::Model(Box::new(DraftModel::new(
+                    model_source::load::<B>(&a.model, a.seed, formats, &device)?.0,
+                ))),
                 other => match other.strip_prefix("model:") {
-                    Some(path) => {
-                        Drafter::Model(Box::new(DraftModel::new(self.load::<B>(path, a.seed + 1, &device, name)?.0)))
-                    }
+                    Some(path) => Drafter::Model(Box::new(DraftModel::new(
+                        model_source::load::<B>(path, a.seed + 1, formats, &device)?.0,
+                    ))),
                     None => return Err(format!("--drafts: unknown drafter `{other}` (ngram, self, model:SPEC)").into()),
                 },
             };

@@ -31,10 +31,14 @@ use crate::{
     },
     images::{ImageError, PanAndScan},
     sampling::Sampler,
+    speculative::{
+        judge::{greedy_verdict, judge},
+        Drafts, PromptLookup, Proposal,
+    },
     stop_text::StopText,
     vision::{ImageProcessor, Picture, Vision},
     BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, ImageEmbeds, KvCache, ModelError,
-    PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer,
+    PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer, WindowStore,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -86,6 +90,47 @@ pub struct EngineConfig {
     /// chunks of at most the shortest sliding window (so that every block can be cached), and
     /// a request whose prompt begins like one still running waits for it to be cached.
     pub prefix_cache: PrefixCache,
+    /// Whether each generating sequence drafts tokens that its batched step verifies
+    /// (speculative decoding, each sequence on its own: [`EngineDrafts`]).
+    pub drafts: EngineDrafts,
+}
+
+/// Drafts in the batched engine: each generating sequence proposes the next few tokens, which
+/// its rows of the next batched step score beside its own (the sequence's drafted positions as
+/// rows reading and writing its KV blocks), and keeps the longest prefix the model agrees with
+/// plus one token of its own ([`crate::speculative`]). Greedy sequences give the tokens they
+/// give without drafts; sampled ones keep the model's distribution (the rejection rule); a
+/// sequence with a repetition penalty does not draft.
+///
+/// The KV cache then keeps every position of the sliding-window layers (a slot per position,
+/// masked by the window, [`WindowStore::EveryPosition`]): a full layer's memory for each of
+/// them, where rings hold a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineDrafts {
+    /// No drafts: one token per sequence and step.
+    #[default]
+    Off,
+    /// Prompt lookup ([`PromptLookup`], over the sequence's prompt and what it generated so
+    /// far): up to `tokens` drafts a step, none where its last tokens did not occur before.
+    PromptLookup { tokens: NonZeroUsize },
+}
+
+impl EngineDrafts {
+    /// The most tokens a sequence drafts in a step.
+    pub fn max_tokens(self) -> usize {
+        match self {
+            Self::Off => 0,
+            Self::PromptLookup { tokens } => tokens.get(),
+        }
+    }
+
+    /// How the KV cache keeps the sliding windows for these drafts.
+    fn window_store(self) -> WindowStore {
+        match self {
+            Self::Off => WindowStore::Ring,
+            Self::PromptLookup { .. } => WindowStore::EveryPosition,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -99,6 +144,7 @@ impl Default for EngineConfig {
             kv_block_size: NonZeroUsize::new(32).unwrap_or(NonZeroUsize::MIN),
             cuda_graph: CudaGraph::Auto,
             prefix_cache: PrefixCache::On,
+            drafts: EngineDrafts::Off,
         }
     }
 }
@@ -206,6 +252,10 @@ pub struct EngineMetrics {
     /// prompt blocks it gave up so far.
     pub kv_blocks_cached: AtomicUsize,
     pub prefix_blocks_given_up: AtomicU64,
+    /// Tokens drafted ([`EngineConfig::drafts`]), and those the model kept: their ratio is the
+    /// acceptance rate (each kept one a token without a step of its own).
+    pub draft_tokens: AtomicU64,
+    pub draft_tokens_accepted: AtomicU64,
 }
 
 /// The receiving end of one request: its events in order, then nothing. Dropping it cancels
@@ -334,6 +384,9 @@ impl Engine {
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
             prefix_cache: config.prefix_cache,
+            window_store: config.drafts.window_store(),
+            // Every sequence may draft at once.
+            draft_rows: config.max_running.get().saturating_mul(config.drafts.max_tokens()),
         };
         let eager_reason = Arc::new(Mutex::new(None));
         let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
@@ -734,7 +787,7 @@ impl<B: GemmaBackend> Worker<B> {
     ) -> Result<Sequence<B>, Box<(Submitted, Reservation, Error)>> {
         let mut cache = match self.spare.pop() {
             Some(cache) => cache,
-            None => match self.model.new_cache(1, self.rows.capacity()) {
+            None => match self.model.new_cache_with(1, self.rows.capacity(), self.config.drafts.window_store()) {
                 Ok(cache) => {
                     self.metrics.kv_cache_bytes.fetch_add(cache.device_bytes() as u64, Ordering::SeqCst);
                     cache
@@ -879,8 +932,9 @@ impl<B: GemmaBackend> Worker<B> {
         Ok(stepped)
     }
 
-    /// One batched decode step over the generating sequences, each at its own position, then
-    /// each one's token. A failed step ends every sequence in it and starts a fresh cache.
+    /// One batched decode step over the generating sequences, each at its own position (and
+    /// its drafts at the positions after it, [`EngineConfig::drafts`]), then each one's tokens.
+    /// A failed step ends every sequence in it and starts a fresh cache.
     fn generate(&mut self) {
         let mut order: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].row().is_some()).collect();
         order.sort_by_key(|&i| self.running[i].row());
@@ -889,29 +943,35 @@ impl<B: GemmaBackend> Worker<B> {
             let sequence = &mut self.running[i];
             sequence.context.push(sequence.input[0]);
         }
+        let drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
+        let drafted: usize = drafts.iter().map(Vec::len).sum();
         let model = &self.model;
         let (rows, running, steps) = (&mut self.rows, &mut self.running, &mut self.steps);
         let started = std::time::Instant::now();
         let recorded = graph_setup(steps);
-        let tokens = catch_panic("a batched decode step", || decode_rows(model, rows, steps, running, &order));
-        self.note_graph_steps(recorded, tokens.is_ok());
+        let verdicts =
+            catch_panic("a batched decode step", || decode_rows(model, rows, steps, running, (&order, &drafts)));
+        self.note_graph_steps(recorded, verdicts.is_ok());
         self.metrics.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
-        self.metrics.decode_rows.fetch_add(order.len() as u64, Ordering::Relaxed);
-        let tokens = match tokens {
-            Ok(tokens) => tokens,
+        self.metrics.decode_rows.fetch_add((order.len() + drafted) as u64, Ordering::Relaxed);
+        self.metrics.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
+        let verdicts = match verdicts {
+            Ok(verdicts) => verdicts,
             Err(e) => {
                 self.fail_generating(e.to_string());
                 return;
             }
         };
-        // Each sequence's token; the finished leave afterwards, from the last row back, so that
+        // Each sequence's tokens; the finished leave afterwards, from the last row back, so that
         // the rows still to move are never the ones that left.
         let mut finished = Vec::new();
-        for (&i, token) in order.iter().zip(tokens) {
+        for ((&i, verdict), drafted) in order.iter().zip(verdicts).zip(&drafts) {
             let sequence = &mut self.running[i];
-            let outcome = checked_token(token, self.model.config().vocab_size, sequence.generated)
-                .map(|token| emit(&self.tokenizer, sequence, token, &self.metrics));
+            let outcome = verdict.map(|(kept, next)| {
+                self.metrics.draft_tokens_accepted.fetch_add(kept as u64, Ordering::Relaxed);
+                emit_verified(&self.tokenizer, sequence, (&drafted[..kept], next), &self.metrics)
+            });
             if !matches!(outcome, Ok(Stepped::Continue)) {
                 finished.push((i, outcome));
             }
@@ -924,6 +984,20 @@ impl<B: GemmaBackend> Worker<B> {
                 Err(e) => self.conclude(i, Err(e)),
             }
         }
+    }
+
+    /// The tokens `sequence` drafts for its next step ([`EngineConfig::drafts`]): none where
+    /// drafts are off or it penalizes repetition; never more than it may still generate after
+    /// the step's own token, nor past its positions.
+    fn drafts_for(&self, sequence: &Sequence<B>) -> Vec<u32> {
+        let EngineDrafts::PromptLookup { tokens } = self.config.drafts else { return Vec::new() };
+        if sequence.submitted.sampler.penalizes() {
+            return Vec::new();
+        }
+        let max_new = sequence.submitted.request.generation.max_new_tokens;
+        // The fed token is at `context.len() - 1`; drafts take the positions after it.
+        let room = max_new.saturating_sub(sequence.generated + 1).min(sequence.capacity - sequence.context.len());
+        PromptLookup::default().draft(&sequence.context, tokens.get().min(room))
     }
 
     /// Counts a batched step replayed as a graph and what recording cost (`before`: the
@@ -955,7 +1029,8 @@ impl<B: GemmaBackend> Worker<B> {
             }
         }
         self.generating = 0;
-        if let Ok(fresh) = self.model.new_paged_cache(self.layout()) {
+        let fresh = self.rows.paged_layout().ok_or_else(|| ModelError::InvalidInput("an unpaged batched cache".into()));
+        if let Ok(fresh) = fresh.and_then(|layout| self.model.new_paged_cache(layout)) {
             // The prompts running hold reservations of the old cache: made again in the new
             // (the old cache goes with its promises).
             let mut fresh = fresh;
@@ -970,17 +1045,6 @@ impl<B: GemmaBackend> Worker<B> {
             self.broken = None;
         }
         self.update_kv_metrics();
-    }
-
-    /// The batched cache's layout (for a fresh one).
-    fn layout(&self) -> PagedLayout {
-        PagedLayout {
-            sequences: self.rows.batch(),
-            capacity: self.rows.capacity(),
-            block_size: self.rows.block_size().unwrap_or(1),
-            positions: self.config.kv_positions.map(NonZeroUsize::get),
-            prefix_cache: self.config.prefix_cache,
-        }
     }
 
     /// The KV gauges: sequences generating and blocks held.
@@ -1150,49 +1214,83 @@ fn prompt_step<B: GemmaBackend>(
     Ok(emit(tokenizer, sequence, token, metrics))
 }
 
+/// What one sequence's rows of a batched step gave: how many of its drafts the model kept and
+/// its own token after them, or that sequence's error.
+type Verdict = Result<(usize, u32), Error>;
+
 /// One decode step of the generating sequences `order` (indices into `running`, in the order
-/// of their rows, which are the first rows of `rows`): each feeds its last token at its own
-/// position; the sampled ids come back in the same order.
+/// of their rows, which are the first rows of `rows`), each feeding its last token at its own
+/// position and its `drafts` at the positions after it: per sequence, in the same order, the
+/// drafts the model keeps and its own token after them (a sequence without drafts: none kept,
+/// its sampled token), or that sequence's error.
 fn decode_rows<B: GemmaBackend>(
     model: &Gemma<B>,
     rows: &mut KvCache<B>,
     steps: &mut Steps<B>,
     running: &mut [Sequence<B>],
-    order: &[usize],
-) -> Result<Vec<i64>, Error> {
+    (order, drafts): (&[usize], &[Vec<u32>]),
+) -> Result<Vec<Verdict>, Error> {
+    let n = order.len();
     let mut ids: Vec<u32> = order.iter().map(|&i| running[i].input[0]).collect();
     // The fed token is the last of the context.
     let mut positions: Vec<usize> = order.iter().map(|&i| running[i].context.len() - 1).collect();
-    // The step runs a bucket of rows (see [`step_rows`]); the rows past the generating ones are
+    // A sequence's drafts are rows after all the sequences' own, pointed at its blocks; each
+    // sequence's step rows: its own, then its drafts'.
+    let mut pointed = Vec::new();
+    let mut step_rows_of: Vec<Vec<usize>> = (0..n).map(|r| vec![r]).collect();
+    for (r, drafted) in drafts.iter().enumerate().take(n) {
+        for (j, &token) in drafted.iter().enumerate() {
+            step_rows_of[r].push(ids.len());
+            pointed.push((ids.len(), r));
+            ids.push(token);
+            positions.push(positions[r] + 1 + j);
+        }
+    }
+    if !pointed.is_empty() || rows.paged_layout().is_some_and(|l| l.draft_rows > 0) {
+        rows.set_draft_rows(&pointed)?;
+    }
+    // The step runs a bucket of rows (see [`step_rows`]); the rows past the stepped ones are
     // free sequences of the cache, stepped at position 0 and their logits ignored (a sequence
-    // that later takes one gets all of its slots copied in).
-    let n = order.len();
-    let bucket = step_rows(n, rows.batch());
+    // that later takes one gets all of its slots copied in; a draft row holds no slots).
+    let stepped = ids.len();
+    let bucket = step_rows(stepped, rows.batch());
     ids.resize(bucket, ids.first().copied().unwrap_or(0));
     positions.resize(bucket, 0);
     let device = model.device();
+    let vocab = model.config().vocab_size;
     let logits = step_logits(model, rows, steps, &ids, &positions)?;
-    let logits = if bucket > n { logits.slice([0..n, 0..model.config().vocab_size]) } else { logits };
-    let mut sampled = vec![0i64; order.len()];
-    // Sequences that sample alike share one sampling launch (and one read back); those with a
-    // repetition penalty, which depends on their own history, sample alone.
-    let mut groups: Vec<(SamplingParams, Vec<usize>)> = Vec::new();
+    let logits = if bucket > stepped { logits.slice([0..stepped, 0..vocab]) } else { logits };
+    // Each step row's choice. Rows that sample alike share one sampling launch (and one read
+    // back): every sequence's own row where it has no drafts, every row of a greedy sequence
+    // with drafts (its choice after each draft). A sequence with a repetition penalty, which
+    // depends on its own history, samples alone; a sampled sequence with drafts is judged by
+    // the rejection rule below.
+    let mut choices = vec![-1i64; stepped];
+    let mut groups: Vec<(SamplingParams, Vec<usize>, Vec<f32>)> = Vec::new();
     for (r, &i) in order.iter().enumerate() {
         let sampler = &mut running[i].submitted.sampler;
+        let drafted = !drafts[r].is_empty();
         if sampler.penalizes() {
-            let row = logits.clone().slice([r..r + 1, 0..model.config().vocab_size]);
-            sampled[r] = sample_alone(sampler, row, &running[i].context)?;
+            let row = logits.clone().slice([r..r + 1, 0..vocab]);
+            choices[r] = sample_alone(sampler, row, &running[i].context)?;
             continue;
         }
+        let (members, draws) = match (drafted, sampler.is_greedy()) {
+            (false, _) => (vec![r], sampler.draws(1)),
+            (true, true) => (step_rows_of[r].clone(), vec![0.0; step_rows_of[r].len()]),
+            (true, false) => continue,
+        };
         let params = sampler.params();
-        match groups.iter_mut().find(|(p, _)| *p == params) {
-            Some((_, members)) => members.push(r),
-            None => groups.push((params, vec![r])),
+        match groups.iter_mut().find(|(p, ..)| *p == params) {
+            Some((_, rows, all)) => {
+                rows.extend(members);
+                all.extend(draws);
+            }
+            None => groups.push((params, members, draws)),
         }
     }
-    for (params, members) in groups {
-        let draws: Vec<f32> = members.iter().flat_map(|&r| running[order[r]].submitted.sampler.draws(1)).collect();
-        let group = if members.len() == order.len() {
+    for (params, members, draws) in groups {
+        let group = if members.iter().copied().eq(0..stepped) {
             logits.clone()
         } else {
             let index: Vec<i64> = members.iter().map(|&r| r as i64).collect();
@@ -1201,10 +1299,27 @@ fn decode_rows<B: GemmaBackend>(
         };
         let ids = B::sample(group, &params, Draws::Host(&draws)).map_err(burn_gemma_model::ModelError::from)?;
         for (&r, id) in members.iter().zip(sampled_ids(ids)?) {
-            sampled[r] = id;
+            choices[r] = id;
         }
     }
-    Ok(sampled)
+    let verdicts = order.iter().enumerate().map(|(r, &i)| {
+        let sequence = &mut running[i];
+        let step = sequence.generated;
+        let drafted = &drafts[r];
+        if drafted.is_empty() {
+            return checked_token(choices[r], vocab, step).map(|token| (0, token));
+        }
+        let sampler = &mut sequence.submitted.sampler;
+        if sampler.is_greedy() {
+            let mine: Vec<i64> = step_rows_of[r].iter().map(|&row| choices[row]).collect();
+            return greedy_verdict(drafted, &mine, vocab, step);
+        }
+        let index: Vec<i64> = step_rows_of[r].iter().map(|&row| row as i64).collect();
+        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [drafted.len() + 1]), &device);
+        let proposed = Drafts { tokens: drafted.clone(), proposals: vec![Proposal::Certain; drafted.len()] };
+        judge(sampler, logits.clone().select(0, index), &sequence.context, &proposed, step)
+    });
+    Ok(verdicts.collect())
 }
 
 /// The logits of one batched step (`ids[b]` at `positions[b]` for the first rows of `rows`):
@@ -1294,6 +1409,23 @@ fn emit<B: GemmaBackend>(
     }
     sequence.input = vec![token];
     Stepped::Continue
+}
+
+/// Emits what a verify step gave `sequence`: the `kept` drafts (fed in the step, so now in its
+/// context), then the model's `next` token, stopping at the first that ends it.
+fn emit_verified<B: GemmaBackend>(
+    tokenizer: &Tokenizer,
+    sequence: &mut Sequence<B>,
+    (kept, next): (&[u32], u32),
+    metrics: &EngineMetrics,
+) -> Stepped {
+    for &token in kept {
+        match emit(tokenizer, sequence, token, metrics) {
+            Stepped::Continue => sequence.context.push(token),
+            finished => return finished,
+        }
+    }
+    emit(tokenizer, sequence, next, metrics)
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use crate::{
     images::ImageError,
     sampling::{Sampler, SamplingConfig},
     speculative::{
-        accept::{keeps, pick, residual},
+        judge::{greedy_verdict, judge},
         DraftSteps, Drafter, Drafts, Proposal, Speculation, SpeculationStats,
     },
     tokenizer::Bos,
@@ -1017,7 +1017,10 @@ impl<B: GemmaBackend> Generator<B> {
                 self.cache = Some(cache);
                 let (checkpoint, logits, hidden) = verified?;
                 self.context.append(&mut run.input);
-                let (kept, next) = self.judge(run, logits, &drafts)?;
+                let [_, rows, vocab] = logits.dims();
+                let step = run.tokens.len();
+                let (kept, next) =
+                    judge(&mut run.sampler, logits.reshape([rows, vocab]), &self.context, &drafts, step)?;
                 (checkpoint, kept, next, Some(hidden))
             }
         };
@@ -1076,60 +1079,16 @@ impl<B: GemmaBackend> Generator<B> {
         let choices = stepped?;
         self.context.append(&mut run.input);
         if run.sampler.is_greedy() {
-            let kept = drafts.tokens.iter().zip(&choices).take_while(|(d, c)| d == c).count();
-            let next = choices.get(kept).map_or(-1, |&t| i64::from(t));
-            let next = checked_token(next, self.model.config().vocab_size, run.tokens.len() + kept)?;
+            let choices: Vec<i64> = choices.iter().map(|&t| i64::from(t)).collect();
+            let (kept, next) =
+                greedy_verdict(&drafts.tokens, &choices, self.model.config().vocab_size, run.tokens.len())?;
             return Ok((checkpoint, kept, next));
         }
         let logits = logits.ok_or_else(|| ModelError::InvalidInput("the verify step kept no logits".into()))?;
         let vocab = logits.dims()[1];
-        let logits =
-            logits.slice([0..1 + drafted, 0..vocab]).cast(burn::tensor::DType::F32).reshape([1, 1 + drafted, vocab]);
-        let (kept, next) = self.judge(run, logits, drafts)?;
+        let logits = logits.slice([0..1 + drafted, 0..vocab]).cast(burn::tensor::DType::F32);
+        let (kept, next) = judge(&mut run.sampler, logits, &self.context, drafts, run.tokens.len())?;
         Ok((checkpoint, kept, next))
-    }
-
-    /// How many drafts the model keeps, and its own token after them, from the logits of the
-    /// verify step (`[1, 1 + drafts, vocab]`: row `i` predicts what follows draft `i`, row 0
-    /// what follows the pending token). Greedy: the drafts equal to the model's choices.
-    /// Sampled: the rejection rule of [`crate::speculative::accept`].
-    fn judge(&self, run: &mut Run, logits: Tensor<B, 3>, drafts: &Drafts) -> Result<(usize, u32), Error> {
-        let [_, rows, vocab] = logits.dims();
-        let row = |i: usize| logits.clone().slice([0..1, i..i + 1, 0..vocab]).reshape([1, vocab]);
-        let history = |i: usize| -> Vec<u32> { self.context.iter().chain(&drafts.tokens[..i]).copied().collect() };
-        let sampler = &mut run.sampler;
-        let step = run.tokens.len();
-        if sampler.is_greedy() {
-            // The model's choice after each draft, as a step without drafts would make it.
-            let choices = if sampler.penalizes() {
-                (0..rows)
-                    .map(|i| {
-                        first_sampled(sampler.sample_with_draws(row(i), &history(i), &[0.0])?).map_err(Error::from)
-                    })
-                    .collect::<Result<Vec<_>, Error>>()?
-            } else {
-                let all = logits.clone().reshape([rows, vocab]);
-                sampled_ids(sampler.sample_with_draws(all, &[], &vec![0.0; rows])?)?
-            };
-            let kept = drafts.tokens.iter().zip(&choices).take_while(|(&d, &c)| i64::from(d) == c).count();
-            let next = checked_token(choices[kept], vocab, step + kept)?;
-            return Ok((kept, next));
-        }
-        for (i, (&token, proposal)) in drafts.tokens.iter().zip(&drafts.proposals).enumerate() {
-            let target = sampler.host_distribution(row(i), &history(i))?;
-            if target.is_empty() {
-                return Err(Error::NonFiniteLogits { step: step + i });
-            }
-            if !keeps(&target, token, proposal, sampler.uniform()) {
-                let rest = residual(&target, token, proposal);
-                let next = pick(&rest, sampler.uniform()).ok_or(Error::NonFiniteLogits { step: step + i })?;
-                return Ok((i, next));
-            }
-        }
-        let kept = drafts.tokens.len();
-        let target = sampler.host_distribution(row(kept), &history(kept))?;
-        let next = pick(&target, sampler.uniform()).ok_or(Error::NonFiniteLogits { step: step + kept })?;
-        Ok((kept, next))
     }
 
     /// Whether the drafter starts from the model's final hidden states (a Gemma 4 assistant):
@@ -1244,7 +1203,7 @@ pub(crate) fn check_vocabulary(config: &GemmaConfig, tokenizer: &Tokenizer) -> R
 
 /// The tokens that end a reply of the model whatever the request: its EOS ids, its chat
 /// template's end of turn and `<eos>`, sorted.
-pub(crate) fn default_stop_tokens(config: &GemmaConfig, tokenizer: &Tokenizer) -> Vec<u32> {
+pub fn default_stop_tokens(config: &GemmaConfig, tokenizer: &Tokenizer) -> Vec<u32> {
     let template = ChatTemplate::for_architecture(config.model_type);
     let mut stops = config.eos_token_id.clone();
     stops.extend(tokenizer.token_id(template.end_of_turn()));

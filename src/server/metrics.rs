@@ -19,7 +19,7 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 24] = [
+    let metrics: [(&str, &str, &str, f64); 26] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -68,6 +68,18 @@ fn render(server: &Server) -> String {
             "counter",
             "Prompt tokens found in the prefix cache (not run through the model).",
             m.prefix_cached_tokens.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_draft_tokens_total",
+            "counter",
+            "Tokens requests drafted for their batched steps to verify (--draft).",
+            m.draft_tokens.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_draft_tokens_accepted_total",
+            "counter",
+            "Drafted tokens the model kept (each a token without a step of its own).",
+            m.draft_tokens_accepted.load(Ordering::Relaxed) as f64,
         ),
         (
             "burn_gemma_decode_steps_total",

@@ -12,6 +12,7 @@
 pub mod accept;
 mod assistant;
 mod draft_model;
+pub(crate) mod judge;
 mod ngram;
 
 pub use accept::Proposal;

@@ -82,8 +82,7 @@ fn batched(
         Layout::Paged | Layout::PagedGraph => {
             let block_size = PagedLayout::block_size_for(model.config(), capacity, 32);
             assert_eq!(block_size, 32);
-            let layout =
-                PagedLayout { sequences: n, capacity, block_size, positions: None, prefix_cache: PrefixCache::Off };
+            let layout = PagedLayout::new(n, capacity, block_size);
             let mut rows = model.new_paged_cache(layout).expect("paged cache");
             // Each sequence's first block first, the rest after everyone's first: not contiguous.
             for i in 0..n {

@@ -8,9 +8,9 @@ use crate::common;
 use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray,
-    engine::{Engine, EngineConfig, EngineError, Event, Request},
-    Checkpoint, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, SamplingConfig,
-    StopReason,
+    engine::{Engine, EngineConfig, EngineDrafts, EngineError, Event, Request},
+    Checkpoint, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, PagedLayout,
+    PrefixCache, SamplingConfig, StepInputs, StopReason, WindowStore,
 };
 use std::num::NonZeroUsize;
 
@@ -445,4 +445,173 @@ fn shutdown_lets_running_and_waiting_requests_finish() {
             ids.len()
         );
     }
+}
+
+/// Requests whose prompts repeat themselves (so that prompt lookup finds matches from the
+/// start), greedy, budgets passing the fixtures' sliding windows of 8 many times over.
+fn repeating_requests(input: &[u32]) -> Vec<Request> {
+    [(12, 40), (20, 33), (7, 60), (16, 25), (30, 47)]
+        .iter()
+        .map(|&(prompt, new)| {
+            let phrase = &input[1..prompt];
+            let prompt = [&input[..1], phrase, &input[prompt..prompt + 3], phrase].concat();
+            Request::new(prompt, GenerationConfig { max_new_tokens: new, ..GenerationConfig::default() })
+        })
+        .collect()
+}
+
+/// Positions per sequence of the engines with drafts (and of their references): a few times
+/// the longest request, so that reading every slot of a table row stays cheap on the CPU.
+const DRAFT_TEST_POSITIONS: usize = 256;
+
+/// Each request's greedy tokens alone, without drafts, in a KV cache keeping every position of
+/// its sliding windows as the engine's does with drafts (a ring reads its window's keys in
+/// another order, which may round otherwise): its prompt in one chunk, then the engine's decode
+/// step (a position per sequence) one token at a time, up to its budget or a stop token.
+fn alone_every_position<B: GemmaBackend>(
+    fixture: &str,
+    requests: &[Request],
+    device: &B::Device,
+) -> Vec<(Vec<u32>, StopReason)> {
+    let model = model_on::<B>(fixture, device);
+    let stops = burn_gemma::generation::default_stop_tokens(model.config(), &common::tiny_tokenizer());
+    let argmax = |row: Vec<f32>| {
+        row.iter().enumerate().fold((0, f32::MIN), |m, (i, &l)| if l > m.1 { (i, l) } else { m }).0 as u32
+    };
+    let last_row = |logits: burn::tensor::Tensor<B, 3>| -> Vec<f32> {
+        let [_, t, vocab] = logits.dims();
+        logits.slice([0..1, t - 1..t, 0..vocab]).into_data().convert::<f32>().to_vec().expect("logits")
+    };
+    requests
+        .iter()
+        .map(|r| {
+            let mut cache = model.new_cache_with(1, DRAFT_TEST_POSITIONS, WindowStore::EveryPosition).expect("cache");
+            let prompt = burn_gemma::generation::token_tensor::<B>(&r.input, device);
+            let mut token = argmax(last_row(model.forward(prompt, &mut cache).expect("prompt")));
+            let mut tokens = Vec::new();
+            loop {
+                if stops.contains(&token) {
+                    return (tokens, StopReason::StopToken(token));
+                }
+                tokens.push(token);
+                if tokens.len() == r.generation.max_new_tokens {
+                    return (tokens, StopReason::MaxTokens);
+                }
+                let position = r.input.len() + tokens.len() - 1;
+                let inputs = StepInputs::sequences(&[token], &[position], device).expect("step inputs");
+                let logits = model.decode_logits(&inputs, &mut cache).expect("step");
+                token = argmax(logits.into_data().convert::<f32>().to_vec().expect("logits"));
+            }
+        })
+        .collect()
+}
+
+/// Prompt lookup drafts in the batched engine (each sequence drafting on its own, its drafts
+/// rows of the shared step over its KV blocks), three sequences at once and two waiting, with
+/// and without cached prefixes: every request's greedy tokens are those it gets alone without
+/// drafts (in a cache of the same window store), drafts were both kept and refused, and every
+/// block came back.
+fn drafts_keep_greedy_tokens<B: GemmaBackend>(cuda_graph: CudaGraph, device: &B::Device)
+where
+    Gemma<B>: Send + 'static,
+{
+    for fixture in FIXTURES {
+        let requests = repeating_requests(&input(fixture));
+        let expected = alone_every_position::<B>(fixture, &requests, device);
+        for prefix_cache in [PrefixCache::Off, PrefixCache::On] {
+            let config = EngineConfig {
+                max_running: NonZeroUsize::new(3).unwrap(),
+                max_sequence_len: NonZeroUsize::new(DRAFT_TEST_POSITIONS).unwrap(),
+                drafts: EngineDrafts::PromptLookup { tokens: NonZeroUsize::new(4).unwrap() },
+                prefix_cache,
+                cuda_graph,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::new(model_on::<B>(fixture, device), common::tiny_tokenizer(), config).expect("engine");
+            let streams: Vec<_> = requests.iter().map(|r| engine.submit(r.clone()).expect("submit")).collect();
+            let got: Vec<(Vec<u32>, StopReason)> = streams.into_iter().map(collect).collect();
+            assert_eq!(got, expected, "{fixture}, prefix cache {prefix_cache}: drafts changed the tokens");
+            let m = engine.metrics();
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::SeqCst);
+            let (drafted, kept) = (load(&m.draft_tokens), load(&m.draft_tokens_accepted));
+            let (steps, generated) = (load(&m.decode_steps), load(&m.generated_tokens));
+            println!("{fixture}, prefix cache {prefix_cache}: {kept} of {drafted} drafts kept; {generated} tokens");
+            assert!(kept > 0 && kept < drafted, "{fixture}: {kept} of {drafted} drafts kept");
+            // Kept drafts are tokens without steps of their own.
+            assert!(steps + (requests.len() as u64) < generated, "{fixture}: {steps} steps for {generated} tokens");
+            assert_eq!(m.kv_blocks_in_use.load(std::sync::atomic::Ordering::SeqCst), 0, "{fixture}: blocks held");
+            if cuda_graph == CudaGraph::On {
+                assert_eq!(load(&m.decode_graph_steps), steps, "{fixture}: steps not replayed");
+            }
+            engine.shutdown();
+        }
+    }
+}
+
+#[test]
+fn drafts_in_the_engine_keep_each_requests_greedy_tokens() {
+    drafts_keep_greedy_tokens::<NdArray>(CudaGraph::Auto, &Default::default());
+}
+
+/// The same on CUDA, the batched steps (a sequence's drafts as rows pointed at its blocks)
+/// replayed as CUDA graphs.
+#[cfg(feature = "cuda")]
+#[test]
+fn drafts_in_the_engine_keep_each_requests_greedy_tokens_on_cuda() {
+    drafts_keep_greedy_tokens::<burn_gemma::backends::Cuda>(CudaGraph::On, &Default::default());
+}
+
+/// The mechanism under the engine's drafts: in a paged cache keeping every position of its
+/// sliding windows, two sequences' drafted positions as rows pointed at their blocks give, in
+/// one step, the logits of one-token steps of each sequence alone (bit for bit on the CPU);
+/// rings, a row holding blocks and a sequence holding none are refused.
+#[test]
+fn draft_rows_pointed_at_a_sequence_give_its_one_token_steps() {
+    let fixture = FIXTURES[0];
+    let device = Default::default();
+    let model = model(fixture);
+    let capacity = 64;
+    let prompts = [input(fixture)[..20].to_vec(), input(fixture)[3..14].to_vec()];
+    let layout =
+        PagedLayout { window_store: WindowStore::EveryPosition, draft_rows: 8, ..PagedLayout::new(2, capacity, 8) };
+    let mut paged = model.new_paged_cache(layout).expect("paged cache");
+    let mut alone = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut cache = model.new_cache_with(1, capacity, WindowStore::EveryPosition).expect("cache");
+        model.forward(burn_gemma::generation::token_tensor::<NdArray>(prompt, &device), &mut cache).expect("prompt");
+        let blocks = paged.reserve(40).expect("blocks");
+        paged.attach(i, blocks).expect("attach");
+        paged.copy_sequence(i, &cache, 0).expect("copy");
+        alone.push(cache);
+    }
+    // Refused, changing nothing: a row holding blocks, a sequence holding none, a row twice.
+    for rows in [vec![(1, 0)], vec![(2, 5)], vec![(2, 0), (2, 1)]] {
+        assert!(paged.set_draft_rows(&rows).is_err(), "{rows:?} accepted");
+    }
+    // Each sequence feeds 3 tokens (positions past the 8-position window); rows 6 and 7 pad.
+    let fed = [[5u32, 6, 7], [8, 9, 10]];
+    let rows_of = [[0, 2, 3], [1, 4, 5]];
+    paged.set_draft_rows(&[(2, 0), (3, 0), (4, 1), (5, 1)]).expect("draft rows");
+    let (p0, p1) = (prompts[0].len(), prompts[1].len());
+    let ids = [fed[0][0], fed[1][0], fed[0][1], fed[0][2], fed[1][1], fed[1][2], 0, 0];
+    let positions = [p0, p1, p0 + 1, p0 + 2, p1 + 1, p1 + 2, 0, 0];
+    let inputs = StepInputs::sequences(&ids, &positions, &device).expect("inputs");
+    let got: Vec<f32> = model.decode_logits(&inputs, &mut paged).expect("step").into_data().to_vec().expect("logits");
+    let vocab = got.len() / ids.len();
+    for (s, cache) in alone.iter_mut().enumerate() {
+        for (j, &token) in fed[s].iter().enumerate() {
+            let inputs = StepInputs::sequences(&[token], &[prompts[s].len() + j], &device).expect("inputs");
+            let want: Vec<f32> =
+                model.decode_logits(&inputs, cache).expect("step").into_data().to_vec().expect("logits");
+            let row = rows_of[s][j];
+            assert_eq!(&got[row * vocab..(row + 1) * vocab], &want[..], "sequence {s}, token {j} (row {row})");
+        }
+    }
+    // A cache whose windows are rings takes no draft rows.
+    let mut rings =
+        model.new_paged_cache(PagedLayout { draft_rows: 8, ..PagedLayout::new(2, capacity, 8) }).expect("rings");
+    let blocks = rings.reserve(40).expect("blocks");
+    rings.attach(0, blocks).expect("attach");
+    let refused = rings.set_draft_rows(&[(2, 0)]).expect_err("draft rows over rings");
+    assert!(refused.to_string().contains("EveryPosition"), "{refused}");
 }

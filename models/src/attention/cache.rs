@@ -609,6 +609,8 @@ struct Paging<B: GemmaBackend> {
     capacity: usize,
     /// Nodes the prefix index gave up for room so far.
     evicted: u64,
+    /// What the cache was made with.
+    layout: PagedLayout,
 }
 
 impl<B: GemmaBackend> Paging<B> {
@@ -750,7 +752,10 @@ impl<B: GemmaBackend> KvCache<B> {
         format: KvFormat,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        Self::build(config, (layout.sequences, layout.capacity, WindowStore::Ring), format, Some(layout), device)
+        let rows = layout.sequences.checked_add(layout.draft_rows).ok_or_else(|| {
+            ModelError::InvalidInput(format!("{} sequences and {} draft rows", layout.sequences, layout.draft_rows))
+        })?;
+        Self::build(config, (rows, layout.capacity, layout.window_store), format, Some(layout), device)
     }
 
     fn build(
@@ -806,6 +811,7 @@ impl<B: GemmaBackend> KvCache<B> {
             prefix: (p.prefix_cache == PrefixCache::On).then(PrefixIndex::default),
             capacity,
             evicted: 0,
+            layout: p,
         });
         Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging, window_store })
     }
@@ -834,7 +840,7 @@ impl<B: GemmaBackend> KvCache<B> {
             let paged = match paged {
                 None => None,
                 Some(layout) => {
-                    let slots = Span::new(window, capacity, WindowStore::Ring).slots(capacity);
+                    let slots = Span::new(window, capacity, window_store).slots(capacity);
                     let bs = layout.block_size;
                     if bs == 0 || !slots.is_multiple_of(bs) {
                         return Err(ModelError::InvalidInput(format!(
@@ -845,13 +851,15 @@ impl<B: GemmaBackend> KvCache<B> {
                     let pool = match pools.iter().position(|p| p.slots == slots) {
                         Some(pool) => pool,
                         None => {
-                            let positions = layout.positions.unwrap_or(batch.saturating_mul(capacity));
+                            // Blocks for the sequences (draft rows hold none).
+                            let sequences = layout.sequences;
+                            let positions = layout.positions.unwrap_or(sequences.saturating_mul(capacity));
                             // Rings hold a sequence's length more for the prefix index's copies.
                             let cached = match layout.prefix_cache {
                                 PrefixCache::On if slots < capacity => capacity,
                                 _ => 0,
                             };
-                            let most = batch.saturating_mul(slots).saturating_add(cached);
+                            let most = sequences.saturating_mul(slots).saturating_add(cached);
                             let blocks = positions.min(most).div_ceil(bs);
                             if blocks == 0 || blocks >= u32::MAX as usize {
                                 return Err(ModelError::InvalidInput(format!(
@@ -1379,6 +1387,9 @@ impl<B: GemmaBackend> KvCache<B> {
             return fail(format!("sequence {sequence} of a cache of {} sequences", self.batch));
         }
         let Some(paging) = self.paging.as_ref() else { return fail("blocks for an unpaged KV cache".into()) };
+        if sequence >= paging.layout.sequences {
+            return fail(format!("blocks for draft row {sequence}, which holds none of its own"));
+        }
         let shares = reservation.shared.iter().any(|s| !s.is_empty());
         if shares && paging.pools.iter().any(|p| !p.row(sequence).is_empty()) {
             self.release_reservation(reservation);
@@ -1400,6 +1411,54 @@ impl<B: GemmaBackend> KvCache<B> {
                 pool.give_back(sequence);
             }
         }
+    }
+
+    /// The layout a paged cache was made with (`None` for an unpaged cache): a fresh cache of
+    /// the same shape takes it.
+    pub fn paged_layout(&self) -> Option<PagedLayout> {
+        self.paging.as_ref().map(|p| p.layout)
+    }
+
+    /// Points draft rows at sequences for the next decode steps, until set again (an empty
+    /// list: no draft rows): each `(row, sequence)` makes step row `row` read and write the
+    /// blocks of `sequence`, so that a step can run a sequence's drafted positions
+    /// `p + 1, ..., p + k` as rows of their own beside its own row at `p` (every row's keys and
+    /// values are written before any row attends; each attends up to its own position).
+    ///
+    /// The cache must keep every position of its sliding windows ([`WindowStore::EveryPosition`]:
+    /// a ring would wrap a drafted position over a key an earlier row reads). A draft row is a
+    /// row past the generating sequences that holds no blocks of its own, the sequence one
+    /// that holds blocks for the drafted positions. Refused, changing nothing, otherwise.
+    pub fn set_draft_rows(&mut self, rows: &[(usize, usize)]) -> Result<(), ModelError> {
+        let fail = |why: String| Err(ModelError::InvalidInput(why));
+        let batch = self.batch;
+        let Some(paging) = self.paging.as_mut() else { return fail("draft rows in an unpaged KV cache".into()) };
+        if !rows.is_empty() && (0..paging.pools.len()).any(|p| paging.is_ring(p)) {
+            return fail(
+                "draft rows in a paged KV cache whose sliding windows are rings (PagedLayout::window_store: \
+                 WindowStore::EveryPosition)"
+                    .into(),
+            );
+        }
+        let mut taken = vec![false; batch];
+        for &(row, sequence) in rows {
+            if row >= batch || sequence >= batch {
+                return fail(format!("draft row {row} for sequence {sequence} in a cache of {batch} rows"));
+            }
+            if std::mem::replace(&mut taken[row], true) {
+                return fail(format!("draft row {row} given twice"));
+            }
+            if paging.pools.iter().any(|p| !p.row(row).is_empty()) {
+                return fail(format!("draft row {row} holds blocks of its own"));
+            }
+            if paging.pools.iter().any(|p| p.row(sequence).is_empty()) {
+                return fail(format!("draft row {row} for sequence {sequence}, which holds no blocks"));
+            }
+        }
+        for pool in &mut paging.pools {
+            pool.point(rows);
+        }
+        Ok(())
     }
 
     /// A paged cache's block tables as its layers read them (uploaded where they changed): a

@@ -11,6 +11,7 @@
 //! back.
 
 use super::prefix::NodeKey;
+use super::ring::WindowStore;
 use burn_gemma_kernels::{BlockTable, GemmaBackend};
 use std::collections::BTreeSet;
 
@@ -31,6 +32,14 @@ pub struct PagedLayout {
     /// Whether prompts' first blocks stay cached for later prompts that start alike
     /// ([`crate::KvCache::reserve_prompt`]).
     pub prefix_cache: PrefixCache,
+    /// How the sliding-window layers keep their keys: rings of the window (the least memory),
+    /// or a slot per position masked by the window, in the full-attention layers' pool, which
+    /// draft rows need ([`crate::KvCache::set_draft_rows`]).
+    pub window_store: WindowStore,
+    /// Table rows past the `sequences` that hold no blocks of their own: a step's row there
+    /// reads and writes the blocks of the sequence [`crate::KvCache::set_draft_rows`] points it
+    /// at (a sequence's drafted positions in one batched verify step).
+    pub draft_rows: usize,
 }
 
 /// Whether a paged KV cache keeps prompts' blocks for later prompts with the same beginning.
@@ -66,6 +75,20 @@ impl std::fmt::Display for PrefixCache {
 }
 
 impl PagedLayout {
+    /// `sequences` of up to `capacity` positions in blocks of `block_size`, every sequence at
+    /// full length at once, sliding windows in rings, no prompt prefixes kept, no draft rows.
+    pub fn new(sequences: usize, capacity: usize, block_size: usize) -> Self {
+        Self {
+            sequences,
+            capacity,
+            block_size,
+            positions: None,
+            prefix_cache: PrefixCache::Off,
+            window_store: WindowStore::Ring,
+            draft_rows: 0,
+        }
+    }
+
     /// The largest power of two up to `preferred` that divides `capacity` and the ring of every
     /// sliding-window layer (its window, or the capacity where that is smaller).
     pub fn block_size_for(config: &crate::GemmaConfig, capacity: usize, preferred: usize) -> usize {
@@ -143,6 +166,9 @@ pub(crate) struct BlockPool<B: GemmaBackend> {
     /// Per sequence, how many of its first blocks it shares (a cached prefix's): written by
     /// nobody, so a copy into the sequence skips them.
     shared: Vec<usize>,
+    /// Per table row, the sequence whose blocks a draft row reads and writes (its own row
+    /// holds none).
+    pointed: Vec<Option<usize>>,
     /// A block no sequence takes: table entries past a sequence's blocks point to it (never
     /// read for a sequence's own positions: it never reaches the slots it holds no block for),
     /// and writes meant for no block go to it.
@@ -164,6 +190,7 @@ impl<B: GemmaBackend> BlockPool<B> {
             promised: 0,
             rows: vec![Vec::new(); sequences],
             shared: vec![0; sequences],
+            pointed: vec![None; sequences],
             sink: total as u32,
             table: None,
             changes: 0,
@@ -298,8 +325,29 @@ impl<B: GemmaBackend> BlockPool<B> {
         self.changed();
     }
 
-    /// The rows changed: the device table is stale.
+    /// Points each draft row `(row, sequence)` of `rows` at the sequence's blocks, and every
+    /// other row at its own (the caller checked the rows: see [`crate::KvCache::set_draft_rows`]).
+    pub fn point(&mut self, rows: &[(usize, usize)]) {
+        let mut pointed = vec![None; self.rows.len()];
+        for &(row, sequence) in rows {
+            pointed[row] = Some(sequence);
+        }
+        if pointed != self.pointed {
+            self.pointed = pointed;
+            self.repointed();
+        }
+    }
+
+    /// The rows changed: the device table is stale, and draft rows point nowhere (the
+    /// sequences they pointed at may have moved or left).
     fn changed(&mut self) {
+        self.pointed.iter_mut().for_each(|p| *p = None);
+        self.table = None;
+        self.changes += 1;
+    }
+
+    /// The draft rows changed: the device table is stale.
+    fn repointed(&mut self) {
         self.table = None;
         self.changes += 1;
     }
@@ -308,7 +356,10 @@ impl<B: GemmaBackend> BlockPool<B> {
     /// sequence's blocks at the sink.
     pub fn table_rows(&self, block_size: usize) -> Vec<Vec<u32>> {
         let width = self.slots / block_size.max(1);
-        self.rows.iter().map(|r| r.iter().copied().chain(std::iter::repeat(self.sink)).take(width).collect()).collect()
+        let blocks = |row: usize| self.pointed[row].map_or(&self.rows[row], |sequence| &self.rows[sequence]);
+        (0..self.rows.len())
+            .map(|row| blocks(row).iter().copied().chain(std::iter::repeat(self.sink)).take(width).collect())
+            .collect()
     }
 
     /// The device table (uploaded again after a change): a row per sequence, entries past its
@@ -379,5 +430,30 @@ mod tests {
         }
         assert_eq!((pool.in_use(), pool.available()), (0, 6));
         assert_eq!(pool.hold(7, Source::Available), None);
+    }
+
+    #[test]
+    fn draft_rows_read_their_sequences_blocks_until_the_blocks_change() {
+        let mut pool = BlockPool::<B>::new(8, 6, 4);
+        pool.promise(3);
+        pool.take(0, 2);
+        pool.take(1, 1);
+        pool.point(&[(2, 0), (3, 1)]);
+        let rows = pool.table(2, &Default::default()).rows().unwrap_or_default();
+        assert_eq!(rows, vec![vec![0, 1, 6, 6], vec![2, 6, 6, 6], vec![0, 1, 6, 6], vec![2, 6, 6, 6]]);
+        // Held by nobody: the pointing rows take none of the blocks.
+        assert_eq!((pool.in_use(), pool.holders(0), pool.holders(2)), (3, 1, 1));
+        // The same rows again change nothing; others re-point them, a change of the table (a
+        // recorded step writes it again).
+        let changes = pool.changes;
+        pool.point(&[(2, 0), (3, 1)]);
+        pool.point(&[(3, 0)]);
+        let rows = pool.table(2, &Default::default()).rows().unwrap_or_default();
+        assert_eq!((rows[2].clone(), rows[3].clone()), (vec![6; 4], vec![0, 1, 6, 6]));
+        assert_eq!(pool.changes, changes + 1, "one change of the table");
+        // A sequence moving or leaving points every draft row nowhere.
+        pool.move_row(0, 1);
+        let rows = pool.table(2, &Default::default()).rows().unwrap_or_default();
+        assert_eq!(rows, vec![vec![6; 4], vec![0, 1, 6, 6], vec![6; 4], vec![6; 4]]);
     }
 }
