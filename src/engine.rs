@@ -82,7 +82,10 @@ pub struct EngineConfig {
     pub kv_block_size: NonZeroUsize,
     /// Whether batched decode steps replay CUDA graphs, recorded once per count of rows and
     /// bucket of positions ([`BatchGraphs`]). `Auto`: on CUDA, eager where a step cannot be
-    /// recorded ([`Engine::eager_reason`] says why); `On`: an error where it cannot work.
+    /// recorded ([`Engine::eager_reason`] says why), and then for every step of as many rows or
+    /// more (a model's products record up to some count of rows: 64 for this crate's Q4/Q8, 8
+    /// for k-quant and dense weights; drafts are cut to stay below it); `On`: an error where it
+    /// cannot work.
     pub cuda_graph: CudaGraph,
     /// Whether prompts' blocks stay cached for later prompts with the same beginning (a shared
     /// system prompt, the other choices of one request), which then run only the rest: their
@@ -101,6 +104,10 @@ pub struct EngineConfig {
 /// plus one token of its own ([`crate::speculative`]). Greedy sequences give the tokens they
 /// give without drafts; sampled ones keep the model's distribution (the rejection rule); a
 /// sequence with a repetition penalty does not draft.
+///
+/// Sequences draft while at most 8 generate (`DRAFTING_SEQUENCES`: more at once already share
+/// each read of the weights), their drafts cut to the rows a recorded step takes
+/// ([`EngineConfig::cuda_graph`]), shared out a token at a time.
 ///
 /// The KV cache then keeps every position of the sliding-window layers (a slot per position,
 /// masked by the window, [`WindowStore::EveryPosition`]): a full layer's memory for each of
@@ -394,7 +401,8 @@ impl Engine {
             // Said at once, not at the first step.
             (CudaGraph::On, Err(e)) => return Err(ModelError::from(e).into()),
             (mode, Ok(())) => {
-                Steps::Graphs { graphs: BatchGraphs::new(), mode, eager_reason: Arc::clone(&eager_reason) }
+                let eager_reason = Arc::clone(&eager_reason);
+                Steps::Graphs { graphs: BatchGraphs::new(), mode, eager_reason, most_rows: usize::MAX }
             }
         };
         let rows = model.new_paged_cache(layout)?;
@@ -627,6 +635,14 @@ impl<B: GemmaBackend> Sequence<B> {
     }
 }
 
+/// The most sequences generating at once for which sequences draft: where more generate, a
+/// batched step already shares each read of the weights among many rows, and drafts cost more
+/// than they keep. On an H200 (random-weight Gemma 3 1B, Q4, copy-heavy prompts, 4 drafts a
+/// step), 1 request decoded at 1.63x its speed without drafts and 8 at 1.31x, 16 drafting one
+/// token each at 0.93x and 32 drafting 4 at 0.73x (`docs/gpu-runs/2026-11-29-engine-drafts`,
+/// calls 1-3).
+const DRAFTING_SEQUENCES: usize = 8;
+
 /// Caches of one sequence kept for the next prompts: a few, as prompts run one chunk at a time.
 const SPARE_PROMPT_CACHES: usize = 4;
 
@@ -634,9 +650,23 @@ const SPARE_PROMPT_CACHES: usize = 4;
 enum Steps<B: GemmaBackend> {
     /// Eager: by choice, on a backend without graphs, or since a step could not be recorded.
     Eager,
-    /// Replayed as CUDA graphs; under [`CudaGraph::Auto`] a step that cannot be recorded turns
-    /// them eager for good, its reason kept in `eager_reason` ([`Engine::eager_reason`]).
-    Graphs { graphs: BatchGraphs<B>, mode: CudaGraph, eager_reason: Arc<Mutex<Option<String>>> },
+    /// Replayed as CUDA graphs; under [`CudaGraph::Auto`] a step that cannot be recorded runs
+    /// eagerly, its reason kept in `eager_reason` ([`Engine::eager_reason`]), and so do all
+    /// steps of as many rows or more from then on (`most_rows`: fewer than the smallest count
+    /// that failed; a model's products record up to some count of rows); a step of one row that
+    /// cannot be recorded turns them eager for good. Drafts are cut to keep a step within
+    /// `most_rows`.
+    Graphs { graphs: BatchGraphs<B>, mode: CudaGraph, eager_reason: Arc<Mutex<Option<String>>>, most_rows: usize },
+}
+
+impl<B: GemmaBackend> Steps<B> {
+    /// The most rows a step replays as a graph (unbounded for eager steps).
+    fn most_rows(&self) -> usize {
+        match self {
+            Self::Graphs { most_rows, .. } => *most_rows,
+            Self::Eager => usize::MAX,
+        }
+    }
 }
 
 struct Worker<B: GemmaBackend> {
@@ -943,7 +973,14 @@ impl<B: GemmaBackend> Worker<B> {
             let sequence = &mut self.running[i];
             sequence.context.push(sequence.input[0]);
         }
-        let drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
+        let mut drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
+        // Within the rows a step replays as a graph and the cache's rows; none past
+        // DRAFTING_SEQUENCES.
+        let most = match order.len() {
+            n if n > DRAFTING_SEQUENCES => n,
+            _ => self.steps.most_rows().min(self.rows.batch()),
+        };
+        share_drafts(&mut drafts, most.saturating_sub(order.len()));
         let drafted: usize = drafts.iter().map(Vec::len).sum();
         let model = &self.model;
         let (rows, running, steps) = (&mut self.rows, &mut self.running, &mut self.steps);
@@ -951,13 +988,13 @@ impl<B: GemmaBackend> Worker<B> {
         let recorded = graph_setup(steps);
         let verdicts =
             catch_panic("a batched decode step", || decode_rows(model, rows, steps, running, (&order, &drafts)));
-        self.note_graph_steps(recorded, verdicts.is_ok());
+        self.note_graph_steps(recorded, verdicts.as_ref().is_ok_and(|v| v.1));
         self.metrics.decode_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.metrics.decode_rows.fetch_add((order.len() + drafted) as u64, Ordering::Relaxed);
         self.metrics.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
         let verdicts = match verdicts {
-            Ok(verdicts) => verdicts,
+            Ok((verdicts, _)) => verdicts,
             Err(e) => {
                 self.fail_generating(e.to_string());
                 return;
@@ -1002,10 +1039,10 @@ impl<B: GemmaBackend> Worker<B> {
 
     /// Counts a batched step replayed as a graph and what recording cost (`before`: the
     /// recordings' cost before the step).
-    fn note_graph_steps(&mut self, before: Option<GraphSetup>, ran: bool) {
+    fn note_graph_steps(&mut self, before: Option<GraphSetup>, replayed: bool) {
         if let (Steps::Graphs { graphs, .. }, Some(before)) = (&self.steps, before) {
             let after = graphs.setup();
-            if ran {
+            if replayed {
                 self.metrics.decode_graph_steps.fetch_add(1, Ordering::Relaxed);
             }
             let recordings = (after.recordings - before.recordings) as u64;
@@ -1222,14 +1259,14 @@ type Verdict = Result<(usize, u32), Error>;
 /// of their rows, which are the first rows of `rows`), each feeding its last token at its own
 /// position and its `drafts` at the positions after it: per sequence, in the same order, the
 /// drafts the model keeps and its own token after them (a sequence without drafts: none kept,
-/// its sampled token), or that sequence's error.
+/// its sampled token), or that sequence's error; and whether a graph replayed the step.
 fn decode_rows<B: GemmaBackend>(
     model: &Gemma<B>,
     rows: &mut KvCache<B>,
     steps: &mut Steps<B>,
     running: &mut [Sequence<B>],
     (order, drafts): (&[usize], &[Vec<u32>]),
-) -> Result<Vec<Verdict>, Error> {
+) -> Result<(Vec<Verdict>, bool), Error> {
     let n = order.len();
     let mut ids: Vec<u32> = order.iter().map(|&i| running[i].input[0]).collect();
     // The fed token is the last of the context.
@@ -1258,7 +1295,7 @@ fn decode_rows<B: GemmaBackend>(
     positions.resize(bucket, 0);
     let device = model.device();
     let vocab = model.config().vocab_size;
-    let logits = step_logits(model, rows, steps, &ids, &positions)?;
+    let (logits, replayed) = step_logits(model, rows, steps, &ids, &positions)?;
     let logits = if bucket > stepped { logits.slice([0..stepped, 0..vocab]) } else { logits };
     // Each step row's choice. Rows that sample alike share one sampling launch (and one read
     // back): every sequence's own row where it has no drafts, every row of a greedy sequence
@@ -1319,33 +1356,42 @@ fn decode_rows<B: GemmaBackend>(
         let proposed = Drafts { tokens: drafted.clone(), proposals: vec![Proposal::Certain; drafted.len()] };
         judge(sampler, logits.clone().select(0, index), &sequence.context, &proposed, step)
     });
-    Ok(verdicts.collect())
+    Ok((verdicts.collect(), replayed))
 }
 
-/// The logits of one batched step (`ids[b]` at `positions[b]` for the first rows of `rows`):
-/// a replayed graph, or eager where there is none. Under [`CudaGraph::Auto`] a graph error
-/// turns the steps eager (the step runs eagerly then; nothing of it ran on the device).
+/// The logits of one batched step (`ids[b]` at `positions[b]` for the first rows of `rows`),
+/// and whether a graph replayed it: a replayed graph, or eager where there is none or the step
+/// has more rows than graphs take ([`Steps::Graphs`]). Under [`CudaGraph::Auto`] a graph error
+/// lowers that count, or turns the steps eager for good at one row (the step runs eagerly then;
+/// nothing of it ran on the device).
 fn step_logits<B: GemmaBackend>(
     model: &Gemma<B>,
     rows: &mut KvCache<B>,
     steps: &mut Steps<B>,
     ids: &[u32],
     positions: &[usize],
-) -> Result<Tensor<B, 2>, Error> {
-    if let Steps::Graphs { graphs, mode, eager_reason } = steps {
-        match graphs.step(model, rows, ids, positions) {
-            Ok(logits) => return Ok(logits),
-            Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => {
-                if let Ok(mut reason) = eager_reason.lock() {
-                    *reason = Some(e.to_string());
+) -> Result<(Tensor<B, 2>, bool), Error> {
+    if let Steps::Graphs { graphs, mode, eager_reason, most_rows } = steps {
+        if ids.len() <= *most_rows {
+            match graphs.step(model, rows, ids, positions) {
+                Ok(logits) => return Ok((logits, true)),
+                Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => {
+                    if let Ok(mut reason) = eager_reason.lock() {
+                        *reason = Some(format!("steps of {} rows or more: {e}", ids.len()));
+                    }
+                    // The largest power of two below the count (the counts stepped are powers
+                    // of two, or the cache's rows).
+                    *most_rows = ids.len().next_power_of_two() / 2;
+                    if *most_rows == 0 {
+                        *steps = Steps::Eager;
+                    }
                 }
-                *steps = Steps::Eager;
+                Err(e) => return Err(e.into()),
             }
-            Err(e) => return Err(e.into()),
         }
     }
     let inputs = StepInputs::sequences(ids, positions, &model.device())?;
-    Ok(model.decode_logits(&inputs, rows)?)
+    Ok((model.decode_logits(&inputs, rows)?, false))
 }
 
 /// What recording the batched steps' graphs cost so far (`None` when they run eagerly).
@@ -1411,6 +1457,28 @@ fn emit<B: GemmaBackend>(
     Stepped::Continue
 }
 
+/// Cuts `drafts` (one list per sequence) to `budget` tokens in all where they hold more, shared
+/// out a token at a time: every sequence's first draft, then every second, and so on.
+fn share_drafts(drafts: &mut [Vec<u32>], budget: usize) {
+    if drafts.iter().map(Vec::len).sum::<usize>() <= budget {
+        return;
+    }
+    let mut keep = vec![0; drafts.len()];
+    let mut left = budget;
+    let longest = drafts.iter().map(Vec::len).max().unwrap_or(0);
+    for round in 0..longest {
+        for (k, d) in keep.iter_mut().zip(drafts.iter()) {
+            if left > 0 && d.len() > round {
+                *k += 1;
+                left -= 1;
+            }
+        }
+    }
+    for (d, k) in drafts.iter_mut().zip(keep) {
+        d.truncate(k);
+    }
+}
+
 /// Emits what a verify step gave `sequence`: the `kept` drafts (fed in the step, so now in its
 /// context), then the model's `next` token, stopping at the first that ends it.
 fn emit_verified<B: GemmaBackend>(
@@ -1430,7 +1498,25 @@ fn emit_verified<B: GemmaBackend>(
 
 #[cfg(test)]
 mod tests {
-    use super::step_rows;
+    use super::{share_drafts, step_rows};
+
+    #[test]
+    fn drafts_are_shared_a_token_at_a_time_within_the_budget() {
+        // (drafts per sequence, budget) -> kept per sequence
+        for (lengths, budget, kept) in [
+            (vec![4, 4, 4], 20, vec![4, 4, 4]),
+            (vec![4, 0, 2, 4], 5, vec![2, 0, 2, 1]),
+            (vec![4, 1, 4], 7, vec![3, 1, 3]),
+            (vec![3, 3], 0, vec![0, 0]),
+        ] {
+            let mut drafts: Vec<Vec<u32>> = lengths.iter().map(|&n| (0..n as u32).collect()).collect();
+            share_drafts(&mut drafts, budget);
+            let got: Vec<usize> = drafts.iter().map(Vec::len).collect();
+            assert_eq!(got, kept, "{lengths:?} within {budget}");
+            // Each keeps its first drafts.
+            assert!(drafts.iter().all(|d| d.iter().enumerate().all(|(i, &t)| t == i as u32)));
+        }
+    }
 
     #[test]
     fn steps_run_power_of_two_rows_within_the_cache() {
