@@ -1033,7 +1033,9 @@ impl<B: GemmaBackend> Worker<B> {
         }
         let max_new = sequence.submitted.request.generation.max_new_tokens;
         // The fed token is at `context.len() - 1`; drafts take the positions after it.
-        let room = max_new.saturating_sub(sequence.generated + 1).min(sequence.capacity - sequence.context.len());
+        let room = max_new
+            .saturating_sub(sequence.generated + 1)
+            .min(sequence.capacity.saturating_sub(sequence.context.len()));
         PromptLookup::default().draft(&sequence.context, tokens.get().min(room))
     }
 

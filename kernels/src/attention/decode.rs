@@ -470,9 +470,10 @@ pub(super) fn attention<R: CubeRuntime>(
     let (kv_heads, k_len, slots) = kv.sizes();
     // A paged store: the keys are each sequence's logical slots.
     let k_len = blocks.as_ref().map_or(k_len, Table::slots);
-    // Visible keys, as the kernel computes them, to size the splits.
+    // Visible keys, as the kernel computes them, to size the splits (at most the window: a
+    // store keeping every position of a sliding window reads only the window's keys).
     let span = match &position {
-        Some(Position::Device { bound, .. }) => (bound + 1).min(k_len),
+        Some(Position::Device { bound, .. }) => (bound + 1).min(k_len).min(mask.window.unwrap_or(usize::MAX)),
         _ => {
             let hi = (mask.q_offset + 1).saturating_sub(mask.k_offset).min(k_len);
             let lo = mask.window.map_or(0, |w| (mask.q_offset + 1).saturating_sub(w + mask.k_offset));
