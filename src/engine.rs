@@ -392,8 +392,8 @@ impl Engine {
             positions: config.kv_positions.map(NonZeroUsize::get),
             prefix_cache: config.prefix_cache,
             window_store: config.drafts.window_store(),
-            // Every sequence may draft at once.
-            draft_rows: config.max_running.get().saturating_mul(config.drafts.max_tokens()),
+            // Every sequence that may draft, at once.
+            draft_rows: config.max_running.get().min(DRAFTING_SEQUENCES).saturating_mul(config.drafts.max_tokens()),
         };
         let eager_reason = Arc::new(Mutex::new(None));
         let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
@@ -973,14 +973,15 @@ impl<B: GemmaBackend> Worker<B> {
             let sequence = &mut self.running[i];
             sequence.context.push(sequence.input[0]);
         }
-        let mut drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
-        // Within the rows a step replays as a graph and the cache's rows; none past
-        // DRAFTING_SEQUENCES.
-        let most = match order.len() {
-            n if n > DRAFTING_SEQUENCES => n,
-            _ => self.steps.most_rows().min(self.rows.batch()),
+        // None past DRAFTING_SEQUENCES; within the rows a step replays as a graph and the cache's.
+        let drafts: Vec<Vec<u32>> = match order.len() {
+            n if n > DRAFTING_SEQUENCES => vec![Vec::new(); n],
+            n => {
+                let mut drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
+                share_drafts(&mut drafts, self.steps.most_rows().min(self.rows.batch()).saturating_sub(n));
+                drafts
+            }
         };
-        share_drafts(&mut drafts, most.saturating_sub(order.len()));
         let drafted: usize = drafts.iter().map(Vec::len).sum();
         let model = &self.model;
         let (rows, running, steps) = (&mut self.rows, &mut self.running, &mut self.steps);
@@ -1003,11 +1004,11 @@ impl<B: GemmaBackend> Worker<B> {
         // Each sequence's tokens; the finished leave afterwards, from the last row back, so that
         // the rows still to move are never the ones that left.
         let mut finished = Vec::new();
-        for ((&i, verdict), drafted) in order.iter().zip(verdicts).zip(&drafts) {
+        for ((&i, verdict), proposed) in order.iter().zip(verdicts).zip(&drafts) {
             let sequence = &mut self.running[i];
             let outcome = verdict.map(|(kept, next)| {
                 self.metrics.draft_tokens_accepted.fetch_add(kept as u64, Ordering::Relaxed);
-                emit_verified(&self.tokenizer, sequence, (&drafted[..kept], next), &self.metrics)
+                emit_verified(&self.tokenizer, sequence, (&proposed[..kept], next), &self.metrics)
             });
             if !matches!(outcome, Ok(Stepped::Continue)) {
                 finished.push((i, outcome));
@@ -1276,18 +1277,16 @@ fn decode_rows<B: GemmaBackend>(
     // A sequence's drafts are rows after all the sequences' own, pointed at its blocks; each
     // sequence's step rows: its own, then its drafts'.
     let mut pointed = Vec::new();
-    let mut step_rows_of: Vec<Vec<usize>> = (0..n).map(|r| vec![r]).collect();
+    let mut rows_of: Vec<Vec<usize>> = (0..n).map(|r| vec![r]).collect();
     for (r, drafted) in drafts.iter().enumerate().take(n) {
         for (j, &token) in drafted.iter().enumerate() {
-            step_rows_of[r].push(ids.len());
+            rows_of[r].push(ids.len());
             pointed.push((ids.len(), r));
             ids.push(token);
             positions.push(positions[r] + 1 + j);
         }
     }
-    if !pointed.is_empty() || rows.paged_layout().is_some_and(|l| l.draft_rows > 0) {
-        rows.set_draft_rows(&pointed)?;
-    }
+    rows.set_draft_rows(&pointed)?;
     // The step runs a bucket of rows (see [`step_rows`]); the rows past the stepped ones are
     // free sequences of the cache, stepped at position 0 and their logits ignored (a sequence
     // that later takes one gets all of its slots copied in; a draft row holds no slots).
@@ -1316,7 +1315,7 @@ fn decode_rows<B: GemmaBackend>(
         }
         let (members, draws) = match (drafted, sampler.is_greedy()) {
             (false, _) => (vec![r], sampler.draws(1)),
-            (true, true) => (step_rows_of[r].clone(), vec![0.0; step_rows_of[r].len()]),
+            (true, true) => (rows_of[r].clone(), vec![0.0; rows_of[r].len()]),
             (true, false) => continue,
         };
         let params = sampler.params();
@@ -1350,10 +1349,10 @@ fn decode_rows<B: GemmaBackend>(
         }
         let sampler = &mut sequence.submitted.sampler;
         if sampler.is_greedy() {
-            let mine: Vec<i64> = step_rows_of[r].iter().map(|&row| choices[row]).collect();
+            let mine: Vec<i64> = rows_of[r].iter().map(|&row| choices[row]).collect();
             return greedy_verdict(drafted, &mine, vocab, step);
         }
-        let index: Vec<i64> = step_rows_of[r].iter().map(|&row| row as i64).collect();
+        let index: Vec<i64> = rows_of[r].iter().map(|&row| row as i64).collect();
         let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [drafted.len() + 1]), &device);
         let proposed = Drafts { tokens: drafted.clone(), proposals: vec![Proposal::Certain; drafted.len()] };
         judge(sampler, logits.clone().select(0, index), &sequence.context, &proposed, step)

@@ -600,23 +600,21 @@ pub struct KvCache<B: GemmaBackend> {
 /// The pools of a paged cache.
 #[derive(Debug)]
 struct Paging<B: GemmaBackend> {
-    block_size: usize,
     pools: Vec<BlockPool<B>>,
     device: B::Device,
     /// Cached prompt prefixes ([`PrefixCache::On`]).
     prefix: Option<PrefixIndex>,
-    /// Positions per sequence (a pool with fewer slots is a sliding window's ring).
-    capacity: usize,
     /// Nodes the prefix index gave up for room so far.
     evicted: u64,
-    /// What the cache was made with.
+    /// What the cache was made with: its blocks' size, positions per sequence (a pool with
+    /// fewer slots is a sliding window's ring).
     layout: PagedLayout,
 }
 
 impl<B: GemmaBackend> Paging<B> {
     /// Whether pool `p` holds sliding-window rings.
     fn is_ring(&self, p: usize) -> bool {
-        self.pools[p].slots < self.capacity
+        self.pools[p].slots < self.layout.capacity
     }
 
     /// Lets the prefix index give up its least recently used nodes (none of `keep`) until
@@ -637,7 +635,7 @@ impl<B: GemmaBackend> Paging<B> {
     /// The longest cached chain `prompt` starts with: whole blocks, within its first `limit`
     /// positions and without its last token (whose logits a prompt needs).
     fn longest(&mut self, prompt: &[u32], limit: usize) -> Vec<NodeKey> {
-        let bs = self.block_size;
+        let bs = self.layout.block_size;
         let max_blocks = prompt.len().saturating_sub(1).min(limit) / bs;
         self.prefix.as_mut().map_or(Vec::new(), |index| index.longest(prompt, bs, max_blocks))
     }
@@ -646,7 +644,7 @@ impl<B: GemmaBackend> Paging<B> {
     /// slots (`j % width` for a ring), the sink elsewhere.
     fn row_of(&self, p: usize, placed: impl IntoIterator<Item = (usize, u32)>) -> Vec<u32> {
         let pool = &self.pools[p];
-        let width = pool.slots / self.block_size;
+        let width = pool.slots / self.layout.block_size;
         let mut row = vec![pool.sink(); width];
         for (j, b) in placed {
             row[j % width] = b;
@@ -805,11 +803,9 @@ impl<B: GemmaBackend> KvCache<B> {
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let paging = paged.map(|p| Paging {
-            block_size: p.block_size,
             pools,
             device: device.clone(),
             prefix: (p.prefix_cache == PrefixCache::On).then(PrefixIndex::default),
-            capacity,
             evicted: 0,
             layout: p,
         });
@@ -1082,7 +1078,7 @@ impl<B: GemmaBackend> KvCache<B> {
             if from.paging.is_some() {
                 return Err(ModelError::CacheMismatch("a sequence of a paged cache into another".into()));
             }
-            let bs = paging.block_size;
+            let bs = paging.layout.block_size;
             for (layer, source) in self.layers.iter_mut().zip(&from.layers) {
                 let pool = &paging.pools[layer.pool.ok_or(ModelError::CacheLost)?];
                 // Shared blocks (a cached prefix's) are never written: their writes go to the sink.
@@ -1142,7 +1138,7 @@ impl<B: GemmaBackend> KvCache<B> {
 
     /// Slots per block of a paged cache.
     pub fn block_size(&self) -> Option<usize> {
-        self.paging.as_ref().map(|p| p.block_size)
+        self.paging.as_ref().map(|p| p.layout.block_size)
     }
 
     /// A paged cache's blocks: `(held by sequences and reservations, in all)`, summed over its
@@ -1166,7 +1162,7 @@ impl<B: GemmaBackend> KvCache<B> {
     /// pools' blocks); `None` for an unpaged cache.
     pub fn reservable_positions(&self) -> Option<usize> {
         let paging = self.paging.as_ref()?;
-        let bs = paging.block_size;
+        let bs = paging.layout.block_size;
         // A sequence needs at most a pool's slots per sequence (a ring: its window's): only a
         // pool holding fewer than that limits.
         let smallest = paging.pools.iter().filter(|p| p.total * bs < p.slots).map(|p| p.total * bs).min();
@@ -1184,7 +1180,7 @@ impl<B: GemmaBackend> KvCache<B> {
     /// Positions of `prompt` the prefix index holds (whole blocks, its last token left out).
     pub fn cached_prefix(&mut self, prompt: &[u32]) -> usize {
         let capacity = self.capacity;
-        self.paging.as_mut().map_or(0, |paging| paging.longest(prompt, capacity).len() * paging.block_size)
+        self.paging.as_mut().map_or(0, |paging| paging.longest(prompt, capacity).len() * paging.layout.block_size)
     }
 
     /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
@@ -1211,7 +1207,7 @@ impl<B: GemmaBackend> KvCache<B> {
             .paging
             .as_mut()
             .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
-        let bs = paging.block_size;
+        let bs = paging.layout.block_size;
         let prefix = paging.longest(prompt, positions);
         // The prefix's blocks, held for the sequence before anything is given up for room.
         let pools = paging.pools.len();
@@ -1260,7 +1256,7 @@ impl<B: GemmaBackend> KvCache<B> {
             return fail("a cached prefix into a cache of another shape".into());
         }
         let Some(paging) = &self.paging else { return fail("a prefix from an unpaged KV cache".into()) };
-        let bs = paging.block_size;
+        let bs = paging.layout.block_size;
         let m = reservation.prefix.len();
         for (layer, into) in self.layers.iter().zip(&mut prompt.layers) {
             let p = layer.pool.ok_or(ModelError::CacheLost)?;
@@ -1305,7 +1301,7 @@ impl<B: GemmaBackend> KvCache<B> {
         if prompt.paging.is_some() || prompt.layer_of != self.layer_of || prompt.capacity != self.capacity {
             return Err(ModelError::CacheMismatch("a prefix cached from a cache of another shape".into()));
         }
-        let bs = paging.block_size;
+        let bs = paging.layout.block_size;
         let pools = paging.pools.len();
         let first = reservation.prefix.len();
         // Each new node takes a free block of every ring pool (a full pool's comes from the
@@ -1467,7 +1463,7 @@ impl<B: GemmaBackend> KvCache<B> {
     pub(crate) fn block_tables(&mut self) -> Vec<BlockTable<B>> {
         self.sync_blocks();
         let Some(paging) = self.paging.as_mut() else { return Vec::new() };
-        paging.pools.iter_mut().map(|p| p.table(paging.block_size, &paging.device)).collect()
+        paging.pools.iter_mut().map(|p| p.table(paging.layout.block_size, &paging.device)).collect()
     }
 
     /// Changes of a paged cache's block tables so far (0 for an unpaged cache): while it stays
@@ -1478,7 +1474,9 @@ impl<B: GemmaBackend> KvCache<B> {
 
     /// The host rows of a paged cache's block tables, in the order of [`KvCache::block_tables`].
     pub(crate) fn table_rows(&self) -> Vec<Vec<Vec<u32>>> {
-        self.paging.as_ref().map_or(Vec::new(), |p| p.pools.iter().map(|pool| pool.table_rows(p.block_size)).collect())
+        self.paging
+            .as_ref()
+            .map_or(Vec::new(), |p| p.pools.iter().map(|pool| pool.table_rows(p.layout.block_size)).collect())
     }
 
     /// Uploads a paged cache's block tables where they changed, and hands each layer its
@@ -1486,7 +1484,7 @@ impl<B: GemmaBackend> KvCache<B> {
     pub(crate) fn sync_blocks(&mut self) {
         let Some(paging) = self.paging.as_mut() else { return };
         let tables: Vec<BlockTable<B>> =
-            paging.pools.iter_mut().map(|p| p.table(paging.block_size, &paging.device)).collect();
+            paging.pools.iter_mut().map(|p| p.table(paging.layout.block_size, &paging.device)).collect();
         for layer in &mut self.layers {
             layer.blocks = layer.pool.and_then(|p| tables.get(p).cloned());
         }

@@ -328,6 +328,9 @@ impl<B: GemmaBackend> BlockPool<B> {
     /// Points each draft row `(row, sequence)` of `rows` at the sequence's blocks, and every
     /// other row at its own (the caller checked the rows: see [`crate::KvCache::set_draft_rows`]).
     pub fn point(&mut self, rows: &[(usize, usize)]) {
+        if rows.is_empty() && self.pointed.iter().all(Option::is_none) {
+            return;
+        }
         let mut pointed = vec![None; self.rows.len()];
         for &(row, sequence) in rows {
             pointed[row] = Some(sequence);
