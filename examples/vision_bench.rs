@@ -198,7 +198,7 @@ impl BackendTask for Bench {
             let mut cache = model.new_cache(1, ids.len() + 1)?;
             let hidden = model.forward_hidden_with_images(token_tensor::<B>(&ids, &device), &images, &mut cache)?;
             let [batch, seq, width] = hidden.dims();
-            let logits = model.logits(hidden.slice([0..batch, seq - 1..seq, 0..width]));
+            let logits = model.logits(hidden.slice([0..batch, seq - 1..seq, 0..width]))?;
             let first = logits.argmax(2).into_data().convert::<i64>().to_vec::<i64>().map_err(|e| format!("{e:?}"))?;
             if rep > 0 {
                 times.push(start.elapsed().as_secs_f64());

@@ -1012,7 +1012,7 @@ impl<B: GemmaBackend> Generator<B> {
                     let ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
                     let ids = token_tensor(&ids, &self.model.device());
                     let hidden = self.model.forward_hidden(ids, &mut cache, QueryRows::Each)?;
-                    Ok::<_, Error>((checkpoint, self.model.logits(hidden.clone()), hidden))
+                    Ok::<_, Error>((checkpoint, self.model.logits(hidden.clone())?, hidden))
                 })();
                 self.cache = Some(cache);
                 let (checkpoint, logits, hidden) = verified?;
@@ -1280,7 +1280,7 @@ pub(crate) fn prefill_with_images<B: GemmaBackend>(
         if end == input.len() {
             let [batch, seq, width] = hidden.dims();
             let hidden = hidden.slice([0..batch, seq - 1..seq, 0..width]);
-            let logits = model.logits(hidden.clone());
+            let logits = model.logits(hidden.clone())?;
             return Ok((logits.reshape([batch, model.config().vocab_size]), hidden.reshape([batch, width])));
         }
         start = end;

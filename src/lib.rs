@@ -47,6 +47,7 @@ pub mod sampling;
 pub mod server;
 pub mod speculative;
 pub mod stop_text;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod vision;
 

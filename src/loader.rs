@@ -16,7 +16,7 @@ use burn_gemma_model::{
     config::NormScale,
     weights::{matrix_dims, quantize, row_chunks, WeightKind},
     Architecture, AssistantConfig, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant, Gemma4ImageConfig,
-    Gemma4Vision, GemmaConfig, ModelError, ModelOptions, WeightSource,
+    Gemma4Vision, GemmaConfig, ModelError, ModelOptions, TensorParallel, WeightSource,
 };
 use std::{
     collections::{HashMap, HashSet},
@@ -268,9 +268,32 @@ impl Checkpoint {
     /// Loads the model as `options` say (device, dtype, weight and KV-cache formats, progress;
     /// see [`LoadOptions`] for the defaults).
     pub fn load<B: GemmaBackend>(&self, options: LoadOptions<B>) -> Result<Loaded<B>, Error> {
-        let (mut source, options, device) =
-            Source::open(&self.format, self.config.model_type, self.tensors_to_load(), options)?;
-        let model = Gemma::load(self.config.clone(), &mut source, &options, &device)?;
+        self.load_part(options, None)
+    }
+
+    /// Loads one shard of the model split over several devices (see
+    /// [`burn_gemma_model::tensor_parallel`] and [`crate::tensor_parallel::ShardedModel`], which
+    /// loads every shard on its own thread): `options` name the shard's device.
+    pub fn load_shard<B: GemmaBackend>(
+        &self,
+        options: LoadOptions<B>,
+        parallel: TensorParallel<B>,
+    ) -> Result<Loaded<B>, Error> {
+        self.load_part(options, Some(parallel))
+    }
+
+    fn load_part<B: GemmaBackend>(
+        &self,
+        options: LoadOptions<B>,
+        parallel: Option<TensorParallel<B>>,
+    ) -> Result<Loaded<B>, Error> {
+        // A shard reads the table a second time for its slice of the lm_head.
+        let tensors = self.tensors_to_load() + usize::from(parallel.is_some());
+        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, tensors, options)?;
+        let model = match parallel {
+            None => Gemma::load(self.config.clone(), &mut source, &options, &device)?,
+            Some(parallel) => Gemma::load_shard(self.config.clone(), &mut source, &options, &device, parallel)?,
+        };
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),

@@ -26,6 +26,8 @@
 pub(crate) mod gpu_test;
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod collective;
 pub mod embedding;
 pub mod experts;
 pub mod gelu;

@@ -8,6 +8,7 @@ use crate::{
     norm::{ResidualStream, RmsNorm},
     per_layer::PerLayerInput,
     projection::WeightSettings,
+    tensor_parallel::TensorParallel,
     weights::{host_values, WeightKind, WeightSource},
     Architecture, GemmaConfig, ModelError,
 };
@@ -102,7 +103,8 @@ impl<B: GemmaBackend> DecoderLayer<B> {
     /// The block at `position` (HF's `Gemma3DecoderLayer.forward`); each `residual + h` is
     /// added by the next norm, in one kernel ([`ResidualStream`]).
     /// `per_layer_input`: the per-layer inputs (`[batch, seq, layers, width]`) and this layer's
-    /// index among them (Gemma 4 E models).
+    /// index among them (Gemma 4 E models); `parallel`: the shard this layer is part of, whose
+    /// attention and MLP outputs are summed over the shards.
     pub(crate) fn forward<'a>(
         &'a self,
         stream: ResidualStream<'a, B>,
@@ -110,12 +112,18 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         kv: LayerKv<'_, B>,
         position: &StepPosition<B>,
         per_layer_input: Option<(Tensor<B, 4>, usize)>,
+        parallel: Option<&TensorParallel<B>>,
     ) -> Result<ResidualStream<'a, B>, ModelError> {
+        // A tensor-parallel shard's attention and MLP outputs are its part of a sum.
+        let summed = |h: Tensor<B, 3>| match parallel {
+            Some(parallel) => parallel.sum(h),
+            None => Ok(h),
+        };
         let (stream, h) = stream.norm(&self.input_layernorm);
-        let h = self.self_attn.forward(h, rope, kv, position)?;
+        let h = summed(self.self_attn.forward(h, rope, kv, position)?)?;
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
-        let h = self.mlp.forward(h);
+        let h = summed(self.mlp.forward(h))?;
         let mut stream = match &self.moe {
             // The expert block applies the post-MLP norm itself (fused with its sum); the
             // loader builds one only beside that norm.

@@ -60,6 +60,9 @@ pub enum ModelError {
     /// sequence the cache does not have.
     #[error("cannot copy a KV cache sequence: {0}")]
     CacheMismatch(String),
+    /// A model cannot be split over the devices asked for, or the shards could not meet.
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     /// Decode could not be recorded or replayed as a CUDA graph.
     #[error(transparent)]
     Graph(#[from] burn_gemma_kernels::graph::GraphError),

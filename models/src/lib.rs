@@ -22,6 +22,7 @@ pub mod norm;
 pub mod per_layer;
 pub mod projection;
 pub mod rope;
+pub mod tensor_parallel;
 pub mod vision;
 pub mod weights;
 
@@ -36,5 +37,6 @@ pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;
 pub use model::{Gemma, ImageEmbeds, ModelOptions, StepInputs};
+pub use tensor_parallel::{AllReduce, HostAllReduce, Shard, ShardedSource, TensorParallel};
 pub use vision::{Gemma3Vision, Gemma3VisionConfig, Gemma4ImageConfig, Gemma4Patches, Gemma4Vision};
 pub use weights::{RandomWeights, WeightFormat, WeightSource};

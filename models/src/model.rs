@@ -13,6 +13,7 @@ use crate::{
     per_layer::{PerLayerEmbeddings, PerLayerInput},
     projection::WeightSettings,
     rope::RotaryEmbeddings,
+    tensor_parallel::{ShardLink, ShardedSource, TensorParallel},
     weights::{WeightFormat, WeightSource},
     Architecture, GemmaConfig, ImageAttention, KvCache, LayerType, ModelError,
 };
@@ -150,6 +151,9 @@ pub struct Gemma<B: GemmaBackend> {
     pub(crate) per_layer: Option<PerLayerEmbeddings<B>>,
     pub(crate) layers: Vec<DecoderLayer<B>>,
     pub(crate) norm: RmsNorm<B>,
+    /// A tensor-parallel shard's lm_head: its slice of the vocabulary's rows of the table
+    /// ([`crate::Shard::part`]); `None` where the whole table serves as the lm_head.
+    pub(crate) head: Option<Embedding<B>>,
     /// The rotary embedding of each layer type (HF's `rotary_emb` and `rotary_emb_local`).
     #[module(skip)]
     pub(crate) rotary_emb: RotaryEmbeddings,
@@ -160,6 +164,9 @@ pub struct Gemma<B: GemmaBackend> {
     /// How [`Gemma::new_cache`] stores keys and values.
     #[module(skip)]
     pub(crate) kv_cache: KvFormat,
+    /// The shard this model is of a model split over several devices ([`Gemma::load_shard`]).
+    #[module(skip)]
+    pub(crate) parallel: Option<ShardLink>,
 }
 
 impl<B: GemmaBackend> Gemma<B> {
@@ -175,6 +182,44 @@ impl<B: GemmaBackend> Gemma<B> {
         source: &mut (impl WeightSource<B> + Send),
         options: &ModelOptions,
         device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::load_parts(config, source, options, device, None)
+    }
+
+    /// One shard of the model `config` describes split over several devices
+    /// (see [`crate::tensor_parallel`]): its heads and MLP slice of every layer and its slice of
+    /// the vocabulary for the lm_head, read from the whole checkpoint in `source`. Every shard
+    /// runs the same calls (each on its own thread, with its own cache); the logits each
+    /// returns are the whole model's, joined through `parallel.reduce`. [`Gemma::config`] is
+    /// the shard's ([`crate::Shard::config`]). Steps of a shard run eagerly: a recorded decode
+    /// step refuses its all-reduce.
+    pub fn load_shard(
+        config: GemmaConfig,
+        source: &mut (impl WeightSource<B> + Send),
+        options: &ModelOptions,
+        device: &B::Device,
+        parallel: TensorParallel<B>,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let local = parallel.shard.config(&config)?;
+        let mut source = ShardedSource::new(source, &config, parallel.shard);
+        let mut model = Self::load_parts(local, &mut source, options, device, Some(ShardLink::new(parallel.clone())))?;
+        let settings = WeightSettings { dtype: model.dtype, format: options.weights };
+        let rows = parallel.shard.part(config.vocab_size).len();
+        let shape = [rows, config.hidden_size];
+        model.head = Some(B::memory_persistent_allocations(device, &mut source, |source| {
+            Embedding::load_table(source, "model.embed_tokens.weight", shape, settings, device)
+        })?);
+        B::memory_cleanup(device);
+        Ok(model)
+    }
+
+    fn load_parts(
+        config: GemmaConfig,
+        source: &mut (impl WeightSource<B> + Send),
+        options: &ModelOptions,
+        device: &B::Device,
+        parallel: Option<ShardLink>,
     ) -> Result<Self, ModelError> {
         config.validate()?;
         let ModelOptions { dtype, weights: format, kv_cache } = *options;
@@ -201,10 +246,12 @@ impl<B: GemmaBackend> Gemma<B> {
                 per_layer,
                 layers,
                 norm,
+                head: None,
                 rotary_emb: RotaryEmbeddings::new(&config),
                 config: config.clone(),
                 dtype,
                 kv_cache,
+                parallel: parallel.clone(),
             })
         });
         B::memory_cleanup(device);
@@ -338,7 +385,8 @@ impl<B: GemmaBackend> Gemma<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             let input = per_layer.as_ref().map(|inputs| (inputs.clone(), i));
             let rope = rope.get(layer.self_attn.settings.layer_type);
-            stream = layer.forward(stream, rope, LayerKv::Cache(cache.layer_mut(i)), position, input)?;
+            let kv = LayerKv::Cache(cache.layer_mut(i));
+            stream = layer.forward(stream, rope, kv, position, input, self.parallel())?;
         }
         let (_, hidden) = stream.norm(&self.norm);
         Ok(hidden)
@@ -422,7 +470,7 @@ impl<B: GemmaBackend> Gemma<B> {
         cache.sync_blocks();
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound, rows: inputs.rows };
         let hidden = self.layers_forward(inputs.ids.clone(), &[], cache, &position)?;
-        let logits = self.embed_tokens.project(hidden.reshape([batch, self.config.hidden_size]));
+        let logits = self.project_vocab(hidden.reshape([batch, self.config.hidden_size]))?;
         Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
@@ -444,14 +492,24 @@ impl<B: GemmaBackend> Gemma<B> {
     }
 
     /// Logits (f32) of final hidden states `[batch, seq, hidden]` ([`Gemma::forward_hidden`])
-    /// -> `[batch, seq, vocab]`.
-    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// -> `[batch, seq, vocab]`. Fails only for a tensor-parallel shard whose shards could not
+    /// join their slices of the vocabulary.
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Result<Tensor<B, 3>, ModelError> {
         let [batch, seq, h] = hidden.dims();
         let hidden = hidden.reshape([batch * seq, h]);
-        let logits = self.embed_tokens.project(hidden).cast(DType::F32).reshape([batch, seq, self.config.vocab_size]);
-        match self.config.final_logit_softcapping {
+        let logits = self.project_vocab(hidden)?.cast(DType::F32).reshape([batch, seq, self.config.vocab_size]);
+        Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),
             None => logits,
+        })
+    }
+
+    /// `hidden [n, hidden]` times the lm_head: `[n, vocab]` in the activation dtype. A shard
+    /// multiplies by its slice of the vocabulary and joins the slices.
+    fn project_vocab(&self, hidden: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError> {
+        match (&self.head, self.parallel()) {
+            (Some(head), Some(parallel)) => parallel.join_vocab(head.project(hidden), self.config.vocab_size),
+            _ => Ok(self.embed_tokens.project(hidden)),
         }
     }
 
@@ -459,7 +517,7 @@ impl<B: GemmaBackend> Gemma<B> {
     /// of every position, `[batch, seq, vocab]` (f32).
     pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
         let hidden = self.hidden_states(ids, cache)?;
-        Ok(self.logits(hidden))
+        self.logits(hidden)
     }
 
     /// Runs `ids` (`[batch, seq]`) after the positions already in `cache` and returns the final
@@ -546,7 +604,7 @@ impl<B: GemmaBackend> Gemma<B> {
     /// CPU). Speculative decoding verifies drafts with it, so that greedy choices are those of
     /// decoding without drafts.
     pub fn forward_each(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Result<Tensor<B, 3>, ModelError> {
-        Ok(self.logits(self.forward_hidden(ids, cache, QueryRows::Each)?))
+        self.logits(self.forward_hidden(ids, cache, QueryRows::Each)?)
     }
 
     /// Like [`Gemma::forward`] but returns only the last position's logits, `[batch, vocab]`.
@@ -554,7 +612,12 @@ impl<B: GemmaBackend> Gemma<B> {
         let hidden = self.hidden_states(ids, cache)?;
         let [batch, seq, h] = hidden.dims();
         let last = hidden.slice([0..batch, seq - 1..seq, 0..h]);
-        Ok(self.logits(last).reshape([batch, self.config.vocab_size]))
+        Ok(self.logits(last)?.reshape([batch, self.config.vocab_size]))
+    }
+
+    /// The shard of a split model this is ([`Gemma::load_shard`]).
+    pub fn parallel(&self) -> Option<&TensorParallel<B>> {
+        self.parallel.as_ref().and_then(ShardLink::get)
     }
 
     /// The device the weights live on.

@@ -21,5 +21,6 @@ mod real_model;
 #[cfg(feature = "server")]
 mod server;
 mod speculative;
+mod tensor_parallel;
 mod tiny_models;
 mod vision;

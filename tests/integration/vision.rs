@@ -60,7 +60,7 @@ fn vision_matches_hf<B: GemmaBackend>(device: &B::Device) {
             starts.iter().zip(&features).map(|(&start, f)| ImageEmbeds { start, features: f.clone() }).collect();
         let mut cache = model.new_cache(1, ids.len() + 8).unwrap();
         let hidden = model.forward_hidden_with_images(token_tensor::<B>(&ids, device), &images, &mut cache).unwrap();
-        let logits = model.logits(hidden);
+        let logits = model.logits(hidden).expect("logits");
         let err = max_error(&values(logits), &floats(&prompt["logits"]));
         println!("prompt {p} ({} images): logits within {err:.2e} of HF", images.len());
         assert!(err <= TOLERANCE, "prompt {p}: logits {err:.2e} from HF");
@@ -70,13 +70,13 @@ fn vision_matches_hf<B: GemmaBackend>(device: &B::Device) {
         let mut cache = model.new_cache(1, ids.len() + want.len()).unwrap();
         let hidden = model.forward_hidden_with_images(token_tensor::<B>(&ids, device), &images, &mut cache).unwrap();
         let [_, seq, width] = hidden.dims();
-        let mut logits = model.logits(hidden.slice([0..1, seq - 1..seq, 0..width])).reshape([1, 512]);
+        let mut logits = model.logits(hidden.slice([0..1, seq - 1..seq, 0..width])).expect("logits").reshape([1, 512]);
         let mut got = Vec::new();
         for _ in 0..want.len() {
             let token = values(logits.clone().argmax(1).float())[0] as u32;
             got.push(token);
             let h = model.forward_hidden(token_tensor::<B>(&[token], device), &mut cache, QueryRows::Together).unwrap();
-            logits = model.logits(h).reshape([1, 512]);
+            logits = model.logits(h).expect("logits").reshape([1, 512]);
         }
         assert_eq!(got, want, "prompt {p}: greedy ids");
     }
@@ -703,7 +703,7 @@ fn gemma4_variant_matches_hf<B: GemmaBackend>(variant: &str, device: &B::Device)
             starts.iter().zip(&features).map(|(&start, f)| ImageEmbeds { start, features: f.clone() }).collect();
         let mut cache = model.new_cache(1, ids.len() + 8).unwrap();
         let hidden = model.forward_hidden_with_images(token_tensor::<B>(&ids, device), &images, &mut cache).unwrap();
-        let err = max_error(&values(model.logits(hidden)), &floats(&prompt["logits"]));
+        let err = max_error(&values(model.logits(hidden).expect("logits")), &floats(&prompt["logits"]));
         println!("{variant} prompt {p} ({} images): logits within {err:.2e} of HF", images.len());
         assert!(err <= GEMMA4_LOGITS, "{variant} prompt {p}: logits {err:.2e} from HF");
     }

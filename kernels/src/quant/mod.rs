@@ -116,6 +116,9 @@ pub enum QuantError {
     /// A stack of expert matrices whose rows do not split evenly among the experts.
     #[error("a [{rows}, {cols}] stack of matrices does not split into {count} experts")]
     Experts { rows: usize, cols: usize, count: usize },
+    /// A column range that does not fall on block boundaries (or is past the matrix).
+    #[error("columns {start}..{end} of a matrix of {cols} columns do not fall on blocks of {block}")]
+    ColumnSlice { cols: usize, start: usize, end: usize, block: usize },
     /// A GGUF block type that is not a k-quant kept on the GPU (Q4_K, Q5_K, Q6_K).
     #[error("{dtype} is not one of the k-quant types kept as they are (Q4_K, Q5_K, Q6_K)")]
     NotKQuant { dtype: String },
@@ -296,6 +299,33 @@ impl HostQuantized {
         }
     }
 
+    /// Columns `range` as a matrix of their own (a tensor-parallel shard of a matrix split by
+    /// its inputs); the range must start and end on block boundaries.
+    pub fn cols_slice(&self, range: std::ops::Range<usize>) -> Result<Self, QuantError> {
+        if !range.start.is_multiple_of(BLOCK) || !range.end.is_multiple_of(BLOCK) || range.end > self.cols {
+            return Err(QuantError::ColumnSlice { cols: self.cols, start: range.start, end: range.end, block: BLOCK });
+        }
+        let per_row = self.cols / BLOCK;
+        let blocks = range.start / BLOCK..range.end / BLOCK;
+        let mut out = Self {
+            format: self.format,
+            rows: self.rows,
+            cols: range.len(),
+            codes: Vec::with_capacity(self.rows * range.len()),
+            scales: Vec::with_capacity(self.rows * blocks.len()),
+            offsets: Vec::new(),
+        };
+        for row in 0..self.rows {
+            out.codes.extend_from_slice(&self.codes[row * self.cols + range.start..row * self.cols + range.end]);
+            let row_blocks = row * per_row + blocks.start..row * per_row + blocks.end;
+            out.scales.extend_from_slice(&self.scales[row_blocks.clone()]);
+            if !self.offsets.is_empty() {
+                out.offsets.extend_from_slice(&self.offsets[row_blocks]);
+            }
+        }
+        Ok(out)
+    }
+
     /// Appends `other`'s rows below this matrix's when both have the same format and width (one
     /// product then serves both); gives `other` back otherwise.
     pub fn append_rows(&mut self, other: HostQuantized) -> Result<(), HostQuantized> {
@@ -364,6 +394,30 @@ impl HostQuantized {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Columns of the dequantized matrix, by row.
+    fn columns(values: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
+        values.chunks_exact(cols).flat_map(|row| row[range.clone()].to_vec()).collect()
+    }
+
+    /// A column slice on block boundaries holds exactly those columns of the matrix (codes,
+    /// scales and offsets alike), in both formats; a slice off the boundaries is refused.
+    #[test]
+    fn column_slices_hold_the_columns() {
+        let (rows, cols) = (5, 4 * BLOCK);
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 263) as f32 / 131.0 - 1.0).collect();
+        for format in [QuantFormat::Q8, QuantFormat::Q4] {
+            let whole = HostQuantized::quantize(&values, rows, cols, format).expect("quantizes");
+            let full = whole.dequantize();
+            for range in [0..BLOCK, BLOCK..3 * BLOCK, 3 * BLOCK..cols] {
+                let part = whole.cols_slice(range.clone()).expect("on block boundaries");
+                assert_eq!((part.rows, part.cols), (rows, range.len()));
+                assert_eq!(part.dequantize(), columns(&full, cols, range), "{format:?}");
+            }
+            assert!(matches!(whole.cols_slice(1..BLOCK + 1), Err(QuantError::ColumnSlice { .. })));
+            assert!(matches!(whole.cols_slice(0..cols + BLOCK), Err(QuantError::ColumnSlice { .. })));
+        }
+    }
 
     /// The vectorizable rounding is `f32::round` for every kind of value: halves both ways,
     /// the largest float under a half, integers, huge values, signed zeros.

@@ -251,7 +251,7 @@ impl<B: GemmaBackend> Gemma4Assistant<B> {
         let mut stream = ResidualStream::new(x, self.dtype);
         for (layer, producer) in self.layers.iter().zip(producers) {
             let rope = rope.get(layer.self_attn.settings.layer_type);
-            stream = layer.forward(stream, rope, LayerKv::Before(producer), &at, None)?;
+            stream = layer.forward(stream, rope, LayerKv::Before(producer), &at, None, None)?;
         }
         let (_, hidden) = stream.norm(&self.norm);
         let hidden = hidden.reshape([batch, self.config.text.hidden_size]);

@@ -97,6 +97,19 @@ impl GgmlBlocks {
         }
     }
 
+    /// Columns `range` as a matrix of their own (a tensor-parallel shard of a matrix split by
+    /// its inputs); the range must start and end on the type's block boundaries.
+    pub fn cols_slice(&self, range: Range<usize>) -> Result<Self, QuantError> {
+        let block = self.dtype.block_size();
+        if !range.start.is_multiple_of(block) || !range.end.is_multiple_of(block) || range.end > self.cols {
+            return Err(QuantError::ColumnSlice { cols: self.cols, start: range.start, end: range.end, block });
+        }
+        let size = self.dtype.type_size();
+        let (row, from, to) = (self.row_bytes(), range.start / block * size, range.end / block * size);
+        let bytes = self.bytes.chunks_exact(row.max(1)).flat_map(|r| &r[from..to]).copied().collect();
+        Ok(Self { dtype: self.dtype, rows: self.rows, cols: range.len(), bytes })
+    }
+
     /// Appends `other`'s rows below this matrix's when both have the same type and width (one
     /// product then serves both); gives `other` back otherwise.
     pub fn append_rows(&mut self, other: GgmlBlocks) -> Result<(), GgmlBlocks> {
@@ -486,6 +499,25 @@ pub(crate) mod tests {
             }
         }
         GgmlBlocks::new(dtype, rows, cols, out).expect("whole blocks")
+    }
+
+    /// A column slice on the type's block boundaries dequantizes to those columns of the whole
+    /// matrix; a slice off them is refused.
+    #[test]
+    fn column_slices_hold_the_columns() {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+            let block = dtype.block_size();
+            let (rows, cols) = (3, 4 * block);
+            let whole = random_blocks(dtype, rows, cols, 17);
+            let full = whole.dequantize().expect("dequantizes");
+            for range in [0..block, block..3 * block] {
+                let part = whole.cols_slice(range.clone()).expect("on block boundaries");
+                assert_eq!(part.shape(), [rows, range.len()]);
+                let expected: Vec<f32> = full.chunks_exact(cols).flat_map(|r| r[range.clone()].to_vec()).collect();
+                assert_eq!(part.dequantize().expect("dequantizes"), expected, "{dtype:?}");
+            }
+            assert!(matches!(whole.cols_slice(block / 2..block), Err(QuantError::ColumnSlice { .. })));
+        }
     }
 
     /// `x` (rows of `cols`) as the block dot products of `dtype` read it: quantized to the 8-bit

@@ -1,0 +1,341 @@
+//! A model split over several devices of one host (tensor parallelism, see
+//! [`burn_gemma_model::tensor_parallel`]): [`ShardedModel`] keeps one thread per device, each
+//! holding its shard and its shard's KV cache, and runs every step on all of them at once; the
+//! shards meet only in their all-reduces. On CUDA the all-reduce is NCCL's (the `nccl` module, with the `cuda` feature); on
+//! other backends [`HostAllReduce`] adds the shards' values on the host.
+
+#[cfg(feature = "cuda")]
+pub mod nccl;
+
+use crate::{generation::token_tensor, Checkpoint, Error, LoadOptions};
+use burn::tensor::{DType, Tensor};
+use burn_gemma_kernels::GemmaBackend;
+pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
+use burn_gemma_model::{Gemma, GemmaConfig, KvCache, ModelError};
+use std::{
+    sync::{mpsc, Arc},
+    thread::JoinHandle,
+};
+
+/// What every shard does in one call.
+#[derive(Debug, Clone)]
+enum Command {
+    /// A fresh KV cache of this many positions.
+    NewCache(usize),
+    /// These tokens after the cache's positions; the last position's logits.
+    Logits(Vec<u32>),
+    /// These tokens after the cache's positions; the last position's greedy token.
+    Greedy(Vec<u32>),
+}
+
+/// What shard 0 gives back (the others give back nothing but success).
+enum Reply {
+    Done,
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
+struct Worker {
+    commands: mpsc::Sender<Command>,
+    replies: mpsc::Receiver<Result<Reply, Error>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A Gemma model split over several devices, each shard on a thread of its own.
+///
+/// ```no_run
+/// # #[cfg(feature = "cuda")]
+/// # fn main() -> Result<(), burn_gemma::Error> {
+/// use burn_gemma::{backends::Cuda, tensor_parallel::ShardedModel, Checkpoint, LoadOptions};
+/// let checkpoint = Checkpoint::open("gemma-3-27b-it-Q8_0.gguf")?;
+/// let devices = [0, 1].map(burn::backend::cuda::CudaDevice::new);
+/// let mut model = ShardedModel::<Cuda>::load_nccl(&checkpoint, &devices, |d| LoadOptions::new().device(d.clone()))?;
+/// model.new_cache(4096)?;
+/// let logits = model.logits(&[2, 651, 6037, 576, 6081, 603])?; // the last position's
+/// # Ok(()) }
+/// # #[cfg(not(feature = "cuda"))]
+/// # fn main() {}
+/// ```
+pub struct ShardedModel<B: GemmaBackend> {
+    workers: Vec<Worker>,
+    reduces: Vec<Arc<dyn AllReduce<B>>>,
+    config: GemmaConfig,
+    /// Positions in the shards' caches.
+    position: usize,
+    /// Their capacity, once made.
+    capacity: Option<usize>,
+    /// A step failed part-way on some shards: their caches and all-reduces no longer agree.
+    broken: bool,
+}
+
+impl<B: GemmaBackend> ShardedModel<B> {
+    /// Loads shard `i` of `checkpoint` on `devices[i]` (`options` gives each device's load
+    /// options), every shard on its own thread, joined by `reduces[i]`. One device loads the
+    /// whole model, with no all-reduce.
+    pub fn load(
+        checkpoint: &Checkpoint,
+        devices: &[B::Device],
+        options: impl Fn(&B::Device) -> LoadOptions<B> + Sync,
+        reduces: Vec<Arc<dyn AllReduce<B>>>,
+    ) -> Result<Self, Error> {
+        let world = devices.len();
+        if world == 0 || (world > 1 && reduces.len() != world) {
+            return Err(ModelError::TensorParallel(format!(
+                "{world} devices and {} all-reduce handles: give one handle per device",
+                reduces.len()
+            ))
+            .into());
+        }
+        if world > 1 {
+            // Refused before any thread reads a weight.
+            Shard::new(0, world)?.config(checkpoint.config())?;
+        }
+        let options = &options;
+        let shards: Vec<Result<Gemma<B>, Error>> = std::thread::scope(|s| {
+            let threads: Vec<_> = devices
+                .iter()
+                .enumerate()
+                .map(|(rank, device)| {
+                    let reduce = reduces.get(rank).cloned();
+                    s.spawn(move || {
+                        let options = options(device);
+                        let loaded = match reduce {
+                            Some(reduce) if world > 1 => {
+                                let shard = Shard::new(rank, world)?;
+                                checkpoint.load_shard(options, TensorParallel { shard, reduce })?
+                            }
+                            _ => checkpoint.load(options)?,
+                        };
+                        Ok(loaded.model)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| {
+                    t.join().unwrap_or_else(|_| {
+                        Err(ModelError::TensorParallel("a shard's loading thread panicked".into()).into())
+                    })
+                })
+                .collect()
+        });
+        let shards = shards.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Self::new(shards, checkpoint.config().clone(), if world > 1 { reduces } else { Vec::new() })
+    }
+
+    /// The shards of `config`'s model (each loaded by [`Gemma::load_shard`], in rank order, or
+    /// one whole model), joined by `reduces` (one per shard; none for one whole model).
+    pub fn new(shards: Vec<Gemma<B>>, config: GemmaConfig, reduces: Vec<Arc<dyn AllReduce<B>>>) -> Result<Self, Error> {
+        let world = shards.len();
+        for (rank, shard) in shards.iter().enumerate() {
+            let place = shard.parallel().map(|p| (p.shard.rank(), p.shard.world()));
+            let expected = if world == 1 { None } else { Some((rank, world)) };
+            if place != expected && !(world == 1 && place == Some((0, 1))) {
+                return Err(ModelError::TensorParallel(format!(
+                    "model {rank} of {world} is {}",
+                    match place {
+                        Some((r, w)) => format!("shard {r} of {w}"),
+                        None => "a whole model".into(),
+                    }
+                ))
+                .into());
+            }
+        }
+        let workers = shards.into_iter().enumerate().map(|(rank, model)| Worker::spawn(rank, model)).collect();
+        Ok(Self { workers, reduces, config, position: 0, capacity: None, broken: false })
+    }
+
+    /// The whole model's config.
+    pub fn config(&self) -> &GemmaConfig {
+        &self.config
+    }
+
+    /// How many devices the model is split over.
+    pub fn world(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Positions in the KV caches.
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    /// Fresh KV caches of `capacity` positions on every shard (the context so far forgotten).
+    pub fn new_cache(&mut self, capacity: usize) -> Result<(), Error> {
+        self.capacity = None;
+        self.run(Command::NewCache(capacity))?;
+        self.position = 0;
+        self.capacity = Some(capacity);
+        Ok(())
+    }
+
+    /// `ids` after the positions in the caches (a prompt, or one generated token); the last
+    /// position's logits over the whole vocabulary (f32, capped where the config caps them).
+    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, Error> {
+        match self.step(Command::Logits(ids.to_vec()), ids.len())? {
+            Reply::Logits(logits) => Ok(logits),
+            _ => Err(Self::lost()),
+        }
+    }
+
+    /// Like [`ShardedModel::logits`], but only the last position's greedy token comes back
+    /// from the device.
+    pub fn greedy(&mut self, ids: &[u32]) -> Result<u32, Error> {
+        match self.step(Command::Greedy(ids.to_vec()), ids.len())? {
+            Reply::Token(id) => Ok(id),
+            _ => Err(Self::lost()),
+        }
+    }
+
+    fn lost() -> Error {
+        ModelError::TensorParallel("shard 0 gave no result".into()).into()
+    }
+
+    fn step(&mut self, command: Command, tokens: usize) -> Result<Reply, Error> {
+        let ids = match &command {
+            Command::Logits(ids) | Command::Greedy(ids) => ids.as_slice(),
+            Command::NewCache(_) => &[],
+        };
+        if tokens == 0 {
+            return Err(ModelError::InvalidInput("empty token sequence".into()).into());
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+            return Err(ModelError::InvalidInput(format!(
+                "token id {id} is past the vocabulary of {}",
+                self.config.vocab_size
+            ))
+            .into());
+        }
+        let Some(capacity) = self.capacity else {
+            return Err(ModelError::InvalidInput("no KV cache yet: call new_cache first".into()).into());
+        };
+        if self.position + tokens > capacity {
+            return Err(ModelError::ContextOverflow { needed: self.position + tokens, capacity }.into());
+        }
+        let reply = self.run(command)?;
+        self.position += tokens;
+        Ok(reply)
+    }
+
+    /// `command` on every shard; shard 0's reply.
+    fn run(&mut self, command: Command) -> Result<Reply, Error> {
+        if self.broken {
+            return Err(ModelError::TensorParallel(
+                "an earlier step failed on some shards only; load the model again".into(),
+            )
+            .into());
+        }
+        let mut sent = 0;
+        for worker in &self.workers {
+            if worker.commands.send(command.clone()).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let mut replies = Vec::with_capacity(sent);
+        let mut failed = sent < self.workers.len();
+        for worker in &self.workers[..sent] {
+            // A shard that fails releases the others from their all-reduces.
+            let reply = worker
+                .replies
+                .recv()
+                .unwrap_or_else(|_| Err(ModelError::TensorParallel("a shard's thread stopped".into()).into()));
+            if reply.is_err() && !failed {
+                failed = true;
+                self.reduces.iter().for_each(|r| r.abort());
+            }
+            replies.push(reply);
+        }
+        let mut replies = replies.into_iter();
+        let first = replies.next().unwrap_or_else(|| Err(Self::lost()));
+        if failed {
+            // Requests are checked before they reach the shards, so a failure here is one
+            // shard's (a device error): the shards' caches no longer agree.
+            self.broken = true;
+            let error = std::iter::once(first).chain(replies).find_map(Result::err);
+            return Err(error.unwrap_or_else(Self::lost));
+        }
+        first
+    }
+}
+
+impl<B: GemmaBackend> Drop for ShardedModel<B> {
+    fn drop(&mut self) {
+        for worker in &mut self.workers {
+            // Closing the command channel ends the thread's loop.
+            let (closed, _) = mpsc::channel();
+            drop(std::mem::replace(&mut worker.commands, closed));
+            if let Some(thread) = worker.thread.take() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+impl Worker {
+    fn spawn<B: GemmaBackend>(rank: usize, model: Gemma<B>) -> Self {
+        let (commands, inbox) = mpsc::channel::<Command>();
+        let (outbox, replies) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("burn-gemma shard {rank}"))
+            .spawn(move || {
+                let mut cache: Option<KvCache<B>> = None;
+                while let Ok(command) = inbox.recv() {
+                    let reply = Self::execute(rank, &model, &mut cache, command);
+                    if outbox.send(reply).is_err() {
+                        break;
+                    }
+                }
+            })
+            .ok();
+        Self { commands, replies, thread }
+    }
+
+    fn execute<B: GemmaBackend>(
+        rank: usize,
+        model: &Gemma<B>,
+        cache: &mut Option<KvCache<B>>,
+        command: Command,
+    ) -> Result<Reply, Error> {
+        let tokens = match &command {
+            Command::NewCache(capacity) => {
+                *cache = None;
+                *cache = Some(model.new_cache(1, *capacity)?);
+                return Ok(Reply::Done);
+            }
+            Command::Logits(ids) | Command::Greedy(ids) => ids,
+        };
+        let cache =
+            cache.as_mut().ok_or_else(|| ModelError::InvalidInput("no KV cache yet: call new_cache first".into()))?;
+        let logits: Tensor<B, 2> = model.forward_last(token_tensor::<B>(tokens, &model.device()), cache)?;
+        if rank != 0 {
+            return Ok(Reply::Done);
+        }
+        match command {
+            Command::Greedy(_) => {
+                let id = logits
+                    .argmax(1)
+                    .into_data()
+                    .convert::<i64>()
+                    .into_vec::<i64>()
+                    .map_err(|e| ModelError::ReadBack { what: "the greedy token", reason: format!("{e:?}") })?;
+                Ok(Reply::Token(id.first().copied().unwrap_or(0) as u32))
+            }
+            _ => {
+                let values = logits
+                    .cast(DType::F32)
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec::<f32>()
+                    .map_err(|e| ModelError::ReadBack { what: "the logits", reason: format!("{e:?}") })?;
+                Ok(Reply::Logits(values))
+            }
+        }
+    }
+}
+
+/// The host all-reduce's handles of `world` shards, as the trait objects
+/// [`ShardedModel::load`] takes.
+pub fn host_all_reduce<B: GemmaBackend>(world: usize) -> Vec<Arc<dyn AllReduce<B>>> {
+    HostAllReduce::group(world).into_iter().map(|h| Arc::new(h) as Arc<dyn AllReduce<B>>).collect()
+}
