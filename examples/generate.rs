@@ -18,9 +18,11 @@ use backend_args::BackendArgs;
 use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
-    chat::{ReplyPart, ReplyRouter, SystemTurn, Thinking},
+    chat::{ChatTemplate, ReplyPart, ReplyRouter, SystemTurn, Thinking},
+    generation::Utf8Stream,
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
-    AssistantCheckpoint, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
+    tensor_parallel::{self, ShardedModel},
+    AssistantCheckpoint, Bos, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
     Loaded, MmprojCheckpoint, Picture, SamplingConfig, StopReason,
 };
 use clap::Parser;
@@ -33,6 +35,7 @@ use std::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc,
     },
+    time::Instant,
 };
 
 /// The program's errors: the library's, or a message about its command line.
@@ -114,6 +117,12 @@ struct Args {
     /// sizes), each its own image in the prompt after the whole one.
     #[arg(long)]
     pan_and_scan: bool,
+    /// Split the model over this many devices (tensor parallelism): CUDA devices 0..N joined by
+    /// NCCL (its library, `libnccl.so`, must be installed), or N shards on a CPU backend. A
+    /// prompt (with or without --chat) is generated eagerly; drafts, pictures and the
+    /// interactive chat are not split.
+    #[arg(long, default_value_t = std::num::NonZeroUsize::MIN)]
+    tensor_parallel: std::num::NonZeroUsize,
     /// Print the backends and devices detected, then exit.
     #[arg(long)]
     list_devices: bool,
@@ -177,6 +186,9 @@ impl BackendTask for Run {
     type Output = Result<(), CliError>;
 
     fn run<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
+        if self.args.tensor_parallel.get() > 1 {
+            return self.run_split::<B>(device, name);
+        }
         let (weights, dtype, kv_cache) = self.args.backend.formats(name)?;
         let threads = if name.contains("CPU") { format!(", threads: {}", self.threads) } else { String::new() };
         eprintln!(
@@ -388,6 +400,66 @@ impl BackendTask for Run {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+impl Run {
+    /// `--tensor-parallel N`: the prompt's reply from the model split over N devices.
+    fn run_split<B: GemmaBackend>(self, device: B::Device, name: &str) -> Result<(), CliError> {
+        let world = self.args.tensor_parallel.get();
+        let Some(prompt) = &self.prompt else {
+            return Err(CliError::from("--tensor-parallel generates one reply: pass --prompt (or pipe it on stdin)"));
+        };
+        if self.args.draft.is_some() || !self.args.images.is_empty() {
+            return Err(CliError::from("--tensor-parallel does not take --draft or --image"));
+        }
+        let (weights, dtype, kv_cache) = self.args.backend.formats(name)?;
+        let (devices, reduces) = tensor_parallel::split_devices::<B>(&device, world)?;
+        eprintln!(
+            "backend: {name}, {world} devices from {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}"
+        );
+        let checkpoint = Checkpoint::open(&self.model_path)?;
+        let started = Instant::now();
+        let options =
+            |d: &B::Device| LoadOptions::<B>::new().device(d.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
+        let mut model = ShardedModel::load(&checkpoint, &devices, options, reduces)?;
+        eprintln!("loaded {world} shards in {:.1} s", started.elapsed().as_secs_f64());
+        let tokenizer = checkpoint.tokenizer()?;
+        let config = checkpoint.config().clone();
+        drop(checkpoint);
+        let text = match self.args.chat {
+            true => ChatTemplate::for_architecture(config.model_type).user_turn(prompt),
+            false => prompt.clone(),
+        };
+        let ids = tokenizer.encode(&text, Bos::Prepend)?;
+        let stop = burn_gemma::generation::default_stop_tokens(&config, &tokenizer);
+        let mut utf8 = Utf8Stream::default();
+        let mut stdout = std::io::stdout();
+        let started = Instant::now();
+        let mut first = None;
+        let interrupt = self.interrupt.clone();
+        let generated = model.generate(&ids, self.generation.sampling, self.args.max_new_tokens, &stop, |id| {
+            first.get_or_insert_with(|| started.elapsed());
+            if !stop.contains(&id) {
+                let _ = stdout.write_all(utf8.push(tokenizer.token_bytes(id)).as_bytes());
+                let _ = stdout.flush();
+            }
+            !interrupt.load(Ordering::SeqCst)
+        })?;
+        let _ = stdout.write_all(utf8.finish().as_bytes());
+        eprintln!();
+        let first = first.unwrap_or_default().as_secs_f64();
+        let decode = started.elapsed().as_secs_f64() - first;
+        eprintln!(
+            "{} prompt tokens in {:.2} s ({:.1} tok/s), {} tokens in {:.2} s ({:.1} tok/s), {world} devices",
+            ids.len(),
+            first,
+            ids.len() as f64 / first.max(1e-9),
+            generated.len().saturating_sub(1),
+            decode,
+            generated.len().saturating_sub(1) as f64 / decode.max(1e-9)
+        );
         Ok(())
     }
 }

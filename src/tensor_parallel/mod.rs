@@ -7,11 +7,13 @@
 #[cfg(feature = "cuda")]
 pub mod nccl;
 
-use crate::{generation::token_tensor, Checkpoint, Error, LoadOptions};
+use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, LoadOptions, SamplingConfig};
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::GemmaBackend;
 pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
 use burn_gemma_model::{Gemma, GemmaConfig, KvCache, ModelError};
+#[cfg(feature = "cuda")]
+use std::any::Any;
 use std::{
     sync::{mpsc, Arc},
     thread::JoinHandle,
@@ -338,4 +340,91 @@ impl Worker {
 /// [`ShardedModel::load`] takes.
 pub fn host_all_reduce<B: GemmaBackend>(world: usize) -> Vec<Arc<dyn AllReduce<B>>> {
     HostAllReduce::group(world).into_iter().map(|h| Arc::new(h) as Arc<dyn AllReduce<B>>).collect()
+}
+
+/// The devices a model split `world` ways runs on, starting at `first`, and their all-reduce:
+/// CUDA devices `first..first + world` joined by NCCL (with the `cuda` feature), or `world`
+/// shards on the one CPU device of a CPU backend joined through the host (a way to try the
+/// split, not to speed it up). Other backends are refused.
+pub fn split_devices<B: GemmaBackend>(
+    first: &B::Device,
+    world: usize,
+) -> Result<(Vec<B::Device>, Vec<Arc<dyn AllReduce<B>>>), Error> {
+    if world == 0 {
+        return Err(ModelError::TensorParallel("a model split over 0 devices".into()).into());
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(cuda) = (first as &dyn Any).downcast_ref::<burn::backend::cuda::CudaDevice>() {
+        let devices: Vec<_> = (cuda.index..cuda.index + world).map(burn::backend::cuda::CudaDevice::new).collect();
+        let present = burn_gemma_kernels::graph::cuda_device_count();
+        if let Some(missing) = devices.iter().find(|d| d.index >= present) {
+            return Err(ModelError::TensorParallel(format!(
+                "CUDA device {} does not exist ({present} present): a split over {world} devices from device {} needs \
+                 devices {}..{}",
+                missing.index,
+                cuda.index,
+                cuda.index,
+                cuda.index + world
+            ))
+            .into());
+        }
+        let reduces: Box<dyn Any> =
+            Box::new(if world > 1 { nccl::NcclAllReduce::group(&devices)? } else { Vec::new() });
+        let devices: Box<dyn Any> = Box::new(devices);
+        return match (devices.downcast::<Vec<B::Device>>(), reduces.downcast::<Vec<Arc<dyn AllReduce<B>>>>()) {
+            (Ok(devices), Ok(reduces)) => Ok((*devices, *reduces)),
+            _ => Err(ModelError::TensorParallel(format!(
+                "CUDA devices on the {} backend: tensor parallelism runs on the crate's `backends::Cuda`",
+                B::name(first)
+            ))
+            .into()),
+        };
+    }
+    let name = B::name(first);
+    let lower = name.to_lowercase();
+    if !lower.contains("cpu") && !lower.contains("ndarray") {
+        return Err(ModelError::TensorParallel(format!(
+            "the {name} backend: tensor parallelism runs on CUDA devices (NCCL), or on a CPU backend for trying it"
+        ))
+        .into());
+    }
+    let reduces = if world > 1 { host_all_reduce(world) } else { Vec::new() };
+    Ok((vec![first.clone(); world], reduces))
+}
+
+impl<B: GemmaBackend> ShardedModel<B> {
+    /// Generates after `prompt` (token ids, its first the BOS where the model wants one) with
+    /// fresh caches: up to `max_new_tokens` tokens drawn by `sampling` (greedy ones picked on
+    /// the device), stopping after one of `stop`, or when `on_token` (called with each new
+    /// token) returns false. Returns the new tokens.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        sampling: SamplingConfig,
+        max_new_tokens: usize,
+        stop: &[u32],
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Vec<u32>, Error> {
+        let mut sampler = Sampler::new(sampling)?;
+        let on_device = sampler.is_greedy() && !sampler.penalizes();
+        self.new_cache(prompt.len() + max_new_tokens)?;
+        let mut history = prompt.to_vec();
+        let mut generated = Vec::new();
+        let mut input = prompt.to_vec();
+        while generated.len() < max_new_tokens {
+            let next = if on_device {
+                self.greedy(&input)?
+            } else {
+                let mut logits = self.logits(&input)?;
+                sampler.sample(&mut logits, &history)
+            };
+            generated.push(next);
+            history.push(next);
+            if !on_token(next) || stop.contains(&next) {
+                break;
+            }
+            input = vec![next];
+        }
+        Ok(generated)
+    }
 }

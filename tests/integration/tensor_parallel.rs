@@ -144,3 +144,116 @@ fn bad_splits_and_requests_are_refused() {
     assert_eq!(split.position(), 0);
     assert_eq!(split.greedy(&[2, 3]).map(|_| split.position()).expect("still runs"), 2);
 }
+
+/// Gemma 4 31B's attention layout in miniature: full layers whose values are their keys on 4 KV
+/// heads of their own size, split 2 a shard, sliding layers on 4 KV heads split alike, partial
+/// RoPE on the full layers; two rounds of five sliding layers and a full one.
+fn gemma4_31b_miniature() -> burn_gemma::GemmaConfig {
+    let mut config = burn_gemma::GemmaConfig::preset("gemma4-31b").expect("preset");
+    (config.hidden_size, config.intermediate_size, config.vocab_size) = (128, 256, 1024);
+    (config.num_attention_heads, config.num_key_value_heads, config.num_global_key_value_heads) = (8, 4, 4);
+    (config.head_dim, config.global_head_dim) = (32, 64);
+    config.num_hidden_layers = 12;
+    config.layer_types.truncate(12);
+    config.validate().expect("a valid miniature");
+    config
+}
+
+/// `config`'s random model (seed 7) whole on `devices[0]` and split over `devices` (shards
+/// loaded one after another from the same seed: they draw the unsplit model's weights), run
+/// on `prompt` and 4 greedy steps: (whole logits and tokens, split logits and tokens).
+fn whole_and_split<B: GemmaBackend>(
+    config: &burn_gemma::GemmaConfig,
+    options: &burn_gemma::ModelOptions,
+    devices: &[B::Device],
+    reduces: Vec<std::sync::Arc<dyn burn_gemma::tensor_parallel::AllReduce<B>>>,
+    prompt: &[u32],
+) -> ((Vec<Vec<f32>>, Vec<u32>), (Vec<Vec<f32>>, Vec<u32>)) {
+    use burn_gemma::tensor_parallel::{Shard, TensorParallel};
+    use burn_gemma::Gemma;
+    use burn_gemma_model::RandomWeights;
+    let whole = Gemma::<B>::load(config.clone(), &mut RandomWeights::new(7), options, &devices[0]).expect("whole");
+    let mut whole = ShardedModel::new(vec![whole], config.clone(), Vec::new()).expect("whole");
+    let expected = run(&mut whole, prompt, 4);
+    drop(whole);
+    let world = devices.len();
+    let shards = devices
+        .iter()
+        .enumerate()
+        .map(|(rank, device)| {
+            let parallel =
+                TensorParallel { shard: Shard::new(rank, world).expect("shard"), reduce: reduces[rank].clone() };
+            Gemma::<B>::load_shard(config.clone(), &mut RandomWeights::new(7), options, device, parallel)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .expect("shards");
+    let mut split = ShardedModel::new(shards, config.clone(), reduces).expect("split");
+    (expected, run(&mut split, prompt, 4))
+}
+
+/// Gemma 4 31B's layout in miniature (random f32 weights) split over two shards gives the
+/// unsplit model's logits within 1e-5 and its tokens.
+#[test]
+fn gemma4_31b_layout_in_miniature_splits() {
+    let device = Default::default();
+    let options = burn_gemma::ModelOptions::dense(burn::tensor::DType::F32);
+    let prompt = [2, 17, 301, 999, 45, 7, 512, 88];
+    let config = gemma4_31b_miniature();
+    let ((expected, expected_tokens), (got, tokens)) =
+        whole_and_split::<NdArray>(&config, &options, &[device; 2], host_all_reduce(2), &prompt);
+    for (step, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let diff = max_diff(g, e);
+        assert!(diff <= 1e-5, "step {step}: logits {diff} apart");
+    }
+    assert_eq!(tokens, expected_tokens);
+}
+
+/// On two CUDA devices joined by NCCL: Gemma 3 27B's and Gemma 4 31B's layouts in miniature,
+/// split, give the one-GPU model's f32 logits within 1e-4 (the GPU products sum in another
+/// order for other shapes) and its tokens; in bf16 the split is no farther from the one-GPU
+/// f32 model than twice the one-GPU bf16 model is. Ignored by default: it needs two GPUs and
+/// NCCL's library (`--ignored` on such a machine).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs two CUDA devices and libnccl.so"]
+fn layouts_in_miniature_split_over_two_gpus() {
+    use burn::backend::cuda::CudaDevice;
+    use burn::tensor::DType;
+    use burn_gemma::{backends::Cuda, tensor_parallel::nccl::NcclAllReduce, ModelOptions};
+    let devices = [CudaDevice::new(0), CudaDevice::new(1)];
+    let mut gemma3 = burn_gemma::GemmaConfig::preset("gemma3-27b").expect("preset");
+    (gemma3.hidden_size, gemma3.intermediate_size, gemma3.vocab_size) = (128, 256, 1024);
+    (gemma3.num_attention_heads, gemma3.num_key_value_heads, gemma3.num_global_key_value_heads) = (8, 4, 4);
+    (gemma3.head_dim, gemma3.global_head_dim, gemma3.num_hidden_layers) = (32, 32, 12);
+    gemma3.layer_types.truncate(12);
+    let mut state = 7u64;
+    let prompt: Vec<u32> = (0..300)
+        .map(|i| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            if i == 0 {
+                2
+            } else {
+                4 + (state >> 33) as u32 % 1000
+            }
+        })
+        .collect();
+    for (name, config) in [("gemma3-27b", gemma3), ("gemma4-31b", gemma4_31b_miniature())] {
+        let f32 = ModelOptions::dense(DType::F32);
+        let reduces = NcclAllReduce::group(&devices).expect("NCCL");
+        let ((whole, whole_tokens), (split, tokens)) =
+            whole_and_split::<Cuda>(&config, &f32, &devices, reduces, &prompt);
+        let f32_diff: Vec<f32> = split.iter().zip(&whole).map(|(s, w)| max_diff(s, w)).collect();
+        eprintln!("{name} f32: split vs one GPU {f32_diff:?}");
+        let bf16 = ModelOptions::dense(DType::BF16);
+        let reduces = NcclAllReduce::group(&devices).expect("NCCL");
+        let ((whole16, _), (split16, _)) = whole_and_split::<Cuda>(&config, &bf16, &devices, reduces, &prompt);
+        let noise: Vec<f32> = whole16.iter().zip(&whole).map(|(h, w)| max_diff(h, w)).collect();
+        let diff16: Vec<f32> = split16.iter().zip(&whole).map(|(h, w)| max_diff(h, w)).collect();
+        eprintln!("{name} bf16: one GPU vs f32 {noise:?}, split vs f32 {diff16:?}");
+        assert!(f32_diff.iter().all(|&d| d <= 1e-4), "{name}: f32 split {f32_diff:?} from one GPU");
+        assert_eq!(tokens, whole_tokens, "{name}");
+        for (step, (d, n)) in diff16.iter().zip(&noise).enumerate() {
+            assert!(*d <= 2.0 * n.max(1e-3), "{name} bf16 step {step}: split {d} from f32, one GPU {n}");
+        }
+    }
+}

@@ -220,6 +220,10 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
             cache_path().map_or("memory only: no cache folder".into(), |p| p.display().to_string())
         );
     }
+    // Timed without the lock: timing waits for the device, whose queue may hold a collective
+    // that another thread's device must join first (tensor-parallel shards, one thread each,
+    // meeting new shapes together), and that thread may be about to choose a kernel too.
+    drop(guard);
     let start = Instant::now();
     let expected = matmul(lhs.clone(), rhs.clone(), out, GemmKernel::Unit).ok().and_then(|t| read(&t))?;
     let mut best: Option<(Duration, GemmKernel)> = None;
@@ -246,6 +250,7 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         }
     }
     let (_, kernel) = best?;
+    let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
     guard.summary.tuned += 1;
     guard.summary.time += start.elapsed();
     guard.choices.insert(key.clone(), kernel);

@@ -35,6 +35,15 @@ enum Table<B: Backend> {
 
 const TABLE: &str = "model.embed_tokens.weight";
 
+/// A slice as a tensor of its own, through the host: a device slice is a view that keeps the
+/// whole matrix's memory (every shard would hold the whole model) and strides that the products
+/// would read column by column. Burn 0.21 has no device copy; the weights pass through the host
+/// once when they load anyway.
+fn owned<B: Backend, const D: usize>(t: Tensor<B, D>, device: &B::Device) -> Tensor<B, D> {
+    let dtype = t.dtype();
+    Tensor::from_data(t.into_data(), (device, dtype))
+}
+
 /// Which part of a matrix a shard holds.
 #[derive(Debug, Clone)]
 struct Cut {
@@ -137,7 +146,7 @@ impl<B: Backend, S: WeightSource<B>> WeightSource<B> for ShardedSource<'_, B, S>
         let t = self.inner.load(name, whole, kind, dtype, device)?;
         let ranges: [Range<usize>; D] =
             std::array::from_fn(|axis| if axis == cut.axis { cut.range.clone() } else { 0..whole[axis] });
-        Ok(t.slice(ranges))
+        Ok(owned(t.slice(ranges), device))
     }
 
     fn load_row_chunks(
@@ -159,7 +168,9 @@ impl<B: Backend, S: WeightSource<B>> WeightSource<B> for ShardedSource<'_, B, S>
             Some(Table::Chunks(chunks)) => Tensor::cat(chunks, 0).slice([cut.range, 0..shape[1]]),
             _ => self.load(name, shape, WeightKind::Matrix, dtype, device)?,
         };
-        Ok(row_chunks(shape[0], rows_per_chunk).map(|rows| t.clone().slice([rows, 0..shape[1]])).collect())
+        Ok(row_chunks(shape[0], rows_per_chunk)
+            .map(|rows| owned(t.clone().slice([rows, 0..shape[1]]), device))
+            .collect())
     }
 
     fn load_host_quantized(

@@ -1,0 +1,163 @@
+//! Tensor-parallel prefill and decode on several CUDA devices of one host (issue 37): the model
+//! split over 1, 2, 4 ... devices in turn, NCCL's all-reduce between them, each device's shard
+//! on a thread of its own (`burn_gemma::tensor_parallel::ShardedModel`), steps run eagerly.
+//!
+//! ```text
+//! cargo run --release --features cuda,tools --example tp_bench -- \
+//!     --model synthetic:gemma4-31b --tensor-parallel 1,2 --dtype bf16 --weights bf16 --prompt-len 512 --gen 128
+//! ```
+//!
+//! Each split loads, prefills `--prompt-len` tokens (to the first greedy token, read back) and
+//! decodes `--gen` greedy tokens (each read back: the devices are synchronized every token);
+//! medians over `--reps` after a warm-up rep. The first split's prompt logits and tokens are the
+//! reference the others' are compared with (a random-weight `synthetic:` model is the same on
+//! every split: its shards draw the unsplit model's weights).
+
+#[path = "cli/backend_args.rs"]
+mod backend_args;
+
+use backend_args::BackendArgs;
+use burn::backend::cuda::CudaDevice;
+use burn_gemma::{
+    backends::Cuda,
+    tensor_parallel::{nccl::NcclAllReduce, Shard, ShardedModel, TensorParallel},
+    Checkpoint, Gemma, GemmaConfig, LoadOptions, ModelOptions,
+};
+use burn_gemma_model::RandomWeights;
+use clap::Parser;
+use std::time::Instant;
+
+type CliError = Box<dyn std::error::Error>;
+
+#[derive(Parser)]
+struct Args {
+    /// GGUF file, HF directory, or synthetic:<preset> (random weights, see `GemmaConfig::PRESETS`).
+    #[arg(long)]
+    model: String,
+    #[command(flatten)]
+    backend: BackendArgs,
+    /// Device counts measured in turn, comma-separated (devices 0..N of the host).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    tensor_parallel: Vec<usize>,
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Seed of synthetic weights and of the prompt's ids.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+/// The split model over `devices`.
+fn load(args: &Args, devices: &[CudaDevice]) -> Result<ShardedModel<Cuda>, CliError> {
+    let (weights, dtype, kv_cache) = args.backend.formats("cuda")?;
+    let Some(preset) = args.model.strip_prefix("synthetic:") else {
+        let checkpoint = Checkpoint::open(&args.model)?;
+        let options =
+            |d: &CudaDevice| LoadOptions::new().device(d.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
+        return Ok(ShardedModel::load_nccl(&checkpoint, devices, options)?);
+    };
+    let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
+    let config = GemmaConfig::preset(preset)?;
+    if devices.len() == 1 {
+        let model = Gemma::load(config.clone(), &mut RandomWeights::new(args.seed), &options, &devices[0])?;
+        return Ok(ShardedModel::new(vec![model], config, Vec::new())?);
+    }
+    // One shard after another on this thread: each draws the whole model's weights from the
+    // seed in order (the device random generator is one per process) and keeps its part.
+    let reduces = NcclAllReduce::group(devices)?;
+    let mut shards = Vec::new();
+    for (rank, (device, reduce)) in devices.iter().zip(&reduces).enumerate() {
+        let parallel = TensorParallel { shard: Shard::new(rank, devices.len())?, reduce: reduce.clone() };
+        let started = Instant::now();
+        shards.push(Gemma::load_shard(config.clone(), &mut RandomWeights::new(args.seed), &options, device, parallel)?);
+        eprintln!("shard {rank} of {} loaded in {:.1} s", devices.len(), started.elapsed().as_secs_f64());
+    }
+    Ok(ShardedModel::new(shards, config, reduces)?)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), CliError> {
+    let args = Args::parse();
+    let kind = args.backend.check()?;
+    if !matches!(kind, burn_gemma::backends::BackendKind::Cuda | burn_gemma::backends::BackendKind::Auto) {
+        return Err(format!("tp_bench runs on CUDA devices (NCCL), not {}", args.backend.backend).into());
+    }
+    args.backend.start_threads()?;
+    let config = match args.model.strip_prefix("synthetic:") {
+        Some(preset) => GemmaConfig::preset(preset)?,
+        None => Checkpoint::open(&args.model)?.config().clone(),
+    };
+    let vocab = config.vocab_size as u64;
+    let mut state = args.seed | 1;
+    let prompt: Vec<u32> = (0..args.prompt_len.max(1))
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            if i == 0 {
+                2
+            } else {
+                (4 + state % (vocab - 4)) as u32
+            }
+        })
+        .collect();
+    let mut reference: Option<(Vec<f32>, Vec<u32>)> = None;
+    for &world in &args.tensor_parallel {
+        let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
+        let started = Instant::now();
+        let mut model = load(&args, &devices)?;
+        eprintln!("{world} device(s): loaded in {:.1} s", started.elapsed().as_secs_f64());
+        let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+        let mut logits = Vec::new();
+        let mut tokens = Vec::new();
+        for rep in 0..=args.reps {
+            model.new_cache(prompt.len() + args.gen + 1)?;
+            let t = Instant::now();
+            let mut next = model.greedy(&prompt)?;
+            let pp = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let mut generated = vec![next];
+            for _ in 1..args.gen {
+                next = model.greedy(&[next])?;
+                generated.push(next);
+            }
+            let tg = t.elapsed().as_secs_f64();
+            if rep > 0 {
+                prefill.push(prompt.len() as f64 / pp);
+                decode.push((args.gen.max(2) - 1) as f64 / tg);
+            } else {
+                tokens = generated;
+                model.new_cache(prompt.len() + 1)?;
+                logits = model.logits(&prompt)?;
+            }
+        }
+        let (pp, tg) = (median(prefill), median(decode));
+        let parity = match &reference {
+            None => "reference".to_string(),
+            Some((ref_logits, ref_tokens)) => {
+                let diff = ref_logits.iter().zip(&logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                let scale = ref_logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let same = ref_tokens.iter().zip(&tokens).take_while(|(a, b)| a == b).count();
+                format!("prompt logits {diff:.4} from the first split's (largest {scale:.2}); first {same} of {} greedy tokens equal", tokens.len())
+            }
+        };
+        println!(
+            "{} | {world} GPU(s) | pp{} {pp:.1} tok/s | tg{} {tg:.2} tok/s ({:.2} ms/token) | {parity}",
+            args.model,
+            prompt.len(),
+            args.gen,
+            1e3 / tg
+        );
+        if reference.is_none() {
+            reference = Some((logits, tokens));
+        }
+    }
+    Ok(())
+}
