@@ -19,6 +19,9 @@ use std::{
     thread::JoinHandle,
 };
 
+/// One all-reduce handle per shard, in rank order.
+pub type AllReduces<B> = Vec<Arc<dyn AllReduce<B>>>;
+
 /// What every shard does in one call.
 #[derive(Debug, Clone)]
 enum Command {
@@ -60,7 +63,7 @@ struct Worker {
 /// ```
 pub struct ShardedModel<B: GemmaBackend> {
     workers: Vec<Worker>,
-    reduces: Vec<Arc<dyn AllReduce<B>>>,
+    reduces: AllReduces<B>,
     config: GemmaConfig,
     /// Positions in the shards' caches.
     position: usize,
@@ -78,7 +81,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
         checkpoint: &Checkpoint,
         devices: &[B::Device],
         options: impl Fn(&B::Device) -> LoadOptions<B> + Sync,
-        reduces: Vec<Arc<dyn AllReduce<B>>>,
+        reduces: AllReduces<B>,
     ) -> Result<Self, Error> {
         let world = devices.len();
         if world == 0 || (world > 1 && reduces.len() != world) {
@@ -127,7 +130,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
 
     /// The shards of `config`'s model (each loaded by [`Gemma::load_shard`], in rank order, or
     /// one whole model), joined by `reduces` (one per shard; none for one whole model).
-    pub fn new(shards: Vec<Gemma<B>>, config: GemmaConfig, reduces: Vec<Arc<dyn AllReduce<B>>>) -> Result<Self, Error> {
+    pub fn new(shards: Vec<Gemma<B>>, config: GemmaConfig, reduces: AllReduces<B>) -> Result<Self, Error> {
         let world = shards.len();
         for (rank, shard) in shards.iter().enumerate() {
             let place = shard.parallel().map(|p| (p.shard.rank(), p.shard.world()));
@@ -338,7 +341,7 @@ impl Worker {
 
 /// The host all-reduce's handles of `world` shards, as the trait objects
 /// [`ShardedModel::load`] takes.
-pub fn host_all_reduce<B: GemmaBackend>(world: usize) -> Vec<Arc<dyn AllReduce<B>>> {
+pub fn host_all_reduce<B: GemmaBackend>(world: usize) -> AllReduces<B> {
     HostAllReduce::group(world).into_iter().map(|h| Arc::new(h) as Arc<dyn AllReduce<B>>).collect()
 }
 
@@ -349,7 +352,7 @@ pub fn host_all_reduce<B: GemmaBackend>(world: usize) -> Vec<Arc<dyn AllReduce<B
 pub fn split_devices<B: GemmaBackend>(
     first: &B::Device,
     world: usize,
-) -> Result<(Vec<B::Device>, Vec<Arc<dyn AllReduce<B>>>), Error> {
+) -> Result<(Vec<B::Device>, AllReduces<B>), Error> {
     if world == 0 {
         return Err(ModelError::TensorParallel("a model split over 0 devices".into()).into());
     }
@@ -371,7 +374,7 @@ pub fn split_devices<B: GemmaBackend>(
         let reduces: Box<dyn Any> =
             Box::new(if world > 1 { nccl::NcclAllReduce::group(&devices)? } else { Vec::new() });
         let devices: Box<dyn Any> = Box::new(devices);
-        return match (devices.downcast::<Vec<B::Device>>(), reduces.downcast::<Vec<Arc<dyn AllReduce<B>>>>()) {
+        return match (devices.downcast::<Vec<B::Device>>(), reduces.downcast::<AllReduces<B>>()) {
             (Ok(devices), Ok(reduces)) => Ok((*devices, *reduces)),
             _ => Err(ModelError::TensorParallel(format!(
                 "CUDA devices on the {} backend: tensor parallelism runs on the crate's `backends::Cuda`",

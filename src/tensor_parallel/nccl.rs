@@ -2,7 +2,7 @@
 //! operations (the comm stream of each device, ordered after and before its compute stream's
 //! work without the host waiting).
 
-use super::{AllReduce, ShardedModel};
+use super::{AllReduce, AllReduces, ShardedModel};
 use crate::{backends::Cuda, Checkpoint, Error, LoadOptions};
 use burn::{backend::cuda::CudaDevice, tensor::Tensor};
 use burn_gemma_model::ModelError;
@@ -17,7 +17,7 @@ pub struct NcclAllReduce {
 
 impl NcclAllReduce {
     /// Handles for `devices`, one per device, once NCCL's library is found.
-    pub fn group(devices: &[CudaDevice]) -> Result<Vec<Arc<dyn AllReduce<Cuda>>>, Error> {
+    pub fn group(devices: &[CudaDevice]) -> Result<AllReduces<Cuda>, Error> {
         if !burn_gemma_kernels::collective::nccl_available() {
             return Err(ModelError::TensorParallel(
                 "NCCL's library (libnccl.so) was not found; install NCCL or put its directory on LD_LIBRARY_PATH"

@@ -16,9 +16,11 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// The prompt's last logits and `steps` greedy steps after it, on `model`: every step's logits
-/// and the tokens chosen.
-fn run(model: &mut ShardedModel<impl GemmaBackend>, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+/// Every step's logits and the greedy tokens chosen.
+type Run = (Vec<Vec<f32>>, Vec<u32>);
+
+/// The prompt's last logits and `steps` greedy steps after it, on `model`.
+fn run(model: &mut ShardedModel<impl GemmaBackend>, prompt: &[u32], steps: usize) -> Run {
     model.new_cache(prompt.len() + steps + 1).expect("cache");
     let mut logits = vec![model.logits(prompt).expect("prompt")];
     let mut tokens = Vec::new();
@@ -166,9 +168,9 @@ fn whole_and_split<B: GemmaBackend>(
     config: &burn_gemma::GemmaConfig,
     options: &burn_gemma::ModelOptions,
     devices: &[B::Device],
-    reduces: Vec<std::sync::Arc<dyn burn_gemma::tensor_parallel::AllReduce<B>>>,
+    reduces: burn_gemma::tensor_parallel::AllReduces<B>,
     prompt: &[u32],
-) -> ((Vec<Vec<f32>>, Vec<u32>), (Vec<Vec<f32>>, Vec<u32>)) {
+) -> (Run, Run) {
     use burn_gemma::tensor_parallel::{Shard, TensorParallel};
     use burn_gemma::Gemma;
     use burn_gemma_model::RandomWeights;
