@@ -373,6 +373,7 @@ impl Engine {
     where
         Gemma<B>: Send + 'static,
     {
+        crate::tensor_parallel::refuse_shard(&model)?;
         check_vocabulary(model.config(), &tokenizer)?;
         if let Some(v) = &vision {
             v.check_fits(model.config().hidden_size, model.config().vocab_size)?;

@@ -383,6 +383,7 @@ struct TargetHidden<B: GemmaBackend> {
 impl<B: GemmaBackend> Generator<B> {
     /// Wraps a model and tokenizer. Fails if they disagree on the vocabulary.
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
+        crate::tensor_parallel::refuse_shard(&model)?;
         check_vocabulary(model.config(), &tokenizer)?;
         let template = ChatTemplate::for_architecture(model.config().model_type);
         let default_stops = default_stop_tokens(model.config(), &tokenizer);

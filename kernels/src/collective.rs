@@ -31,7 +31,11 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    crate::graph::unsupported(|| "a tensor-parallel all-reduce (NCCL) inside a recorded step".into());
+    if crate::graph::recording() {
+        // The recording is not replayable anyway; the other devices are not recording with it.
+        crate::graph::unsupported(|| "a tensor-parallel all-reduce (NCCL) inside a recorded step".into());
+        return x;
+    }
     let t: CubeTensor<CudaRuntime> = x.into_primitive().tensor();
     // NCCL writes the sum over the input: a buffer of our own, contiguous.
     let t = if t.handle.can_mut() && t.is_contiguous() { t } else { t.copy() };

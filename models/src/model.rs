@@ -302,7 +302,10 @@ impl<B: GemmaBackend> Gemma<B> {
                     + l.per_layer_input.as_ref().map_or(0, PerLayerInput::device_bytes)
             })
             .sum();
-        self.embed_tokens.device_bytes() + self.per_layer.as_ref().map_or(0, PerLayerEmbeddings::device_bytes) + layers
+        self.embed_tokens.device_bytes()
+            + self.head.as_ref().map_or(0, Embedding::device_bytes)
+            + self.per_layer.as_ref().map_or(0, PerLayerEmbeddings::device_bytes)
+            + layers
     }
 
     /// A KV cache for `batch` sequences of up to `capacity` positions.

@@ -145,6 +145,15 @@ fn bad_splits_and_requests_are_refused() {
     assert!(matches!(past, Err(Error::Model(e)) if matches!(*e, ModelError::InvalidInput(_))));
     assert_eq!(split.position(), 0);
     assert_eq!(split.greedy(&[2, 3]).map(|_| split.position()).expect("still runs"), 2);
+
+    // One shard alone would wait in its first all-reduce for the others: refused.
+    let reduce = host_all_reduce::<NdArray>(2).remove(0);
+    let shard = burn_gemma::tensor_parallel::Shard::new(0, 2).expect("shard");
+    let loaded = checkpoint
+        .load_shard(options(&device), burn_gemma::tensor_parallel::TensorParallel { shard, reduce })
+        .expect("shard 0");
+    let refused = burn_gemma::Generator::new(loaded.model, common::tiny_tokenizer());
+    assert!(matches!(refused, Err(Error::Model(e)) if matches!(*e, ModelError::TensorParallel(_))));
 }
 
 /// Gemma 4 31B's attention layout in miniature: full layers whose values are their keys on 4 KV
