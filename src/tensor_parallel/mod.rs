@@ -177,7 +177,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// `ids` after the positions in the caches (a prompt, or one generated token); the last
     /// position's logits over the whole vocabulary (f32, capped where the config caps them).
     pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>, Error> {
-        match self.step(Command::Logits(ids.to_vec()), ids.len())? {
+        match self.step(ids, Command::Logits)? {
             Reply::Logits(logits) => Ok(logits),
             _ => Err(Self::lost()),
         }
@@ -186,7 +186,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// Like [`ShardedModel::logits`], but only the last position's greedy token comes back
     /// from the device.
     pub fn greedy(&mut self, ids: &[u32]) -> Result<u32, Error> {
-        match self.step(Command::Greedy(ids.to_vec()), ids.len())? {
+        match self.step(ids, Command::Greedy)? {
             Reply::Token(id) => Ok(id),
             _ => Err(Self::lost()),
         }
@@ -196,11 +196,9 @@ impl<B: GemmaBackend> ShardedModel<B> {
         ModelError::TensorParallel("shard 0 gave no result".into()).into()
     }
 
-    fn step(&mut self, command: Command, tokens: usize) -> Result<Reply, Error> {
-        let ids = match &command {
-            Command::Logits(ids) | Command::Greedy(ids) => ids.as_slice(),
-            Command::NewCache(_) => &[],
-        };
+    /// `ids` after the caches' positions as `command` asks, checked here first.
+    fn step(&mut self, ids: &[u32], command: fn(Vec<u32>) -> Command) -> Result<Reply, Error> {
+        let tokens = ids.len();
         if tokens == 0 {
             return Err(ModelError::InvalidInput("empty token sequence".into()).into());
         }
@@ -217,7 +215,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
         if self.position + tokens > capacity {
             return Err(ModelError::ContextOverflow { needed: self.position + tokens, capacity }.into());
         }
-        let reply = self.run(command)?;
+        let reply = self.run(command(ids.to_vec()))?;
         self.position += tokens;
         Ok(reply)
     }

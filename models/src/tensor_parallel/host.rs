@@ -50,7 +50,11 @@ impl HostAllReduce {
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Round>, ModelError> {
-        self.meeting.state.lock().map_err(|_| ModelError::TensorParallel("a shard failed inside the all-reduce".into()))
+        self.meeting.state.lock().map_err(|_| Self::poisoned())
+    }
+
+    fn poisoned() -> ModelError {
+        ModelError::TensorParallel("a shard failed inside the all-reduce".into())
     }
 
     fn aborted() -> ModelError {
@@ -67,11 +71,7 @@ impl HostAllReduce {
             if round.aborted {
                 return Err(Self::aborted());
             }
-            round = self
-                .meeting
-                .changed
-                .wait(round)
-                .map_err(|_| ModelError::TensorParallel("a shard failed inside the all-reduce".into()))?;
+            round = self.meeting.changed.wait(round).map_err(|_| Self::poisoned())?;
         }
         if round.aborted {
             return Err(Self::aborted());

@@ -149,10 +149,9 @@ impl<B: Backend> TensorParallel<B> {
         if range.start > 0 {
             parts.push(zeros(range.start));
         }
-        let end = range.end;
         parts.push(local);
-        if end < vocab {
-            parts.push(zeros(vocab - end));
+        if range.end < vocab {
+            parts.push(zeros(vocab - range.end));
         }
         self.reduce.all_reduce(Tensor::cat(parts, 1))
     }

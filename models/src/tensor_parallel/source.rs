@@ -164,12 +164,17 @@ impl<B: Backend, S: WeightSource<B>> WeightSource<B> for ShardedSource<'_, B, S>
             }
             return Ok(chunks);
         };
-        let t: Tensor<B, 2> = match self.kept(name, |t| matches!(t, Table::Chunks(_))) {
-            Some(Table::Chunks(chunks)) => Tensor::cat(chunks, 0).slice([cut.range, 0..shape[1]]),
-            _ => self.load(name, shape, WeightKind::Matrix, dtype, device)?,
+        // The whole matrix, each chunk of the shard's part cut from it and copied once.
+        let whole: Tensor<B, 2> = match self.kept(name, |t| matches!(t, Table::Chunks(_))) {
+            Some(Table::Chunks(chunks)) => Tensor::cat(chunks, 0),
+            _ => self.inner.load(name, cut.whole(shape), WeightKind::Matrix, dtype, device)?,
+        };
+        let (rows_at, cols) = match cut.axis {
+            0 => (cut.range.start, 0..shape[1]),
+            _ => (0, cut.range.clone()),
         };
         Ok(row_chunks(shape[0], rows_per_chunk)
-            .map(|rows| owned(t.clone().slice([rows, 0..shape[1]]), device))
+            .map(|rows| owned(whole.clone().slice([rows.start + rows_at..rows.end + rows_at, cols.clone()]), device))
             .collect())
     }
 
