@@ -1,6 +1,8 @@
 //! Tensor-parallel prefill and decode on several CUDA devices of one host (issue 37): the model
-//! split over 1, 2, 4 ... devices in turn, NCCL's all-reduce between them, each device's shard
-//! on a thread of its own (`burn_gemma::tensor_parallel::ShardedModel`), steps run eagerly.
+//! split over 1, 2, 4 ... devices in turn, NCCL's collectives between them, each device's shard
+//! on a thread of its own (`burn_gemma::tensor_parallel::ShardedModel`); the prompt runs
+//! eagerly, and each decode step replays one CUDA graph per device with the collectives inside
+//! (`--cuda-graph off`: eager steps).
 //!
 //! ```text
 //! cargo run --release --features cuda,tools --example tp_bench -- \
@@ -21,7 +23,7 @@ use burn::backend::cuda::CudaDevice;
 use burn_gemma::{
     backends::Cuda,
     tensor_parallel::{nccl::NcclAllReduce, Shard, ShardedModel, TensorParallel},
-    Checkpoint, Gemma, GemmaConfig, LoadOptions, ModelOptions,
+    Checkpoint, CudaGraph, Gemma, GemmaConfig, LoadOptions, ModelOptions,
 };
 use burn_gemma_model::RandomWeights;
 use clap::Parser;
@@ -48,6 +50,10 @@ struct Args {
     /// Seed of synthetic weights and of the prompt's ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// auto | on | off: decode steps replayed as one CUDA graph per device (`auto`: eager where
+    /// a step cannot be recorded, saying why).
+    #[arg(long, default_value = "auto")]
+    cuda_graph: CudaGraph,
 }
 
 /// The split model over `devices`.
@@ -114,6 +120,7 @@ fn main() -> Result<(), CliError> {
         let started = Instant::now();
         let mut model = load(&args, &devices)?;
         eprintln!("{world} device(s): loaded in {:.1} s", started.elapsed().as_secs_f64());
+        model.set_cuda_graph(args.cuda_graph)?;
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
         let mut logits = Vec::new();
         let mut tokens = Vec::new();
@@ -134,11 +141,17 @@ fn main() -> Result<(), CliError> {
                 decode.push((args.gen.max(2) - 1) as f64 / tg);
             } else {
                 tokens = generated;
-                model.new_cache(prompt.len() + 1)?;
+                // The same size: the caches are emptied in place and the recorded steps kept.
+                model.new_cache(prompt.len() + args.gen + 1)?;
                 logits = model.logits(&prompt)?;
             }
         }
         let (pp, tg) = (median(prefill), median(decode));
+        let steps = match (args.cuda_graph, model.eager_because()) {
+            (CudaGraph::Off, _) => "eager".to_string(),
+            (_, Some(why)) => format!("eager ({why})"),
+            _ => "graphs".to_string(),
+        };
         let parity = match &reference {
             None => "reference".to_string(),
             Some((ref_logits, ref_tokens)) => {
@@ -149,7 +162,7 @@ fn main() -> Result<(), CliError> {
             }
         };
         println!(
-            "{} | {world} GPU(s) | pp{} {pp:.1} tok/s | tg{} {tg:.2} tok/s ({:.2} ms/token) | {parity}",
+            "{} | {world} GPU(s) | pp{} {pp:.1} tok/s | tg{} {tg:.2} tok/s ({:.2} ms/token, {steps}) | {parity}",
             args.model,
             prompt.len(),
             args.gen,

@@ -203,23 +203,8 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
                 cache.capacity()
             )));
         }
-        if let Some(recorded) = self.cache.filter(|&id| id != cache.id()) {
-            return Err(ModelError::InvalidInput(format!(
-                "these decode graphs were recorded with KV cache #{recorded} and write its buffers; \
-                 cache #{} is another (make new DecodeGraphs for it)",
-                cache.id()
-            )));
-        }
-        cache.check_room(advance)?;
+        self.prepare(model, cache)?;
         let position = cache.len();
-        // The last row's position picks the bucket.
-        let last = position + advance - 1;
-        if self.current.as_ref().is_none_or(|r| last > r.bound) {
-            // Free the previous bucket's buffers before allocating the next.
-            self.current = None;
-            self.current = Some(self.record(model, cache, bucket_bound(last, self.capacity))?);
-            self.cache = Some(cache.id());
-        }
         let Some(step) = self.current.as_mut() else {
             return Err(ModelError::Graph(GraphError::Unsupported("no recorded step".into())));
         };
@@ -243,6 +228,32 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
                 u32::try_from(v).unwrap_or(u32::MAX)
             })
             .collect())
+    }
+
+    /// Records the step the cache's next position needs, unless the current recording serves
+    /// it; returns whether it recorded. [`DecodeGraphs::step`] does this itself; the shards of
+    /// a split model do it first, all together, so that none replays a graph whose collectives
+    /// the others would not join (a shard whose recording failed steps eagerly).
+    pub fn prepare(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>) -> Result<bool, ModelError> {
+        let (_, advance) = self.cache_rows();
+        if let Some(recorded) = self.cache.filter(|&id| id != cache.id()) {
+            return Err(ModelError::InvalidInput(format!(
+                "these decode graphs were recorded with KV cache #{recorded} and write its buffers; \
+                 cache #{} is another (make new DecodeGraphs for it)",
+                cache.id()
+            )));
+        }
+        cache.check_room(advance)?;
+        // The last row's position picks the bucket.
+        let last = cache.len() + advance - 1;
+        if self.current.as_ref().is_some_and(|r| last <= r.bound) {
+            return Ok(false);
+        }
+        // Free the previous bucket's buffers before allocating the next.
+        self.current = None;
+        self.current = Some(self.record(model, cache, bucket_bound(last, self.capacity))?);
+        self.cache = Some(cache.id());
+        Ok(true)
     }
 
     fn record(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>, bound: usize) -> Result<Recorded<B>, ModelError> {

@@ -33,7 +33,7 @@ pub use attention::{
 pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix, StepRows};
 pub use config::{Architecture, GemmaConfig, ImageAttention, KvSource, LayerType, MoeConfig, NormScale, RopeConfig};
-pub use decode_graph::{CudaGraph, DecodeGraphs, GraphSetup};
+pub use decode_graph::{bucket_bound, CudaGraph, DecodeGraphs, GraphSetup};
 pub use error::ModelError;
 pub use hf_config::HfConfig;
 pub use model::{Gemma, ImageEmbeds, ModelOptions, StepInputs};

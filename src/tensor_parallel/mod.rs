@@ -11,7 +11,8 @@ use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, Load
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::GemmaBackend;
 pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
-use burn_gemma_model::{Gemma, GemmaConfig, KvCache, ModelError};
+use burn_gemma_kernels::SamplingParams;
+use burn_gemma_model::{bucket_bound, CudaGraph, DecodeGraphs, Gemma, GemmaConfig, KvCache, ModelError};
 #[cfg(feature = "cuda")]
 use std::any::Any;
 use std::{
@@ -31,6 +32,12 @@ enum Command {
     Logits(Vec<u32>),
     /// These tokens after the cache's positions; the last position's greedy token.
     Greedy(Vec<u32>),
+    /// Record the greedy decode step the cache's next position needs, unless recorded.
+    Record,
+    /// This token through the recorded step; its greedy successor.
+    Replay(u32),
+    /// Forget the recorded steps: every step eager from now on.
+    Eager,
 }
 
 /// What shard 0 gives back (the others give back nothing but success).
@@ -38,6 +45,13 @@ enum Reply {
     Done,
     Logits(Vec<f32>),
     Token(u32),
+}
+
+/// What a shard's thread keeps between commands.
+struct ShardState<B: GemmaBackend> {
+    cache: Option<KvCache<B>>,
+    /// Its greedy decode steps recorded as CUDA graphs (they write `cache`'s buffers).
+    graphs: Option<DecodeGraphs<B>>,
 }
 
 struct Worker {
@@ -71,6 +85,12 @@ pub struct ShardedModel<B: GemmaBackend> {
     capacity: Option<usize>,
     /// A step failed part-way on some shards: their caches and all-reduces no longer agree.
     broken: bool,
+    /// Whether greedy decode steps replay a recorded CUDA graph on each device.
+    cuda_graph: CudaGraph,
+    /// The position bound the shards' recorded steps serve (none recorded: `None`).
+    recorded: Option<usize>,
+    /// Why decoding went eager in [`CudaGraph::Auto`] mode.
+    eager_because: Option<String>,
 }
 
 impl<B: GemmaBackend> ShardedModel<B> {
@@ -147,7 +167,36 @@ impl<B: GemmaBackend> ShardedModel<B> {
             }
         }
         let workers = shards.into_iter().enumerate().map(|(rank, model)| Worker::spawn(rank, model)).collect();
-        Ok(Self { workers, reduces, config, position: 0, capacity: None, broken: false })
+        Ok(Self {
+            workers,
+            reduces,
+            config,
+            position: 0,
+            capacity: None,
+            broken: false,
+            cuda_graph: CudaGraph::Auto,
+            recorded: None,
+            eager_because: None,
+        })
+    }
+
+    /// Whether greedy decode steps (one token after the prompt, [`ShardedModel::greedy`])
+    /// replay a CUDA graph recorded on each device, the shards' all-reduces recorded into it
+    /// (NCCL): [`CudaGraph::Auto`] by default (eager where a step cannot be recorded, or off
+    /// CUDA), [`CudaGraph::On`] to fail instead.
+    pub fn set_cuda_graph(&mut self, mode: CudaGraph) -> Result<(), Error> {
+        if mode == CudaGraph::Off && self.recorded.is_some() {
+            self.run(Command::Eager)?;
+            self.recorded = None;
+        }
+        self.cuda_graph = mode;
+        self.eager_because = None;
+        Ok(())
+    }
+
+    /// Why decode steps run eagerly in [`CudaGraph::Auto`] mode, once a recording failed.
+    pub fn eager_because(&self) -> Option<&str> {
+        self.eager_because.as_deref()
     }
 
     /// The whole model's config.
@@ -165,8 +214,13 @@ impl<B: GemmaBackend> ShardedModel<B> {
         self.position
     }
 
-    /// Fresh KV caches of `capacity` positions on every shard (the context so far forgotten).
+    /// Fresh KV caches of `capacity` positions on every shard (the context so far forgotten;
+    /// caches of that size already there are emptied and kept, with their recorded steps).
     pub fn new_cache(&mut self, capacity: usize) -> Result<(), Error> {
+        if self.capacity != Some(capacity) {
+            // A cache of another size: the recorded steps go with the old one.
+            self.recorded = None;
+        }
         self.capacity = None;
         self.run(Command::NewCache(capacity))?;
         self.position = 0;
@@ -186,10 +240,68 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// Like [`ShardedModel::logits`], but only the last position's greedy token comes back
     /// from the device.
     pub fn greedy(&mut self, ids: &[u32]) -> Result<u32, Error> {
+        if let ([id], Some(capacity)) = (ids, self.capacity) {
+            if self.graph_ready(capacity)? {
+                return match self.step(ids, |_| Command::Replay(*id))? {
+                    Reply::Token(id) => Ok(id),
+                    _ => Err(Self::lost()),
+                };
+            }
+        }
         match self.step(ids, Command::Greedy)? {
             Reply::Token(id) => Ok(id),
             _ => Err(Self::lost()),
         }
+    }
+
+    /// Whether the next decode step replays a graph: records it on every shard first where
+    /// the position left the recorded bucket. A recording that fails on any shard turns the
+    /// graphs off on all ([`CudaGraph::Auto`]) or is the step's error ([`CudaGraph::On`]).
+    fn graph_ready(&mut self, capacity: usize) -> Result<bool, Error> {
+        if self.cuda_graph == CudaGraph::Off || self.eager_because.is_some() || self.position >= capacity {
+            return Ok(false);
+        }
+        let bound = bucket_bound(self.position, capacity);
+        if self.recorded == Some(bound) {
+            return Ok(true);
+        }
+        let failure = match self.each(Command::Record) {
+            Ok(()) => {
+                self.recorded = Some(bound);
+                return Ok(true);
+            }
+            Err(e) => e,
+        };
+        self.recorded = None;
+        self.each(Command::Eager)?;
+        if self.cuda_graph == CudaGraph::On {
+            return Err(failure);
+        }
+        self.eager_because = Some(failure.to_string());
+        Ok(false)
+    }
+
+    /// `command` on every shard, which must all succeed; none failing leaves the model broken
+    /// (a recording, or forgetting one, touches no cache).
+    fn each(&mut self, command: Command) -> Result<(), Error> {
+        let mut sent = 0;
+        for worker in &self.workers {
+            if worker.commands.send(command.clone()).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let mut first_error = (sent < self.workers.len()).then(Self::lost);
+        for worker in &self.workers[..sent] {
+            let reply = worker
+                .replies
+                .recv()
+                .unwrap_or_else(|_| Err(ModelError::TensorParallel("a shard's thread stopped".into()).into()));
+            if let Err(e) = reply {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     fn lost() -> Error {
@@ -197,7 +309,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
     }
 
     /// `ids` after the caches' positions as `command` asks, checked here first.
-    fn step(&mut self, ids: &[u32], command: fn(Vec<u32>) -> Command) -> Result<Reply, Error> {
+    fn step(&mut self, ids: &[u32], command: impl FnOnce(Vec<u32>) -> Command) -> Result<Reply, Error> {
         let tokens = ids.len();
         if tokens == 0 {
             return Err(ModelError::InvalidInput("empty token sequence".into()).into());
@@ -282,9 +394,9 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name(format!("burn-gemma shard {rank}"))
             .spawn(move || {
-                let mut cache: Option<KvCache<B>> = None;
+                let mut state = ShardState { cache: None, graphs: None };
                 while let Ok(command) = inbox.recv() {
-                    let reply = Self::execute(rank, &model, &mut cache, command);
+                    let reply = Self::execute(rank, &model, &mut state, command);
                     if outbox.send(reply).is_err() {
                         break;
                     }
@@ -297,19 +409,45 @@ impl Worker {
     fn execute<B: GemmaBackend>(
         rank: usize,
         model: &Gemma<B>,
-        cache: &mut Option<KvCache<B>>,
+        state: &mut ShardState<B>,
         command: Command,
     ) -> Result<Reply, Error> {
+        let no_cache = || ModelError::InvalidInput("no KV cache yet: call new_cache first".into());
         let tokens = match &command {
             Command::NewCache(capacity) => {
-                *cache = None;
-                *cache = Some(model.new_cache(1, *capacity)?);
+                if let Some(cache) = state.cache.as_mut().filter(|c| c.capacity() == *capacity) {
+                    // Emptied in place: the recorded steps, which write its buffers, stay valid.
+                    cache.reset();
+                } else {
+                    state.graphs = None;
+                    state.cache = None;
+                    state.cache = Some(model.new_cache(1, *capacity)?);
+                }
                 return Ok(Reply::Done);
+            }
+            Command::Eager => {
+                state.graphs = None;
+                return Ok(Reply::Done);
+            }
+            Command::Record => {
+                let cache = state.cache.as_mut().ok_or_else(no_cache)?;
+                let graphs = state
+                    .graphs
+                    .get_or_insert_with(|| DecodeGraphs::new(SamplingParams::GREEDY, 1, cache.capacity()));
+                graphs.prepare(model, cache)?;
+                return Ok(Reply::Done);
+            }
+            Command::Replay(id) => {
+                let cache = state.cache.as_mut().ok_or_else(no_cache)?;
+                let graphs = state.graphs.as_mut().ok_or_else(|| {
+                    ModelError::TensorParallel("a graph replay asked of a shard with no recorded step".into())
+                })?;
+                let next = graphs.step(model, cache, &[*id], &[0.0])?;
+                return Ok(if rank == 0 { Reply::Token(next.first().copied().unwrap_or(u32::MAX)) } else { Reply::Done });
             }
             Command::Logits(ids) | Command::Greedy(ids) => ids,
         };
-        let cache =
-            cache.as_mut().ok_or_else(|| ModelError::InvalidInput("no KV cache yet: call new_cache first".into()))?;
+        let cache = state.cache.as_mut().ok_or_else(no_cache)?;
         let logits: Tensor<B, 2> = model.forward_last(token_tensor::<B>(tokens, &model.device()), cache)?;
         if rank != 0 {
             return Ok(Reply::Done);

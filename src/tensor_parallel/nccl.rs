@@ -1,44 +1,42 @@
-//! The all-reduce between CUDA devices of one host: NCCL, through CubeCL 0.10's collective
-//! operations (the comm stream of each device, ordered after and before its compute stream's
-//! work without the host waiting).
+//! The collectives between CUDA devices of one host: NCCL, through CubeCL 0.10's all-reduce
+//! when run eagerly (the comm stream of each device, ordered after and before its compute
+//! stream's work without the host waiting), and recorded into each device's decode graph
+//! otherwise (see `burn_gemma_kernels::collective`).
 
 use super::{AllReduce, AllReduces, ShardedModel};
 use crate::{backends::Cuda, Checkpoint, Error, LoadOptions};
 use burn::{backend::cuda::CudaDevice, tensor::Tensor};
+use burn_gemma_kernels::collective::{self, CollectiveError, NcclGroup};
 use burn_gemma_model::ModelError;
 use std::sync::Arc;
 
-/// One device's handle on an NCCL all-reduce among `devices` (the same list, in the same order,
-/// on every shard).
+/// One device's handle on the NCCL collectives among a group of devices (the same group, in
+/// the same order, on every shard).
 #[derive(Debug, Clone)]
 pub struct NcclAllReduce {
-    devices: Vec<CudaDevice>,
+    group: Arc<NcclGroup>,
 }
 
 impl NcclAllReduce {
-    /// Handles for `devices`, one per device, once NCCL's library is found.
+    /// Handles for `devices` (rank order), one per device, once NCCL's library is found.
     pub fn group(devices: &[CudaDevice]) -> Result<AllReduces<Cuda>, Error> {
-        if !burn_gemma_kernels::collective::nccl_available() {
-            return Err(ModelError::TensorParallel(
-                "NCCL's library (libnccl.so) was not found; install NCCL or put its directory on LD_LIBRARY_PATH"
-                    .into(),
-            )
-            .into());
-        }
-        let mut ordinals: Vec<usize> = devices.iter().map(|d| d.index).collect();
-        ordinals.sort_unstable();
-        ordinals.dedup();
-        if ordinals.len() != devices.len() {
-            return Err(ModelError::TensorParallel(format!("a device is named twice among {ordinals:?}")).into());
-        }
-        let handle = Self { devices: devices.to_vec() };
+        let group = NcclGroup::new(devices).map_err(refused)?;
+        let handle = Self { group };
         Ok(devices.iter().map(|_| Arc::new(handle.clone()) as Arc<dyn AllReduce<Cuda>>).collect())
     }
 }
 
+fn refused(e: CollectiveError) -> ModelError {
+    ModelError::TensorParallel(e.to_string())
+}
+
 impl AllReduce<Cuda> for NcclAllReduce {
     fn all_reduce(&self, x: Tensor<Cuda, 2>) -> Result<Tensor<Cuda, 2>, ModelError> {
-        Ok(burn_gemma_kernels::collective::all_reduce_sum(x, &self.devices))
+        collective::all_reduce_sum(x, &self.group).map_err(refused)
+    }
+
+    fn all_gather(&self, x: Tensor<Cuda, 2>) -> Result<Tensor<Cuda, 2>, ModelError> {
+        collective::all_gather(x, &self.group).map_err(refused)
     }
 }
 

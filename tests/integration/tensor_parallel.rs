@@ -268,3 +268,61 @@ fn layouts_in_miniature_split_over_two_gpus() {
         }
     }
 }
+
+/// On two CUDA devices: decode replayed as one CUDA graph per GPU, the shards' all-reduces and
+/// the vocabulary's all-gather recorded into it (NCCL), picks the tokens the eager split picks
+/// and the one-GPU graph picks, over Gemma 3 27B's and Gemma 4 31B's layouts in miniature (f32
+/// random weights; a 250-token prompt, so that the 12 steps cross from the first recording's
+/// positions into the next's). The two-rank sum is exact whichever communicator adds, so the
+/// tokens must be equal, not close. Ignored by default like the test above.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs two CUDA devices and libnccl.so"]
+fn graph_decode_split_over_two_gpus_picks_the_eager_tokens() {
+    use burn::backend::cuda::CudaDevice;
+    use burn::tensor::DType;
+    use burn_gemma::tensor_parallel::{nccl::NcclAllReduce, Shard, TensorParallel};
+    use burn_gemma::{backends::Cuda, CudaGraph, Gemma, ModelOptions};
+    use burn_gemma_model::RandomWeights;
+    let devices = [CudaDevice::new(0), CudaDevice::new(1)];
+    let prompt: Vec<u32> = (0..250u32).map(|i| if i == 0 { 2 } else { 4 + (i * 7919) % 1000 }).collect();
+    let steps = 12;
+    let decode = |model: &mut ShardedModel<Cuda>, mode: CudaGraph| -> Vec<u32> {
+        model.set_cuda_graph(mode).expect("mode");
+        model.new_cache(prompt.len() + steps + 1).expect("cache");
+        let mut next = model.greedy(&prompt).expect("prompt");
+        let mut tokens = vec![next];
+        for _ in 1..steps {
+            next = model.greedy(&[next]).expect("step");
+            tokens.push(next);
+        }
+        assert_eq!(model.eager_because(), None);
+        tokens
+    };
+    let mut gemma3 = burn_gemma::GemmaConfig::preset("gemma3-27b").expect("preset");
+    (gemma3.hidden_size, gemma3.intermediate_size, gemma3.vocab_size) = (128, 256, 1024);
+    (gemma3.num_attention_heads, gemma3.num_key_value_heads, gemma3.num_global_key_value_heads) = (8, 4, 4);
+    (gemma3.head_dim, gemma3.global_head_dim, gemma3.num_hidden_layers) = (32, 32, 12);
+    gemma3.layer_types.truncate(12);
+    let options = ModelOptions::dense(DType::F32);
+    for (name, config) in [("gemma3-27b", gemma3), ("gemma4-31b", gemma4_31b_miniature())] {
+        let whole = Gemma::<Cuda>::load(config.clone(), &mut RandomWeights::new(7), &options, &devices[0]).expect("whole");
+        let mut whole = ShardedModel::new(vec![whole], config.clone(), Vec::new()).expect("whole");
+        let one_gpu = decode(&mut whole, CudaGraph::On);
+        drop(whole);
+        let reduces = NcclAllReduce::group(&devices).expect("NCCL");
+        let shards = (0..2)
+            .map(|rank| {
+                let parallel = TensorParallel { shard: Shard::new(rank, 2).expect("shard"), reduce: reduces[rank].clone() };
+                Gemma::<Cuda>::load_shard(config.clone(), &mut RandomWeights::new(7), &options, &devices[rank], parallel)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .expect("shards");
+        let mut split = ShardedModel::new(shards, config.clone(), reduces).expect("split");
+        let eager = decode(&mut split, CudaGraph::Off);
+        let graphs = decode(&mut split, CudaGraph::On);
+        eprintln!("{name}: one GPU (graph) {one_gpu:?}, split eager {eager:?}, split graphs {graphs:?}");
+        assert_eq!(graphs, eager, "{name}: split graphs against split eager");
+        assert_eq!(graphs, one_gpu, "{name}: split graphs against one GPU's graph");
+    }
+}

@@ -354,15 +354,89 @@ pub(crate) struct Graph {
     pub(crate) last: super::ReplayTimes,
     /// Every buffer the graph reads or writes, kept alive.
     _handles: Vec<Handle>,
+    /// The NCCL groups whose communicators its collectives use, kept alive (dropped after the
+    /// graph is destroyed).
+    _groups: Vec<std::sync::Arc<crate::collective::NcclGroup>>,
+}
+
+/// A recorded collective as the capture runs it.
+struct CollectiveCall {
+    op: crate::collective::Op,
+    input: u64,
+    output: u64,
+    count: usize,
+    dtype: cudarc::nccl::sys::ncclDataType_t,
+    comm: cudarc::nccl::sys::ncclComm_t,
+}
+
+impl CollectiveCall {
+    /// Issues the collective on `stream` (being captured: NCCL records its kernels).
+    ///
+    /// # Safety
+    /// The pointers belong to live buffers of the sizes [`crate::collective::Recorded::check`]
+    /// checked, and `comm` is the stream's device's communicator.
+    unsafe fn issue(&self, stream: sys::CUstream) -> Result<(), GraphError> {
+        use crate::collective::Op;
+        use cudarc::nccl::{result as nccl, sys::ncclRedOp_t};
+        let stream = stream as cudarc::nccl::sys::cudaStream_t;
+        // SAFETY: as the caller guarantees.
+        let issued = unsafe {
+            match self.op {
+                Op::AllReduceSum => nccl::all_reduce(
+                    self.input as *const c_void,
+                    self.output as *mut c_void,
+                    self.count,
+                    self.dtype,
+                    ncclRedOp_t::ncclSum,
+                    self.comm,
+                    stream,
+                ),
+                Op::AllGather => nccl::all_gather(
+                    self.input as *const c_void,
+                    self.output as *mut c_void,
+                    self.count,
+                    self.dtype,
+                    self.comm,
+                    stream,
+                ),
+            }
+        };
+        issued.map(|_| ()).map_err(|e| GraphError::Driver { call: "NCCL collective (capture)", reason: format!("{:?}", e.0) })
+    }
 }
 
 // SAFETY: the raw CUDA handles are only used through `&mut self` or on drop.
 unsafe impl Send for Graph {}
 
 impl Graph {
-    pub(crate) fn new(launches: Vec<Recorded>, device: &CudaDevice) -> Result<Self, GraphError> {
+    pub(crate) fn new(
+        launches: Vec<Recorded>,
+        collectives: Vec<(usize, crate::collective::Recorded)>,
+        device: &CudaDevice,
+    ) -> Result<Self, GraphError> {
         let ordinal = device.index;
         let client = CudaRuntime::client(device);
+        let nccl = |e: crate::collective::CollectiveError| GraphError::Driver { call: "NCCL", reason: e.to_string() };
+        // Communicators first (made on the first capture, which may switch this thread's device).
+        let mut calls: Vec<(usize, CollectiveCall)> = Vec::with_capacity(collectives.len());
+        let mut groups = Vec::new();
+        let mut handles = Vec::new();
+        for (at, c) in collectives {
+            c.check().map_err(nccl)?;
+            let call = CollectiveCall {
+                op: c.op,
+                input: pointer(&client, &c.input)?,
+                output: pointer(&client, &c.output)?,
+                count: c.count,
+                dtype: c.dtype,
+                comm: c.group.comm(c.rank).map_err(nccl)?,
+            };
+            calls.push((at, call));
+            if !groups.iter().any(|g| std::sync::Arc::ptr_eq(g, &c.group)) {
+                groups.push(c.group.clone());
+            }
+            handles.extend([c.input, c.output]);
+        }
         // Eager work (prefill, cache writes) happens on CubeCL's streams: finish it first.
         cubecl::future::block_on(client.sync())
             .map_err(|e| GraphError::Driver { call: "sync", reason: format!("{e:?}") })?;
@@ -375,7 +449,6 @@ impl Graph {
         }
         let mut loaded: HashMap<String, Function> = HashMap::new();
         let mut nodes = Vec::with_capacity(launches.len());
-        let mut handles = Vec::new();
         let mut kernels = Kernels::default();
         for launch in launches {
             let name = launch.task.name().to_string();
@@ -417,26 +490,65 @@ impl Graph {
         let (stream, exec) = unsafe {
             let stream =
                 result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
-            result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(driver("cuStreamBeginCapture"))?;
+            // NCCL connects a communicator's peers on a collective's first call (allocating and
+            // copying on the calling thread, which a capture forbids): each kind of collective
+            // runs once before the capture, on every device alike (the recordings agree), over
+            // buffers the graph rewrites before it reads them.
+            let mut seen: Vec<(crate::collective::Op, usize)> = Vec::new();
+            for (_, call) in &calls {
+                if !seen.contains(&(call.op, call.count)) {
+                    seen.push((call.op, call.count));
+                    call.issue(stream)?;
+                }
+            }
+            result::stream::synchronize(stream).map_err(driver("cuStreamSynchronize"))?;
+            // With collectives, NCCL's own calls on this thread during the capture are allowed.
+            let mode = if calls.is_empty() {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            } else {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
+            };
+            result::stream::begin_capture(stream, mode).map_err(driver("cuStreamBeginCapture"))?;
             let mut failed = None;
+            let mut pending = calls.iter().peekable();
             for (i, node) in nodes.iter_mut().enumerate() {
+                // The collectives recorded before this launch; the kernel after one follows it in
+                // plain stream order (NCCL's kernels do not release their successors early).
+                let mut after_collective = false;
+                while let Some((_, call)) = pending.next_if(|(at, _)| *at <= i) {
+                    if let Err(e) = call.issue(stream) {
+                        failed = Some(e);
+                        break;
+                    }
+                    after_collective = true;
+                }
+                if failed.is_some() {
+                    break;
+                }
                 let mut params: Vec<*mut c_void> =
                     node.pointers.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
                 if node.has_info {
                     params.push(node.info.as_mut_ptr() as *mut c_void);
                 }
                 // The first kernel follows the host's copies into the step's buffers: plain order.
-                let overlapped = order == KernelOrder::Overlapped && i > 0;
+                let overlapped = order == KernelOrder::Overlapped && i > 0 && !after_collective;
                 if let Err(e) = launch(node, stream, &mut params, overlapped) {
-                    failed = Some(e);
+                    failed = Some(driver("cuLaunchKernel (capture)")(e));
                     break;
+                }
+            }
+            if failed.is_none() {
+                for (_, call) in pending {
+                    if let Err(e) = call.issue(stream) {
+                        failed = Some(e);
+                        break;
+                    }
                 }
             }
             let graph = result::stream::end_capture(stream).map_err(driver("cuStreamEndCapture"))?;
             if let Some(e) = failed {
                 let _ = result::graph::destroy(graph);
-                return Err(driver("cuLaunchKernel (capture)")(e));
+                return Err(e);
             }
             let exec = result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0))
                 .map_err(driver("cuGraphInstantiate"))?;
@@ -450,7 +562,7 @@ impl Graph {
             result::event::create(flags).map_err(driver("cuEventCreate"))?,
             result::event::create(flags).map_err(driver("cuEventCreate"))?,
         );
-        Ok(Self { ordinal, stream, exec, events, kernels, last: Default::default(), _handles: handles })
+        Ok(Self { ordinal, stream, exec, events, kernels, last: Default::default(), _handles: handles, _groups: groups })
     }
 
     pub(crate) fn replay(

@@ -119,6 +119,9 @@ pub(crate) struct Session {
     launches: Vec<Vec<Handle>>,
     /// Why the step cannot be recorded, where an operation said so.
     unsupported: Option<String>,
+    /// Collectives (tensor parallelism), each after the launches counted beside it.
+    #[cfg(feature = "cuda")]
+    collectives: Vec<(usize, crate::collective::Recorded)>,
 }
 
 thread_local! {
@@ -178,6 +181,17 @@ pub(crate) fn launched() {
     });
 }
 
+/// Records a collective after the launches recorded so far (see [`crate::collective`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn collective(recorded: crate::collective::Recorded) {
+    SESSION.with(|s| {
+        if let Some(session) = s.borrow_mut().as_mut() {
+            let at = session.launches.len();
+            session.collectives.push((at, recorded));
+        }
+    });
+}
+
 /// Launches a `#[cube(launch)]` kernel on the runtime `R` in scope, or hands it to the recorder
 /// while a step is being recorded on this thread (CUDA only). Array arguments must be built
 /// with [`arg`] inside the invocation, so that the recorder sees their handles in order.
@@ -214,11 +228,26 @@ pub(crate) fn recorder_for<R: CubeRuntime>() -> Option<ComputeClient<Rec>> {
 pub struct Recording {
     #[cfg(feature = "cuda")]
     launches: Vec<recorder::Recorded>,
+    /// Collectives, each after the launches counted beside it.
+    #[cfg(feature = "cuda")]
+    collectives: Vec<(usize, crate::collective::Recorded)>,
     #[cfg(feature = "cuda")]
     device: cubecl::cuda::CudaDevice,
 }
 
 impl Recording {
+    /// Collectives recorded (the all-reduces and all-gathers of a split model's shard).
+    pub fn collectives(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        {
+            self.collectives.len()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            0
+        }
+    }
+
     /// Kernel launches recorded.
     pub fn launches(&self) -> usize {
         #[cfg(feature = "cuda")]
@@ -281,7 +310,7 @@ pub fn record<B: Backend, T>(device: &B::Device, f: impl FnOnce() -> T) -> Resul
         if launches.is_empty() {
             return Err(GraphError::Unsupported("the step launched no kernel of this crate".into()));
         }
-        Ok((out, Recording { launches, device: cuda.clone() }))
+        Ok((out, Recording { launches, collectives: session.collectives, device: cuda.clone() }))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -369,7 +398,8 @@ impl StepGraph {
         #[cfg(feature = "cuda")]
         {
             let launches = recording.launches.len();
-            Ok(Self { inner: cuda::Graph::new(recording.launches, &recording.device)?, launches })
+            let inner = cuda::Graph::new(recording.launches, recording.collectives, &recording.device)?;
+            Ok(Self { inner, launches })
         }
         #[cfg(not(feature = "cuda"))]
         {

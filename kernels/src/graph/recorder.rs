@@ -39,18 +39,32 @@ pub(crate) struct Recorded {
 /// What the server is handed for one launch.
 type Launch = (Box<dyn CubeTask<CudaCompiler>>, CubeCount, KernelArguments, ExecutionMode);
 
-/// What the server was handed, in launch order.
-static LAUNCHES: Mutex<Vec<Launch>> = Mutex::new(Vec::new());
+/// What the server was handed, in launch order, per CubeCL stream (one per thread: shards of a
+/// split model record their steps on threads of their own at the same time).
+static LAUNCHES: Mutex<Vec<(StreamId, Vec<Launch>)>> = Mutex::new(Vec::new());
+
+/// The launches recorded on this thread's stream, taken out of the list.
+fn take_launches() -> Vec<Launch> {
+    let stream = StreamId::current();
+    let mut all = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    match all.iter().position(|(s, _)| *s == stream) {
+        Some(i) => all.swap_remove(i).1,
+        None => Vec::new(),
+    }
+}
 /// The CUDA device's properties (kernels read them while they are defined).
 static PROPERTIES: Mutex<Option<DeviceProperties>> = Mutex::new(None);
 
-/// Makes the recorder describe `device` (once: the recorder serves one device per process).
+/// Makes the recorder describe `device` (once: the recorder describes the first device it
+/// records for; the devices of a split model are of one kind) and forgets what this thread
+/// recorded before.
 pub(crate) fn prepare(device: &CudaDevice) {
     let mut props = PROPERTIES.lock().unwrap_or_else(|e| e.into_inner());
     if props.is_none() {
         *props = Some(CudaRuntime::client(device).properties().clone());
     }
-    LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    drop(props);
+    take_launches();
 }
 
 /// The recorder's client.
@@ -63,7 +77,7 @@ pub(crate) fn take(groups: Vec<Vec<Handle>>) -> Result<Vec<Recorded>, GraphError
     if !groups.is_empty() {
         client().flush().map_err(|e| GraphError::Unsupported(format!("recorder flush: {e:?}")))?;
     }
-    let launches = std::mem::take(&mut *LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()));
+    let launches = take_launches();
     if launches.len() != groups.len() {
         return Err(GraphError::Unsupported(format!(
             "{} launches recorded but {} argument lists seen",
@@ -161,9 +175,13 @@ impl ComputeServer for RecServer {
         count: CubeCount,
         args: KernelArguments,
         mode: ExecutionMode,
-        _: StreamId,
+        stream: StreamId,
     ) {
-        LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).push((task, count, args, mode));
+        let mut all = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+        match all.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, launches)) => launches.push((task, count, args, mode)),
+            None => all.push((stream, vec![(task, count, args, mode)])),
+        }
     }
     fn flush(&mut self, _: StreamId) -> Result<(), ServerError> {
         Ok(())
@@ -262,12 +280,11 @@ mod tests {
 
     /// The crate's RMSNorm launched on the recorder with raw handles: one launch captured with
     /// its three buffers in argument order, its scalars in the packed argument words, and CUDA
-    /// source that CubeCL's compiler produces from the task. (One test: the recorder's launch
-    /// list is process-wide.)
+    /// source that CubeCL's compiler produces from the task.
     #[test]
     fn records_a_launch_without_a_gpu() {
         PROPERTIES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(hopper_like);
-        LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        take_launches();
         let stream = StreamId::current();
         let n = 1152usize;
         let handles = vec![

@@ -23,6 +23,15 @@ struct Meeting {
     changed: Condvar,
 }
 
+/// How a round joins the shards' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Join {
+    /// Added up in rank order.
+    Sum,
+    /// Concatenated in rank order.
+    Gather,
+}
+
 #[derive(Debug, Default)]
 struct Round {
     /// Each shard's values this round, by rank.
@@ -79,8 +88,8 @@ impl HostAllReduce {
         Ok(round)
     }
 
-    /// Every shard's `values` summed in rank order.
-    fn exchange(&self, values: Vec<f32>) -> Result<Vec<f32>, ModelError> {
+    /// Every shard's `values` joined as `join` says (every shard must ask the same).
+    fn exchange(&self, values: Vec<f32>, join: Join) -> Result<Vec<f32>, ModelError> {
         let world = self.meeting.world;
         // The previous round's sum must be taken by everyone before this round's values land.
         let mut round = self.wait(self.lock()?, |r| r.sum.is_none() && r.values[self.rank].is_none())?;
@@ -90,7 +99,9 @@ impl HostAllReduce {
             let len = parts[0].len();
             let sum = if parts.iter().any(|p| p.len() != len) {
                 let lens: Vec<usize> = parts.iter().map(Vec::len).collect();
-                Err(format!("the shards gave tensors of different sizes to one all-reduce: {lens:?}"))
+                Err(format!("the shards gave tensors of different sizes to one collective: {lens:?}"))
+            } else if join == Join::Gather {
+                Ok(parts.concat())
             } else {
                 let mut sum = parts[0].clone();
                 for part in &parts[1..] {
@@ -120,14 +131,29 @@ impl<B: Backend> AllReduce<B> for HostAllReduce {
     }
 
     fn all_reduce(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError> {
-        let (dims, dtype, device) = (x.dims(), x.dtype(), x.device());
+        self.join(x, Join::Sum)
+    }
+
+    fn all_gather(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError> {
+        self.join(x, Join::Gather)
+    }
+}
+
+impl HostAllReduce {
+    /// `x` read back, joined with the other shards' and put on its device again.
+    fn join<B: Backend>(&self, x: Tensor<B, 2>, join: Join) -> Result<Tensor<B, 2>, ModelError> {
+        let ([rows, cols], dtype, device) = (x.dims(), x.dtype(), x.device());
         let values = x
             .into_data()
             .convert::<f32>()
             .into_vec::<f32>()
-            .map_err(|e| ModelError::ReadBack { what: "an all-reduce's values", reason: format!("{e:?}") })?;
-        let sum = self.exchange(values)?;
-        Ok(Tensor::<B, 2>::from_data(TensorData::new(sum, dims), (&device, DType::F32)).cast(dtype))
+            .map_err(|e| ModelError::ReadBack { what: "a collective's values", reason: format!("{e:?}") })?;
+        let joined = self.exchange(values, join)?;
+        let rows = match join {
+            Join::Sum => rows,
+            Join::Gather => rows * self.meeting.world,
+        };
+        Ok(Tensor::<B, 2>::from_data(TensorData::new(joined, [rows, cols]), (&device, DType::F32)).cast(dtype))
     }
 }
 
@@ -149,7 +175,7 @@ mod tests {
                         (0..20)
                             .map(|round| {
                                 let values = vec![h.rank as f32 + round as f32, 10.0 * h.rank as f32];
-                                h.exchange(values).expect("sums")
+                                h.exchange(values, Join::Sum).expect("sums")
                             })
                             .collect::<Vec<_>>()
                     })
@@ -165,10 +191,32 @@ mod tests {
         }
         let errors: Vec<bool> = std::thread::scope(|s| {
             let threads: Vec<_> =
-                handles.iter().map(|h| s.spawn(move || h.exchange(vec![0.0; 1 + h.rank]).is_err())).collect();
+                handles.iter().map(|h| s.spawn(move || h.exchange(vec![0.0; 1 + h.rank], Join::Sum).is_err())).collect();
             threads.into_iter().map(|t| t.join().expect("joins")).collect()
         });
         assert_eq!(errors, vec![true; world]);
+    }
+
+    /// A gather concatenates in rank order, whatever order the shards arrive in.
+    #[test]
+    fn a_gather_stacks_in_rank_order() {
+        let handles = HostAllReduce::group(3);
+        let gathered: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let threads: Vec<_> = handles
+                .iter()
+                .rev()
+                .map(|h| {
+                    s.spawn(move || {
+                        std::thread::sleep(std::time::Duration::from_millis(5 * (2 - h.rank as u64)));
+                        h.exchange(vec![h.rank as f32, 10.0 + h.rank as f32], Join::Gather).expect("gathers")
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().expect("joins")).collect()
+        });
+        for shard in gathered {
+            assert_eq!(shard, vec![0.0, 10.0, 1.0, 11.0, 2.0, 12.0]);
+        }
     }
 
     /// A shard waiting for others that will not come is released by an abort.
@@ -176,7 +224,7 @@ mod tests {
     fn an_abort_releases_the_waiting_shards() {
         let handles = HostAllReduce::group(2);
         std::thread::scope(|s| {
-            let waiting = s.spawn(|| handles[0].exchange(vec![1.0]));
+            let waiting = s.spawn(|| handles[0].exchange(vec![1.0], Join::Sum));
             std::thread::sleep(std::time::Duration::from_millis(50));
             handles[1].abort();
             assert!(matches!(waiting.join().expect("joins"), Err(ModelError::TensorParallel(_))));

@@ -117,6 +117,10 @@ pub trait AllReduce<B: Backend>: Send + Sync + std::fmt::Debug {
     /// `x` summed over the shards (the same shape and dtype on each), on `x`'s device.
     fn all_reduce(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError>;
 
+    /// Every shard's `x` (`[rows, cols]`, the same shape on each) stacked in rank order:
+    /// `[world * rows, cols]`, shard `r`'s rows at `r * rows`.
+    fn all_gather(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError>;
+
     /// Releases shards waiting in an all-reduce for a shard that failed, where the
     /// implementation can (the host's can; a device's collective cannot be called back).
     fn abort(&self) {}
@@ -138,10 +142,21 @@ impl<B: Backend> TensorParallel<B> {
     }
 
     /// Logits of the whole vocabulary (`vocab` columns) from each shard's slice of them
-    /// (`local`, `[rows, part]`, this shard's [`Shard::part`] of the vocabulary): each shard
-    /// places its slice among zeros and the all-reduce adds them.
+    /// (`local`, `[rows, part]`, this shard's [`Shard::part`] of the vocabulary): gathered
+    /// where the vocabulary splits evenly (for one row, the gathered `[world, part]` is the
+    /// joined row as it is), else each shard places its slice among zeros and the all-reduce
+    /// adds them.
     pub(crate) fn join_vocab(&self, local: Tensor<B, 2>, vocab: usize) -> Result<Tensor<B, 2>, ModelError> {
-        let [rows, _] = local.dims();
+        let [rows, part] = local.dims();
+        let world = self.shard.world;
+        if part * world == vocab {
+            let gathered = self.reduce.all_gather(local)?;
+            return Ok(if rows == 1 {
+                gathered.reshape([1, vocab])
+            } else {
+                gathered.reshape([world, rows, part]).swap_dims(0, 1).reshape([rows, vocab])
+            });
+        }
         let range = self.shard.part(vocab);
         let (dtype, device) = (local.dtype(), local.device());
         let zeros = |n: usize| Tensor::<B, 2>::zeros([rows, n], (&device, dtype));
