@@ -4,7 +4,7 @@
 # llama.cpp's converter writes them (conversion/gemma.py, Gemma4Model). The `g3-` shapes are
 # Gemma 3 (`gemma3` architecture, Gemma3Model's names), written the same way: a 27B file without
 # the 54 GB F16 file that llama-quantize would start from.
-#   python3 gen_gguf4.py e2b|e4b|31b|26b-a4b|g3-1b|g3-4b|g3-12b|g3-27b VOCAB.json.gz OUT.gguf [q8_0|q4_k_m]
+#   python3 gen_gguf4.py e2b|e4b|31b|tiny-31b|26b-a4b|g3-1b|g3-4b|g3-12b|g3-27b VOCAB.json.gz OUT.gguf [q8_0|q4_k_m]
 # q4_k_m gives each matrix the type llama-quantize's Q4_K_M gives it (src/llama-quant.cpp; the
 # E2B file's 541 types checked against it): Q6_K for the tied embedding tables, for attn_v and
 # ffn_down on the layers its `use_more_bits` picks, Q8_0 for the per-layer projection, Q4_K for
@@ -20,6 +20,8 @@ CFG = {
     "e4b": dict(L=42, h=2560, ffn=10240, nh=8, kv=2, kv_full=2, k_eq_v=False, win=512, pattern=6, shared=18, wide=False, ple=256),
     # A small file of the same layout, to check the script and the loaders.
     "tiny": dict(L=6, h=64, ffn=128, nh=2, kv=1, kv_full=1, k_eq_v=True, win=8, pattern=3, shared=2, wide=True, ple=32),
+    # 31B's layout (values from keys on the full layers, 4 full-layer KV heads) in a small file.
+    "tiny-31b": dict(L=6, h=64, ffn=128, nh=4, kv=2, kv_full=2, k_eq_v=True, win=8, pattern=6, shared=0, wide=False, ple=0),
     "31b": dict(L=60, h=5376, ffn=21504, nh=32, kv=16, kv_full=4, k_eq_v=True, win=1024, pattern=6, shared=0, wide=False, ple=0),
     # 26B-A4B: 30 layers (25 sliding + 5 full), 128 experts, top 8, expert width 704 beside a dense
     # MLP of 2112 (shapes from the published model, see the design notes; 25.1 B parameters).

@@ -273,7 +273,11 @@ impl Recorded {
             Op::AllGather => self.count as u64 * element * world,
         };
         if self.input.size() < self.count as u64 * element || self.output.size() < needed {
-            return Err(CollectiveError::Shape(vec![self.count, self.input.size() as usize, self.output.size() as usize]));
+            return Err(CollectiveError::Shape(vec![
+                self.count,
+                self.input.size() as usize,
+                self.output.size() as usize,
+            ]));
         }
         Ok(())
     }

@@ -172,6 +172,9 @@ pub struct RandomWeights {
     state: u64,
 }
 
+/// Held while a [`RandomWeights`] matrix seeds the backend's generator and draws from it.
+static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl RandomWeights {
     /// A source whose tensors are a pure function of `seed` and the request order.
     pub fn new(seed: u64) -> Self {
@@ -202,6 +205,9 @@ impl<B: Backend> WeightSource<B> for RandomWeights {
             WeightKind::Norm(NormScale::OnePlusWeight) => Tensor::zeros(shape, (device, DType::F32)),
             WeightKind::Norm(NormScale::Weight) | WeightKind::Scale => Tensor::ones(shape, (device, DType::F32)),
             WeightKind::Matrix => {
+                // The backend's generator is one per process: seeding and drawing under one
+                // lock keep the draw a function of `seed` while other threads draw too.
+                let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
                 B::seed(device, seed);
                 Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 0.02), device).cast(dtype)
             }

@@ -10,15 +10,18 @@ pub mod nccl;
 use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, LoadOptions, SamplingConfig};
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::GemmaBackend;
-pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
 use burn_gemma_kernels::SamplingParams;
 use burn_gemma_model::{bucket_bound, CudaGraph, DecodeGraphs, Gemma, GemmaConfig, KvCache, ModelError};
+pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
 #[cfg(feature = "cuda")]
 use std::any::Any;
 use std::{
     sync::{mpsc, Arc},
     thread::JoinHandle,
 };
+
+/// How long the other shards get to answer once one has failed.
+const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// One all-reduce handle per shard, in rank order.
 pub type AllReduces<B> = Vec<Arc<dyn AllReduce<B>>>;
@@ -45,6 +48,27 @@ enum Reply {
     Done,
     Logits(Vec<f32>),
     Token(u32),
+}
+
+/// What a shard's failure does to the others while their replies are awaited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// A step: the all-reduce is aborted, so that shards waiting in it for the failed one
+    /// answer (the host all-reduce's do; it stays aborted, as the model is then broken).
+    Abort,
+    /// A command whose failure leaves the model usable (recording a step, forgetting one):
+    /// nothing is aborted.
+    Wait,
+}
+
+/// The shards' replies to one command.
+struct Replies {
+    /// By rank.
+    all: Vec<Result<Reply, Error>>,
+    /// The first shard that failed (not one left waiting for it).
+    failed: Option<usize>,
+    /// A shard never answered after another failed: it waits in a device collective.
+    left_waiting: bool,
 }
 
 /// What a shard's thread keeps between commands.
@@ -291,17 +315,61 @@ impl<B: GemmaBackend> ShardedModel<B> {
             }
             sent += 1;
         }
-        let mut first_error = (sent < self.workers.len()).then(Self::lost);
-        for worker in &self.workers[..sent] {
-            let reply = worker
-                .replies
-                .recv()
-                .unwrap_or_else(|_| Err(ModelError::TensorParallel("a shard's thread stopped".into()).into()));
-            if let Err(e) = reply {
-                first_error.get_or_insert(e);
+        let mut replies = self.replies(sent, Release::Wait);
+        // A shard left waiting in a collective: nothing more can run on these shards.
+        self.broken |= replies.left_waiting;
+        match replies.failed {
+            Some(rank) => replies.all.swap_remove(rank).map(|_| ()),
+            None if sent < self.workers.len() => Err(Self::lost()),
+            None => Ok(()),
+        }
+    }
+
+    /// The replies of the first `sent` shards to the command just sent, and whether one failed.
+    /// Once one has failed the others get [`GRACE`] to answer: a shard waiting in a device
+    /// collective for the one that failed never does (an NCCL call cannot be called back), and
+    /// is left behind with an error naming it.
+    fn replies(&self, sent: usize, release: Release) -> Replies {
+        use std::time::{Duration, Instant};
+        let mut replies: Vec<Option<Result<Reply, Error>>> = (0..sent).map(|_| None).collect();
+        let mut failed: Option<(usize, Instant)> = None;
+        let mut left_waiting = false;
+        while replies.iter().any(Option::is_none) {
+            for (rank, worker) in self.workers[..sent].iter().enumerate() {
+                if replies[rank].is_some() {
+                    continue;
+                }
+                let reply = match worker.replies.recv_timeout(Duration::from_millis(20)) {
+                    Ok(reply) => reply,
+                    Err(mpsc::RecvTimeoutError::Timeout) => match failed {
+                        Some((failed, at)) if at.elapsed() > GRACE => {
+                            left_waiting = true;
+                            Err(ModelError::TensorParallel(format!(
+                                "shard {rank} is left waiting in a collective after shard {failed} failed"
+                            ))
+                            .into())
+                        }
+                        _ => continue,
+                    },
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        Err(ModelError::TensorParallel("a shard's thread stopped".into()).into())
+                    }
+                };
+                if reply.is_err() && failed.is_none() {
+                    failed = Some((rank, Instant::now()));
+                    if release == Release::Abort {
+                        // The host all-reduce releases the shards waiting in it.
+                        self.reduces.iter().for_each(|r| r.abort());
+                    }
+                }
+                replies[rank] = Some(reply);
             }
         }
-        first_error.map_or(Ok(()), Err)
+        Replies {
+            all: replies.into_iter().map(|r| r.unwrap_or_else(|| Err(Self::lost()))).collect(),
+            failed: failed.map(|(rank, _)| rank),
+            left_waiting,
+        }
     }
 
     fn lost() -> Error {
@@ -347,35 +415,28 @@ impl<B: GemmaBackend> ShardedModel<B> {
             }
             sent += 1;
         }
-        let mut replies = Vec::with_capacity(sent);
-        let mut failed = sent < self.workers.len();
-        for worker in &self.workers[..sent] {
-            // A shard that fails releases the others from their all-reduces.
-            let reply = worker
-                .replies
-                .recv()
-                .unwrap_or_else(|_| Err(ModelError::TensorParallel("a shard's thread stopped".into()).into()));
-            if reply.is_err() && !failed {
-                failed = true;
-                self.reduces.iter().for_each(|r| r.abort());
-            }
-            replies.push(reply);
-        }
-        let mut replies = replies.into_iter();
-        let first = replies.next().unwrap_or_else(|| Err(Self::lost()));
-        if failed {
-            // Requests are checked before they reach the shards, so a failure here is one
-            // shard's (a device error): the shards' caches no longer agree.
+        let Replies { mut all, failed, .. } = self.replies(sent, Release::Abort);
+        // Requests are checked before they reach the shards, so a failure here is one shard's
+        // (a device error): the shards' caches no longer agree.
+        if let Some(rank) = failed.filter(|&rank| rank < all.len()) {
             self.broken = true;
-            let error = std::iter::once(first).chain(replies).find_map(Result::err);
-            return Err(error.unwrap_or_else(Self::lost));
+            return Err(all.swap_remove(rank).err().unwrap_or_else(Self::lost));
         }
-        first
+        if sent < self.workers.len() {
+            self.broken = true;
+            return Err(ModelError::TensorParallel("a shard's thread stopped".into()).into());
+        }
+        all.into_iter().next().unwrap_or_else(|| Err(Self::lost()))
     }
 }
 
 impl<B: GemmaBackend> Drop for ShardedModel<B> {
     fn drop(&mut self) {
+        if self.broken {
+            // A shard may be waiting in a device collective for ever: its thread is left
+            // behind rather than waited for.
+            return;
+        }
         for worker in &mut self.workers {
             // Closing the command channel ends the thread's loop.
             let (closed, _) = mpsc::channel();
@@ -431,9 +492,8 @@ impl Worker {
             }
             Command::Record => {
                 let cache = state.cache.as_mut().ok_or_else(no_cache)?;
-                let graphs = state
-                    .graphs
-                    .get_or_insert_with(|| DecodeGraphs::new(SamplingParams::GREEDY, 1, cache.capacity()));
+                let graphs =
+                    state.graphs.get_or_insert_with(|| DecodeGraphs::new(SamplingParams::GREEDY, 1, cache.capacity()));
                 graphs.prepare(model, cache)?;
                 return Ok(Reply::Done);
             }
@@ -443,7 +503,11 @@ impl Worker {
                     ModelError::TensorParallel("a graph replay asked of a shard with no recorded step".into())
                 })?;
                 let next = graphs.step(model, cache, &[*id], &[0.0])?;
-                return Ok(if rank == 0 { Reply::Token(next.first().copied().unwrap_or(u32::MAX)) } else { Reply::Done });
+                return Ok(if rank == 0 {
+                    Reply::Token(next.first().copied().unwrap_or(u32::MAX))
+                } else {
+                    Reply::Done
+                });
             }
             Command::Logits(ids) | Command::Greedy(ids) => ids,
         };

@@ -306,15 +306,23 @@ fn graph_decode_split_over_two_gpus_picks_the_eager_tokens() {
     gemma3.layer_types.truncate(12);
     let options = ModelOptions::dense(DType::F32);
     for (name, config) in [("gemma3-27b", gemma3), ("gemma4-31b", gemma4_31b_miniature())] {
-        let whole = Gemma::<Cuda>::load(config.clone(), &mut RandomWeights::new(7), &options, &devices[0]).expect("whole");
+        let whole =
+            Gemma::<Cuda>::load(config.clone(), &mut RandomWeights::new(7), &options, &devices[0]).expect("whole");
         let mut whole = ShardedModel::new(vec![whole], config.clone(), Vec::new()).expect("whole");
         let one_gpu = decode(&mut whole, CudaGraph::On);
         drop(whole);
         let reduces = NcclAllReduce::group(&devices).expect("NCCL");
         let shards = (0..2)
             .map(|rank| {
-                let parallel = TensorParallel { shard: Shard::new(rank, 2).expect("shard"), reduce: reduces[rank].clone() };
-                Gemma::<Cuda>::load_shard(config.clone(), &mut RandomWeights::new(7), &options, &devices[rank], parallel)
+                let parallel =
+                    TensorParallel { shard: Shard::new(rank, 2).expect("shard"), reduce: reduces[rank].clone() };
+                Gemma::<Cuda>::load_shard(
+                    config.clone(),
+                    &mut RandomWeights::new(7),
+                    &options,
+                    &devices[rank],
+                    parallel,
+                )
             })
             .collect::<Result<Vec<_>, _>>()
             .expect("shards");
@@ -325,4 +333,39 @@ fn graph_decode_split_over_two_gpus_picks_the_eager_tokens() {
         assert_eq!(graphs, eager, "{name}: split graphs against split eager");
         assert_eq!(graphs, one_gpu, "{name}: split graphs against one GPU's graph");
     }
+}
+
+/// Greedy decoding of a split model on a CPU backend: each step first tries to record the
+/// step as a CUDA graph on every shard, which a CPU backend refuses, and then runs eagerly
+/// through the host all-reduce (a refused recording must not abort it), picking the unsplit
+/// model's tokens; the reason it stays eager is kept.
+#[test]
+fn greedy_steps_of_a_split_model_on_cpu_stay_eager() {
+    use burn_gemma::tensor_parallel::{Shard, TensorParallel};
+    use burn_gemma::Gemma;
+    use burn_gemma_model::RandomWeights;
+    let device = Default::default();
+    let options = burn_gemma::ModelOptions::dense(burn::tensor::DType::F32);
+    let config = gemma4_31b_miniature();
+    let prompt = [2, 17, 301, 999, 45, 7, 512, 88];
+    let greedy = |model: &mut ShardedModel<NdArray>| model.generate(&prompt, Default::default(), 6, &[], |_| true);
+    let whole = Gemma::<NdArray>::load(config.clone(), &mut RandomWeights::new(7), &options, &device).expect("whole");
+    let expected =
+        greedy(&mut ShardedModel::new(vec![whole], config.clone(), Vec::new()).expect("whole")).expect("whole");
+    let reduces = host_all_reduce::<NdArray>(2);
+    let shards = (0..2)
+        .map(|rank| {
+            let parallel = TensorParallel { shard: Shard::new(rank, 2).expect("shard"), reduce: reduces[rank].clone() };
+            Gemma::<NdArray>::load_shard(config.clone(), &mut RandomWeights::new(7), &options, &device, parallel)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .expect("shards");
+    let mut split = ShardedModel::new(shards, config.clone(), reduces).expect("split");
+    let tokens = greedy(&mut split).expect("split greedy steps");
+    assert_eq!(tokens, expected);
+    assert_eq!(tokens.len(), 6);
+    let why = split.eager_because().expect("a CPU backend records no CUDA graph");
+    assert!(why.contains("CUDA"), "{why}");
+    // The model is still whole: another generation runs.
+    assert_eq!(greedy(&mut split).expect("again"), expected);
 }

@@ -401,7 +401,9 @@ impl CollectiveCall {
                 ),
             }
         };
-        issued.map(|_| ()).map_err(|e| GraphError::Driver { call: "NCCL collective (capture)", reason: format!("{:?}", e.0) })
+        issued
+            .map(|_| ())
+            .map_err(|e| GraphError::Driver { call: "NCCL collective (capture)", reason: format!("{:?}", e.0) })
     }
 }
 
@@ -562,7 +564,16 @@ impl Graph {
             result::event::create(flags).map_err(driver("cuEventCreate"))?,
             result::event::create(flags).map_err(driver("cuEventCreate"))?,
         );
-        Ok(Self { ordinal, stream, exec, events, kernels, last: Default::default(), _handles: handles, _groups: groups })
+        Ok(Self {
+            ordinal,
+            stream,
+            exec,
+            events,
+            kernels,
+            last: Default::default(),
+            _handles: handles,
+            _groups: groups,
+        })
     }
 
     pub(crate) fn replay(

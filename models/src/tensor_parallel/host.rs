@@ -190,8 +190,10 @@ mod tests {
             }
         }
         let errors: Vec<bool> = std::thread::scope(|s| {
-            let threads: Vec<_> =
-                handles.iter().map(|h| s.spawn(move || h.exchange(vec![0.0; 1 + h.rank], Join::Sum).is_err())).collect();
+            let threads: Vec<_> = handles
+                .iter()
+                .map(|h| s.spawn(move || h.exchange(vec![0.0; 1 + h.rank], Join::Sum).is_err()))
+                .collect();
             threads.into_iter().map(|t| t.join().expect("joins")).collect()
         });
         assert_eq!(errors, vec![true; world]);

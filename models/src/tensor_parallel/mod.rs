@@ -142,20 +142,14 @@ impl<B: Backend> TensorParallel<B> {
     }
 
     /// Logits of the whole vocabulary (`vocab` columns) from each shard's slice of them
-    /// (`local`, `[rows, part]`, this shard's [`Shard::part`] of the vocabulary): gathered
-    /// where the vocabulary splits evenly (for one row, the gathered `[world, part]` is the
-    /// joined row as it is), else each shard places its slice among zeros and the all-reduce
-    /// adds them.
+    /// (`local`, `[rows, part]`, this shard's [`Shard::part`] of the vocabulary): for one row
+    /// and a vocabulary that splits evenly (a decode step's, which a CUDA graph records), the
+    /// gathered `[world, part]` is the joined row as it is; otherwise each shard places its
+    /// slice among zeros and the all-reduce adds them.
     pub(crate) fn join_vocab(&self, local: Tensor<B, 2>, vocab: usize) -> Result<Tensor<B, 2>, ModelError> {
         let [rows, part] = local.dims();
-        let world = self.shard.world;
-        if part * world == vocab {
-            let gathered = self.reduce.all_gather(local)?;
-            return Ok(if rows == 1 {
-                gathered.reshape([1, vocab])
-            } else {
-                gathered.reshape([world, rows, part]).swap_dims(0, 1).reshape([rows, vocab])
-            });
+        if rows == 1 && part * self.shard.world == vocab {
+            return Ok(self.reduce.all_gather(local)?.reshape([1, vocab]));
         }
         let range = self.shard.part(vocab);
         let (dtype, device) = (local.dtype(), local.device());
