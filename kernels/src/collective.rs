@@ -15,7 +15,8 @@ use cubecl::{
     server::ReduceOperation,
 };
 use cudarc::nccl::{result, sys};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The CUDA backend's tensors, whatever its element types.
 type Cuda<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
@@ -36,6 +37,10 @@ pub enum CollectiveError {
     /// NCCL's library is missing, or one of its calls failed.
     #[error("NCCL: {0}")]
     Nccl(String),
+    /// The other devices did not come to capture their graphs (their recording failed, or
+    /// took longer than the wait).
+    #[error("the other devices did not come to capture their graphs within {0:?}")]
+    Absent(Duration),
 }
 
 /// Whether NCCL's library (`libnccl.so`) can be loaded; CubeCL's all-reduce fails the device's
@@ -61,6 +66,16 @@ unsafe impl Sync for Comm {}
 pub struct NcclGroup {
     devices: Vec<CudaDevice>,
     comms: OnceLock<Result<Vec<Comm>, String>>,
+    /// Where the devices' threads meet before their first NCCL kernel of a capture.
+    meeting: Mutex<Meeting>,
+    arrivals: Condvar,
+}
+
+/// The devices met so far in the current meeting, and how many meetings have ended.
+#[derive(Debug, Default)]
+struct Meeting {
+    arrived: usize,
+    ended: u64,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -85,7 +100,12 @@ impl NcclGroup {
                 "the library (libnccl.so) was not found; install NCCL or put its directory on LD_LIBRARY_PATH".into(),
             ));
         }
-        Ok(Arc::new(Self { devices: devices.to_vec(), comms: OnceLock::new() }))
+        Ok(Arc::new(Self {
+            devices: devices.to_vec(),
+            comms: OnceLock::new(),
+            meeting: Mutex::new(Meeting::default()),
+            arrivals: Condvar::new(),
+        }))
     }
 
     /// The devices, in rank order.
@@ -119,6 +139,37 @@ impl NcclGroup {
             }),
             Err(reason) => Err(CollectiveError::Nccl(reason.clone())),
         }
+    }
+}
+
+impl NcclGroup {
+    /// Waits until every device's thread has called this (once each), for at most `wait`.
+    ///
+    /// A device whose NCCL kernel waits for a peer keeps running, and on devices joined by
+    /// peer access an allocation or a module load on the peer may wait for that kernel to
+    /// end: a device must not start a collective until every other has finished what
+    /// precedes its own (recording, compiling, allocating). A device that never comes (its
+    /// recording failed) leaves the others with [`CollectiveError::Absent`], not in a kernel.
+    pub(crate) fn meet(&self, wait: Duration) -> Result<(), CollectiveError> {
+        let mut meeting = self.meeting.lock().unwrap_or_else(|e| e.into_inner());
+        let current = meeting.ended;
+        meeting.arrived += 1;
+        if meeting.arrived == self.devices.len() {
+            meeting.arrived = 0;
+            meeting.ended += 1;
+            self.arrivals.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + wait;
+        while meeting.ended == current {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                meeting.arrived -= 1;
+                return Err(CollectiveError::Absent(wait));
+            }
+            meeting = self.arrivals.wait_timeout(meeting, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        Ok(())
     }
 }
 
@@ -280,5 +331,45 @@ impl Recorded {
             ]));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group of two devices that never touches them (no NCCL call is made).
+    fn pair() -> NcclGroup {
+        NcclGroup {
+            devices: vec![CudaDevice::new(0), CudaDevice::new(1)],
+            comms: OnceLock::new(),
+            meeting: Mutex::new(Meeting::default()),
+            arrivals: Condvar::new(),
+        }
+    }
+
+    /// Two threads meet, whichever comes first; one alone is told the other is absent and
+    /// leaves no arrival behind, so the next meeting of both still works.
+    #[test]
+    fn devices_meet_or_hear_who_is_absent() {
+        let group = pair();
+        for round in 0..3 {
+            std::thread::scope(|s| {
+                let late = s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(10 * round));
+                    group.meet(Duration::from_secs(5))
+                });
+                assert!(group.meet(Duration::from_secs(5)).is_ok(), "round {round}");
+                assert!(late.join().expect("joins").is_ok(), "round {round}");
+            });
+        }
+        assert!(matches!(group.meet(Duration::from_millis(20)), Err(CollectiveError::Absent(_))));
+        std::thread::scope(|s| {
+            let other = s.spawn(|| group.meet(Duration::from_secs(5)));
+            assert!(group.meet(Duration::from_secs(5)).is_ok());
+            assert!(other.join().expect("joins").is_ok());
+        });
+        assert_eq!(group.rank(&CudaDevice::new(1)).expect("rank"), 1);
+        assert!(matches!(group.rank(&CudaDevice::new(2)), Err(CollectiveError::NotInGroup { device: 2, .. })));
     }
 }

@@ -297,6 +297,9 @@ impl<B: GemmaBackend> ShardedModel<B> {
             Err(e) => e,
         };
         self.recorded = None;
+        if self.broken {
+            return Err(failure);
+        }
         self.each(Command::Eager)?;
         if self.cuda_graph == CudaGraph::On {
             return Err(failure);
@@ -308,6 +311,12 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// `command` on every shard, which must all succeed; none failing leaves the model broken
     /// (a recording, or forgetting one, touches no cache).
     fn each(&mut self, command: Command) -> Result<(), Error> {
+        if self.broken {
+            return Err(ModelError::TensorParallel(
+                "a shard is left waiting in a collective; load the model again".into(),
+            )
+            .into());
+        }
         let mut sent = 0;
         for worker in &self.workers {
             if worker.commands.send(command.clone()).is_err() {

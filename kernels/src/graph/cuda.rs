@@ -129,7 +129,10 @@ pub(crate) fn ptx(source: &str, arch: u32, name: &str) -> Result<(Vec<u8>, bool)
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // One name per writer: the shards of a split model compile the same kernels at once.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{write}", std::process::id()));
         if std::fs::write(&tmp, &bytes).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
@@ -359,6 +362,11 @@ pub(crate) struct Graph {
     _groups: Vec<std::sync::Arc<crate::collective::NcclGroup>>,
 }
 
+/// How long a device that recorded collectives waits for the others before capturing: their
+/// recordings compile the same kernels at the same time (NVRTC, tens of seconds on a cold PTX
+/// cache).
+const MEETING_WAIT: std::time::Duration = std::time::Duration::from_secs(180);
+
 /// A recorded collective as the capture runs it.
 struct CollectiveCall {
     op: crate::collective::Op,
@@ -492,6 +500,14 @@ impl Graph {
         let (stream, exec) = unsafe {
             let stream =
                 result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver("cuStreamCreate"))?;
+            // No device starts an NCCL kernel before every device is done allocating and
+            // loading modules (see `NcclGroup::meet`).
+            for group in &groups {
+                if let Err(e) = group.meet(MEETING_WAIT) {
+                    let _ = result::stream::destroy(stream);
+                    return Err(nccl(e));
+                }
+            }
             // NCCL connects a communicator's peers on a collective's first call (allocating and
             // copying on the calling thread, which a capture forbids): each kind of collective
             // runs once before the capture, on every device alike (the recordings agree), over

@@ -338,4 +338,55 @@ mod tests {
         // leave a launch without its handles).
         assert!(take(vec![vec![]]).is_err(), "a list without a launch");
     }
+
+    /// Threads recording at once (the shards of a split model) each take their own launches.
+    #[test]
+    fn threads_record_their_own_launches() {
+        PROPERTIES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(hopper_like);
+        let counts: Vec<Vec<u32>> = std::thread::scope(|s| {
+            let threads: Vec<_> = (1..=3u32)
+                .map(|cubes| {
+                    s.spawn(move || {
+                        take_launches();
+                        let stream = StreamId::current();
+                        let n = 64usize;
+                        let mut groups = Vec::new();
+                        for _ in 0..20 {
+                            let handles: Vec<Handle> = (0..3).map(|_| Handle::new(stream, 4 * n as u64)).collect();
+                            // SAFETY: lengths within the handles' sizes; nothing runs.
+                            let array = |h: &Handle| unsafe { ArrayArg::<Rec>::from_raw_parts(h.clone(), n) };
+                            let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+                            crate::rms_norm::kernel::rms_norm_kernel::launch::<Rec>(
+                                &client(),
+                                CubeCount::Static(cubes, 1, 1),
+                                CubeDim::new_1d(64),
+                                1,
+                                array(&handles[0]),
+                                array(&handles[1]),
+                                array(&handles[2]),
+                                n as u32,
+                                1e-6f32,
+                                5usize,
+                                true,
+                                [f32, f32],
+                            );
+                            groups.push(handles);
+                        }
+                        let recorded = take(groups).expect("this thread's launches");
+                        recorded
+                            .iter()
+                            .map(|r| match r.count {
+                                CubeCount::Static(x, _, _) => x,
+                                CubeCount::Dynamic(_) => 0,
+                            })
+                            .collect::<Vec<u32>>()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().expect("joins")).collect()
+        });
+        for (i, counts) in counts.iter().enumerate() {
+            assert_eq!(counts, &vec![i as u32 + 1; 20], "thread {i}");
+        }
+    }
 }
