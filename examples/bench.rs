@@ -26,6 +26,7 @@ use burn_gemma::{
 use burn_gemma_kernels::{graph::GraphError, Draws, SamplingParams};
 use burn_gemma_model::{CudaGraph, DecodeGraphs, KvFormat, ModelError, RandomWeights};
 use clap::Parser;
+use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
 /// The program's errors: the library's, or a message about its command line.
@@ -104,6 +105,11 @@ struct Args {
     /// this file as collapsed stacks (`root;...;leaf count`); needs `--features host-profile`.
     #[arg(long)]
     host_profile: Option<std::path::PathBuf>,
+    /// Splits the model over N devices (tensor parallelism; CUDA devices from `--device` on,
+    /// joined by NCCL, or N shards on a CPU backend): prefill and greedy decode of the split
+    /// model (`ShardedModel`), at depth 0 with the one `--kv-cache`.
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    tensor_parallel: NonZeroUsize,
     /// Keeps only the first N layers of a `synthetic:` preset (its layer pattern and every
     /// matrix shape unchanged): a large model's per-layer kernels timed without building all of
     /// its random weights on the host.
@@ -219,6 +225,9 @@ impl BackendTask for Bench {
         let _ = a.cublaslt_order;
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
+        }
+        if a.tensor_parallel.get() > 1 {
+            return sharded::<B>(&a, &device, name, ModelOptions { dtype, weights, kv_cache: Some(kv_cache) });
         }
         let load = Instant::now();
         // (tensors read, seconds since the load began) at each progress report.
@@ -497,6 +506,85 @@ mod host_profile {
     pub fn finish(profiler: Profiler, _: &std::path::Path) -> Result<(), CliError> {
         match profiler {}
     }
+}
+
+/// `--tensor-parallel N`: the model split over N devices, each rep a fresh prompt (timed to its
+/// greedy token) and `--gen` greedy tokens, each read back; decode steps replay one CUDA graph
+/// per device where they can (`--cuda-graph`).
+fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: ModelOptions) -> Result<(), CliError> {
+    use burn_gemma::tensor_parallel::{split_devices, Shard, ShardedModel, TensorParallel};
+    if a.depth.iter().any(|&d| d != 0) || !a.kv_caches.is_empty() || a.layers.is_some() || a.host_profile.is_some() {
+        return Err(CliError::from(
+            "--tensor-parallel measures at depth 0 with the one --kv-cache; leave out --depth, --kv-caches, --layers and --host-profile",
+        ));
+    }
+    let world = a.tensor_parallel.get();
+    let (devices, reduces) = split_devices::<B>(device, world)?;
+    let load = Instant::now();
+    let mut model = match a.model.strip_prefix("synthetic:") {
+        Some(preset) => {
+            let config = GemmaConfig::preset(preset)?;
+            // One shard after another: each draws the whole model's weights from the seed in
+            // order and keeps its part.
+            let mut shards = Vec::with_capacity(world);
+            for (rank, (device, reduce)) in devices.iter().zip(&reduces).enumerate() {
+                let parallel = TensorParallel { shard: Shard::new(rank, world)?, reduce: reduce.clone() };
+                let mut source = RandomWeights::new(a.seed);
+                shards.push(Gemma::<B>::load_shard(config.clone(), &mut source, &options, device, parallel)?);
+            }
+            ShardedModel::new(shards, config, reduces)?
+        }
+        None => {
+            let checkpoint = Checkpoint::open(&a.model)?;
+            let kv_cache = options.kv_cache.unwrap_or(KvFormat::Dense(options.dtype));
+            let (dtype, weights) = (options.dtype, options.weights);
+            let options = move |d: &B::Device| {
+                LoadOptions::<B>::new().device(d.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache)
+            };
+            ShardedModel::load(&checkpoint, &devices, options, reduces)?
+        }
+    };
+    model.set_cuda_graph(a.cuda_graph)?;
+    let config = model.config().clone();
+    eprintln!(
+        "model {} split over {world} devices of {name}, dtype {:?}, weights {}, loaded in {:.1} s",
+        a.model,
+        options.dtype,
+        options.weights,
+        load.elapsed().as_secs_f64()
+    );
+    let capacity = a.prompt_len.iter().copied().max().unwrap_or(1) + a.gen + 1;
+    let mut state = a.seed;
+    for &prompt_len in &a.prompt_len {
+        let prompt = ids(prompt_len, config.vocab_size, &mut state);
+        let (mut pp, mut tg) = (Vec::new(), Vec::new());
+        for rep in 0..=a.reps {
+            // The same size every rep: the caches are emptied in place, the recorded steps kept.
+            model.new_cache(capacity)?;
+            let start = Instant::now();
+            let mut next = model.greedy(&prompt)?;
+            let prefill = start.elapsed();
+            let start = Instant::now();
+            for _ in 0..a.gen {
+                next = model.greedy(&[next])?;
+            }
+            let decode = start.elapsed();
+            if rep > 0 {
+                pp.push(prompt_len as f64 / prefill.as_secs_f64());
+                tg.push(a.gen as f64 / decode.as_secs_f64());
+            }
+        }
+        let steps = match (a.cuda_graph, model.eager_because()) {
+            (CudaGraph::Off, _) => "eager".to_string(),
+            (_, Some(why)) => format!("eager ({why})"),
+            _ => "graphs".to_string(),
+        };
+        println!("== {} on {world} devices, prompt {prompt_len}, {} generated, decode steps {steps}", a.model, a.gen);
+        for (what, unit, s) in [("prefill", "tok/s", stat(pp)), ("decode", "tok/s", stat(tg))] {
+            println!("{what:<28} median {:>9.2} {unit}  (min {:.2}, max {:.2})", s.median, s.min, s.max);
+        }
+    }
+    Ok(())
 }
 
 fn main() -> Result<(), CliError> {
