@@ -308,8 +308,9 @@ impl<B: GemmaBackend> ShardedModel<B> {
         Ok(false)
     }
 
-    /// `command` on every shard, which must all succeed; none failing leaves the model broken
-    /// (a recording, or forgetting one, touches no cache).
+    /// `command` (one that touches no cache: recording a step, forgetting one) on every shard;
+    /// the first failure is the error, and the model stays usable unless a shard was left
+    /// waiting in a collective.
     fn each(&mut self, command: Command) -> Result<(), Error> {
         if self.broken {
             return Err(ModelError::TensorParallel(
