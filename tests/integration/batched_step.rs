@@ -16,8 +16,7 @@ use burn::tensor::{DType, Tensor};
 use burn_gemma::backends::Cuda;
 use burn_gemma::generation::token_tensor;
 use burn_gemma::{
-    BatchGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, PagedLayout, PrefixCache, StepInputs,
-    WeightFormat,
+    BatchGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, PagedLayout, StepInputs, WeightFormat,
 };
 use burn_gemma_kernels::QuantFormat;
 use burn_gemma_model::{decode_graph::bucket_bound, RandomWeights};
