@@ -13,6 +13,9 @@
 //! `--draft ngram` has each request draft by prompt lookup and verify its drafts in the batched
 //! steps (greedy replies unchanged, sampled ones keeping the model's distribution).
 //!
+//! `--tensor-parallel N` splits the model over N devices (CUDA devices joined by NCCL) and
+//! answers requests one at a time.
+//!
 //! Ctrl-C stops taking connections and lets the requests in flight finish.
 
 #[path = "cli/backend_args.rs"]
@@ -86,6 +89,11 @@ struct Args {
     /// sizes), each its own image in the prompt after the whole one.
     #[arg(long)]
     pan_and_scan: bool,
+    /// Splits the model over N devices (tensor parallelism: CUDA devices from `--device` on,
+    /// joined by NCCL, or N shards on a CPU backend). Requests are then answered one at a time
+    /// (no batching, paging, prefix cache, drafts or pictures).
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    tensor_parallel: NonZeroUsize,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -114,6 +122,33 @@ impl BackendTask for Run {
         let (weights, dtype, kv_cache) = args.backend.formats(name)?;
         eprintln!("backend: {name}, device: {device:?}, dtype: {dtype:?}, weights: {weights}, KV cache: {kv_cache}");
         let checkpoint = Checkpoint::open(&self.model_path)?;
+        let model_id = args.model_id.clone().unwrap_or_else(|| {
+            self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
+        });
+        let server_config = ServerConfig { model_id, default_max_tokens: args.default_max_tokens };
+        if args.tensor_parallel.get() > 1 {
+            if args.mmproj.is_some() || args.draft != ServerDraft::Off || args.pan_and_scan {
+                return Err(CliError::from(
+                    "--tensor-parallel serves text alone: leave out --mmproj, --draft and --pan-and-scan",
+                ));
+            }
+            let world = args.tensor_parallel.get();
+            let (devices, reduces) = burn_gemma::tensor_parallel::split_devices::<B>(&device, world)?;
+            let options = |d: &B::Device| {
+                LoadOptions::<B>::new().device(d.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache)
+            };
+            let mut model = burn_gemma::tensor_parallel::ShardedModel::load(&checkpoint, &devices, options, reduces)?;
+            model.set_cuda_graph(args.cuda_graph)?;
+            eprintln!("the model split over {world} devices; requests answered one at a time");
+            let template = ChatTemplate::for_architecture(model.config().model_type);
+            let config = EngineConfig {
+                max_waiting: args.max_waiting,
+                max_sequence_len: args.max_sequence_len,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::sharded(model, checkpoint.tokenizer()?, config)?;
+            return serve(Server::new(engine, template, server_config), &args.host, args.port);
+        }
         let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
         let Loaded { model, .. } = checkpoint.load(options)?;
         let tokenizer = checkpoint.tokenizer()?;
@@ -146,23 +181,23 @@ impl BackendTask for Run {
         if args.pan_and_scan {
             engine.set_pan_and_scan(Some(burn_gemma::images::PanAndScan::default()))?;
         }
-        let model_id = args.model_id.clone().unwrap_or_else(|| {
-            self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
-        });
-        let server =
-            Server::new(engine, template, ServerConfig { model_id, default_max_tokens: args.default_max_tokens });
-        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-        runtime.block_on(async {
-            let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
-            eprintln!("serving on http://{}", listener.local_addr()?);
-            let shutdown = async {
-                let _ = tokio::signal::ctrl_c().await;
-                eprintln!("shutting down: finishing the requests in flight");
-            };
-            server.serve(listener, shutdown).await
-        })?;
-        Ok(())
+        serve(Server::new(engine, template, server_config), &args.host, args.port)
     }
+}
+
+/// Serves `server` on `host:port` until Ctrl-C, then lets the requests in flight finish.
+fn serve(server: std::sync::Arc<Server>, host: &str, port: u16) -> Result<(), CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((host, port)).await?;
+        eprintln!("serving on http://{}", listener.local_addr()?);
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("shutting down: finishing the requests in flight");
+        };
+        server.serve(listener, shutdown).await
+    })?;
+    Ok(())
 }
 
 fn real_main(args: Args) -> Result<(), CliError> {

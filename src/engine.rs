@@ -311,15 +311,15 @@ impl Drop for RequestStream {
 }
 
 /// A request on its way to the worker.
-struct Submitted {
-    request: Request,
-    sampler: Sampler,
-    events: mpsc::Sender<Result<Event, EngineError>>,
-    cancel: Arc<AtomicBool>,
-    submitted: Instant,
+pub(crate) struct Submitted {
+    pub(crate) request: Request,
+    pub(crate) sampler: Sampler,
+    pub(crate) events: mpsc::Sender<Result<Event, EngineError>>,
+    pub(crate) cancel: Arc<AtomicBool>,
+    pub(crate) submitted: Instant,
 }
 
-enum Command {
+pub(crate) enum Command {
     Submit(Box<Submitted>),
     /// Finish the running and waiting requests, take no more, then stop.
     Drain,
@@ -447,6 +447,57 @@ impl Engine {
             accepting: Arc::new(AtomicBool::new(true)),
             eager_reason,
             images,
+        })
+    }
+
+    /// An engine over a model split across devices ([`ShardedModel`], tensor parallelism):
+    /// requests are taken as [`Engine::new`]'s are, and answered **one at a time**, in order
+    /// (the split model decodes one sequence; `config`'s limits on waiting requests and
+    /// sequence length apply, its batching, paging, prefix and draft settings do not). Greedy
+    /// requests without a repetition penalty pick their tokens on the devices (each decode step
+    /// one CUDA graph per GPU, as the model's [`ShardedModel::set_cuda_graph`] says).
+    ///
+    /// [`ShardedModel`]: crate::tensor_parallel::ShardedModel
+    /// [`ShardedModel::set_cuda_graph`]: crate::tensor_parallel::ShardedModel::set_cuda_graph
+    pub fn sharded<B: GemmaBackend>(
+        model: crate::tensor_parallel::ShardedModel<B>,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+    ) -> Result<Self, Error> {
+        check_vocabulary(model.config(), &tokenizer)?;
+        let vocab = model.config().vocab_size;
+        let default_stops = default_stop_tokens(model.config(), &tokenizer);
+        let max_context = model.config().max_position_embeddings;
+        let capacity = config.max_sequence_len.get().min(max_context);
+        let tokenizer = Arc::new(tokenizer);
+        let metrics = Arc::new(EngineMetrics::default());
+        let eager_reason = Arc::new(Mutex::new(None));
+        let worker = crate::tensor_parallel::serve::Serving {
+            model,
+            tokenizer: Arc::clone(&tokenizer),
+            default_stops,
+            capacity,
+            metrics: Arc::clone(&metrics),
+            eager_reason: Arc::clone(&eager_reason),
+        };
+        let (commands, inbox) = mpsc::channel();
+        let worker = std::thread::Builder::new()
+            .name("burn-gemma-sharded-engine".into())
+            .spawn(move || worker.run(inbox))
+            .map_err(|e| BackendError::Thread { what: "engine worker", reason: e.to_string() })?;
+        Ok(Self {
+            commands,
+            worker: Some(worker),
+            metrics,
+            config,
+            tokenizer,
+            vocab,
+            max_context,
+            capacity,
+            reservable: capacity,
+            accepting: Arc::new(AtomicBool::new(true)),
+            eager_reason,
+            images: None,
         })
     }
 

@@ -6,6 +6,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub(crate) mod serve;
 
 use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, LoadOptions, SamplingConfig};
 use burn::tensor::{DType, Tensor};

@@ -369,3 +369,56 @@ fn greedy_steps_of_a_split_model_on_cpu_stay_eager() {
     // The model is still whole: another generation runs.
     assert_eq!(greedy(&mut split).expect("again"), expected);
 }
+
+/// A split model behind the engine's interface ([`burn_gemma::engine::Engine::sharded`]):
+/// requests submitted at once are answered one after another with the tokens the unsplit
+/// model's batched engine gives them (tiny Gemma 3, two shards, greedy), their streams ending
+/// as the batched engine's do; a request with pictures is refused at submission.
+#[test]
+fn a_split_model_serves_the_engines_requests() {
+    use burn_gemma::engine::{Engine, EngineConfig, Event, Request};
+    use burn_gemma::{engine::EngineError, images::ImageError, images::Pixels, GenerationConfig, Picture};
+    let device = Default::default();
+    let dir = common::fixtures().join("tiny-gemma").join("gemma3");
+    let prompt = common::ids(&common::read_json(dir.join("reference.json"))["input_ids"]);
+    let checkpoint = Checkpoint::open(&dir).expect("open");
+    let requests = || {
+        [(3, 12), (prompt.len(), 20), (7, 1)].map(|(len, new): (usize, usize)| {
+            Request::new(
+                prompt[..len].to_vec(),
+                GenerationConfig { max_new_tokens: new, ..GenerationConfig::default() },
+            )
+        })
+    };
+    let answers = |engine: &Engine| {
+        let streams: Vec<_> = requests().into_iter().map(|r| engine.submit(r).expect("submitted")).collect();
+        streams
+            .iter()
+            .map(|stream| {
+                let mut tokens = Vec::new();
+                let mut finish = None;
+                for event in stream.events() {
+                    match event.expect("an event") {
+                        Event::Token(token) => tokens.push(token.id),
+                        Event::Done(done) => finish = Some((done.reason, done.generated_tokens)),
+                    }
+                }
+                (tokens, finish.expect("a last event"))
+            })
+            .collect::<Vec<_>>()
+    };
+    let whole = checkpoint.load(common::dense_f32::<NdArray>(&device)).expect("load").model;
+    let expected = answers(&Engine::new(whole, common::tiny_tokenizer(), EngineConfig::default()).expect("engine"));
+    let options = |d: &_| common::dense_f32::<NdArray>(d);
+    let split = ShardedModel::load(&checkpoint, &[device; 2], options, host_all_reduce(2)).expect("shards");
+    let engine = Engine::sharded(split, common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
+    let got = answers(&engine);
+    assert_eq!(got, expected);
+    assert_eq!(got.iter().map(|(tokens, _)| tokens.len()).collect::<Vec<_>>(), vec![12, 20, 1]);
+    assert_eq!(engine.metrics().requests_finished.load(std::sync::atomic::Ordering::SeqCst), 3);
+    let mut with_picture = requests()[0].clone();
+    with_picture.images = vec![Picture::Square(Pixels { size: 2, values: vec![0.0; 12] })];
+    let refused = engine.submit(with_picture).map(|_| ()).expect_err("a split model's engine reads no pictures");
+    assert!(matches!(refused, EngineError::Generation(Error::Image(ImageError::NoVision))), "{refused}");
+    engine.shutdown();
+}
