@@ -512,7 +512,7 @@ mod host_profile {
 /// greedy token) and `--gen` greedy tokens, each read back; decode steps replay one CUDA graph
 /// per device where they can (`--cuda-graph`).
 fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: ModelOptions) -> Result<(), CliError> {
-    use burn_gemma::tensor_parallel::{split_devices, Shard, ShardedModel, TensorParallel};
+    use burn_gemma::tensor_parallel::{split_devices, ShardedModel};
     if a.depth.iter().any(|&d| d != 0) || !a.kv_caches.is_empty() || a.layers.is_some() || a.host_profile.is_some() {
         return Err(CliError::from(
             "--tensor-parallel measures at depth 0 with the one --kv-cache; leave out --depth, --kv-caches, --layers and --host-profile",
@@ -523,16 +523,9 @@ fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: M
     let load = Instant::now();
     let mut model = match a.model.strip_prefix("synthetic:") {
         Some(preset) => {
-            let config = GemmaConfig::preset(preset)?;
-            // One shard after another: each draws the whole model's weights from the seed in
-            // order and keeps its part.
-            let mut shards = Vec::with_capacity(world);
-            for (rank, (device, reduce)) in devices.iter().zip(&reduces).enumerate() {
-                let parallel = TensorParallel { shard: Shard::new(rank, world)?, reduce: reduce.clone() };
-                let mut source = RandomWeights::new(a.seed);
-                shards.push(Gemma::<B>::load_shard(config.clone(), &mut source, &options, device, parallel)?);
-            }
-            ShardedModel::new(shards, config, reduces)?
+            // Each shard draws the whole model's weights from the seed and keeps its part.
+            let source = || RandomWeights::new(a.seed);
+            ShardedModel::load_from(GemmaConfig::preset(preset)?, source, &options, &devices, reduces)?
         }
         None => {
             let checkpoint = Checkpoint::open(&a.model)?;

@@ -22,8 +22,8 @@ use backend_args::BackendArgs;
 use burn::backend::cuda::CudaDevice;
 use burn_gemma::{
     backends::Cuda,
-    tensor_parallel::{nccl::NcclAllReduce, Shard, ShardedModel, TensorParallel},
-    Checkpoint, CudaGraph, Gemma, GemmaConfig, LoadOptions, ModelOptions,
+    tensor_parallel::{nccl::NcclAllReduce, ShardedModel},
+    Checkpoint, CudaGraph, GemmaConfig, LoadOptions, ModelOptions,
 };
 use burn_gemma_model::RandomWeights;
 use clap::Parser;
@@ -66,22 +66,10 @@ fn load(args: &Args, devices: &[CudaDevice]) -> Result<ShardedModel<Cuda>, CliEr
         return Ok(ShardedModel::load_nccl(&checkpoint, devices, options)?);
     };
     let options = ModelOptions { dtype, weights, kv_cache: Some(kv_cache) };
-    let config = GemmaConfig::preset(preset)?;
-    if devices.len() == 1 {
-        let model = Gemma::load(config.clone(), &mut RandomWeights::new(args.seed), &options, &devices[0])?;
-        return Ok(ShardedModel::new(vec![model], config, Vec::new())?);
-    }
-    // One shard after another on this thread: each draws the whole model's weights from the
-    // seed in order (the device random generator is one per process) and keeps its part.
-    let reduces = NcclAllReduce::group(devices)?;
-    let mut shards = Vec::new();
-    for (rank, (device, reduce)) in devices.iter().zip(&reduces).enumerate() {
-        let parallel = TensorParallel { shard: Shard::new(rank, devices.len())?, reduce: reduce.clone() };
-        let started = Instant::now();
-        shards.push(Gemma::load_shard(config.clone(), &mut RandomWeights::new(args.seed), &options, device, parallel)?);
-        eprintln!("shard {rank} of {} loaded in {:.1} s", devices.len(), started.elapsed().as_secs_f64());
-    }
-    Ok(ShardedModel::new(shards, config, reduces)?)
+    let reduces = if devices.len() > 1 { NcclAllReduce::group(devices)? } else { Vec::new() };
+    // Each shard draws the whole model's weights from the seed and keeps its part.
+    let source = || RandomWeights::new(args.seed);
+    Ok(ShardedModel::load_from(GemmaConfig::preset(preset)?, source, &options, devices, reduces)?)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -30,10 +30,6 @@ pub enum CollectiveError {
     /// A group of no device, or one naming a device twice.
     #[error("an NCCL group over devices {0:?}: name each device once")]
     BadGroup(Vec<usize>),
-    /// The tensors of an all-gather must have the same shape on every device; NCCL cannot
-    /// check that, so shapes the caller did not make even are refused here.
-    #[error("an all-gather of a tensor of {0:?}")]
-    Shape(Vec<usize>),
     /// NCCL's library is missing, or one of its calls failed.
     #[error("NCCL: {0}")]
     Nccl(String),
@@ -133,16 +129,14 @@ impl NcclGroup {
                 .map_err(|e| format!("ncclCommInitAll over devices {ordinals:?} failed: {:?}", e.0))
         });
         match comms {
-            Ok(comms) => comms.get(rank).map(|c| c.0).ok_or_else(|| CollectiveError::NotInGroup {
-                device: rank,
-                group: self.devices.iter().map(|d| d.index).collect(),
-            }),
+            Ok(comms) => comms
+                .get(rank)
+                .map(|c| c.0)
+                .ok_or_else(|| CollectiveError::Nccl(format!("no communicator of rank {rank}"))),
             Err(reason) => Err(CollectiveError::Nccl(reason.clone())),
         }
     }
-}
 
-impl NcclGroup {
     /// Waits until every device's thread has called this (once each), for at most `wait`.
     ///
     /// A device whose NCCL kernel waits for a peer keeps running, and on devices joined by
@@ -218,36 +212,31 @@ fn nccl_dtype(dtype: burn::tensor::DType) -> Option<sys::ncclDataType_t> {
     }
 }
 
-/// Records `op` of `input` into `output` for the step being recorded; `false` (the step marked
-/// unsupported) where it cannot be.
-fn record(op: Op, input: &CubeTensor<CudaRuntime>, output: &CubeTensor<CudaRuntime>, group: &Arc<NcclGroup>) -> bool {
-    let why = if !input.is_contiguous() {
-        Some("a collective of a strided tensor".to_string())
-    } else if nccl_dtype(input.dtype).is_none() {
-        Some(format!("a collective of {:?}", input.dtype))
-    } else {
-        None
+/// Records `op` of `input` (on the group's device `rank`) into `output` for the step being
+/// recorded, or marks the step unsupported where NCCL cannot take the tensor.
+fn record(
+    op: Op,
+    input: &CubeTensor<CudaRuntime>,
+    output: &CubeTensor<CudaRuntime>,
+    group: &Arc<NcclGroup>,
+    rank: usize,
+) {
+    let dtype = match (input.is_contiguous(), nccl_dtype(input.dtype)) {
+        (true, Some(dtype)) => dtype,
+        (false, _) => return crate::graph::unsupported(|| "a tensor-parallel collective of a strided tensor".into()),
+        (true, None) => {
+            return crate::graph::unsupported(|| format!("a tensor-parallel collective of {:?}", input.dtype));
+        }
     };
-    let rank = group.rank(&input.device);
-    match (why, rank, nccl_dtype(input.dtype)) {
-        (None, Ok(rank), Some(dtype)) => {
-            crate::graph::collective(Recorded {
-                op,
-                input: input.handle.clone(),
-                output: output.handle.clone(),
-                count: input.meta.num_elements(),
-                dtype,
-                group: group.clone(),
-                rank,
-            });
-            true
-        }
-        (why, rank, _) => {
-            let reason = why.unwrap_or_else(|| rank.err().map(|e| e.to_string()).unwrap_or_default());
-            crate::graph::unsupported(|| format!("a tensor-parallel collective that cannot be recorded: {reason}"));
-            false
-        }
-    }
+    crate::graph::collective(Recorded {
+        op,
+        input: input.handle.clone(),
+        output: output.handle.clone(),
+        count: input.meta.num_elements(),
+        dtype,
+        group: group.clone(),
+        rank,
+    });
 }
 
 /// The sum of `x` over the group's devices (each of which must call this with a tensor of the
@@ -265,11 +254,11 @@ where
     BT: BoolElement,
 {
     let t: CubeTensor<CudaRuntime> = x.into_primitive().tensor();
-    group.rank(&t.device)?;
+    let rank = group.rank(&t.device)?;
     if crate::graph::recording() {
         // In place: the recorder keeps the step's handles, so `can_mut` says nothing here; the
         // tensor was handed over, and what the graph reads after this reads the sum.
-        record(Op::AllReduceSum, &t, &t, group);
+        record(Op::AllReduceSum, &t, &t, group, rank);
         return Ok(Tensor::from_primitive(TensorPrimitive::Float(t)));
     }
     // NCCL writes the sum over the input: a buffer of our own, contiguous.
@@ -300,38 +289,13 @@ where
     if crate::graph::recording() {
         let t: CubeTensor<CudaRuntime> = x.into_primitive().tensor();
         let out = crate::cube::empty(&t, [world * rows, cols], t.dtype);
-        record(Op::AllGather, &t, &out, group);
+        record(Op::AllGather, &t, &out, group, rank);
         return Ok(Tensor::from_primitive(TensorPrimitive::Float(out)));
     }
     let (dtype, device) = (x.dtype(), x.device());
     let placed = Tensor::<Cuda<F, I, BT>, 2>::zeros([world * rows, cols], (&device, dtype))
         .slice_assign([rank * rows..(rank + 1) * rows, 0..cols], x);
     all_reduce_sum(placed, group)
-}
-
-impl Recorded {
-    /// The element count NCCL is given: the input's for both operations (an all-gather's
-    /// `sendcount`).
-    pub(crate) fn check(&self) -> Result<(), CollectiveError> {
-        let element = match self.dtype {
-            sys::ncclDataType_t::ncclFloat32 => 4,
-            sys::ncclDataType_t::ncclFloat64 => 8,
-            _ => 2,
-        };
-        let world = self.group.devices.len() as u64;
-        let needed = match self.op {
-            Op::AllReduceSum => self.count as u64 * element,
-            Op::AllGather => self.count as u64 * element * world,
-        };
-        if self.input.size() < self.count as u64 * element || self.output.size() < needed {
-            return Err(CollectiveError::Shape(vec![
-                self.count,
-                self.input.size() as usize,
-                self.output.size() as usize,
-            ]));
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

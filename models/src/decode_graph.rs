@@ -231,10 +231,10 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
     }
 
     /// Records the step the cache's next position needs, unless the current recording serves
-    /// it; returns whether it recorded. [`DecodeGraphs::step`] does this itself; the shards of
+    /// it. [`DecodeGraphs::step`] does this itself; the shards of
     /// a split model do it first, all together, so that none replays a graph whose collectives
     /// the others would not join (a shard whose recording failed steps eagerly).
-    pub fn prepare(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>) -> Result<bool, ModelError> {
+    pub fn prepare(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>) -> Result<(), ModelError> {
         let (_, advance) = self.cache_rows();
         if let Some(recorded) = self.cache.filter(|&id| id != cache.id()) {
             return Err(ModelError::InvalidInput(format!(
@@ -247,13 +247,13 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         // The last row's position picks the bucket.
         let last = cache.len() + advance - 1;
         if self.current.as_ref().is_some_and(|r| last <= r.bound) {
-            return Ok(false);
+            return Ok(());
         }
         // Free the previous bucket's buffers before allocating the next.
         self.current = None;
         self.current = Some(self.record(model, cache, bucket_bound(last, self.capacity))?);
         self.cache = Some(cache.id());
-        Ok(true)
+        Ok(())
     }
 
     fn record(&mut self, model: &Gemma<B>, cache: &mut KvCache<B>, bound: usize) -> Result<Recorded<B>, ModelError> {

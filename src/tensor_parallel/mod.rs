@@ -12,7 +12,9 @@ use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, Load
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::GemmaBackend;
 use burn_gemma_kernels::SamplingParams;
-use burn_gemma_model::{bucket_bound, CudaGraph, DecodeGraphs, Gemma, GemmaConfig, KvCache, ModelError};
+use burn_gemma_model::{
+    bucket_bound, CudaGraph, DecodeGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, WeightSource,
+};
 pub use burn_gemma_model::{AllReduce, HostAllReduce, Shard, TensorParallel};
 #[cfg(feature = "cuda")]
 use std::any::Any;
@@ -173,6 +175,38 @@ impl<B: GemmaBackend> ShardedModel<B> {
         Self::new(shards, checkpoint.config().clone(), if world > 1 { reduces } else { Vec::new() })
     }
 
+    /// `config`'s model split over `devices` (one whole model for one device), joined by
+    /// `reduces`, its shards loaded one after another on this thread, each from a fresh
+    /// `source()` that gives the whole model's tensors in order (each shard keeps its part): a
+    /// random-weight model ([`burn_gemma_model::RandomWeights`] from one seed) split as a
+    /// checkpoint is.
+    pub fn load_from<S: WeightSource<B> + Send>(
+        config: GemmaConfig,
+        mut source: impl FnMut() -> S,
+        options: &ModelOptions,
+        devices: &[B::Device],
+        reduces: AllReduces<B>,
+    ) -> Result<Self, Error> {
+        let world = devices.len();
+        if world == 1 {
+            let model = Gemma::load(config.clone(), &mut source(), options, &devices[0])?;
+            return Self::new(vec![model], config, Vec::new());
+        }
+        if reduces.len() != world {
+            return Err(ModelError::TensorParallel(format!(
+                "{world} devices and {} all-reduce handles: give one handle per device",
+                reduces.len()
+            ))
+            .into());
+        }
+        let mut shards = Vec::with_capacity(world);
+        for (rank, (device, reduce)) in devices.iter().zip(&reduces).enumerate() {
+            let parallel = TensorParallel { shard: Shard::new(rank, world)?, reduce: reduce.clone() };
+            shards.push(Gemma::load_shard(config.clone(), &mut source(), options, device, parallel)?);
+        }
+        Self::new(shards, config, reduces)
+    }
+
     /// The shards of `config`'s model (each loaded by [`Gemma::load_shard`], in rank order, or
     /// one whole model), joined by `reduces` (one per shard; none for one whole model).
     pub fn new(shards: Vec<Gemma<B>>, config: GemmaConfig, reduces: AllReduces<B>) -> Result<Self, Error> {
@@ -313,27 +347,31 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// the first failure is the error, and the model stays usable unless a shard was left
     /// waiting in a collective.
     fn each(&mut self, command: Command) -> Result<(), Error> {
-        if self.broken {
-            return Err(ModelError::TensorParallel(
-                "a shard is left waiting in a collective; load the model again".into(),
-            )
-            .into());
-        }
-        let mut sent = 0;
-        for worker in &self.workers {
-            if worker.commands.send(command.clone()).is_err() {
-                break;
-            }
-            sent += 1;
-        }
-        let mut replies = self.replies(sent, Release::Wait);
+        let mut replies = self.broadcast(command, Release::Wait)?;
         // A shard left waiting in a collective: nothing more can run on these shards.
         self.broken |= replies.left_waiting;
         match replies.failed {
             Some(rank) => replies.all.swap_remove(rank).map(|_| ()),
-            None if sent < self.workers.len() => Err(Self::lost()),
             None => Ok(()),
         }
+    }
+
+    /// `command` sent to every shard (refused once the model is broken) and their replies; a
+    /// shard whose thread is gone counts as failed.
+    fn broadcast(&mut self, command: Command, release: Release) -> Result<Replies, Error> {
+        if self.broken {
+            return Err(ModelError::TensorParallel(
+                "an earlier step failed on some shards only; load the model again".into(),
+            )
+            .into());
+        }
+        let sent = self.workers.iter().take_while(|worker| worker.commands.send(command.clone()).is_ok()).count();
+        let mut replies = self.replies(sent, release);
+        if sent < self.workers.len() {
+            replies.all.push(Err(ModelError::TensorParallel("a shard's thread stopped".into()).into()));
+            replies.failed.get_or_insert(sent);
+        }
+        Ok(replies)
     }
 
     /// The replies of the first `sent` shards to the command just sent, and whether one failed.
@@ -413,29 +451,12 @@ impl<B: GemmaBackend> ShardedModel<B> {
 
     /// `command` on every shard; shard 0's reply.
     fn run(&mut self, command: Command) -> Result<Reply, Error> {
-        if self.broken {
-            return Err(ModelError::TensorParallel(
-                "an earlier step failed on some shards only; load the model again".into(),
-            )
-            .into());
-        }
-        let mut sent = 0;
-        for worker in &self.workers {
-            if worker.commands.send(command.clone()).is_err() {
-                break;
-            }
-            sent += 1;
-        }
-        let Replies { mut all, failed, .. } = self.replies(sent, Release::Abort);
+        let Replies { mut all, failed, .. } = self.broadcast(command, Release::Abort)?;
         // Requests are checked before they reach the shards, so a failure here is one shard's
         // (a device error): the shards' caches no longer agree.
-        if let Some(rank) = failed.filter(|&rank| rank < all.len()) {
+        if let Some(rank) = failed {
             self.broken = true;
             return Err(all.swap_remove(rank).err().unwrap_or_else(Self::lost));
-        }
-        if sent < self.workers.len() {
-            self.broken = true;
-            return Err(ModelError::TensorParallel("a shard's thread stopped".into()).into());
         }
         all.into_iter().next().unwrap_or_else(|| Err(Self::lost()))
     }

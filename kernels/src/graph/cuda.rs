@@ -381,8 +381,8 @@ impl CollectiveCall {
     /// Issues the collective on `stream` (being captured: NCCL records its kernels).
     ///
     /// # Safety
-    /// The pointers belong to live buffers of the sizes [`crate::collective::Recorded::check`]
-    /// checked, and `comm` is the stream's device's communicator.
+    /// The pointers belong to live buffers of the recorded tensors (an all-gather's output
+    /// allocated for every rank's input), and `comm` is the stream's device's communicator.
     unsafe fn issue(&self, stream: sys::CUstream) -> Result<(), GraphError> {
         use crate::collective::Op;
         use cudarc::nccl::{result as nccl, sys::ncclRedOp_t};
@@ -432,7 +432,6 @@ impl Graph {
         let mut groups = Vec::new();
         let mut handles = Vec::new();
         for (at, c) in collectives {
-            c.check().map_err(nccl)?;
             let call = CollectiveCall {
                 op: c.op,
                 input: pointer(&client, &c.input)?,
@@ -516,7 +515,10 @@ impl Graph {
             for (_, call) in &calls {
                 if !seen.contains(&(call.op, call.count)) {
                     seen.push((call.op, call.count));
-                    call.issue(stream)?;
+                    if let Err(e) = call.issue(stream) {
+                        let _ = result::stream::destroy(stream);
+                        return Err(e);
+                    }
                 }
             }
             result::stream::synchronize(stream).map_err(driver("cuStreamSynchronize"))?;

@@ -236,18 +236,6 @@ pub struct Recording {
 }
 
 impl Recording {
-    /// Collectives recorded (the all-reduces and all-gathers of a split model's shard).
-    pub fn collectives(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        {
-            self.collectives.len()
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            0
-        }
-    }
-
     /// Kernel launches recorded.
     pub fn launches(&self) -> usize {
         #[cfg(feature = "cuda")]

@@ -278,6 +278,35 @@ mod tests {
         props
     }
 
+    fn bf16() -> StorageType {
+        StorageType::Scalar(ElemType::Float(FloatKind::BF16))
+    }
+
+    fn f32() -> StorageType {
+        StorageType::Scalar(ElemType::Float(FloatKind::F32))
+    }
+
+    /// The crate's RMSNorm over rows of `n` launched on the recorder: `handles` (input, weight,
+    /// output) as its arrays, `cubes` cubes, the element types `[input, weight]`.
+    fn rms_norm_on_recorder(handles: &[Handle], n: usize, cubes: u32, dim: CubeDim, types: [StorageType; 2]) {
+        // SAFETY: lengths within the handles' sizes; nothing runs.
+        let array = |h: &Handle| unsafe { ArrayArg::<Rec>::from_raw_parts(h.clone(), n) };
+        crate::rms_norm::kernel::rms_norm_kernel::launch::<Rec>(
+            &client(),
+            CubeCount::Static(cubes, 1, 1),
+            dim,
+            1,
+            array(&handles[0]),
+            array(&handles[1]),
+            array(&handles[2]),
+            n as u32,
+            1e-6f32,
+            5usize,
+            true,
+            types,
+        );
+    }
+
     /// The crate's RMSNorm launched on the recorder with raw handles: one launch captured with
     /// its three buffers in argument order, its scalars in the packed argument words, and CUDA
     /// source that CubeCL's compiler produces from the task.
@@ -292,24 +321,7 @@ mod tests {
             Handle::new(stream, 4 * n as u64),
             Handle::new(stream, 2 * n as u64),
         ];
-        // SAFETY: lengths within the handles' sizes; nothing runs.
-        let array = |h: &Handle| unsafe { ArrayArg::<Rec>::from_raw_parts(h.clone(), n) };
-        let bf16 = StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-        let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-        crate::rms_norm::kernel::rms_norm_kernel::launch::<Rec>(
-            &client(),
-            CubeCount::Static(3, 1, 1),
-            CubeDim::new_1d(256),
-            1,
-            array(&handles[0]),
-            array(&handles[1]),
-            array(&handles[2]),
-            n as u32,
-            1e-6f32,
-            5usize,
-            true,
-            [bf16, f32],
-        );
+        rms_norm_on_recorder(&handles, n, 3, CubeDim::new_1d(256), [bf16(), f32()]);
         let recorded = take(vec![handles]).expect("one launch with three buffers");
         assert_eq!(recorded.len(), 1);
         let launch = &recorded[0];
@@ -353,23 +365,7 @@ mod tests {
                         let mut groups = Vec::new();
                         for _ in 0..20 {
                             let handles: Vec<Handle> = (0..3).map(|_| Handle::new(stream, 4 * n as u64)).collect();
-                            // SAFETY: lengths within the handles' sizes; nothing runs.
-                            let array = |h: &Handle| unsafe { ArrayArg::<Rec>::from_raw_parts(h.clone(), n) };
-                            let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-                            crate::rms_norm::kernel::rms_norm_kernel::launch::<Rec>(
-                                &client(),
-                                CubeCount::Static(cubes, 1, 1),
-                                CubeDim::new_1d(64),
-                                1,
-                                array(&handles[0]),
-                                array(&handles[1]),
-                                array(&handles[2]),
-                                n as u32,
-                                1e-6f32,
-                                5usize,
-                                true,
-                                [f32, f32],
-                            );
+                            rms_norm_on_recorder(&handles, n, cubes, CubeDim::new_1d(64), [f32(), f32()]);
                             groups.push(handles);
                         }
                         let recorded = take(groups).expect("this thread's launches");
