@@ -47,6 +47,14 @@ struct Args {
     gen: usize,
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// A synthetic model's first N layers only (the preset's shapes, fewer of them): a split
+    /// small enough to compare in f32 with one device.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Writes each split's prompt logits (the fresh caches', little-endian f32) to
+    /// `<prefix>-<N>gpu.f32`, to be set beside another run's (another dtype, say).
+    #[arg(long)]
+    save_logits: Option<String>,
     /// Seed of synthetic weights and of the prompt's ids.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -54,6 +62,19 @@ struct Args {
     /// a step cannot be recorded, saying why).
     #[arg(long, default_value = "auto")]
     cuda_graph: CudaGraph,
+}
+
+/// The synthetic preset's config, cut to `--layers`.
+fn synthetic_config(preset: &str, layers: Option<usize>) -> Result<GemmaConfig, CliError> {
+    let mut config = GemmaConfig::preset(preset)?;
+    if let Some(n) = layers {
+        if n == 0 || n > config.num_hidden_layers {
+            return Err(format!("--layers {n}: {preset} has 1 to {} layers", config.num_hidden_layers).into());
+        }
+        config.num_hidden_layers = n;
+        config.layer_types.truncate(n);
+    }
+    Ok(config)
 }
 
 /// The split model over `devices`.
@@ -69,7 +90,7 @@ fn load(args: &Args, devices: &[CudaDevice]) -> Result<ShardedModel<Cuda>, CliEr
     let reduces = if devices.len() > 1 { NcclAllReduce::group(devices)? } else { Vec::new() };
     // Each shard draws the whole model's weights from the seed and keeps its part.
     let source = || RandomWeights::new(args.seed);
-    Ok(ShardedModel::load_from(GemmaConfig::preset(preset)?, source, &options, devices, reduces)?)
+    Ok(ShardedModel::load_from(synthetic_config(preset, args.layers)?, source, &options, devices, reduces)?)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -85,7 +106,8 @@ fn main() -> Result<(), CliError> {
     }
     args.backend.start_threads()?;
     let config = match args.model.strip_prefix("synthetic:") {
-        Some(preset) => GemmaConfig::preset(preset)?,
+        Some(preset) => synthetic_config(preset, args.layers)?,
+        None if args.layers.is_some() => return Err("--layers cuts synthetic models only".into()),
         None => Checkpoint::open(&args.model)?.config().clone(),
     };
     let vocab = config.vocab_size as u64;
@@ -109,8 +131,15 @@ fn main() -> Result<(), CliError> {
         let mut model = load(&args, &devices)?;
         eprintln!("{world} device(s): loaded in {:.1} s", started.elapsed().as_secs_f64());
         model.set_cuda_graph(args.cuda_graph)?;
+        // The prompt's last logits on fresh caches, before any step was recorded or replayed.
+        model.new_cache(prompt.len() + args.gen + 1)?;
+        let logits = model.logits(&prompt)?;
+        if let Some(prefix) = &args.save_logits {
+            let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+            std::fs::write(format!("{prefix}-{world}gpu.f32"), bytes)?;
+        }
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-        let mut logits = Vec::new();
+        let mut again = Vec::new();
         let mut tokens = Vec::new();
         for rep in 0..=args.reps {
             model.new_cache(prompt.len() + args.gen + 1)?;
@@ -129,9 +158,10 @@ fn main() -> Result<(), CliError> {
                 decode.push((args.gen.max(2) - 1) as f64 / tg);
             } else {
                 tokens = generated;
-                // The same size: the caches are emptied in place and the recorded steps kept.
+                // The same size: the caches are emptied in place and the recorded steps kept;
+                // the prompt's logits then must be the fresh caches' again.
                 model.new_cache(prompt.len() + args.gen + 1)?;
-                logits = model.logits(&prompt)?;
+                again = model.logits(&prompt)?;
             }
         }
         let (pp, tg) = (median(prefill), median(decode));
@@ -140,18 +170,28 @@ fn main() -> Result<(), CliError> {
             (_, Some(why)) => format!("eager ({why})"),
             _ => "graphs".to_string(),
         };
+        let largest_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let reused = largest_diff(&logits, &again);
         let parity = match &reference {
-            None => "reference".to_string(),
+            None => {
+                // How far the best logit stands above the second: a split whose logits move by
+                // more may pick another first token without being wrong.
+                let mut sorted = logits.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                let margin = sorted.first().zip(sorted.get(1)).map_or(0.0, |(a, b)| a - b);
+                format!("reference (top-2 margin {margin:.4})")
+            }
             Some((ref_logits, ref_tokens)) => {
-                let diff = ref_logits.iter().zip(&logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                let diff = largest_diff(ref_logits, &logits);
                 let scale = ref_logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let same = ref_tokens.iter().zip(&tokens).take_while(|(a, b)| a == b).count();
                 format!("prompt logits {diff:.4} from the first split's (largest {scale:.2}); first {same} of {} greedy tokens equal", tokens.len())
             }
         };
         println!(
-            "{} | {world} GPU(s) | pp{} {pp:.1} tok/s | tg{} {tg:.2} tok/s ({:.2} ms/token, {steps}) | {parity}",
+            "{}{} | {world} GPU(s) | pp{} {pp:.1} tok/s | tg{} {tg:.2} tok/s ({:.2} ms/token, {steps}) | {parity} | after a rep's steps {reused:.4}",
             args.model,
+            args.layers.map_or(String::new(), |n| format!(" ({n} layers)")),
             prompt.len(),
             args.gen,
             1e3 / tg
