@@ -328,7 +328,9 @@ mod tests {
         });
         let path = std::env::temp_dir().join(format!("burn-gemma-tokenizer-{}.json", std::process::id()));
         std::fs::write(&path, json.to_string()).unwrap();
-        let t = Tokenizer::from_file(&path).unwrap();
+        let t = Tokenizer::from_file(&path);
+        let _ = std::fs::remove_file(&path);
+        let t = t.unwrap();
         assert_eq!(t.bos_id(), 2);
         assert_eq!(pieces(&t, "<start_of_turn>ab ab"), ["<start_of_turn>", "ab", " ab"]);
         let ids = t.encode("é ab", Bos::Prepend).unwrap();

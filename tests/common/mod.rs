@@ -3,7 +3,69 @@
 
 pub mod gguf;
 
-use std::path::PathBuf;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A directory of one test's own under the system's temp dir, removed with what is in it when
+/// dropped (a failing test's too), so that test runs leave nothing behind.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// A fresh, empty directory whose name holds `name`, the process and a counter (tests run in
+    /// parallel, and several processes may run the suite at once).
+    pub fn new(name: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("burn-gemma-test-{}-{n}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        Self(dir)
+    }
+
+    /// `name` in this directory, which lives as long as the returned path.
+    pub fn file(self, name: &str) -> ScratchFile {
+        ScratchFile { path: self.0.join(name), _dir: self }
+    }
+}
+
+impl Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A file's path in a [`Scratch`] directory that it keeps alive.
+pub struct ScratchFile {
+    path: PathBuf,
+    _dir: Scratch,
+}
+
+impl Deref for ScratchFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for ScratchFile {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
 
 /// `$BURN_GEMMA_FIXTURES`, else the repository's `tests/fixtures` (the override lets test
 /// binaries built here run on a GPU machine with the fixtures copied elsewhere).

@@ -325,9 +325,7 @@ fn gemma4_assistant_gguf_matches_safetensors() {
         };
         g.tensor(&name, shape, values);
     }
-    let out = std::env::temp_dir().join(format!("burn-gemma-assistant-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let path = out.join("gemma4-dense-assistant.gguf");
+    let path = common::Scratch::new("assistant").file("gemma4-dense-assistant.gguf");
     std::fs::write(&path, g.bytes()).unwrap();
 
     let from_gguf = AssistantCheckpoint::open(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -350,5 +348,4 @@ fn gemma4_assistant_gguf_matches_safetensors() {
     let assistant = from_gguf.load(common::dense_f32::<NdArray>(&device)).unwrap();
     let worst = drafting_rounds_match(&assistant, &target, &reference);
     println!("gemma4-dense assistant from GGUF: draft logits within {worst:.2e} of HF");
-    let _ = std::fs::remove_dir_all(&out);
 }

@@ -3,14 +3,12 @@
 use crate::common;
 
 use burn_gemma::{backends::NdArray, Checkpoint};
+use common::{Scratch, ScratchFile};
 use std::path::PathBuf;
 
-/// A fresh directory under the system temp dir.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("burn-gemma-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh directory under the system temp dir, removed when dropped.
+fn scratch(name: &str) -> Scratch {
+    Scratch::new(name)
 }
 
 fn tiny_config() -> String {
@@ -26,7 +24,7 @@ fn safetensors_bytes(header: &str, data: &[u8]) -> Vec<u8> {
 }
 
 /// An HF directory with the tiny Gemma 3 config and the given `model.safetensors` bytes.
-fn hf_dir(name: &str, weights: &[u8]) -> PathBuf {
+fn hf_dir(name: &str, weights: &[u8]) -> Scratch {
     let dir = scratch(name);
     std::fs::write(dir.join("config.json"), tiny_config()).unwrap();
     std::fs::write(dir.join("model.safetensors"), weights).unwrap();
@@ -90,7 +88,7 @@ fn safetensors_entry_errors() {
 }
 
 /// Header + data of the real tiny Gemma 3 checkpoint, edited by `edit`.
-fn edited_tiny(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> PathBuf {
+fn edited_tiny(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> Scratch {
     let bytes = std::fs::read(common::fixtures().join("tiny-gemma/gemma3/model.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -156,7 +154,7 @@ fn bad_configs_and_paths() {
     std::fs::write(dir.join("config.json"), tiny_config()).unwrap();
     assert_contains(open_err(&dir), "missing weights file model.safetensors");
     assert_contains(open_err(&PathBuf::from("/nonexistent/model.gguf")), "No such file");
-    let text = scratch("text-file").join("notes.txt");
+    let text = scratch("text-file").file("notes.txt");
     std::fs::write(&text, "hello, this is not a model").unwrap();
     assert_contains(open_err(&text), "bad magic");
 }
@@ -204,8 +202,8 @@ impl Gguf {
         self.bytes.extend(std::iter::repeat_n(0u8, n));
         self
     }
-    fn write(&self, name: &str) -> PathBuf {
-        let path = scratch(name).join("model.gguf");
+    fn write(&self, name: &str) -> ScratchFile {
+        let path = scratch(name).file("model.gguf");
         std::fs::write(&path, &self.bytes).unwrap();
         path
     }

@@ -87,9 +87,7 @@ fn bad_flags_fail_cleanly() {
 
 #[test]
 fn not_a_model_and_missing_backend() {
-    let dir = std::env::temp_dir().join(format!("burn-gemma-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let junk = dir.join("junk.gguf");
+    let junk = crate::common::Scratch::new("cli").file("junk.gguf");
     std::fs::write(&junk, "definitely not a model").unwrap();
     let (code, _, stderr) = run(&["--model", junk.to_str().unwrap(), "--prompt", "hi", "--backend", "ndarray"]);
     assert_eq!(code, 1);

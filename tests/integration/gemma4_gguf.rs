@@ -11,7 +11,7 @@ use burn_gemma::{backends::NdArray, Checkpoint};
 use common::gguf::{GgufWriter, Meta};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The f32 tensors of a safetensors file.
 fn safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
@@ -64,7 +64,7 @@ fn gguf_name(hf: &str) -> String {
 }
 
 /// Writes fixture `name` as a GGUF beside the test's scratch files.
-fn write_gguf(name: &str, vocab: Option<&Gemma4Vocab>) -> PathBuf {
+fn write_gguf(name: &str, vocab: Option<&Gemma4Vocab>) -> common::ScratchFile {
     let dir = common::fixtures().join("tiny-gemma").join(name);
     let config: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let u = |k: &str| config[k].as_u64().unwrap() as u32;
@@ -142,13 +142,9 @@ fn write_gguf(name: &str, vocab: Option<&Gemma4Vocab>) -> PathBuf {
     for (hf, (shape, values)) in safetensors(&dir.join("model.safetensors")) {
         g.tensor(&gguf_name(&hf), shape, values);
     }
-    let out = std::env::temp_dir().join(format!("burn-gemma-tests-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    // One file per call: tests run in parallel and each maps its own file (rewriting a file
+    // One directory per call: tests run in parallel and each maps its own file (rewriting a file
     // another test has mapped would pull its pages away).
-    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let path = out.join(format!("{name}-{call}.gguf"));
+    let path = common::Scratch::new("gemma4-gguf").file(&format!("{name}.gguf"));
     std::fs::write(&path, g.bytes()).unwrap();
     path
 }

@@ -355,9 +355,7 @@ fn gemma3_mmproj_gguf_matches_hf() {
         };
         g.tensor(&name, shape, values);
     }
-    let out = std::env::temp_dir().join(format!("burn-gemma-mmproj-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let path = out.join("mmproj.gguf");
+    let path = common::Scratch::new("mmproj").file("mmproj.gguf");
     std::fs::write(&path, g.bytes()).unwrap();
 
     let tokenizer = tokenizer_with_image_tokens();
@@ -385,7 +383,6 @@ fn gemma3_mmproj_gguf_matches_hf() {
     println!("{err}");
     let err = burn_gemma::MmprojCheckpoint::open(&path, &common::tiny_tokenizer()).err().unwrap();
     assert!(err.to_string().contains("<start_of_image>"), "{err}");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// llama.cpp's converter's name of a Gemma 4 vision weight (`Gemma4VisionAudioModel` then
@@ -464,9 +461,7 @@ fn gemma4_mmproj_gguf_matches_hf() {
         };
         g.tensor(&name, shape, values);
     }
-    let out = std::env::temp_dir().join(format!("burn-gemma-mmproj4-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let path = out.join("mmproj.gguf");
+    let path = common::Scratch::new("mmproj4").file("mmproj.gguf");
     std::fs::write(&path, g.bytes()).unwrap();
 
     let mmproj = burn_gemma::MmprojCheckpoint::open(&path, &gemma4_tokenizer()).unwrap_or_else(|e| panic!("{e}"));
@@ -490,7 +485,6 @@ fn gemma4_mmproj_gguf_matches_hf() {
     }
     let err = burn_gemma::MmprojCheckpoint::open(&path, &tokenizer_with_image_tokens()).err().unwrap();
     assert!(err.to_string().contains("<|image>"), "{err}");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// Pan-and-scan as HF's `Gemma3ImageProcessorPil` does it (`pan_and_scan.json`, made with
