@@ -73,6 +73,8 @@ fn synthetic_config(preset: &str, layers: Option<usize>) -> Result<GemmaConfig, 
         }
         config.num_hidden_layers = n;
         config.layer_types.truncate(n);
+        // A cut that leaves the preset inconsistent (Gemma 4 E models' KV-sharing layers) says so.
+        config.validate()?;
     }
     Ok(config)
 }
