@@ -37,8 +37,8 @@ use crate::{
     },
     stop_text::StopText,
     vision::{ImageProcessor, Picture, Vision},
-    BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, GraphSetup, ImageEmbeds, KvCache, ModelError,
-    PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer, WindowStore,
+    BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GemmaConfig, GenerationConfig, GraphSetup, ImageEmbeds,
+    KvCache, ModelError, PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer, WindowStore,
 };
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::{Draws, SamplingParams};
@@ -346,6 +346,42 @@ pub struct Engine {
     images: Option<ImageProcessor>,
 }
 
+/// What every engine's front holds, whatever its worker: the model's limits against the
+/// requests, the shared tokenizer, metrics and eager-step reason.
+struct Front {
+    tokenizer: Arc<Tokenizer>,
+    vocab: usize,
+    max_context: usize,
+    /// Positions per sequence.
+    capacity: usize,
+    /// Most positions one sequence can hold KV blocks for (`capacity` unless a paged cache
+    /// says fewer).
+    reservable: usize,
+    metrics: Arc<EngineMetrics>,
+    eager_reason: Arc<Mutex<Option<String>>>,
+    images: Option<ImageProcessor>,
+}
+
+impl Front {
+    /// `tokenizer` checked against `model`'s vocabulary; sequences of `config`'s length, at most
+    /// the model's context.
+    fn new(model: &GemmaConfig, tokenizer: Tokenizer, config: &EngineConfig) -> Result<Self, Error> {
+        check_vocabulary(model, &tokenizer)?;
+        let max_context = model.max_position_embeddings;
+        let capacity = config.max_sequence_len.get().min(max_context);
+        Ok(Self {
+            tokenizer: Arc::new(tokenizer),
+            vocab: model.vocab_size,
+            max_context,
+            capacity,
+            reservable: capacity,
+            metrics: Arc::new(EngineMetrics::default()),
+            eager_reason: Arc::new(Mutex::new(None)),
+            images: None,
+        })
+    }
+}
+
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine").field("config", &self.config).field("metrics", &self.metrics).finish()
@@ -378,11 +414,10 @@ impl Engine {
         if let Some(v) = &vision {
             v.check_fits(model.config().hidden_size, model.config().vocab_size)?;
         }
-        let images = vision.as_ref().map(Vision::processor);
-        let vocab = model.config().vocab_size;
-        let default_stops = default_stop_tokens(model.config(), &tokenizer);
-        let max_context = model.config().max_position_embeddings;
-        let capacity = config.max_sequence_len.get().min(max_context);
+        let mut front = Front::new(model.config(), tokenizer, &config)?;
+        front.images = vision.as_ref().map(Vision::processor);
+        let default_stops = default_stop_tokens(model.config(), &front.tokenizer);
+        let capacity = front.capacity;
         // The batched cache, allocated here so that one the device cannot hold fails at once.
         // Whole blocks: the cache holds the sequences' positions rounded up to a block.
         let cache_capacity = capacity.next_multiple_of(config.kv_block_size.get());
@@ -396,31 +431,27 @@ impl Engine {
             // Every sequence that may draft, at once.
             draft_rows: config.max_running.get().min(DRAFTING_SEQUENCES).saturating_mul(config.drafts.max_tokens()),
         };
-        let eager_reason = Arc::new(Mutex::new(None));
         let steps = match (config.cuda_graph, burn_gemma_kernels::graph::available::<B>(&model.device())) {
             (CudaGraph::Off, _) | (CudaGraph::Auto, Err(_)) => Steps::Eager,
             // Said at once, not at the first step.
             (CudaGraph::On, Err(e)) => return Err(ModelError::from(e).into()),
             (mode, Ok(())) => {
-                let eager_reason = Arc::clone(&eager_reason);
+                let eager_reason = Arc::clone(&front.eager_reason);
                 Steps::Graphs { graphs: BatchGraphs::new(), mode, eager_reason, most_rows: usize::MAX }
             }
         };
         let rows = model.new_paged_cache(layout)?;
-        let reservable = rows.reservable_positions().unwrap_or(capacity);
-        let tokenizer = Arc::new(tokenizer);
-        let metrics = Arc::new(EngineMetrics::default());
-        metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
-        metrics.kv_blocks_total.store(rows.blocks_in_use().map_or(0, |(_, all)| all), Ordering::SeqCst);
-        let (commands, inbox) = mpsc::channel();
+        front.reservable = rows.reservable_positions().unwrap_or(capacity);
+        front.metrics.kv_cache_bytes.store(rows.device_bytes() as u64, Ordering::SeqCst);
+        front.metrics.kv_blocks_total.store(rows.blocks_in_use().map_or(0, |(_, all)| all), Ordering::SeqCst);
         let worker = Worker {
             steps,
             model,
             vision,
-            tokenizer: Arc::clone(&tokenizer),
+            tokenizer: Arc::clone(&front.tokenizer),
             default_stops,
             config,
-            metrics: Arc::clone(&metrics),
+            metrics: Arc::clone(&front.metrics),
             waiting: VecDeque::new(),
             running: Vec::new(),
             rows,
@@ -430,24 +461,7 @@ impl Engine {
             broken: None,
             draining: false,
         };
-        let worker = std::thread::Builder::new()
-            .name("burn-gemma-engine".into())
-            .spawn(move || worker.run(inbox))
-            .map_err(|e| BackendError::Thread { what: "engine worker", reason: e.to_string() })?;
-        Ok(Self {
-            commands,
-            worker: Some(worker),
-            metrics,
-            config,
-            tokenizer,
-            vocab,
-            max_context,
-            capacity,
-            reservable,
-            accepting: Arc::new(AtomicBool::new(true)),
-            eager_reason,
-            images,
-        })
+        Self::start(front, config, "burn-gemma-engine", move |inbox| worker.run(inbox))
     }
 
     /// An engine over a model split across devices ([`ShardedModel`], tensor parallelism):
@@ -464,27 +478,31 @@ impl Engine {
         tokenizer: Tokenizer,
         config: EngineConfig,
     ) -> Result<Self, Error> {
-        check_vocabulary(model.config(), &tokenizer)?;
-        let vocab = model.config().vocab_size;
-        let default_stops = default_stop_tokens(model.config(), &tokenizer);
-        let max_context = model.config().max_position_embeddings;
-        let capacity = config.max_sequence_len.get().min(max_context);
-        let tokenizer = Arc::new(tokenizer);
-        let metrics = Arc::new(EngineMetrics::default());
-        let eager_reason = Arc::new(Mutex::new(None));
+        let front = Front::new(model.config(), tokenizer, &config)?;
         let worker = crate::tensor_parallel::serve::Serving {
+            default_stops: default_stop_tokens(model.config(), &front.tokenizer),
             model,
-            tokenizer: Arc::clone(&tokenizer),
-            default_stops,
-            capacity,
-            metrics: Arc::clone(&metrics),
-            eager_reason: Arc::clone(&eager_reason),
+            tokenizer: Arc::clone(&front.tokenizer),
+            capacity: front.capacity,
+            metrics: Arc::clone(&front.metrics),
+            eager_reason: Arc::clone(&front.eager_reason),
         };
+        Self::start(front, config, "burn-gemma-sharded-engine", move |inbox| worker.run(inbox))
+    }
+
+    /// The engine over `front`, its worker `run` on a thread named `name` taking its commands.
+    fn start(
+        front: Front,
+        config: EngineConfig,
+        name: &str,
+        run: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
+    ) -> Result<Self, Error> {
         let (commands, inbox) = mpsc::channel();
         let worker = std::thread::Builder::new()
-            .name("burn-gemma-sharded-engine".into())
-            .spawn(move || worker.run(inbox))
+            .name(name.into())
+            .spawn(move || run(inbox))
             .map_err(|e| BackendError::Thread { what: "engine worker", reason: e.to_string() })?;
+        let Front { tokenizer, vocab, max_context, capacity, reservable, metrics, eager_reason, images } = front;
         Ok(Self {
             commands,
             worker: Some(worker),
@@ -494,10 +512,10 @@ impl Engine {
             vocab,
             max_context,
             capacity,
-            reservable: capacity,
+            reservable,
             accepting: Arc::new(AtomicBool::new(true)),
             eager_reason,
-            images: None,
+            images,
         })
     }
 
