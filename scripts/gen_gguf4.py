@@ -4,11 +4,12 @@
 # llama.cpp's converter writes them (conversion/gemma.py, Gemma4Model). The `g3-` shapes are
 # Gemma 3 (`gemma3` architecture, Gemma3Model's names), written the same way: a 27B file without
 # the 54 GB F16 file that llama-quantize would start from.
-#   python3 gen_gguf4.py e2b|e4b|31b|tiny-31b|26b-a4b|g3-1b|g3-4b|g3-12b|g3-27b VOCAB.json.gz OUT.gguf [q8_0|q4_k_m]
+#   python3 gen_gguf4.py e2b|e4b|31b|tiny-31b|26b-a4b|g3-1b|g3-4b|g3-12b|g3-27b VOCAB.json.gz OUT.gguf [q8_0|q4_k_m|bf16]
 # q4_k_m gives each matrix the type llama-quantize's Q4_K_M gives it (src/llama-quant.cpp; the
 # E2B file's 541 types checked against it): Q6_K for the tied embedding tables, for attn_v and
 # ffn_down on the layers its `use_more_bits` picks, Q8_0 for the per-layer projection, Q4_K for
 # the rest; it writes a 31B file in about a minute where requantizing the Q8_0 one takes minutes.
+# bf16 writes every matrix as BF16 values about N(0, 0.02), the type of the published checkpoints.
 # Needs the pure-Python `gguf` package (llama.cpp's gguf-py) and numpy.
 import sys, gzip, json, numpy as np, gguf
 
@@ -43,7 +44,7 @@ CFG3 = {
 
 size, vocab_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
 quant = sys.argv[4] if len(sys.argv) > 4 else "q8_0"
-assert quant in ("q8_0", "q4_k_m"), f"unknown quantization {quant}"
+assert quant in ("q8_0", "q4_k_m", "bf16"), f"unknown quantization {quant}"
 gemma3 = size in CFG3
 c = CFG3[size] if gemma3 else CFG[size]
 voc = json.load(gzip.open(vocab_path, "rt"))
@@ -101,7 +102,8 @@ else:
     tokenizer(w)
 
 # The file type llama.cpp names the file by (a label; each tensor carries its own type).
-w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+w.add_file_type({"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16}[quant])
 
 rng = np.random.default_rng(0)
 # A pool of Q8_0 blocks (f16 scale, 32 int8 codes: values about N(0, 0.02)), tiled over each matrix.
@@ -138,8 +140,18 @@ def kq(qt, rows, cols):
 # third between (indices over the tensors of that role, as it counts them).
 more_bits = lambda i, n: i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
+# A pool of BF16 values (the high halves of f32 values about N(0, 0.02)), tiled over each matrix.
+bf16_pool = (rng.standard_normal(POOL).astype(np.float32) * 0.02).view(np.uint32) >> 16
+bf16_pool = bf16_pool.astype(np.uint16)
+
+def bf16(rows, cols):
+    n = rows * cols
+    return np.tile(bf16_pool, -(-n // POOL))[:n].view(np.uint8).reshape(rows, cols * 2)
+
 def mat(name, rows, cols, six=False):
-    if quant == "q8_0":
+    if quant == "bf16":
+        w.add_tensor(name, bf16(rows, cols), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    elif quant == "q8_0":
         w.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     else:
         qt = Q6K if six else Q4K
