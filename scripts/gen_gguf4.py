@@ -141,12 +141,14 @@ def kq(qt, rows, cols):
 more_bits = lambda i, n: i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 # A pool of BF16 values (the high halves of f32 values about N(0, 0.02)), tiled over each matrix.
-bf16_pool = (rng.standard_normal(POOL).astype(np.float32) * 0.02).view(np.uint32) >> 16
-bf16_pool = bf16_pool.astype(np.uint16)
+# Its odd length keeps rows from repeating (with 2^20 values, every 4,096th embedding row of a
+# 5,376-wide model was the same, so logits tied in groups: the 2026-11-30 files).
+BF16_POOL = POOL + 7
+bf16_pool = ((rng.standard_normal(BF16_POOL).astype(np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
 
 def bf16(rows, cols):
     n = rows * cols
-    return np.tile(bf16_pool, -(-n // POOL))[:n].view(np.uint8).reshape(rows, cols * 2)
+    return np.tile(bf16_pool, -(-n // BF16_POOL))[:n].view(np.uint8).reshape(rows, cols * 2)
 
 def mat(name, rows, cols, six=False):
     if quant == "bf16":
