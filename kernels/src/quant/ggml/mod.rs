@@ -13,8 +13,9 @@
 //! candle has them for the type (Q4_0, Q8_0, Q2_K to Q6_K), with this crate's AVX2 kernel for Q5_0
 //! ([`q5_0`]), and scalar code otherwise; their
 //! difference to the dequantized dense product is that activation rounding, under 1% of a
-//! product's magnitude (tested below). Prompts multiply in f32 over the weights dequantized in
-//! chunks ([`product::DENSE_ROWS`]).
+//! product's magnitude (tested below). Prompts ([`product::DENSE_ROWS`] rows or more) multiply
+//! as int8 tiles on CPUs with AVX-512 VNNI ([`tiles`]), in f32 over the weights dequantized in
+//! chunks elsewhere.
 //! candle picks its AVX2 code at compile time: the repository's `.cargo/config.toml` builds for
 //! x86-64-v3.
 
@@ -22,6 +23,7 @@ pub mod gelu;
 pub mod product;
 pub mod q5_0;
 pub mod q8_0;
+pub mod tiles;
 
 use super::{HostQuantized, QuantError, QuantFormat, BLOCK};
 use crate::Epilogue;

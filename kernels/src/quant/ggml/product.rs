@@ -9,11 +9,13 @@
 //! is candle's (`GgmlType::vec_dot`: AVX2 or NEON where candle has it for the type), so the
 //! result equals candle's matmul exactly (tested).
 //!
-//! Products of [`DENSE_ROWS`] activation rows or more (prompts) run in f32 instead, over the
-//! weights dequantized chunk by chunk into a buffer kept between products (`dense_product`),
-//! with the f32 GEMM candle uses (the `gemm` crate, called directly: no copy of the activations
-//! or of each chunk's result).
+//! Products of [`DENSE_ROWS`] activation rows or more (prompts) run as int8 tiles
+//! ([`super::tiles`]) where the CPU has AVX-512 VNNI and the block type unpacks to them (Q4_0,
+//! Q5_0, Q8_0, Q4_K, Q6_K), and otherwise in f32, over the weights dequantized chunk by chunk
+//! into a buffer kept between products (`dense_product`), with the f32 GEMM candle uses (the
+//! `gemm` crate, called directly: no copy of the activations or of each chunk's result).
 
+use super::tiles::{self, Kernel, Layout, QuantizedRows};
 use candle_core::quantized::{
     k_quants::{
         BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K,
@@ -73,7 +75,7 @@ pub fn product(x: &[f32], w: &QTensor) -> Result<Vec<f32>, ProductError> {
         return Err(ProductError::Shape { len: x.len(), cols });
     }
     let shape = Shape { m: x.len() / cols, k: cols, n: rows };
-    with_blocks(w, Product { x, shape, chunk_bytes: DENSE_CHUNK_BYTES })
+    with_blocks(w, Product { x, shape, chunk_bytes: DENSE_CHUNK_BYTES, prompt: PromptPath::best() })
 }
 
 /// Every weight of a block matrix in f32, row-major: rows dequantized in parallel, each by the
@@ -222,13 +224,35 @@ struct Product<'a> {
     shape: Shape,
     /// [`DENSE_CHUNK_BYTES`] (tests: smaller, to cross chunks).
     chunk_bytes: usize,
+    prompt: PromptPath,
+}
+
+/// How products of [`DENSE_ROWS`] rows or more (prompts) multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PromptPath {
+    /// Integer tiles ([`tiles`]) for the block types they unpack, f32 for the others.
+    Tiles(Kernel),
+    /// f32 over the dequantized weights ([`dense_product`]).
+    Dense,
+}
+
+impl PromptPath {
+    /// Integer tiles where the CPU has AVX-512 VNNI (see [`tiles`] for what they gain);
+    /// elsewhere f32, whose SIMD GEMM (the `gemm` crate: AVX2, AVX-512, NEON) outruns scalar
+    /// integer code.
+    fn best() -> Self {
+        match Kernel::best() {
+            Kernel::Avx512Vnni => Self::Tiles(Kernel::Avx512Vnni),
+            Kernel::Scalar => Self::Dense,
+        }
+    }
 }
 
 impl BlockWork for Product<'_> {
     type Output = Vec<f32>;
 
     fn run<T: GgmlType>(self, w: &[T], fns: BlockFns<T>) -> Result<Vec<f32>, ProductError> {
-        multiply(self.x, w, self.shape, fns, self.chunk_bytes)
+        multiply(self.x, w, self.shape, fns, self.chunk_bytes, self.prompt)
     }
 }
 
@@ -239,12 +263,19 @@ fn multiply<T: GgmlType>(
     Shape { m, k, n }: Shape,
     fns: BlockFns<T>,
     chunk_bytes: usize,
+    prompt: PromptPath,
 ) -> Result<Vec<f32>, ProductError> {
     let per_row = k / T::BLCK_SIZE;
     if per_row == 0 || !k.is_multiple_of(T::BLCK_SIZE) || w.len() != n * per_row {
         return Err(ProductError::Type(T::DTYPE));
     }
     if m >= DENSE_ROWS {
+        // Integer tiles where the CPU multiplies them faster than f32 (AVX2) and the block type
+        // unpacks to them; f32 over the dequantized weights otherwise.
+        if let (PromptPath::Tiles(kernel), Some(layout)) = (prompt, Layout::of(T::DTYPE)) {
+            let quantized = QuantizedRows::new(x, k);
+            return Ok(tiles::product(&quantized, super::q5_0::bytes(w), layout, n, kernel));
+        }
         return dense_product(x, w, Shape { m, k, n }, fns.to_float, chunk_bytes);
     }
     let mut xq = vec![T::VecDotType::zeros(); m * per_row];
@@ -481,7 +512,8 @@ mod tests {
             {
                 let x = activations(m, cols, seed);
                 let shape = Shape { m, k: cols, n: rows };
-                let got = with_blocks(&w, Product { x: &x, shape, chunk_bytes }).expect("product");
+                let got =
+                    with_blocks(&w, Product { x: &x, shape, chunk_bytes, prompt: PromptPath::Dense }).expect("product");
                 for i in 0..m {
                     for j in 0..rows {
                         let expected: f64 =
@@ -496,6 +528,32 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Prompt-sized products of the block types the tiles unpack are the tiles' product of the
+    /// quantized activations, bit for bit; the other types (Q4_1 here) stay in f32.
+    #[test]
+    fn prompt_products_take_the_tiles_where_a_type_has_them() {
+        let seed = seed();
+        let (m, rows) = (DENSE_ROWS + 3, 11);
+        for (dtype, cols) in
+            [(GgmlDType::Q8_0, 96), (GgmlDType::Q5_0, 64), (GgmlDType::Q4K, 256), (GgmlDType::Q4_1, 64)]
+        {
+            let blocks = random_blocks(dtype, rows, cols, seed);
+            let w = blocks.qtensor().expect("candle tensor");
+            let x = activations(m, cols, seed);
+            let shape = Shape { m, k: cols, n: rows };
+            let run = |prompt| with_blocks(&w, Product { x: &x, shape, chunk_bytes: DENSE_CHUNK_BYTES, prompt });
+            let got = run(PromptPath::Tiles(Kernel::Scalar)).expect("product");
+            let expected = match Layout::of(dtype) {
+                Some(layout) => {
+                    tiles::product(&QuantizedRows::new(&x, cols), blocks.bytes(), layout, rows, Kernel::Scalar)
+                }
+                None => run(PromptPath::Dense).expect("dense product"),
+            };
+            assert!(got.iter().all(|v| v.is_finite()), "{dtype:?}");
+            assert_eq!(got, expected, "{dtype:?} (seed {seed})");
         }
     }
 
