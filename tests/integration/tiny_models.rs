@@ -7,6 +7,7 @@ use burn_gemma::generation::token_tensor;
 use burn_gemma::{
     backends::NdArray, Checkpoint, GemmaBackend, KvFormat, LoadOptions, QuantFormat, StoredRows, WeightFormat,
 };
+use burn_gemma_kernels::quant::ggml::product::prompts_round_activations;
 
 struct Case {
     name: &'static str,
@@ -444,13 +445,18 @@ fn quantization_error(got: &[Vec<f32>], hf: &serde_json::Value) -> (f64, f64) {
 /// Candle's decode products: candle's block dot products quantize the activations too (to
 /// Q8_0/Q8_1 per block of 32, as llama.cpp does), which this reference does not model; they are
 /// held bit for bit to candle's own matmul in `burn_gemma_kernels::quant::ggml::product`. Its
-/// prompt products (16 rows and more) dequantize the blocks and multiply in f32, and are held
-/// here, except on the expert fixtures, where an expert's share of the prompt can be fewer than
-/// 16 rows.
+/// prompt products (16 rows and more) run as int8 tiles on CPUs with AVX-512 VNNI, which round
+/// the activations likewise (held to their quantization-aware reference in
+/// `burn_gemma_kernels::quant::ggml::tiles`), and elsewhere dequantize the blocks and multiply in
+/// f32, and are held here then, except on the expert fixtures, where an expert's share of the
+/// prompt can be fewer than 16 rows.
 fn not_held(fixture: &str, variant: QuantVariant, pass: Pass, activations: ActivationRounding) -> Option<&'static str> {
     let quantized = matches!(variant.weights, WeightFormat::Quantized(_));
     if quantized && activations == ActivationRounding::Q8Blocks && (pass == Pass::Decode || fixture.contains("moe")) {
         return Some("candle's block products round the activations too (see not_held)");
+    }
+    if quantized && activations == ActivationRounding::Q8Blocks && prompts_round_activations() {
+        return Some("this CPU's prompt products are int8 tiles, which round the activations too (see not_held)");
     }
     None
 }
@@ -460,7 +466,8 @@ fn not_held(fixture: &str, variant: QuantVariant, pass: Pass, activations: Activ
 enum ActivationRounding {
     /// f32 activations times the dequantized weights (the GPU kernels, NdArray).
     None,
-    /// Activations quantized per block of 32 for products of fewer than 16 rows (Candle).
+    /// Activations quantized per block of 32 for products of fewer than 16 rows, and for prompt
+    /// products too on CPUs with AVX-512 VNNI (Candle).
     Q8Blocks,
 }
 

@@ -10,8 +10,8 @@
 //! result equals candle's matmul exactly (tested).
 //!
 //! Products of [`DENSE_ROWS`] activation rows or more (prompts) run as int8 tiles
-//! ([`super::tiles`]) where the CPU has AVX-512 VNNI and the block type unpacks to them (Q4_0,
-//! Q5_0, Q8_0, Q4_K, Q6_K), and otherwise in f32, over the weights dequantized chunk by chunk
+//! ([`super::tiles`]) where the CPU has AVX-512 VNNI and the block type unpacks to them (all
+//! but Q2_K and Q3_K), and otherwise in f32, over the weights dequantized chunk by chunk
 //! into a buffer kept between products (`dense_product`), with the f32 GEMM candle uses (the
 //! `gemm` crate, called directly: no copy of the activations or of each chunk's result).
 
@@ -76,6 +76,13 @@ pub fn product(x: &[f32], w: &QTensor) -> Result<Vec<f32>, ProductError> {
     }
     let shape = Shape { m: x.len() / cols, k: cols, n: rows };
     with_blocks(w, Product { x, shape, chunk_bytes: DENSE_CHUNK_BYTES, prompt: PromptPath::best() })
+}
+
+/// Whether this CPU's prompt products ([`DENSE_ROWS`] rows and more) run as int8 tiles, rounding
+/// their activations to 8 bits per 32 values as decode's block dot products do; else they run
+/// in f32 over the dequantized weights (the reference product up to summation order).
+pub fn prompts_round_activations() -> bool {
+    matches!(PromptPath::best(), PromptPath::Tiles(_))
 }
 
 /// Every weight of a block matrix in f32, row-major: rows dequantized in parallel, each by the
@@ -532,13 +539,13 @@ mod tests {
     }
 
     /// Prompt-sized products of the block types the tiles unpack are the tiles' product of the
-    /// quantized activations, bit for bit; the other types (Q4_1 here) stay in f32.
+    /// quantized activations, bit for bit; the other types (Q3_K here) stay in f32.
     #[test]
     fn prompt_products_take_the_tiles_where_a_type_has_them() {
         let seed = seed();
         let (m, rows) = (DENSE_ROWS + 3, 11);
         for (dtype, cols) in
-            [(GgmlDType::Q8_0, 96), (GgmlDType::Q5_0, 64), (GgmlDType::Q4K, 256), (GgmlDType::Q4_1, 64)]
+            [(GgmlDType::Q8_0, 96), (GgmlDType::Q5_0, 64), (GgmlDType::Q4K, 256), (GgmlDType::Q3K, 256)]
         {
             let blocks = random_blocks(dtype, rows, cols, seed);
             let w = blocks.qtensor().expect("candle tensor");

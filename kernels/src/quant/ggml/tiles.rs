@@ -17,9 +17,9 @@
 //! tested against.
 //!
 //! # The unpacked form
-//! Every block type the loader keeps from a Q4_K_M, Q4_0 or Q8_0 file becomes, per 32 weights:
-//! 32 signed codes, an f32 scale, for Q6_K two integer sub-scales (one per 16 values), and for
-//! Q4_K an f32 minimum, so that weight `t` of block `b` is
+//! Every block type but Q2_K and Q3_K becomes, per 32 weights: 32 signed codes, an f32 scale,
+//! for Q6_K two integer sub-scales (one per 16 values), and for the types with an offset an f32
+//! minimum, so that weight `t` of block `b` is
 //! `scale[b] * sub[b][t / 16] * code[b][t] - min[b]` exactly as candle dequantizes it:
 //!
 //! | type | code | scale | sub-scales | minimum |
@@ -27,7 +27,8 @@
 //! | Q8_0 | its `i8` | `d` | 1, 1 | |
 //! | Q4_0 | nibble - 8 | `d` | 1, 1 | |
 //! | Q5_0 | (nibble \| fifth bit << 4) - 16 | `d` | 1, 1 | |
-//! | Q4_K | nibble (0..15) | `d * sc` of its sub-block | 1, 1 | `dmin * m` |
+//! | Q4_1 / Q5_1 | nibble (with the fifth bit for Q5_1) | `d` | 1, 1 | `-m` |
+//! | Q4_K / Q5_K | nibble (with the fifth bit for Q5_K) | `d * sc` of its sub-block | 1, 1 | `dmin * m` |
 //! | Q6_K | 6 bits - 32 | `d` | its two `i8` scales | |
 //!
 //! With activations `x[t] = xs * xq[t]`, a block pair contributes
@@ -49,9 +50,12 @@ pub const BLOCK: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
     Q4_0,
+    Q4_1,
     Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -61,9 +65,12 @@ impl Layout {
         use candle_core::quantized::GgmlDType as T;
         match dtype {
             T::Q4_0 => Some(Self::Q4_0),
+            T::Q4_1 => Some(Self::Q4_1),
             T::Q5_0 => Some(Self::Q5_0),
+            T::Q5_1 => Some(Self::Q5_1),
             T::Q8_0 => Some(Self::Q8_0),
             T::Q4K => Some(Self::Q4K),
+            T::Q5K => Some(Self::Q5K),
             T::Q6K => Some(Self::Q6K),
             _ => None,
         }
@@ -73,9 +80,12 @@ impl Layout {
     fn block(self) -> (usize, usize) {
         match self {
             Self::Q4_0 => (32, 18),
+            Self::Q4_1 => (32, 20),
             Self::Q5_0 => (32, 22),
+            Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
             Self::Q4K => (256, 144),
+            Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
         }
     }
@@ -85,7 +95,7 @@ impl Layout {
     }
 
     fn has_mins(self) -> bool {
-        self == Self::Q4K
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K)
     }
 
     /// Bytes of one `cols`-wide row of stored blocks.
@@ -117,6 +127,26 @@ impl Layout {
                         *h = (q >> 4) as i8 - 8;
                     }
                 }
+                Self::Q4_1 => {
+                    // `d * code + m`: the minimum is `-m`.
+                    scales[0] = f16(block, 0);
+                    row.mins[b0] = -f16(block, 2);
+                    let (lo, hi) = codes.split_at_mut(16);
+                    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block[4..20]) {
+                        *l = (q & 15) as i8;
+                        *h = (q >> 4) as i8;
+                    }
+                }
+                Self::Q5_1 => {
+                    scales[0] = f16(block, 0);
+                    row.mins[b0] = -f16(block, 2);
+                    let high = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
+                    let (lo, hi) = codes.split_at_mut(16);
+                    for (j, ((l, h), &q)) in lo.iter_mut().zip(hi).zip(&block[8..24]).enumerate() {
+                        *l = ((q & 15) as u32 | ((high >> j) & 1) << 4) as i8;
+                        *h = ((q >> 4) as u32 | ((high >> (j + 16)) & 1) << 4) as i8;
+                    }
+                }
                 Self::Q5_0 => {
                     scales[0] = f16(block, 0);
                     let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
@@ -126,9 +156,15 @@ impl Layout {
                         *h = ((q >> 4) as u32 | ((high >> (j + 16)) & 1) << 4) as i8 - 16;
                     }
                 }
-                Self::Q4K => {
+                Self::Q4K | Self::Q5K => {
                     let (d, dmin) = (f16(block, 0), f16(block, 2));
-                    let (packed, qs) = (&block[4..16], &block[16..144]);
+                    let packed = &block[4..16];
+                    // Q5_K's fifth bits: 32 bytes between the scales and the nibbles.
+                    let (high, qs) = if self == Self::Q5K {
+                        (Some(&block[16..48]), &block[48..176])
+                    } else {
+                        (None, &block[16..144])
+                    };
                     let mins = &mut row.mins[b0..b1];
                     for j in 0..4 {
                         let (sc1, m1) = scale_min_k4(2 * j, packed);
@@ -139,9 +175,10 @@ impl Layout {
                         mins[2 * j + 1] = dmin * m2 as f32;
                         let q = &qs[32 * j..32 * j + 32];
                         let (lo, hi) = codes[64 * j..64 * j + 64].split_at_mut(32);
-                        for ((l, h), &q) in lo.iter_mut().zip(hi).zip(q) {
-                            *l = (q & 15) as i8;
-                            *h = (q >> 4) as i8;
+                        for (t, ((l, h), &q)) in lo.iter_mut().zip(hi).zip(q).enumerate() {
+                            let bits = high.map_or(0, |h| h[t]);
+                            *l = ((q & 15) | ((bits >> (2 * j)) & 1) << 4) as i8;
+                            *h = ((q >> 4) | ((bits >> (2 * j + 1)) & 1) << 4) as i8;
                         }
                     }
                 }
@@ -528,7 +565,7 @@ mod vnni {
 
     /// `M` activation rows from `i0` times `N` panel rows from `r0`, two blocks (64 values) a
     /// step, the last step of an odd block count masked to one block; `MINS`: the weights have
-    /// Q4_K's minimums, subtracted times the activations' block sums.
+    /// minimums (Q4_1, Q5_1, Q4_K, Q5_K), subtracted times the activations' block sums.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn kernel<const M: usize, const N: usize, const MINS: bool>(
         x: &QuantizedRows,
@@ -594,7 +631,16 @@ mod tests {
     use super::*;
     use candle_core::quantized::GgmlDType;
 
-    const TYPES: [GgmlDType; 5] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0, GgmlDType::Q4K, GgmlDType::Q6K];
+    const TYPES: [GgmlDType; 8] = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
 
     /// Widths of whole blocks of `dtype`: odd block counts, one block and several super-blocks.
     fn widths(dtype: GgmlDType) -> [usize; 2] {
