@@ -737,6 +737,11 @@ where
     F: burn::backend::candle::FloatCandleElement,
     I: burn::backend::candle::IntCandleElement,
 {
+    /// On rayon's pool, whose threads run Candle's block products ([`crate::on_cpu_pool`]).
+    fn run_pass<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+        crate::on_cpu_pool(work)
+    }
+
     /// GGUF blocks as they are; this crate's Q8 and Q4 as the GGUF types that hold them exactly
     /// (Q8_0 and Q4_1); dense matrices as they are.
     fn upload_matrix(matrix: HostMatrix<Self>, device: &Self::Device) -> Result<Matrix<Self>, QuantError> {

@@ -368,6 +368,28 @@ impl<B: GemmaBackend> Gemma<B> {
         cache: &mut KvCache<B>,
         position: &StepPosition<B>,
     ) -> Result<Tensor<B, 3>, ModelError> {
+        self.pass(|| self.layers_here(ids, images, cache, position))
+    }
+
+    /// Runs a pass's `work` where the backend runs passes fastest ([`GemmaBackend::run_pass`]:
+    /// on the CPU backends' thread pool), except on a tensor-parallel shard: its passes wait for
+    /// the other shards', and on a pool of fewer threads than shards a pass waiting inside the
+    /// pool would hold a thread another shard's pass needs.
+    fn pass<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        match self.parallel() {
+            Some(_) => work(),
+            None => B::run_pass(work),
+        }
+    }
+
+    /// [`Gemma::layers_forward`] on the calling thread.
+    fn layers_here(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        images: &[ImageEmbeds<B>],
+        cache: &mut KvCache<B>,
+        position: &StepPosition<B>,
+    ) -> Result<Tensor<B, 3>, ModelError> {
         let rope = self.rotary_emb.tables::<B>(cache.capacity(), &self.device());
         // HF embeds the pad token at image positions (the soft tokens' own ids may be past the
         // vocabulary) before the image features replace those rows.
@@ -512,7 +534,7 @@ impl<B: GemmaBackend> Gemma<B> {
     fn project_vocab(&self, hidden: Tensor<B, 2>) -> Result<Tensor<B, 2>, ModelError> {
         match (&self.head, self.parallel()) {
             (Some(head), Some(parallel)) => parallel.join_vocab(head.project(hidden), self.config.vocab_size),
-            _ => Ok(self.embed_tokens.project(hidden)),
+            _ => Ok(self.pass(|| self.embed_tokens.project(hidden))),
         }
     }
 
