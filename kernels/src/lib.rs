@@ -143,11 +143,6 @@ pub fn host_available_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// The operations a Gemma forward pass accelerates.
-///
-/// Each method takes what it reads as one type whatever its storage: a [`Matrix`] (dense or
-/// quantized), a [`KvStore`] or [`KvView`] (dense or int8), [`AttentionOptions`]. Implemented for
-/// every backend the crate supports; see the crate docs.
 /// Runs `work` on a thread of the CPU backends' thread pool (rayon's global pool) unless the
 /// caller is one already. Each parallel product a pass runs from a thread outside the pool is
 /// handed to the pool and waited for, two context switches per product; from inside it the
@@ -163,6 +158,11 @@ pub fn on_cpu_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     rayon::join(work, || ()).0
 }
 
+/// The operations a Gemma forward pass accelerates.
+///
+/// Each method takes what it reads as one type whatever its storage: a [`Matrix`] (dense or
+/// quantized), a [`KvStore`] or [`KvView`] (dense or int8), [`AttentionOptions`]. Implemented for
+/// every backend the crate supports; see the crate docs.
 pub trait GemmaBackend: ReservedMemory {
     /// The activation dtype a model runs in when none is asked for: f32, except where the
     /// backend's matrix units make bf16 the fast choice (CUDA).

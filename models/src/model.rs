@@ -354,21 +354,9 @@ impl<B: GemmaBackend> Gemma<B> {
         self.check_cache(cache)?;
         cache.check_room(seq)?;
         let position = cache.len();
-        let hidden = self.layers_forward(ids, images, cache, &StepPosition::Host(position))?;
+        let hidden = self.pass(|| self.layers_forward(ids, images, cache, &StepPosition::Host(position)))?;
         cache.advance(seq);
         Ok(hidden)
-    }
-
-    /// Embedding, every layer and the final norm over `ids` at `position` (the cache's length
-    /// is left to the caller).
-    fn layers_forward(
-        &self,
-        ids: Tensor<B, 2, Int>,
-        images: &[ImageEmbeds<B>],
-        cache: &mut KvCache<B>,
-        position: &StepPosition<B>,
-    ) -> Result<Tensor<B, 3>, ModelError> {
-        self.pass(|| self.layers_here(ids, images, cache, position))
     }
 
     /// Runs a pass's `work` where the backend runs passes fastest ([`GemmaBackend::run_pass`]:
@@ -382,8 +370,9 @@ impl<B: GemmaBackend> Gemma<B> {
         }
     }
 
-    /// [`Gemma::layers_forward`] on the calling thread.
-    fn layers_here(
+    /// Embedding, every layer and the final norm over `ids` at `position` (the cache's length
+    /// is left to the caller).
+    fn layers_forward(
         &self,
         ids: Tensor<B, 2, Int>,
         images: &[ImageEmbeds<B>],
@@ -494,7 +483,7 @@ impl<B: GemmaBackend> Gemma<B> {
         self.check_cache(cache)?;
         cache.sync_blocks();
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound, rows: inputs.rows };
-        let hidden = self.layers_forward(inputs.ids.clone(), &[], cache, &position)?;
+        let hidden = self.pass(|| self.layers_forward(inputs.ids.clone(), &[], cache, &position))?;
         let logits = self.project_vocab(hidden.reshape([batch, self.config.hidden_size]))?;
         Ok(match self.config.final_logit_softcapping {
             Some(cap) => B::softcap(logits, cap),

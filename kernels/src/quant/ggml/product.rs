@@ -277,8 +277,8 @@ fn multiply<T: GgmlType>(
         return Err(ProductError::Type(T::DTYPE));
     }
     if m >= DENSE_ROWS {
-        // Integer tiles where the CPU multiplies them faster than f32 (AVX2) and the block type
-        // unpacks to them; f32 over the dequantized weights otherwise.
+        // Integer tiles where the CPU multiplies them faster than f32 (AVX-512 VNNI) and the
+        // block type unpacks to them; f32 over the dequantized weights otherwise.
         if let (PromptPath::Tiles(kernel), Some(layout)) = (prompt, Layout::of(T::DTYPE)) {
             let quantized = QuantizedRows::new(x, k);
             return Ok(tiles::product(&quantized, super::q5_0::bytes(w), layout, n, kernel));

@@ -68,7 +68,7 @@ fn reference_dot(_n: usize, w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f32 {
 
 /// The 32 codes `(nibble | fifth bit << 4) - 16` of one raw Q5_0 block (element `j` and `j + 16`
 /// from byte `j`'s two nibbles), in a loop that compiles to vector code.
-fn codes(block: &[u8]) -> [i32; BLOCK] {
+pub(super) fn codes(block: &[u8]) -> [i32; BLOCK] {
     let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
     let mut codes = [0i32; BLOCK];
     let (low_half, high_half) = codes.split_at_mut(16);

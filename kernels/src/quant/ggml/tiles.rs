@@ -2,8 +2,8 @@
 //! codes per block of 32 values, the weight blocks unpacked to 8-bit codes a panel of rows at a
 //! time, and tiles of 4 activation rows times 4 weight rows multiplied with AVX-512 VNNI's
 //! `vpdpbusd` (64 byte products summed into 16 32-bit lanes in one instruction), each block's
-//! integer lane sums scaled by both blocks' scales into f32 accumulators (and, for Q4_K, its
-//! minimums times the activations' block sums subtracted in the same loop). Each task writes its
+//! integer lane sums scaled by both blocks' scales into f32 accumulators (and, for the types
+//! with an offset, their minimums times the activations' block sums subtracted in the same loop). Each task writes its
 //! columns of the row-major output directly: a transposition afterwards, and the minimums in a
 //! separate pass, cost the real 270M's 512-token prompts 351-370 against 397-399 tok/s.
 //!
@@ -41,6 +41,7 @@
 //! prefill`), against the f32 model dequantized from the same file: top-1 99.15%, mean KL
 //! 9.2e-4 (decode's block dot products, which quantize per 32 or 256: 98.62%, 1.7e-3).
 
+use super::{f16_at, q4k_scale_min};
 use rayon::prelude::*;
 
 /// Values per block of the unpacked form (and of the quantized activations).
@@ -114,13 +115,13 @@ impl Layout {
             let scales = &mut row.scales[b0..b1];
             match self {
                 Self::Q8_0 => {
-                    scales[0] = f16(block, 0);
+                    scales[0] = f16_at(block, 0);
                     for (c, &q) in codes.iter_mut().zip(&block[2..34]) {
                         *c = q as i8;
                     }
                 }
                 Self::Q4_0 => {
-                    scales[0] = f16(block, 0);
+                    scales[0] = f16_at(block, 0);
                     let (lo, hi) = codes.split_at_mut(16);
                     for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block[2..18]) {
                         *l = (q & 15) as i8 - 8;
@@ -129,8 +130,8 @@ impl Layout {
                 }
                 Self::Q4_1 => {
                     // `d * code + m`: the minimum is `-m`.
-                    scales[0] = f16(block, 0);
-                    row.mins[b0] = -f16(block, 2);
+                    scales[0] = f16_at(block, 0);
+                    row.mins[b0] = -f16_at(block, 2);
                     let (lo, hi) = codes.split_at_mut(16);
                     for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block[4..20]) {
                         *l = (q & 15) as i8;
@@ -138,8 +139,8 @@ impl Layout {
                     }
                 }
                 Self::Q5_1 => {
-                    scales[0] = f16(block, 0);
-                    row.mins[b0] = -f16(block, 2);
+                    scales[0] = f16_at(block, 0);
+                    row.mins[b0] = -f16_at(block, 2);
                     let high = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
                     let (lo, hi) = codes.split_at_mut(16);
                     for (j, ((l, h), &q)) in lo.iter_mut().zip(hi).zip(&block[8..24]).enumerate() {
@@ -148,16 +149,13 @@ impl Layout {
                     }
                 }
                 Self::Q5_0 => {
-                    scales[0] = f16(block, 0);
-                    let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-                    let (lo, hi) = codes.split_at_mut(16);
-                    for (j, ((l, h), &q)) in lo.iter_mut().zip(hi).zip(&block[6..22]).enumerate() {
-                        *l = ((q & 15) as u32 | ((high >> j) & 1) << 4) as i8 - 16;
-                        *h = ((q >> 4) as u32 | ((high >> (j + 16)) & 1) << 4) as i8 - 16;
+                    scales[0] = f16_at(block, 0);
+                    for (c, q) in codes.iter_mut().zip(super::q5_0::codes(block)) {
+                        *c = q as i8;
                     }
                 }
                 Self::Q4K | Self::Q5K => {
-                    let (d, dmin) = (f16(block, 0), f16(block, 2));
+                    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
                     let packed = &block[4..16];
                     // Q5_K's fifth bits: 32 bytes between the scales and the nibbles.
                     let (high, qs) = if self == Self::Q5K {
@@ -167,8 +165,8 @@ impl Layout {
                     };
                     let mins = &mut row.mins[b0..b1];
                     for j in 0..4 {
-                        let (sc1, m1) = scale_min_k4(2 * j, packed);
-                        let (sc2, m2) = scale_min_k4(2 * j + 1, packed);
+                        let (sc1, m1) = q4k_scale_min(2 * j, packed);
+                        let (sc2, m2) = q4k_scale_min(2 * j + 1, packed);
                         scales[2 * j] = d * sc1 as f32;
                         mins[2 * j] = dmin * m1 as f32;
                         scales[2 * j + 1] = d * sc2 as f32;
@@ -183,7 +181,7 @@ impl Layout {
                     }
                 }
                 Self::Q6K => {
-                    let d = f16(block, 208);
+                    let d = f16_at(block, 208);
                     let subs = &mut row.subs[b0..b1];
                     for half in 0..2 {
                         let ql = &block[64 * half..64 * half + 64];
@@ -192,7 +190,7 @@ impl Layout {
                         for g in 0..4 {
                             let b = 4 * half + g;
                             scales[b] = d;
-                            subs[b] = lanes(sc[2 * g] as i8, sc[2 * g + 1] as i8);
+                            subs[b] = [sc[2 * g] as i8, sc[2 * g + 1] as i8];
                             for l in 0..32 {
                                 let (low, high) = match g {
                                     0 => (ql[l] & 15, qh[l] & 3),
@@ -208,27 +206,6 @@ impl Layout {
             }
         }
     }
-}
-
-fn f16(block: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
-}
-
-/// Q4_K's 6-bit scale and minimum of sub-block `j` from its 12 packed bytes (GGML's layout).
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        ((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    }
-}
-
-/// A block's two sub-scales as the 16 16-bit lanes `vpmaddwd` multiplies the pair sums by: the
-/// first eight lanes hold values 0..16's pairs, the last eight 16..32's.
-fn lanes(first: i8, second: i8) -> [i16; 16] {
-    let mut l = [first as i16; 16];
-    l[8..].fill(second as i16);
-    l
 }
 
 /// Activation rows quantized per block of 32: `x[i][t] = scales[i][t / 32] * codes[i][t]`.
@@ -275,11 +252,6 @@ impl QuantizedRows {
             });
         Self { m, k, codes, scales, sums }
     }
-
-    /// Rows.
-    pub fn rows(&self) -> usize {
-        self.m
-    }
 }
 
 /// A panel of weight rows in the unpacked form.
@@ -288,8 +260,8 @@ struct Panel {
     rows: usize,
     codes: Vec<i8>,
     scales: Vec<f32>,
-    /// Q6_K's two sub-scales of each block, as 16 lanes (8 of each).
-    subs: Vec<[i16; 16]>,
+    /// Q6_K's two sub-scales of each block (values 0..16 and 16..32).
+    subs: Vec<[i8; 2]>,
     mins: Vec<f32>,
     /// The VNNI kernel's per-lane scales and offsets ([`Panel::fill_lanes`]).
     lane_scales: Vec<[f32; 8]>,
@@ -301,7 +273,7 @@ struct Panel {
 struct RowMut<'a> {
     codes: &'a mut [i8],
     scales: &'a mut [f32],
-    subs: &'a mut [[i16; 16]],
+    subs: &'a mut [[i8; 2]],
     mins: &'a mut [f32],
 }
 
@@ -313,7 +285,7 @@ impl Panel {
         self.rows = stored.len() / row_bytes.max(1);
         self.codes.resize(self.rows * k, 0);
         self.scales.resize(self.rows * kb, 0.0);
-        self.subs.resize(if layout.has_subs() { self.rows * kb } else { 0 }, [1; 16]);
+        self.subs.resize(if layout.has_subs() { self.rows * kb } else { 0 }, [1; 2]);
         self.mins.resize(if layout.has_mins() { self.rows * kb } else { 0 }, 0.0);
         for r in 0..self.rows {
             let (s, c) = (r * kb..(r + 1) * kb, r * k..(r + 1) * k);
@@ -457,7 +429,7 @@ fn scalar_tile(
                     .iter()
                     .zip(xc)
                     .enumerate()
-                    .map(|(t, (&p, &q))| p as i32 * q as i32 * sub.map_or(1, |s| s[t / 16 * 8] as i32))
+                    .map(|(t, (&p, &q))| p as i32 * q as i32 * sub.map_or(1, |s| s[t / 16] as i32))
                     .sum();
                 acc += panel.scales[w * kb + b] * x.scales[a * kb + b] * sum as f32;
                 if let Some(min) = panel.mins.get(w * kb + b) {
@@ -485,7 +457,7 @@ impl Panel {
         for (b, (scales, offsets)) in self.lane_scales.iter_mut().zip(self.lane_offsets.iter_mut()).enumerate() {
             let codes = &self.codes[b * BLOCK..(b + 1) * BLOCK];
             for l in 0..8 {
-                let sub = self.subs.get(b).map_or(1.0, |s| s[l / 4 * 8] as f32);
+                let sub = self.subs.get(b).map_or(1.0, |s| s[l / 4] as f32);
                 scales[l] = self.scales[b] * sub;
                 offsets[l] = -128 * codes[4 * l..4 * l + 4].iter().map(|&c| c as i32).sum::<i32>();
             }
@@ -689,7 +661,7 @@ mod tests {
                 assert_eq!(panel.rows, rows);
                 for (t, &e) in expected.iter().enumerate() {
                     let b = t / BLOCK;
-                    let sub = panel.subs.get(b).map_or(1.0, |s| s[(t % BLOCK) / 16 * 8] as f32);
+                    let sub = panel.subs.get(b).map_or(1.0, |s| s[(t % BLOCK) / 16] as f32);
                     let min = panel.mins.get(b).copied().unwrap_or(0.0);
                     let got = panel.scales[b] * (sub * panel.codes[t] as f32) - min;
                     let tol = if layout == Layout::Q6K { 2.0 * f32::EPSILON * e.abs() } else { 0.0 };
@@ -730,7 +702,7 @@ mod tests {
         for b in 0..kb {
             let products: Vec<i64> = (0..BLOCK)
                 .map(|t| {
-                    let sub = panel.subs.get(r * kb + b).map_or(1, |s| s[t / 16 * 8] as i64);
+                    let sub = panel.subs.get(r * kb + b).map_or(1, |s| s[t / 16] as i64);
                     panel.codes[r * k + b * BLOCK + t] as i64 * sub * x.codes[i * k + b * BLOCK + t] as i64
                 })
                 .collect();
