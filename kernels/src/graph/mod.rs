@@ -214,6 +214,30 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
+/// [`launch!`] for a kernel declared `#[cube(launch_unchecked)]`: its array accesses are not
+/// bounds-checked, so the caller's kernel must keep every index in range by construction.
+macro_rules! launch_unchecked {
+    ($kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {{
+        #[cfg(feature = "cuda")]
+        {
+            if let Some(recorder) = $crate::graph::recorder_for::<R>() {
+                // SAFETY: the kernel's indices stay in range by construction (its launcher says how).
+                unsafe { $kernel::launch_unchecked::<$crate::graph::Rec>(&recorder, $($arg),*) };
+                $crate::graph::launched();
+            } else {
+                // SAFETY: as above.
+                unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) };
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            // SAFETY: the kernel's indices stay in range by construction (its launcher says how).
+            unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) };
+        }
+    }};
+}
+pub(crate) use launch_unchecked;
+
 /// The recorder's client when a step is being recorded and `R` is the CUDA runtime.
 #[cfg(feature = "cuda")]
 pub(crate) fn recorder_for<R: CubeRuntime>() -> Option<ComputeClient<Rec>> {

@@ -21,7 +21,7 @@
 use super::device::Packed;
 use crate::cube::{cube_index, grid, planes_of_32};
 use crate::gelu::kernel::gelu_mul_f32;
-use crate::graph::{arg, launch};
+use crate::graph::{arg, launch_unchecked};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::Epilogue;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -33,6 +33,15 @@ use cubecl::prelude::*;
 /// 2^bits`; the GEMV subtracts `sum(x)` once per code vector, shared by the rows it serves.
 #[cube]
 pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
+    unit_code_or(word, n, q4, 0x3F80_0000u32)
+}
+
+/// [`unit_code`] with the bits of 1.0 (`one`, `0x3F80_0000`) given by the caller: passed to a
+/// kernel at run time they stay in a register, and the mask-and-or is one instruction (`LOP3`
+/// takes one immediate operand; with both the mask and 1.0 as constants nvcc emits two, as the
+/// SASS of the 12B decode GEMV showed, 2026-11-30).
+#[cube]
+pub(crate) fn unit_code_or(word: u32, #[comptime] n: usize, #[comptime] q4: bool, one: u32) -> f32 {
     let bits = comptime!(if q4 { 4usize } else { 8usize });
     // Lowest mantissa bit the code lands on, and the code's lowest bit in the word.
     let low = comptime!(23 - bits);
@@ -40,7 +49,7 @@ pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -
     let mask = comptime!(((1u32 << bits) - 1) << low);
     let placed =
         if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
-    f32::reinterpret((placed & mask) | 0x3F80_0000u32)
+    f32::reinterpret((placed & mask) | one)
 }
 
 /// Each plane (32 units) computes `per_plane` output features (`ROWS / per_plane` planes per
@@ -48,7 +57,7 @@ pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -
 /// vector of every row it serves, so that the activations are loaded, converted to f32 and
 /// summed once for all of them. Rows past `n_out` read the last row and are not stored.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     x: &Array<Vector<F, NX>>,
     codes: &Array<Vector<u32, NW>>,
@@ -59,6 +68,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     words: u32,
     blocks: u32,
     n_out: u32,
+    one: u32,
     #[comptime] m: usize,
     #[comptime] per_plane: usize,
     #[comptime] unroll: usize,
@@ -66,17 +76,11 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[comptime] plane: bool,
     #[comptime] pairs: bool,
     #[comptime] splits: usize,
+    #[comptime] buffers: usize,
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
-    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
-    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
-    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
     let nw = codes.vector_size();
-    let nx = x.vector_size();
-    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
-    let loads = comptime!(nw * per_word / nx);
     let vectors = words as usize / nw;
     let n_out = n_out as usize;
     let blocks = blocks as usize;
@@ -93,7 +97,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     for s in 0..slots {
         acc[s] = 0.0f32;
     }
-    // The rows this plane serves, clamped to the last row so that every unit runs the same loop and reaches the reduction.
     // Where the rows this plane serves start (codes, scales), clamped to the last row so that
     // every unit runs the same loop and reaches the reduction.
     let mut code_at = Array::<usize>::new(per_plane);
@@ -132,74 +135,212 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         q4,
     );
     comment!("burn-gemma: wait for the kernels before");
-    while v0 < vectors {
-        #[unroll]
-        for u in 0..unroll {
-            let v = v0 + u * group_units;
-            if v < vectors {
-                #[unroll]
-                for s in 0..slots {
-                    dots[s] = 0.0f32;
-                }
-                #[unroll]
-                for t in 0..m {
-                    sx[t] = 0.0f32;
-                    #[unroll]
-                    for g in 0..loads {
-                        let xv = x[(t * k + v * nw * per_word) / nx + g];
-                        #[unroll]
-                        for i in 0..nx {
-                            let xi = f32::cast_from(xv[i]);
-                            sx[t] += xi;
-                            let c = comptime!(g * nx + i);
-                            #[unroll]
-                            for r in 0..per_plane {
-                                let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
-                                dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4) * xi;
-                            }
-                        }
-                    }
-                }
-                #[unroll]
-                for t in 0..m {
-                    #[unroll]
-                    for r in 0..per_plane {
-                        let s = comptime!(t * per_plane + r);
-                        let at = comptime!(u * per_plane + r);
-                        // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                        let mut shift = scale[at] * sum_scale;
-                        if q4 {
-                            shift -= offset[at];
-                        }
-                        acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
-                    }
-                }
-            }
-        }
-        v0 += comptime!(unroll * group_units);
-        if v0 < vectors {
-            load_codes::<S, NW>(
-                codes,
-                scales,
-                offsets,
-                &code_at,
-                &scale_at,
-                &mut cw,
-                &mut scale,
-                &mut offset,
+    let step = comptime!(unroll * group_units);
+    if comptime!(buffers == 1) {
+        while v0 < vectors {
+            step_dots::<F, NW, NX>(
+                x,
+                &cw,
+                &scale,
+                &offset,
+                &mut acc,
+                &mut dots,
+                &mut sx,
                 v0,
                 vectors,
-                group_units,
+                k,
+                one,
+                m,
                 per_plane,
                 unroll,
+                group_units,
                 q4,
             );
+            v0 += step;
+            if v0 < vectors {
+                load_codes::<S, NW>(
+                    codes,
+                    scales,
+                    offsets,
+                    &code_at,
+                    &scale_at,
+                    &mut cw,
+                    &mut scale,
+                    &mut offset,
+                    v0,
+                    vectors,
+                    group_units,
+                    per_plane,
+                    unroll,
+                    q4,
+                );
+            }
+        }
+    } else {
+        // Two buffers: the next step's weights are in flight while this step's are used.
+        let mut cw_b = Array::<Vector<u32, NW>>::new(loaded);
+        let mut scale_b = Array::<f32>::new(loaded);
+        let mut offset_b = Array::<f32>::new(loaded);
+        while v0 < vectors {
+            if v0 + step < vectors {
+                load_codes::<S, NW>(
+                    codes,
+                    scales,
+                    offsets,
+                    &code_at,
+                    &scale_at,
+                    &mut cw_b,
+                    &mut scale_b,
+                    &mut offset_b,
+                    v0 + step,
+                    vectors,
+                    group_units,
+                    per_plane,
+                    unroll,
+                    q4,
+                );
+            }
+            step_dots::<F, NW, NX>(
+                x,
+                &cw,
+                &scale,
+                &offset,
+                &mut acc,
+                &mut dots,
+                &mut sx,
+                v0,
+                vectors,
+                k,
+                one,
+                m,
+                per_plane,
+                unroll,
+                group_units,
+                q4,
+            );
+            v0 += step;
+            if v0 < vectors {
+                if v0 + step < vectors {
+                    load_codes::<S, NW>(
+                        codes,
+                        scales,
+                        offsets,
+                        &code_at,
+                        &scale_at,
+                        &mut cw,
+                        &mut scale,
+                        &mut offset,
+                        v0 + step,
+                        vectors,
+                        group_units,
+                        per_plane,
+                        unroll,
+                        q4,
+                    );
+                }
+                step_dots::<F, NW, NX>(
+                    x,
+                    &cw_b,
+                    &scale_b,
+                    &offset_b,
+                    &mut acc,
+                    &mut dots,
+                    &mut sx,
+                    v0,
+                    vectors,
+                    k,
+                    one,
+                    m,
+                    per_plane,
+                    unroll,
+                    group_units,
+                    q4,
+                );
+                v0 += step;
+            }
         }
     }
     if comptime!(splits > 1) {
         split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
     } else {
         reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
+    }
+}
+
+/// One step of [`qgemv_kernel`]: the dot products of the `unroll` loaded code vectors of each
+/// row (from `v0`, `group_units` apart) with the matching activations, added to `acc` with
+/// their block scales (and Q4 offsets).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn step_dots<F: Float, NW: Size, NX: Size>(
+    x: &Array<Vector<F, NX>>,
+    cw: &Array<Vector<u32, NW>>,
+    scale: &Array<f32>,
+    offset: &Array<f32>,
+    acc: &mut Array<f32>,
+    dots: &mut Array<f32>,
+    sx: &mut Array<f32>,
+    v0: usize,
+    vectors: usize,
+    k: usize,
+    one: u32,
+    #[comptime] m: usize,
+    #[comptime] per_plane: usize,
+    #[comptime] unroll: usize,
+    #[comptime] group_units: usize,
+    #[comptime] q4: bool,
+) {
+    let per_word = comptime!(if q4 { 8usize } else { 4usize });
+    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
+    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
+    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
+    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
+    let nw = cw.vector_size();
+    let nx = x.vector_size();
+    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
+    let loads = comptime!(nw * per_word / nx);
+    #[unroll]
+    for u in 0..unroll {
+        let v = v0 + u * group_units;
+        if v < vectors {
+            #[unroll]
+            for s in 0..comptime!(m * per_plane) {
+                dots[s] = 0.0f32;
+            }
+            #[unroll]
+            for t in 0..m {
+                sx[t] = 0.0f32;
+                #[unroll]
+                for g in 0..loads {
+                    let xv = x[(t * k + v * nw * per_word) / nx + g];
+                    #[unroll]
+                    for i in 0..nx {
+                        let xi = f32::cast_from(xv[i]);
+                        sx[t] += xi;
+                        let c = comptime!(g * nx + i);
+                        #[unroll]
+                        for r in 0..per_plane {
+                            let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
+                            dots[t * per_plane + r] += unit_code_or(word, comptime!(c % per_word), q4, one) * xi;
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for t in 0..m {
+                #[unroll]
+                for r in 0..per_plane {
+                    let s = comptime!(t * per_plane + r);
+                    let at = comptime!(u * per_plane + r);
+                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                    let mut shift = scale[at] * sum_scale;
+                    if q4 {
+                        shift -= offset[at];
+                    }
+                    acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
+                }
+            }
+        }
     }
 }
 
@@ -341,6 +482,54 @@ pub(crate) fn split_reduce_and_store<F: Float>(
     }
 }
 
+/// Steps of weight loads each unit of the quantized GEMV keeps: one (load a step, use it, load
+/// the next) or two (the next step's loads issued before this step's codes are used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemvPipeline {
+    /// One step in flight at a time.
+    #[default]
+    Single,
+    /// The next step's loads in flight while this step's codes are used.
+    Double,
+}
+
+impl GemvPipeline {
+    fn buffers(self) -> usize {
+        match self {
+            Self::Single => 1,
+            Self::Double => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for GemvPipeline {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "single" => Ok(Self::Single),
+            "double" => Ok(Self::Double),
+            other => Err(format!("unknown GEMV pipeline `{other}` (expected single or double)")),
+        }
+    }
+}
+
+/// The process's [`GemvPipeline`]: 0 single, 1 double.
+static PIPELINE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets the [`GemvPipeline`] of the quantized GEMVs launched from now on (kernels already in a
+/// recorded graph keep theirs), as the GEMM tuner's settings are set.
+pub fn set_gemv_pipeline(pipeline: GemvPipeline) {
+    PIPELINE.store(pipeline.buffers() as u8 - 1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The [`GemvPipeline`] quantized GEMVs are launched with now.
+pub fn gemv_pipeline() -> GemvPipeline {
+    match PIPELINE.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => GemvPipeline::Single,
+        _ => GemvPipeline::Double,
+    }
+}
+
 /// Planes per streaming multiprocessor a quantized GEMV keeps busy before its planes take
 /// several output features each (128 multiprocessors assumed where the runtime does not say).
 const PLANES_PER_SM: usize = 16;
@@ -428,7 +617,9 @@ pub fn gemv_into<R: CubeRuntime>(
     let (per_plane, splits) = work_split(&x.client, n, out_features, row_words as usize / nw);
     let unroll = gemv_unroll(per_plane, n);
     let stride = out.meta.shape()[1] as u32;
-    launch!(qgemv_kernel(
+    // Unchecked: every index is in range by construction (rows and vectors clamped, stores
+    // guarded); the bounds checks cost a compare and a select per activation (SASS, 2026-11-30).
+    launch_unchecked!(qgemv_kernel(
         &x.client,
         grid(out_features.div_ceil(ROWS)),
         CubeDim::new_1d((ROWS / per_plane * LANES * splits) as u32),
@@ -443,6 +634,7 @@ pub fn gemv_into<R: CubeRuntime>(
         row_words,
         row_blocks,
         out_features as u32,
+        0x3F80_0000u32,
         n,
         per_plane,
         unroll,
@@ -450,6 +642,7 @@ pub fn gemv_into<R: CubeRuntime>(
         planes_of_32(&x.client),
         pairs,
         splits,
+        gemv_pipeline().buffers(),
         dtypes,
     ));
 }
