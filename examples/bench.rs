@@ -98,9 +98,6 @@ struct Args {
     /// it where they mark it (`at-start`: in their first statement); `off`: stream order.
     #[arg(long, default_value = "auto")]
     dependent_launch: burn_gemma_kernels::graph::DependentLaunch,
-    /// single | double: steps of weight loads each unit of the quantized GEMV keeps in flight.
-    #[arg(long, default_value = "single")]
-    gemv_pipeline: burn_gemma_kernels::quant::gemv::GemvPipeline,
     /// Fewest multiply-adds (millions) of a product for which the tuner times cuBLASLt.
     #[arg(long, default_value_t = burn_gemma_kernels::gemm::tune::DEFAULT_CUBLASLT_FLOOR / 1_000_000)]
     cublaslt_floor_m: usize,
@@ -206,7 +203,6 @@ impl BackendTask for Bench {
         burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
         burn_gemma_kernels::gemm::tune::set_cublaslt_floor(a.cublaslt_floor_m.saturating_mul(1_000_000));
         burn_gemma_kernels::graph::set_dependent_launch(a.dependent_launch);
-        burn_gemma_kernels::quant::gemv::set_gemv_pipeline(a.gemv_pipeline);
         {
             use burn_gemma_kernels::attention::{set_prefill_attention, PrefillAttention as P};
             set_prefill_attention(match a.prefill_attention {

@@ -53,9 +53,6 @@ struct Args {
     /// Timed repetitions per kernel (after 3 warm-up runs); the median is reported.
     #[arg(long, default_value_t = 30)]
     reps: usize,
-    /// single | double: steps of weight loads each unit of the quantized GEMV keeps in flight.
-    #[arg(long, default_value = "single")]
-    gemv_pipeline: burn_gemma_kernels::quant::gemv::GemvPipeline,
     /// Which tables: kernels, decode, launch or all.
     #[arg(long, default_value = "all")]
     section: Section,
@@ -520,7 +517,6 @@ fn experts_section(kind: BackendKind, dtype: DType, reps: usize, rows: &[usize])
 
 fn main() -> Result<(), CliError> {
     let args = Args::parse();
-    burn_gemma_kernels::quant::gemv::set_gemv_pipeline(args.gemv_pipeline);
     let dtype = parse_dtype(&args.dtype)?;
     let kind: BackendKind = args.backend.parse()?;
     let models: Vec<String> = args.models.split(',').map(|m| m.trim().to_string()).filter(|m| !m.is_empty()).collect();

@@ -200,6 +200,7 @@ pub(crate) mod kernel {
         routing: Routing,
         words: u32,
         blocks: u32,
+        one: u32,
         #[comptime] top_k: usize,
         #[comptime] q4: bool,
         #[comptime] halves: bool,
@@ -213,8 +214,18 @@ pub(crate) mod kernel {
         #[unroll]
         for p in 0..picks {
             let (input, expert, weight) = pick_of(ids, weights, p, routing.count as usize, top_k, halves);
-            let part =
-                quant_dot::<X, S, NW, NX>(x, codes, scales, offsets, expert * rows + row, input, words, blocks, q4);
+            let part = quant_dot::<X, S, NW, NX>(
+                x,
+                codes,
+                scales,
+                offsets,
+                expert * rows + row,
+                input,
+                words,
+                blocks,
+                one,
+                q4,
+            );
             acc += weight * part;
         }
         store_routed::<O>(acc, out, CUBE_POS_Y as usize, rows, halves, plane);
@@ -234,6 +245,7 @@ pub(crate) mod kernel {
         input: usize,
         words: u32,
         blocks: u32,
+        one: u32,
         #[comptime] q4: bool,
     ) -> f32 {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -278,7 +290,7 @@ pub(crate) mod kernel {
                             let xi = f32::cast_from(xv[i]);
                             sx += xi;
                             let c = comptime!(g * nx + i);
-                            dot += unit_code(cw[u][comptime!(c / per_word)], comptime!(c % per_word), q4) * xi;
+                            dot += unit_code(cw[u][comptime!(c / per_word)], comptime!(c % per_word), q4, one) * xi;
                         }
                     }
                     // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
@@ -444,6 +456,7 @@ pub(crate) mod kernel {
         routing: Routing,
         words: u32,
         blocks: u32,
+        one: u32,
         #[comptime] top_k: usize,
         #[comptime] q4: bool,
         #[comptime] halves: bool,
@@ -456,7 +469,7 @@ pub(crate) mod kernel {
         for i in start..end {
             let slot = order[i] as usize;
             let (input, weight) = slot_input(weights, slot, top_k, halves);
-            let part = quant_dot::<X, S, NW, NX>(x, codes, scales, offsets, grow, input, words, blocks, q4);
+            let part = quant_dot::<X, S, NW, NX>(x, codes, scales, offsets, grow, input, words, blocks, one, q4);
             store_routed::<O>(weight * part, out, slot, rows, halves, plane);
         }
     }
@@ -678,6 +691,8 @@ pub(crate) mod kernel {
                 RoutingLaunch::new(rows as u32, count as u32),
                 row_words,
                 row_blocks,
+                // 1.0's bits at run time: one mask-and-or per code (`unit_code`).
+                0x3F80_0000u32,
                 top_k,
                 q4,
                 halves,
@@ -702,6 +717,8 @@ pub(crate) mod kernel {
                 RoutingLaunch::new(rows as u32, count as u32),
                 row_words,
                 row_blocks,
+                // 1.0's bits at run time: one mask-and-or per code (`unit_code`).
+                0x3F80_0000u32,
                 top_k,
                 q4,
                 halves,

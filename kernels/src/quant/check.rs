@@ -169,11 +169,6 @@ mod gpu {
         let s = seed::<B>(device, "quantized");
         super::quantized::<B>(device, dtype, s, None);
         super::quantized::<B>(device, dtype, s ^ 1, Some((crate::quant::CodeLayout::Words, DType::F32)));
-        // The GEMV with two steps of loads in flight (other tests running meanwhile may launch
-        // it too: both pipelines compute the same sums).
-        crate::quant::gemv::set_gemv_pipeline(crate::quant::gemv::GemvPipeline::Double);
-        super::quantized::<B>(device, dtype, s ^ 2, None);
-        crate::quant::gemv::set_gemv_pipeline(crate::quant::gemv::GemvPipeline::Single);
     }
 
     gpu_tests!(quantized_matches_host => quantized);

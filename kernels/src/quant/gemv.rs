@@ -11,8 +11,9 @@
 //!   the vector's block scale (and offset) per row. The matching activations are loaded in
 //!   vectors as wide as the runtime allows, converted to f32 and summed once for all the rows of
 //!   the plane; the codes become floats `1 + code / 2^bits` by a shift and a mask (see
-//!   `unit_code`), and the activation sum turns their dot products into the weights' (f32
-//!   throughout). Sums are added as in the dense kernel (`plane_sum` on 32-wide planes, else a
+//!   `unit_code`; Q4 codes two per shift, `pair_code`), and the activation sums turn their dot
+//!   products into the weights' (f32 throughout). Launched unchecked: every index is in range
+//!   by construction. Sums are added as in the dense kernel (`plane_sum` on 32-wide planes, else a
 //!   shared-memory tree); a split group's plane totals meet in shared memory.
 
 // Kernel code cannot call `div_ceil` or `is_multiple_of` (not CubeCL intrinsics).
@@ -31,22 +32,33 @@ use cubecl::prelude::*;
 /// shifted to the top of the mantissa of 1.0 - one shift and one mask-and-or, where [`code`]
 /// also needs a subtraction. A dot product over these values is `sum(x) + sum(x * code) /
 /// 2^bits`; the GEMV subtracts `sum(x)` once per code vector, shared by the rows it serves.
+///
+/// `one` is 1.0's bits (`0x3F80_0000`), passed to the kernel at run time: in a register, the
+/// mask-and-or is one `LOP3` (it takes one immediate operand; with both the mask and 1.0 as
+/// constants nvcc emitted two, as the SASS of the 12B decode GEMV showed, 2026-11-30).
 #[cube]
-pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool) -> f32 {
-    unit_code_or(word, n, q4, 0x3F80_0000u32)
-}
-
-/// [`unit_code`] with the bits of 1.0 (`one`, `0x3F80_0000`) given by the caller: passed to a
-/// kernel at run time they stay in a register, and the mask-and-or is one instruction (`LOP3`
-/// takes one immediate operand; with both the mask and 1.0 as constants nvcc emits two, as the
-/// SASS of the 12B decode GEMV showed, 2026-11-30).
-#[cube]
-pub(crate) fn unit_code_or(word: u32, #[comptime] n: usize, #[comptime] q4: bool, one: u32) -> f32 {
+pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool, one: u32) -> f32 {
     let bits = comptime!(if q4 { 4usize } else { 8usize });
     // Lowest mantissa bit the code lands on, and the code's lowest bit in the word.
     let low = comptime!(23 - bits);
     let at = comptime!(n * bits);
     let mask = comptime!(((1u32 << bits) - 1) << low);
+    let placed =
+        if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
+    f32::reinterpret((placed & mask) | one)
+}
+
+/// Q4 code `n` of a packed word as a float, two codes per shift: the word is shifted so that
+/// the odd code of the pair (`n | 1`) lands at the top of the mantissa of 1.0 (`1 + code / 16`)
+/// and the even one just below it (`1 + code / 256`), so both come out of one shifted word
+/// with one mask-and-or each (the pair's shift is the same expression; the compiler computes
+/// it once). The even codes carry Q8's precision (eight fraction bits above the code).
+#[cube]
+pub(crate) fn pair_code(word: u32, #[comptime] n: usize, one: u32) -> f32 {
+    // Where the pair's odd code starts in the word, and the top code's lowest mantissa bit.
+    let at = comptime!(4 * (n | 1));
+    let low = comptime!(19usize);
+    let mask = comptime!(if n % 2 == 1 { 0xFu32 << 19 } else { 0xFu32 << 15 });
     let placed =
         if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
     f32::reinterpret((placed & mask) | one)
@@ -76,7 +88,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[comptime] plane: bool,
     #[comptime] pairs: bool,
     #[comptime] splits: usize,
-    #[comptime] buffers: usize,
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
@@ -112,8 +123,10 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     let mut cw = Array::<Vector<u32, NW>>::new(loaded);
     let mut scale = Array::<f32>::new(loaded);
     let mut offset = Array::<f32>::new(loaded);
-    let mut dots = Array::<f32>::new(slots);
-    let mut sx = Array::<f32>::new(m);
+    // Dot products and activation sums per code class (two for Q4, see `step_dots`).
+    let classes = comptime!(if q4 { 2usize } else { 1usize });
+    let mut dots = Array::<f32>::new(comptime!(classes * slots));
+    let mut sx = Array::<f32>::new(comptime!(classes * m));
     let mut v0 = lane;
     // The first step's weights are loaded before anything an earlier kernel writes is read: in
     // a replayed graph the wait for the kernels before goes at the marker below, so these loads
@@ -136,128 +149,43 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     );
     comment!("burn-gemma: wait for the kernels before");
     let step = comptime!(unroll * group_units);
-    if comptime!(buffers == 1) {
-        while v0 < vectors {
-            step_dots::<F, NW, NX>(
-                x,
-                &cw,
-                &scale,
-                &offset,
-                &mut acc,
-                &mut dots,
-                &mut sx,
+    while v0 < vectors {
+        step_dots::<F, NW, NX>(
+            x,
+            &cw,
+            &scale,
+            &offset,
+            &mut acc,
+            &mut dots,
+            &mut sx,
+            v0,
+            vectors,
+            k,
+            one,
+            m,
+            per_plane,
+            unroll,
+            group_units,
+            q4,
+        );
+        v0 += step;
+        if v0 < vectors {
+            load_codes::<S, NW>(
+                codes,
+                scales,
+                offsets,
+                &code_at,
+                &scale_at,
+                &mut cw,
+                &mut scale,
+                &mut offset,
                 v0,
                 vectors,
-                k,
-                one,
-                m,
+                group_units,
                 per_plane,
                 unroll,
-                group_units,
                 q4,
             );
-            v0 += step;
-            if v0 < vectors {
-                load_codes::<S, NW>(
-                    codes,
-                    scales,
-                    offsets,
-                    &code_at,
-                    &scale_at,
-                    &mut cw,
-                    &mut scale,
-                    &mut offset,
-                    v0,
-                    vectors,
-                    group_units,
-                    per_plane,
-                    unroll,
-                    q4,
-                );
-            }
-        }
-    } else {
-        // Two buffers: the next step's weights are in flight while this step's are used.
-        let mut cw_b = Array::<Vector<u32, NW>>::new(loaded);
-        let mut scale_b = Array::<f32>::new(loaded);
-        let mut offset_b = Array::<f32>::new(loaded);
-        while v0 < vectors {
-            if v0 + step < vectors {
-                load_codes::<S, NW>(
-                    codes,
-                    scales,
-                    offsets,
-                    &code_at,
-                    &scale_at,
-                    &mut cw_b,
-                    &mut scale_b,
-                    &mut offset_b,
-                    v0 + step,
-                    vectors,
-                    group_units,
-                    per_plane,
-                    unroll,
-                    q4,
-                );
-            }
-            step_dots::<F, NW, NX>(
-                x,
-                &cw,
-                &scale,
-                &offset,
-                &mut acc,
-                &mut dots,
-                &mut sx,
-                v0,
-                vectors,
-                k,
-                one,
-                m,
-                per_plane,
-                unroll,
-                group_units,
-                q4,
-            );
-            v0 += step;
-            if v0 < vectors {
-                if v0 + step < vectors {
-                    load_codes::<S, NW>(
-                        codes,
-                        scales,
-                        offsets,
-                        &code_at,
-                        &scale_at,
-                        &mut cw,
-                        &mut scale,
-                        &mut offset,
-                        v0 + step,
-                        vectors,
-                        group_units,
-                        per_plane,
-                        unroll,
-                        q4,
-                    );
-                }
-                step_dots::<F, NW, NX>(
-                    x,
-                    &cw_b,
-                    &scale_b,
-                    &offset_b,
-                    &mut acc,
-                    &mut dots,
-                    &mut sx,
-                    v0,
-                    vectors,
-                    k,
-                    one,
-                    m,
-                    per_plane,
-                    unroll,
-                    group_units,
-                    q4,
-                );
-                v0 += step;
-            }
         }
     }
     if comptime!(splits > 1) {
@@ -291,37 +219,47 @@ fn step_dots<F: Float, NW: Size, NX: Size>(
     #[comptime] q4: bool,
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
-    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
-    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
-    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
     let nw = cw.vector_size();
     let nx = x.vector_size();
     // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
     let loads = comptime!(nw * per_word / nx);
+    let slots = comptime!(m * per_plane);
+    // Q4 codes come in two classes (`pair_code`): odd codes as `1 + code / 16` (class 0), even
+    // ones as `1 + code / 256` (class 1); Q8 codes as `1 + code / 256` (class 0 only). Each
+    // class keeps its dot products (`dots[class * slots + ..]`) and activation sums.
+    let classes = comptime!(if q4 { 2usize } else { 1usize });
     #[unroll]
     for u in 0..unroll {
         let v = v0 + u * group_units;
         if v < vectors {
             #[unroll]
-            for s in 0..comptime!(m * per_plane) {
+            for s in 0..comptime!(classes * slots) {
                 dots[s] = 0.0f32;
             }
             #[unroll]
             for t in 0..m {
-                sx[t] = 0.0f32;
+                #[unroll]
+                for class in 0..classes {
+                    sx[comptime!(class * m) + t] = 0.0f32;
+                }
                 #[unroll]
                 for g in 0..loads {
                     let xv = x[(t * k + v * nw * per_word) / nx + g];
                     #[unroll]
                     for i in 0..nx {
                         let xi = f32::cast_from(xv[i]);
-                        sx[t] += xi;
                         let c = comptime!(g * nx + i);
+                        let class = comptime!(if q4 { 1 - (c % 2) } else { 0usize });
+                        sx[comptime!(class * m) + t] += xi;
                         #[unroll]
                         for r in 0..per_plane {
                             let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
-                            dots[t * per_plane + r] += unit_code_or(word, comptime!(c % per_word), q4, one) * xi;
+                            let code = if comptime!(q4) {
+                                pair_code(word, comptime!(c % per_word), one)
+                            } else {
+                                unit_code(word, comptime!(c % per_word), false, one)
+                            };
+                            dots[comptime!(class * slots) + t * per_plane + r] += code * xi;
                         }
                     }
                 }
@@ -332,12 +270,17 @@ fn step_dots<F: Float, NW: Size, NX: Size>(
                 for r in 0..per_plane {
                     let s = comptime!(t * per_plane + r);
                     let at = comptime!(u * per_plane + r);
-                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                    let mut shift = scale[at] * sum_scale;
-                    if q4 {
-                        shift -= offset[at];
+                    if comptime!(q4) {
+                        // scale * sum(x * code) + offset * sum(x), with sum(x * code) =
+                        // 16 (dot_0 - sx_0) + 256 (dot_1 - sx_1).
+                        let (s16, s256) = (scale[at] * 16.0f32, scale[at] * 256.0f32);
+                        acc[s] += s16 * dots[s] + s256 * dots[comptime!(slots + s)]
+                            - (s16 - offset[at]) * sx[t]
+                            - (s256 - offset[at]) * sx[comptime!(m + t)];
+                    } else {
+                        // Q8 (stored `q + 128`): sum(x * q) = 256 dot - 384 sum(x).
+                        acc[s] += scale[at] * 256.0f32 * dots[s] - scale[at] * 384.0f32 * sx[t];
                     }
-                    acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
                 }
             }
         }
@@ -482,54 +425,6 @@ pub(crate) fn split_reduce_and_store<F: Float>(
     }
 }
 
-/// Steps of weight loads each unit of the quantized GEMV keeps: one (load a step, use it, load
-/// the next) or two (the next step's loads issued before this step's codes are used).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GemvPipeline {
-    /// One step in flight at a time.
-    #[default]
-    Single,
-    /// The next step's loads in flight while this step's codes are used.
-    Double,
-}
-
-impl GemvPipeline {
-    fn buffers(self) -> usize {
-        match self {
-            Self::Single => 1,
-            Self::Double => 2,
-        }
-    }
-}
-
-impl std::str::FromStr for GemvPipeline {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "single" => Ok(Self::Single),
-            "double" => Ok(Self::Double),
-            other => Err(format!("unknown GEMV pipeline `{other}` (expected single or double)")),
-        }
-    }
-}
-
-/// The process's [`GemvPipeline`]: 0 single, 1 double.
-static PIPELINE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Sets the [`GemvPipeline`] of the quantized GEMVs launched from now on (kernels already in a
-/// recorded graph keep theirs), as the GEMM tuner's settings are set.
-pub fn set_gemv_pipeline(pipeline: GemvPipeline) {
-    PIPELINE.store(pipeline.buffers() as u8 - 1, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The [`GemvPipeline`] quantized GEMVs are launched with now.
-pub fn gemv_pipeline() -> GemvPipeline {
-    match PIPELINE.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => GemvPipeline::Single,
-        _ => GemvPipeline::Double,
-    }
-}
-
 /// Planes per streaming multiprocessor a quantized GEMV keeps busy before its planes take
 /// several output features each (128 multiprocessors assumed where the runtime does not say).
 const PLANES_PER_SM: usize = 16;
@@ -642,7 +537,6 @@ pub fn gemv_into<R: CubeRuntime>(
         planes_of_32(&x.client),
         pairs,
         splits,
-        gemv_pipeline().buffers(),
         dtypes,
     ));
 }

@@ -16,7 +16,7 @@
 
 use super::{KQuantFormat, VECTOR};
 use crate::cube::{cube_index, grid, load_vector_size, planes_of_32};
-use crate::graph::{arg, launch};
+use crate::graph::{arg, launch_unchecked};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
 use crate::quant::gemv::{gemv_unroll, split_reduce_and_store, work_split};
 use crate::Epilogue;
@@ -35,9 +35,11 @@ fn place(word: u32, #[comptime] from: usize, #[comptime] to: usize) -> u32 {
 
 /// Code `c` (`0..32`) of a code vector as the float `1 + q / 2^bits` (exact): the low four bits
 /// from `lo` (the vector's word `c / 8`), the high ones (`kind` of them) from `hi` (the vector's
-/// high-bit word holding code `c`), shifted to the top of the mantissa of 1.0.
+/// high-bit word holding code `c`), shifted to the top of the mantissa of 1.0 (`one`: its bits,
+/// `0x3F80_0000`, passed to the kernel at run time so that nvcc keeps them in a register and
+/// the final mask-and-or is one instruction; see the Q4/Q8 kernel's `unit_code`).
 #[cube]
-pub(crate) fn unit_code(lo: u32, hi: u32, #[comptime] c: usize, #[comptime] kind: u32) -> f32 {
+pub(crate) fn unit_code(lo: u32, hi: u32, #[comptime] c: usize, #[comptime] kind: u32, one: u32) -> f32 {
     let hb = comptime!(kind as usize);
     let low = comptime!(23 - 4 - hb);
     let mut placed = place(lo, comptime!((c % 8) * 4), low) & comptime!(15u32 << low as u32);
@@ -46,7 +48,7 @@ pub(crate) fn unit_code(lo: u32, hi: u32, #[comptime] c: usize, #[comptime] kind
         let mask = comptime!(((1u32 << hb as u32) - 1) << (low + 4) as u32);
         placed |= place(hi, comptime!((c % per) * hb), comptime!(low + 4)) & mask;
     }
-    f32::reinterpret(placed | 0x3F80_0000u32)
+    f32::reinterpret(placed | one)
 }
 
 /// The scale and min (Q4_K, Q5_K: `sc`, `m`, each `0..64`) of sub-block `j` (`0..8`) from the
@@ -71,7 +73,7 @@ pub(crate) fn signed_byte(b: u32) -> f32 {
 /// Each plane computes `per_plane` output features (`ROWS / per_plane` planes per cube, or
 /// `splits` planes per row group); rows past `n_out` read the last row and are not stored.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn kgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     x: &Array<Vector<F, NX>>,
     lo: &Array<Vector<u32, NW>>,
@@ -82,6 +84,7 @@ fn kgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     place: OutPlace,
     vectors: u32,
     n_out: u32,
+    one: u32,
     #[comptime] m: usize,
     #[comptime] per_plane: usize,
     #[comptime] unroll: usize,
@@ -200,7 +203,7 @@ fn kgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
                                     high = hw[comptime!(at * hb + c / (32 / hb))];
                                 }
                                 dots[comptime!((t * per_plane + r) * halves + h)] +=
-                                    unit_code(word, high, c, kind) * xi;
+                                    unit_code(word, high, c, kind, one) * xi;
                             }
                         }
                     }
@@ -274,7 +277,8 @@ pub fn gemv_into<R: CubeRuntime>(
     let unroll = gemv_unroll(per_plane, n);
     let stride = out.meta.shape()[1] as u32;
     let hi = w.hi_arg();
-    launch!(kgemv_kernel(
+    // Unchecked: rows and vectors are clamped and stores guarded, so every index is in range.
+    launch_unchecked!(kgemv_kernel(
         &x.client,
         grid(out_features.div_ceil(ROWS)),
         CubeDim::new_1d((ROWS / per_plane * LANES * splits) as u32),
@@ -289,6 +293,7 @@ pub fn gemv_into<R: CubeRuntime>(
         OutPlaceLaunch::new(stride, offset as u32),
         vectors as u32,
         out_features as u32,
+        0x3F80_0000u32,
         n,
         per_plane,
         unroll,
