@@ -73,11 +73,16 @@ where
             && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols);
         // Matrices whose product a kernel writes straight into columns of an output (the
         // quantized mma kernel, the matrix-vector kernels), epilogue included.
-        let direct = |w: &Matrix<Self>| match w {
-            Matrix::Dense(w) => gemv_rows && x.dtype() == w.val().dtype(),
-            Matrix::Quantized(_) => mma_rows || gemv_rows,
-            Matrix::KQuant(_) => gemv_rows,
-            Matrix::Stacked(_) | Matrix::Ggml(_) => false,
+        // The direct kernels index their inputs unchecked: only a matching input width reaches
+        // them (a mismatch takes the general path, where the matmul checks the shapes).
+        let direct = |w: &Matrix<Self>| {
+            w.dims()[1] == cols
+                && match w {
+                    Matrix::Dense(w) => gemv_rows && x.dtype() == w.val().dtype(),
+                    Matrix::Quantized(_) => mma_rows || gemv_rows,
+                    Matrix::KQuant(_) => gemv_rows,
+                    Matrix::Stacked(_) | Matrix::Ggml(_) => false,
+                }
         };
         let into_columns = |x: &CubeTensor<R>, w: &Matrix<Self>, epilogue: Epilogue, out: &CubeTensor<R>, at: usize| {
             match w {

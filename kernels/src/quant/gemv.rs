@@ -11,10 +11,10 @@
 //!   the vector's block scale (and offset) per row. The matching activations are loaded in
 //!   vectors as wide as the runtime allows, converted to f32 and summed once for all the rows of
 //!   the plane; the codes become floats `1 + code / 2^bits` by a shift and a mask (see
-//!   `unit_code`; Q4 codes two per shift, `pair_code`), and the activation sums turn their dot
-//!   products into the weights' (f32 throughout). Launched unchecked: every index is in range
-//!   by construction. Sums are added as in the dense kernel (`plane_sum` on 32-wide planes, else a
-//!   shared-memory tree); a split group's plane totals meet in shared memory.
+//!   `unit_code`), and the activation sum turns their dot products into the weights' (f32
+//!   throughout). Launched unchecked: every index is in range by construction. Sums are added
+//!   as in the dense kernel (`plane_sum` on 32-wide planes, else a shared-memory tree); a split
+//!   group's plane totals meet in shared memory.
 
 // Kernel code cannot call `div_ceil` or `is_multiple_of` (not CubeCL intrinsics).
 #![allow(clippy::manual_div_ceil, clippy::manual_is_multiple_of)]
@@ -43,22 +43,6 @@ pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool, o
     let low = comptime!(23 - bits);
     let at = comptime!(n * bits);
     let mask = comptime!(((1u32 << bits) - 1) << low);
-    let placed =
-        if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
-    f32::reinterpret((placed & mask) | one)
-}
-
-/// Q4 code `n` of a packed word as a float, two codes per shift: the word is shifted so that
-/// the odd code of the pair (`n | 1`) lands at the top of the mantissa of 1.0 (`1 + code / 16`)
-/// and the even one just below it (`1 + code / 256`), so both come out of one shifted word
-/// with one mask-and-or each (the pair's shift is the same expression; the compiler computes
-/// it once). The even codes carry Q8's precision (eight fraction bits above the code).
-#[cube]
-pub(crate) fn pair_code(word: u32, #[comptime] n: usize, one: u32) -> f32 {
-    // Where the pair's odd code starts in the word, and the top code's lowest mantissa bit.
-    let at = comptime!(4 * (n | 1));
-    let low = comptime!(19usize);
-    let mask = comptime!(if n % 2 == 1 { 0xFu32 << 19 } else { 0xFu32 << 15 });
     let placed =
         if comptime!(at <= low) { word << comptime!((low - at) as u32) } else { word >> comptime!((at - low) as u32) };
     f32::reinterpret((placed & mask) | one)
@@ -123,10 +107,8 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     let mut cw = Array::<Vector<u32, NW>>::new(loaded);
     let mut scale = Array::<f32>::new(loaded);
     let mut offset = Array::<f32>::new(loaded);
-    // Dot products and activation sums per code class (two for Q4, see `step_dots`).
-    let classes = comptime!(if q4 { 2usize } else { 1usize });
-    let mut dots = Array::<f32>::new(comptime!(classes * slots));
-    let mut sx = Array::<f32>::new(comptime!(classes * m));
+    let mut dots = Array::<f32>::new(slots);
+    let mut sx = Array::<f32>::new(m);
     let mut v0 = lane;
     // The first step's weights are loaded before anything an earlier kernel writes is read: in
     // a replayed graph the wait for the kernels before goes at the marker below, so these loads
@@ -219,47 +201,37 @@ fn step_dots<F: Float, NW: Size, NX: Size>(
     #[comptime] q4: bool,
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
+    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
+    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
+    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
+    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
     let nw = cw.vector_size();
     let nx = x.vector_size();
     // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
     let loads = comptime!(nw * per_word / nx);
-    let slots = comptime!(m * per_plane);
-    // Q4 codes come in two classes (`pair_code`): odd codes as `1 + code / 16` (class 0), even
-    // ones as `1 + code / 256` (class 1); Q8 codes as `1 + code / 256` (class 0 only). Each
-    // class keeps its dot products (`dots[class * slots + ..]`) and activation sums.
-    let classes = comptime!(if q4 { 2usize } else { 1usize });
     #[unroll]
     for u in 0..unroll {
         let v = v0 + u * group_units;
         if v < vectors {
             #[unroll]
-            for s in 0..comptime!(classes * slots) {
+            for s in 0..comptime!(m * per_plane) {
                 dots[s] = 0.0f32;
             }
             #[unroll]
             for t in 0..m {
-                #[unroll]
-                for class in 0..classes {
-                    sx[comptime!(class * m) + t] = 0.0f32;
-                }
+                sx[t] = 0.0f32;
                 #[unroll]
                 for g in 0..loads {
                     let xv = x[(t * k + v * nw * per_word) / nx + g];
                     #[unroll]
                     for i in 0..nx {
                         let xi = f32::cast_from(xv[i]);
+                        sx[t] += xi;
                         let c = comptime!(g * nx + i);
-                        let class = comptime!(if q4 { 1 - (c % 2) } else { 0usize });
-                        sx[comptime!(class * m) + t] += xi;
                         #[unroll]
                         for r in 0..per_plane {
                             let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
-                            let code = if comptime!(q4) {
-                                pair_code(word, comptime!(c % per_word), one)
-                            } else {
-                                unit_code(word, comptime!(c % per_word), false, one)
-                            };
-                            dots[comptime!(class * slots) + t * per_plane + r] += code * xi;
+                            dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4, one) * xi;
                         }
                     }
                 }
@@ -270,17 +242,12 @@ fn step_dots<F: Float, NW: Size, NX: Size>(
                 for r in 0..per_plane {
                     let s = comptime!(t * per_plane + r);
                     let at = comptime!(u * per_plane + r);
-                    if comptime!(q4) {
-                        // scale * sum(x * code) + offset * sum(x), with sum(x * code) =
-                        // 16 (dot_0 - sx_0) + 256 (dot_1 - sx_1).
-                        let (s16, s256) = (scale[at] * 16.0f32, scale[at] * 256.0f32);
-                        acc[s] += s16 * dots[s] + s256 * dots[comptime!(slots + s)]
-                            - (s16 - offset[at]) * sx[t]
-                            - (s256 - offset[at]) * sx[comptime!(m + t)];
-                    } else {
-                        // Q8 (stored `q + 128`): sum(x * q) = 256 dot - 384 sum(x).
-                        acc[s] += scale[at] * 256.0f32 * dots[s] - scale[at] * 384.0f32 * sx[t];
+                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                    let mut shift = scale[at] * sum_scale;
+                    if q4 {
+                        shift -= offset[at];
                     }
+                    acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
                 }
             }
         }
