@@ -8,6 +8,7 @@
 //! both ([`super::q5_0`] does the same). A Q8_0 block is 34 bytes: the f16 scale and 32 `i8`
 //! codes.
 
+#[cfg(any(target_arch = "x86_64", test))]
 use super::q5_0::bytes;
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 
