@@ -23,7 +23,7 @@ pub(crate) mod kernel {
     use crate::gelu::kernel::gelu_mul_f32;
     use crate::graph::{arg, launch};
     use crate::linear::kernel::{LANES, ROWS};
-    use crate::quant::gemv::unit_code;
+    use crate::quant::gemv::{unit_code, ONE_BITS};
     use crate::quant::kernel::Packed;
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -691,8 +691,7 @@ pub(crate) mod kernel {
                 RoutingLaunch::new(rows as u32, count as u32),
                 row_words,
                 row_blocks,
-                // 1.0's bits at run time: one mask-and-or per code (`unit_code`).
-                0x3F80_0000u32,
+                ONE_BITS,
                 top_k,
                 q4,
                 halves,
@@ -717,8 +716,7 @@ pub(crate) mod kernel {
                 RoutingLaunch::new(rows as u32, count as u32),
                 row_words,
                 row_blocks,
-                // 1.0's bits at run time: one mask-and-or per code (`unit_code`).
-                0x3F80_0000u32,
+                ONE_BITS,
                 top_k,
                 q4,
                 halves,

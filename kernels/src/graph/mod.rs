@@ -195,46 +195,38 @@ pub(crate) fn collective(recorded: crate::collective::Recorded) {
 /// Launches a `#[cube(launch)]` kernel on the runtime `R` in scope, or hands it to the recorder
 /// while a step is being recorded on this thread (CUDA only). Array arguments must be built
 /// with [`arg`] inside the invocation, so that the recorder sees their handles in order.
+/// (`@via` names the generated launch function: `launch` here, `launch_unchecked` for
+/// [`launch_unchecked!`].)
 macro_rules! launch {
-    ($kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {{
+    (@via $launch:ident, $kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {{
         #[cfg(feature = "cuda")]
         {
             if let Some(recorder) = $crate::graph::recorder_for::<R>() {
-                $kernel::launch::<$crate::graph::Rec>(&recorder, $($arg),*);
+                $kernel::$launch::<$crate::graph::Rec>(&recorder, $($arg),*);
                 $crate::graph::launched();
             } else {
-                $kernel::launch::<R>($client, $($arg),*);
+                $kernel::$launch::<R>($client, $($arg),*);
             }
         }
         #[cfg(not(feature = "cuda"))]
         {
-            $kernel::launch::<R>($client, $($arg),*);
+            $kernel::$launch::<R>($client, $($arg),*);
         }
     }};
+    ($kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {
+        $crate::graph::launch!(@via launch, $kernel($client, $($arg),*))
+    };
 }
 pub(crate) use launch;
 
 /// [`launch!`] for a kernel declared `#[cube(launch_unchecked)]`: its array accesses are not
-/// bounds-checked, so the caller's kernel must keep every index in range by construction.
+/// bounds-checked, so the calling launcher must keep every index in range by construction (and
+/// says how beside the call).
 macro_rules! launch_unchecked {
-    ($kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {{
-        #[cfg(feature = "cuda")]
-        {
-            if let Some(recorder) = $crate::graph::recorder_for::<R>() {
-                // SAFETY: the kernel's indices stay in range by construction (its launcher says how).
-                unsafe { $kernel::launch_unchecked::<$crate::graph::Rec>(&recorder, $($arg),*) };
-                $crate::graph::launched();
-            } else {
-                // SAFETY: as above.
-                unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) };
-            }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            // SAFETY: the kernel's indices stay in range by construction (its launcher says how).
-            unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) };
-        }
-    }};
+    ($kernel:ident ($client:expr, $($arg:expr),* $(,)?)) => {
+        // SAFETY: the kernel's indices stay in range by construction (see the launcher).
+        unsafe { $crate::graph::launch!(@via launch_unchecked, $kernel($client, $($arg),*)) }
+    };
 }
 pub(crate) use launch_unchecked;
 

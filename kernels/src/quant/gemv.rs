@@ -28,14 +28,17 @@ use crate::Epilogue;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
 
+/// The bits of 1.0f32, which the GEMVs built on [`unit_code`] take as a launch argument.
+pub(crate) const ONE_BITS: u32 = 0x3F80_0000;
+
 /// Code `n` of a packed word as the float `1 + code / 2^bits` (exact): the code's bits are
 /// shifted to the top of the mantissa of 1.0 - one shift and one mask-and-or, where [`code`]
 /// also needs a subtraction. A dot product over these values is `sum(x) + sum(x * code) /
 /// 2^bits`; the GEMV subtracts `sum(x)` once per code vector, shared by the rows it serves.
 ///
-/// `one` is 1.0's bits (`0x3F80_0000`), passed to the kernel at run time: in a register, the
-/// mask-and-or is one `LOP3` (it takes one immediate operand; with both the mask and 1.0 as
-/// constants nvcc emitted two, as the SASS of the 12B decode GEMV showed, 2026-11-30).
+/// `one` is [`ONE_BITS`], passed to the kernel at run time: in a register, the mask-and-or is
+/// one `LOP3` (it takes one immediate operand; with both the mask and 1.0 as constants nvcc
+/// emitted two, as the SASS of the 12B decode GEMV showed, 2026-11-30).
 #[cube]
 pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool, one: u32) -> f32 {
     let bits = comptime!(if q4 { 4usize } else { 8usize });
@@ -75,7 +78,14 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
+    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
+    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
+    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
+    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
     let nw = codes.vector_size();
+    let nx = x.vector_size();
+    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
+    let loads = comptime!(nw * per_word / nx);
     let vectors = words as usize / nw;
     let n_out = n_out as usize;
     let blocks = blocks as usize;
@@ -130,27 +140,51 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         q4,
     );
     comment!("burn-gemma: wait for the kernels before");
-    let step = comptime!(unroll * group_units);
     while v0 < vectors {
-        step_dots::<F, NW, NX>(
-            x,
-            &cw,
-            &scale,
-            &offset,
-            &mut acc,
-            &mut dots,
-            &mut sx,
-            v0,
-            vectors,
-            k,
-            one,
-            m,
-            per_plane,
-            unroll,
-            group_units,
-            q4,
-        );
-        v0 += step;
+        #[unroll]
+        for u in 0..unroll {
+            let v = v0 + u * group_units;
+            if v < vectors {
+                #[unroll]
+                for s in 0..slots {
+                    dots[s] = 0.0f32;
+                }
+                #[unroll]
+                for t in 0..m {
+                    sx[t] = 0.0f32;
+                    #[unroll]
+                    for g in 0..loads {
+                        let xv = x[(t * k + v * nw * per_word) / nx + g];
+                        #[unroll]
+                        for i in 0..nx {
+                            let xi = f32::cast_from(xv[i]);
+                            sx[t] += xi;
+                            let c = comptime!(g * nx + i);
+                            #[unroll]
+                            for r in 0..per_plane {
+                                let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
+                                dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4, one) * xi;
+                            }
+                        }
+                    }
+                }
+                #[unroll]
+                for t in 0..m {
+                    #[unroll]
+                    for r in 0..per_plane {
+                        let s = comptime!(t * per_plane + r);
+                        let at = comptime!(u * per_plane + r);
+                        // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
+                        let mut shift = scale[at] * sum_scale;
+                        if q4 {
+                            shift -= offset[at];
+                        }
+                        acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
+                    }
+                }
+            }
+        }
+        v0 += comptime!(unroll * group_units);
         if v0 < vectors {
             load_codes::<S, NW>(
                 codes,
@@ -174,83 +208,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
         split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
     } else {
         reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
-    }
-}
-
-/// One step of [`qgemv_kernel`]: the dot products of the `unroll` loaded code vectors of each
-/// row (from `v0`, `group_units` apart) with the matching activations, added to `acc` with
-/// their block scales (and Q4 offsets).
-#[allow(clippy::too_many_arguments)]
-#[cube]
-fn step_dots<F: Float, NW: Size, NX: Size>(
-    x: &Array<Vector<F, NX>>,
-    cw: &Array<Vector<u32, NW>>,
-    scale: &Array<f32>,
-    offset: &Array<f32>,
-    acc: &mut Array<f32>,
-    dots: &mut Array<f32>,
-    sx: &mut Array<f32>,
-    v0: usize,
-    vectors: usize,
-    k: usize,
-    one: u32,
-    #[comptime] m: usize,
-    #[comptime] per_plane: usize,
-    #[comptime] unroll: usize,
-    #[comptime] group_units: usize,
-    #[comptime] q4: bool,
-) {
-    let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
-    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
-    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
-    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
-    let nw = cw.vector_size();
-    let nx = x.vector_size();
-    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
-    let loads = comptime!(nw * per_word / nx);
-    #[unroll]
-    for u in 0..unroll {
-        let v = v0 + u * group_units;
-        if v < vectors {
-            #[unroll]
-            for s in 0..comptime!(m * per_plane) {
-                dots[s] = 0.0f32;
-            }
-            #[unroll]
-            for t in 0..m {
-                sx[t] = 0.0f32;
-                #[unroll]
-                for g in 0..loads {
-                    let xv = x[(t * k + v * nw * per_word) / nx + g];
-                    #[unroll]
-                    for i in 0..nx {
-                        let xi = f32::cast_from(xv[i]);
-                        sx[t] += xi;
-                        let c = comptime!(g * nx + i);
-                        #[unroll]
-                        for r in 0..per_plane {
-                            let word = cw[comptime!(u * per_plane + r)][comptime!(c / per_word)];
-                            dots[t * per_plane + r] += unit_code(word, comptime!(c % per_word), q4, one) * xi;
-                        }
-                    }
-                }
-            }
-            #[unroll]
-            for t in 0..m {
-                #[unroll]
-                for r in 0..per_plane {
-                    let s = comptime!(t * per_plane + r);
-                    let at = comptime!(u * per_plane + r);
-                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                    let mut shift = scale[at] * sum_scale;
-                    if q4 {
-                        shift -= offset[at];
-                    }
-                    acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
-                }
-            }
-        }
     }
 }
 
@@ -496,7 +453,7 @@ pub fn gemv_into<R: CubeRuntime>(
         row_words,
         row_blocks,
         out_features as u32,
-        0x3F80_0000u32,
+        ONE_BITS,
         n,
         per_plane,
         unroll,

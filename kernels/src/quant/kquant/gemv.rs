@@ -18,7 +18,7 @@ use super::{KQuantFormat, VECTOR};
 use crate::cube::{cube_index, grid, load_vector_size, planes_of_32};
 use crate::graph::{arg, launch_unchecked};
 use crate::linear::kernel::{reduce_and_store, OutPlace, OutPlaceLaunch, LANES, ROWS};
-use crate::quant::gemv::{gemv_unroll, split_reduce_and_store, work_split};
+use crate::quant::gemv::{gemv_unroll, split_reduce_and_store, work_split, ONE_BITS};
 use crate::Epilogue;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use cubecl::prelude::*;
@@ -35,9 +35,8 @@ fn place(word: u32, #[comptime] from: usize, #[comptime] to: usize) -> u32 {
 
 /// Code `c` (`0..32`) of a code vector as the float `1 + q / 2^bits` (exact): the low four bits
 /// from `lo` (the vector's word `c / 8`), the high ones (`kind` of them) from `hi` (the vector's
-/// high-bit word holding code `c`), shifted to the top of the mantissa of 1.0 (`one`: its bits,
-/// `0x3F80_0000`, passed to the kernel at run time so that nvcc keeps them in a register and
-/// the final mask-and-or is one instruction; see the Q4/Q8 kernel's `unit_code`).
+/// high-bit word holding code `c`), shifted to the top of the mantissa of 1.0 (`one`:
+/// [`ONE_BITS`] at run time, kept in a register; see [`crate::quant::gemv::unit_code`]).
 #[cube]
 pub(crate) fn unit_code(lo: u32, hi: u32, #[comptime] c: usize, #[comptime] kind: u32, one: u32) -> f32 {
     let hb = comptime!(kind as usize);
@@ -293,7 +292,7 @@ pub fn gemv_into<R: CubeRuntime>(
         OutPlaceLaunch::new(stride, offset as u32),
         vectors as u32,
         out_features as u32,
-        0x3F80_0000u32,
+        ONE_BITS,
         n,
         per_plane,
         unroll,
