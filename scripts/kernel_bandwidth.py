@@ -6,6 +6,8 @@ trace of examples/bench taken with
 dram__bytes_write.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
 sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size ...
 
+(with smsp__inst_executed.sum among the metrics, each kernel's warp instructions per launch too)
+
 over a window of decode launches. One sampling kernel ends every token: the launches between
 the first two are one token. Kernels are grouped by name and launch shape (grid x block), so
 the GEMVs of different matrices get a row each.
@@ -46,24 +48,27 @@ def main():
     groups = collections.OrderedDict()
     for name, m in token:
         key = (name.split("_f_")[0], int(m.get("launch__grid_size", 0)), int(m.get("launch__block_size", 0)))
-        g = groups.setdefault(key, {"n": 0, "s": 0.0, "bytes": 0.0, "issue": 0.0, "occ": 0.0})
+        g = groups.setdefault(key, {"n": 0, "s": 0.0, "bytes": 0.0, "issue": 0.0, "occ": 0.0, "inst": 0.0})
         g["n"] += 1
         g["s"] += m["gpu__time_duration.sum"] * 1e-9
         g["bytes"] += m.get("dram__bytes_read.sum", 0.0) + m.get("dram__bytes_write.sum", 0.0)
         g["issue"] += m.get("smsp__issue_active.avg.pct_of_peak_sustained_active", 0.0)
         g["occ"] += m.get("sm__warps_active.avg.pct_of_peak_sustained_active", 0.0)
+        g["inst"] += m.get("smsp__inst_executed.sum", 0.0)
     total = sum(g["s"] for g in groups.values())
     total_bytes = sum(g["bytes"] for g in groups.values())
     print(f"one token: {len(token)} launches, {total * 1e3:.3f} ms of kernel time, {total_bytes / 1e6:.1f} MB from DRAM "
           f"({total_bytes / total / 1e9:,.0f} GB/s, {100 * total_bytes / total / 1e9 / a.copy_gbs:.0f}% of {a.copy_gbs:,.0f})")
+    counted = any(g["inst"] > 0 for g in groups.values())
     print()
-    print("| kernel | grid x block | launches | us each | MB each | GB/s | % of copy | issue active | warps active | share of token |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | grid x block | launches | us each | MB each | GB/s | % of copy | issue active | warps active | share of token |"
+          + (" M warp instructions each |" if counted else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if counted else ""))
     for (name, grid, block), g in sorted(groups.items(), key=lambda kv: -kv[1]["s"]):
         gbs = g["bytes"] / g["s"] / 1e9
         print(f"| {name} | {grid} x {block} | {g['n']} | {g['s'] / g['n'] * 1e6:.1f} | {g['bytes'] / g['n'] / 1e6:.1f} | "
               f"{gbs:,.0f} | {100 * gbs / a.copy_gbs:.0f}% | {g['issue'] / g['n']:.0f}% | {g['occ'] / g['n']:.0f}% | "
-              f"{100 * g['s'] / total:.1f}% |")
+              f"{100 * g['s'] / total:.1f}% |" + (f" {g['inst'] / g['n'] / 1e6:.2f} |" if counted else ""))
 
 
 if __name__ == "__main__":
