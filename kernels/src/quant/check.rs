@@ -31,6 +31,18 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 /// `x [n, in] @ w^T` through the backend against f64 sums over `ws` (`w` on the host,
 /// `[out, in]` row-major), in `x`'s dtype.
 pub(crate) fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws: &[f32], what: &str) {
+    check_product_then(x, w, ws, Epilogue::Identity, what)
+}
+
+/// As [`check_product`], with `epilogue` applied to the f64 sums (rounded to f32) for the
+/// reference.
+pub(crate) fn check_product_then<B: GemmaBackend>(
+    x: Tensor<B, 2>,
+    w: &Matrix<B>,
+    ws: &[f32],
+    epilogue: Epilogue,
+    what: &str,
+) {
     let [n, inp] = x.dims();
     let out = ws.len() / inp;
     let (dtype, device) = (x.dtype(), x.device());
@@ -41,9 +53,13 @@ pub(crate) fn check_product<B: GemmaBackend>(x: Tensor<B, 2>, w: &Matrix<B>, ws:
             (0..out).map(move |o| (0..inp).map(|c| xs[r * inp + c] as f64 * ws[o * inp + c] as f64).sum::<f64>() as f32)
         })
         .collect();
-    let got = B::project(x, w, Epilogue::Identity);
+    let got = B::project(x, w, epilogue);
     assert_eq!(got.dtype(), dtype, "{what}");
     let expected = Tensor::<B, 2>::from_data(TensorData::new(expected, [n, out]), (&device, DType::F32));
+    let expected = match epilogue {
+        Epilogue::Identity => expected,
+        Epilogue::GeluPairs => crate::gelu::pairs_reference(expected),
+    };
     let tol = crate::gpu_test::tolerance(dtype)
         * if dtype == DType::F32 && n > crate::linear::GEMV_MAX_ROWS { 20.0 } else { 2.0 };
     assert_close(got, expected, tol, what);
@@ -73,6 +89,10 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             (2, 3072, 300),
             // As many splits as a cube's size allows (eight would need 2,048 units).
             (1, 4096, 100),
+            // Many features over short rows (four per plane, one plane per row group), and
+            // fewer over longer rows.
+            (1, 192, 17000),
+            (1, 2048, 9000),
             (9, 160, 75),
             (17, 64, 33),
             (70, 352, 129),
@@ -86,6 +106,15 @@ pub fn quantized<B: GemmaBackend>(device: &B::Device, dtype: DType, seed: u64, l
             let xs = values(n * inp, seed ^ (0xABCD + i as u64));
             let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
             check_product(x, &w, &hq.dequantize(), &format!("{format} project {n}x{inp} -> {out}"));
+        }
+        // The GELU of gate and up rows taken in the products' epilogue (the gate|up product
+        // of a decode step), for one to three activation rows.
+        for (n, inp, out) in [(1, 192, 17000), (1, 2048, 9000), (1, 256, 1000), (3, 96, 200)] {
+            let hq = HostQuantized::quantize(&values(out * inp, seed + 55), out, inp, format).expect("quantize");
+            let xs = values(n * inp, seed ^ 0x5EED);
+            let x = Tensor::<B, 2>::from_data(TensorData::new(xs, [n, inp]), (device, DType::F32)).cast(dtype);
+            let what = format!("{format} project + GELU pairs {n}x{inp} -> {out}");
+            check_product_then(x, &upload(&hq), &hq.dequantize(), Epilogue::GeluPairs, &what);
         }
         // A stacked matrix (blocks stored differently: this format, the other one, dense), as a
         // GGUF's q | k | v can be: one product whose columns are the blocks' products.
