@@ -6,11 +6,11 @@ trace of examples/bench taken with
 dram__bytes_write.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
 sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size ...
 
-(with smsp__inst_executed.sum among the metrics, each kernel's warp instructions per launch too)
-
-over a window of decode launches. One sampling kernel ends every token: the launches between
-the first two are one token. Kernels are grouped by name and launch shape (grid x block), so
-the GEMVs of different matrices get a row each.
+over a window of decode launches (with smsp__inst_executed.sum among the metrics, each kernel's
+warp instructions per launch too). One sampling kernel ends every token: the launches between
+the first two are one token. Kernels are grouped by name, launch shape (grid x block) and the
+megabytes they move, so the GEMVs of different matrices get a row each (also two matrices of one
+launch shape stored in different formats, as a Q4_K_M file's Q4_K and Q6_K `down`s).
 
 usage: kernel_bandwidth.py TRACE.csv [--copy-gbs 4200] [--marker sample_kernel]
 """
@@ -47,7 +47,10 @@ def main():
     token = trace[marks[0] + 1 : marks[1] + 1]
     groups = collections.OrderedDict()
     for name, m in token:
-        key = (name.split("_f_")[0], int(m.get("launch__grid_size", 0)), int(m.get("launch__block_size", 0)))
+        moved = m.get("dram__bytes_read.sum", 0.0) + m.get("dram__bytes_write.sum", 0.0)
+        shape = (name.split("_f_")[0], int(m.get("launch__grid_size", 0)), int(m.get("launch__block_size", 0)))
+        # Launches of one shape moving within 25% of a group's first launch join it.
+        key = next((k for k in groups if k[:3] == shape and abs(moved - k[3]) <= 0.25 * max(k[3], 1e6)), shape + (moved,))
         g = groups.setdefault(key, {"n": 0, "s": 0.0, "bytes": 0.0, "issue": 0.0, "occ": 0.0, "inst": 0.0})
         g["n"] += 1
         g["s"] += m["gpu__time_duration.sum"] * 1e-9
@@ -64,7 +67,7 @@ def main():
     print("| kernel | grid x block | launches | us each | MB each | GB/s | % of copy | issue active | warps active | share of token |"
           + (" M warp instructions each |" if counted else ""))
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if counted else ""))
-    for (name, grid, block), g in sorted(groups.items(), key=lambda kv: -kv[1]["s"]):
+    for (name, grid, block, _), g in sorted(groups.items(), key=lambda kv: -kv[1]["s"]):
         gbs = g["bytes"] / g["s"] / 1e9
         print(f"| {name} | {grid} x {block} | {g['n']} | {g['s'] / g['n'] * 1e6:.1f} | {g['bytes'] / g['n'] / 1e6:.1f} | "
               f"{gbs:,.0f} | {100 * gbs / a.copy_gbs:.0f}% | {g['issue'] / g['n']:.0f}% | {g['occ'] / g['n']:.0f}% | "
