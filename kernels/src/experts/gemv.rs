@@ -23,7 +23,7 @@ pub(crate) mod kernel {
     use crate::gelu::kernel::gelu_mul_f32;
     use crate::graph::{arg, launch};
     use crate::linear::kernel::{LANES, ROWS};
-    use crate::quant::gemv::{unit_code, ONE_BITS};
+    use crate::quant::gemv::{block_product, unit_code, ONE_BITS};
     use crate::quant::kernel::Packed;
     use burn::tensor::DType;
     use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
@@ -250,8 +250,6 @@ pub(crate) mod kernel {
     ) -> f32 {
         let per_word = comptime!(if q4 { 8usize } else { 4usize });
         let words_per_block = comptime!(32usize / per_word);
-        let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
-        let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
         let nw = codes.vector_size();
         let nx = x.vector_size();
         let loads = comptime!(nw * per_word / nx);
@@ -293,12 +291,7 @@ pub(crate) mod kernel {
                             dot += unit_code(cw[u][comptime!(c / per_word)], comptime!(c % per_word), q4, one) * xi;
                         }
                     }
-                    // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                    let mut shift = scale[u] * sum_scale;
-                    if q4 {
-                        shift -= offset[u];
-                    }
-                    part += scale[u] * unit_scale * dot - shift * sx;
+                    part += block_product(dot, sx, scale[u], offset[u], q4);
                 }
             }
             v0 += comptime!(UNROLL * LANES);

@@ -51,6 +51,21 @@ pub(crate) fn unit_code(word: u32, #[comptime] n: usize, #[comptime] q4: bool, o
     f32::reinterpret((placed & mask) | one)
 }
 
+/// One code vector's contribution to a row's product, from the dot product of its activations
+/// with the [`unit_code`] values (`dot`), the activations' sum (`sx`) and the vector's block
+/// `scale` (and Q4 `offset`): `sum(x * code) = 2^bits * (dot - sx)`; Q4 weights are `scale *
+/// code + offset`, Q8's stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sx`.
+#[cube]
+pub(crate) fn block_product(dot: f32, sx: f32, scale: f32, offset: f32, #[comptime] q4: bool) -> f32 {
+    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
+    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
+    let mut shift = scale * sum_scale;
+    if q4 {
+        shift -= offset;
+    }
+    scale * unit_scale * dot - shift * sx
+}
+
 /// Each plane (32 units) computes `per_plane` output features (`ROWS / per_plane` planes per
 /// cube); its units stride over the rows in code vectors of `nw` words, loading the same
 /// vector of every row it serves, so that the activations are loaded, converted to f32 and
@@ -78,10 +93,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
     let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    // `sum(x * code) = 2^bits * (dot - sum(x))` with `dot` over `1 + code / 2^bits`; Q8's
-    // stored code is `q + 128`, so `sum(x * q) = 256 * dot - 384 * sum(x)`.
-    let unit_scale = comptime!(if q4 { 16.0f32 } else { 256.0f32 });
-    let sum_scale = comptime!(if q4 { 16.0f32 } else { 384.0f32 });
     let nw = codes.vector_size();
     let nx = x.vector_size();
     // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
@@ -174,12 +185,7 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
                     for r in 0..per_plane {
                         let s = comptime!(t * per_plane + r);
                         let at = comptime!(u * per_plane + r);
-                        // Q8: scale * sum(x * q); Q4: scale * sum(x * code) + offset * sum(x).
-                        let mut shift = scale[at] * sum_scale;
-                        if q4 {
-                            shift -= offset[at];
-                        }
-                        acc[s] += scale[at] * unit_scale * dots[s] - shift * sx[t];
+                        acc[s] += block_product(dots[s], sx[t], scale[at], offset[at], q4);
                     }
                 }
             }
