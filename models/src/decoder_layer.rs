@@ -119,8 +119,8 @@ impl<B: GemmaBackend> DecoderLayer<B> {
             Some(parallel) => parallel.sum(h),
             None => Ok(h),
         };
-        let (stream, h) = self.self_attn.forward_normed(stream, &self.input_layernorm, rope, kv, position)?;
-        let h = summed(h)?;
+        let (stream, h) = stream.norm(&self.input_layernorm);
+        let h = summed(self.self_attn.forward(h, rope, kv, position)?)?;
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
         let (stream, h) = self.mlp.forward_normed(stream, &self.pre_feedforward_layernorm);
         let h = summed(h)?;

@@ -13,12 +13,10 @@ pub use paged::{PagedLayout, PrefixCache, Reservation};
 pub use rewind::Checkpoint;
 pub use ring::WindowStore;
 
-use crate::{
-    norm::ResidualStream, norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError,
-};
+use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};
 use crate::{weights::WeightSource, Architecture, LayerType};
 use burn::{module::Module, tensor::Tensor};
-use burn_gemma_kernels::{Epilogue, GemmaBackend, HeadNorms, KvRows, QkvLayout, RopeTables, StepPosition, ValueNorm};
+use burn_gemma_kernels::{GemmaBackend, HeadNorms, KvRows, QkvLayout, RopeTables, StepPosition, ValueNorm};
 
 /// Where a layer's attention finds its keys and values.
 #[derive(Debug)]
@@ -128,35 +126,9 @@ impl<B: GemmaBackend> Attention<B> {
         kv: LayerKv<'_, B>,
         position: &StepPosition<B>,
     ) -> Result<Tensor<B, 3>, ModelError> {
-        self.attend(self.qkv_proj.forward(x), rope, kv, position)
-    }
-
-    /// [`Attention::forward`] of `norm(stream)` ([`ResidualStream::norm`]), the q|k|v product
-    /// taking the norm (and a pending add) with it ([`ResidualStream::norm_project`]): the
-    /// stream and the attention's output.
-    pub fn forward_normed<'a>(
-        &self,
-        stream: ResidualStream<'a, B>,
-        norm: &RmsNorm<B>,
-        rope: &RopeTables<B>,
-        kv: LayerKv<'_, B>,
-        position: &StepPosition<B>,
-    ) -> Result<(ResidualStream<'a, B>, Tensor<B, 3>), ModelError> {
-        let (stream, qkv) = stream.norm_project(norm, &self.qkv_proj.weight, Epilogue::Identity);
-        Ok((stream, self.attend(qkv, rope, kv, position)?))
-    }
-
-    /// The attention of the q|k|v product `qkv` (`[batch, seq, width]`); see
-    /// [`Attention::forward`].
-    fn attend(
-        &self,
-        qkv: Tensor<B, 3>,
-        rope: &RopeTables<B>,
-        kv: LayerKv<'_, B>,
-        position: &StepPosition<B>,
-    ) -> Result<Tensor<B, 3>, ModelError> {
         let s = &self.settings;
-        let [batch, seq, _] = qkv.dims();
+        let [batch, seq, _] = x.dims();
+        let qkv = self.qkv_proj.forward(x);
         let cache = match kv {
             LayerKv::Cache(cache) => cache,
             LayerKv::Before(cache) => {
