@@ -208,33 +208,6 @@ where
         (cube::tensor(sum), cube::tensor(normed))
     }
 
-    /// One kernel for a decode row times Q4/Q8 weights ([`crate::quant::normed_gemv`]); the
-    /// two kernels otherwise.
-    fn add_norm_project(
-        residual: Tensor<Self, 3>,
-        x: Tensor<Self, 3>,
-        norms: &AddNorm<Self>,
-        weight: &Matrix<Self>,
-        epilogue: Epilogue,
-    ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
-        if let Matrix::Quantized(w) = weight {
-            let device_norms = crate::rms_norm::kernel::AddNorm {
-                post: norms.post.clone().map(cube::float),
-                weight: cube::float(norms.weight.clone()),
-                eps: norms.eps,
-                scale: norms.scale,
-                out_dtype: norms.out_dtype,
-            };
-            let (residual_t, x_t) = (cube::float(residual.clone()), cube::float(x.clone()));
-            if let Some((sum, out)) =
-                crate::quant::kernel::add_norm_gemv(&residual_t, &x_t, &device_norms, &packed(w), epilogue)
-            {
-                return (cube::tensor(sum), cube::tensor(out));
-            }
-        }
-        crate::add_norm_then_project(residual, x, norms, weight, epilogue)
-    }
-
     fn gelu_mul(x: Tensor<Self, 3>, layout: GateUpLayout) -> Tensor<Self, 3> {
         cube::tensor(crate::gelu::kernel::gelu_mul_joined(cube::float(x), layout))
     }

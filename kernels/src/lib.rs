@@ -158,19 +158,6 @@ pub fn on_cpu_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     rayon::join(work, || ()).0
 }
 
-/// [`GemmaBackend::add_norm_project`] as its two operations, one after the other.
-pub fn add_norm_then_project<B: GemmaBackend>(
-    residual: Tensor<B, 3>,
-    x: Tensor<B, 3>,
-    norms: &AddNorm<B>,
-    weight: &Matrix<B>,
-    epilogue: Epilogue,
-) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    let (sum, normed) = B::add_rms_norm(residual, x, norms);
-    let [batch, seq, hidden] = normed.dims();
-    (sum, B::project(normed.reshape([batch * seq, hidden]), weight, epilogue))
-}
-
 /// The operations a Gemma forward pass accelerates.
 ///
 /// Each method takes what it reads as one type whatever its storage: a [`Matrix`] (dense or
@@ -242,20 +229,6 @@ pub trait GemmaBackend: ReservedMemory {
         norms: &AddNorm<Self>,
     ) -> (Tensor<Self, 3>, Tensor<Self, 3>) {
         rms_norm::add_reference(residual, x, norms)
-    }
-
-    /// [`GemmaBackend::add_rms_norm`] then [`GemmaBackend::project`] of the normalized value (in
-    /// `norms.out_dtype`) by `weight` with `epilogue`: the new residual (f32, `[batch, seq,
-    /// hidden]`) and the product (`[batch * seq, out]`). The CubeCL backends compute a decode
-    /// step's row (one row, Q4/Q8 weights) in one kernel ([`quant::normed_gemv`]).
-    fn add_norm_project(
-        residual: Tensor<Self, 3>,
-        x: Tensor<Self, 3>,
-        norms: &AddNorm<Self>,
-        weight: &Matrix<Self>,
-        epilogue: Epilogue,
-    ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
-        add_norm_then_project(residual, x, norms, weight, epilogue)
     }
 
     /// `gelu_tanh(gate) * up` of a joined gate/up projection `x` `[batch, seq, 2m]` laid out as

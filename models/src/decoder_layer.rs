@@ -122,8 +122,8 @@ impl<B: GemmaBackend> DecoderLayer<B> {
         let (stream, h) = stream.norm(&self.input_layernorm);
         let h = summed(self.self_attn.forward(h, rope, kv, position)?)?;
         let stream = stream.add(h, self.post_attention_layernorm.as_ref());
-        let (stream, h) = self.mlp.forward_normed(stream, &self.pre_feedforward_layernorm);
-        let h = summed(h)?;
+        let (stream, h) = stream.norm(&self.pre_feedforward_layernorm);
+        let h = summed(self.mlp.forward(h))?;
         let mut stream = match &self.moe {
             // The expert block applies the post-MLP norm itself (fused with its sum); the
             // loader builds one only beside that norm.

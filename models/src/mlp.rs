@@ -2,7 +2,6 @@
 //! with the gate and up projections joined where they are stored alike.
 
 use crate::{
-    norm::{ResidualStream, RmsNorm},
     projection::{load_matrix, upload, Projection, WeightSettings},
     weights::WeightSource,
     GemmaConfig, ModelError,
@@ -84,22 +83,6 @@ impl<B: GemmaBackend> GateUp<B> {
         }
     }
 
-    /// [`GateUp::forward`] of `norm(stream)` ([`ResidualStream::norm`]), the interleaved
-    /// product taking the norm (and a pending add) with it ([`ResidualStream::norm_project`]).
-    pub fn forward_normed<'a>(
-        &self,
-        stream: ResidualStream<'a, B>,
-        norm: &RmsNorm<B>,
-    ) -> (ResidualStream<'a, B>, Tensor<B, 3>) {
-        match self {
-            Self::Interleaved(w) => stream.norm_project(norm, w, Epilogue::GeluPairs),
-            Self::SideBySide(_) => {
-                let (stream, x) = stream.norm(norm);
-                (stream, self.forward(x))
-            }
-        }
-    }
-
     /// Bytes on the device.
     pub fn device_bytes(&self) -> usize {
         match self {
@@ -153,17 +136,6 @@ impl<B: GemmaBackend> Mlp<B> {
     /// `[batch, seq, hidden]` -> `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.down_proj.forward(self.gate_up.forward(x))
-    }
-
-    /// [`Mlp::forward`] of `norm(stream)`, the norm taken with the gate|up product
-    /// ([`GateUp::forward_normed`]): the stream and the MLP's output.
-    pub fn forward_normed<'a>(
-        &self,
-        stream: ResidualStream<'a, B>,
-        norm: &RmsNorm<B>,
-    ) -> (ResidualStream<'a, B>, Tensor<B, 3>) {
-        let (stream, h) = self.gate_up.forward_normed(stream, norm);
-        (stream, self.down_proj.forward(h))
     }
 
     /// Bytes on the device.

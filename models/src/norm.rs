@@ -5,7 +5,7 @@ use burn::{
     module::{Module, Param},
     tensor::{DType, Tensor},
 };
-use burn_gemma_kernels::{AddNorm, Epilogue, GemmaBackend, Matrix};
+use burn_gemma_kernels::{AddNorm, GemmaBackend};
 
 /// RMSNorm as the kernels apply it: scale `1 + weight`, `weight` kept in f32. Checkpoints whose
 /// norms scale by `w` itself (Gemma 4, [`NormScale::Weight`]) are held as `w - 1`.
@@ -70,20 +70,15 @@ struct Pending<'a, B: GemmaBackend> {
 }
 
 impl<B: GemmaBackend> Pending<'_, B> {
-    /// The norms of the add, the sum normalized by `norm` into `dtype`.
-    fn norms(&self, norm: &RmsNorm<B>, dtype: DType) -> AddNorm<B> {
-        AddNorm {
+    /// The new residual (f32) and its `norm` in `dtype`, in one add + RMSNorm kernel.
+    fn apply(self, residual: Tensor<B, 3>, norm: &RmsNorm<B>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let norms = AddNorm {
             post: self.post_norm.map(|n| n.weight.val()),
             weight: norm.weight.val(),
             eps: norm.eps,
             scale: self.scale,
             out_dtype: dtype,
-        }
-    }
-
-    /// The new residual (f32) and its `norm` in `dtype`, in one add + RMSNorm kernel.
-    fn apply(self, residual: Tensor<B, 3>, norm: &RmsNorm<B>, dtype: DType) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let norms = self.norms(norm, dtype);
+        };
         B::add_rms_norm(residual, self.h, &norms)
     }
 }
@@ -148,28 +143,6 @@ impl<'a, B: GemmaBackend> ResidualStream<'a, B> {
                 (Self { residual, pending: None, dtype }, normed)
             }
         }
-    }
-
-    /// [`ResidualStream::norm`] then the normalized value's product with `weight` and
-    /// `epilogue` (`[batch, seq, out]`): a pending add, its norm and the product in one
-    /// operation ([`GemmaBackend::add_norm_project`]: one kernel for a decode step's row on the
-    /// GPU).
-    pub fn norm_project(self, norm: &RmsNorm<B>, weight: &Matrix<B>, epilogue: Epilogue) -> (Self, Tensor<B, 3>) {
-        let dtype = self.dtype;
-        let [batch, seq, hidden] = self.residual.dims();
-        let (stream, product) = match self.pending {
-            None => {
-                let normed = norm.forward(self.residual.clone()).cast(dtype);
-                (self, B::project(normed.reshape([batch * seq, hidden]), weight, epilogue))
-            }
-            Some(pending) => {
-                let norms = pending.norms(norm, dtype);
-                let (residual, product) = B::add_norm_project(self.residual, pending.h, &norms, weight, epilogue);
-                (Self { residual, pending: None, dtype }, product)
-            }
-        };
-        let width = product.dims()[1];
-        (stream, product.reshape([batch, seq, width]))
     }
 
     /// The stream with a pending add applied unfused (two adds in a row, or the residual

@@ -16,8 +16,7 @@
 
 //!
 //! Here: the formats and host quantization; [`device`]: the device form; [`gemv`]: the decode
-//! product; [`normed_gemv`]: that product with the add + RMSNorm before it in its prologue;
-//! [`embedding`]: the table gather; [`kquant`]: GGUF's Q4_K, Q5_K and Q6_K kept with
+//! product; [`embedding`]: the table gather; [`kquant`]: GGUF's Q4_K, Q5_K and Q6_K kept with
 //! their own bits on the GPU; [`ggml`]: GGUF blocks on the host (the Candle backend).
 
 pub mod device;
@@ -26,7 +25,6 @@ pub mod gemv;
 pub mod ggml;
 pub mod kquant;
 pub mod mma;
-pub mod normed_gemv;
 
 #[cfg(test)]
 pub(crate) mod check;
@@ -42,7 +40,6 @@ pub(crate) mod kernel {
     pub use super::device::{dequantize, dequantize_rows, Packed};
     pub use super::embedding::embed;
     pub use super::gemv::gemv_into;
-    pub use super::normed_gemv::add_norm_gemv;
 }
 
 /// Weights per quantization block.
