@@ -28,7 +28,9 @@
 #                                          and drafts on a random 1B keeping greedy output (speculative.rs)
 #   bash .gpu-bench/bench-gpu.sh ab        a previous build's bench (.gpu-bench/prev/bench.gz, see
 #                                          `bundle`) against this one, alternating, on each $AB
-#                                          entry (model:weights, GGUF files from `prepare` by name)
+#                                          entry (model:weights[@layers], GGUF files from `prepare`
+#                                          by name or synthetic:<shape>; @16 keeps the first 16
+#                                          layers), $AB_ROUNDS times (1)
 #   bash .gpu-bench/bench-gpu.sh llama     only builds llama.cpp in /tmp/lcpp
 #   bash .gpu-bench/bench-gpu.sh prepare4  Gemma 4 files: $G4MODELS ("e2b e4b") written as Q8_0 by
 #                                          gen_gguf4.py, requantized to $G4QUANTS by llama-quantize
@@ -364,15 +366,21 @@ kernel_tests() {
 ab() {
   unpack
   gzip -dc "$here/prev/bench.gz" > /tmp/burn-gemma-bench-prev && chmod +x /tmp/burn-gemma-bench-prev
-  for spec in ${AB:-"1b-Q4_K_M:native 4b-Q8_0:native"}; do
-    local w=${spec##*:} m=${spec%:*}
-    case "$m" in synthetic:*) ;; *) m=$GGUF/$m.gguf ;; esac
-    for build in prev new; do
-      local exe=$bin; [ $build = prev ] && exe=/tmp/burn-gemma-bench-prev
-      log "ab $build $m $w"
-      echo "== $build $m $w" >> "$OUT/ab.txt"
-      "$exe" --model "$m" --backend cuda --dtype bf16 --weights "$w" --prompt-len 512 --gen 128 --reps "$REPS" >> "$OUT/ab.txt" 2>&1 ||
-        log "ab $build failed on $m"
+  local round spec
+  for round in $(seq "${AB_ROUNDS:-1}"); do
+    for spec in ${AB:-"1b-Q4_K_M:native 4b-Q8_0:native"}; do
+      # model:weights, then an optional @layers.
+      local layers=() entry=${spec%@*}
+      [ "$entry" != "$spec" ] && layers=(--layers "${spec##*@}")
+      local w=${entry##*:} m=${entry%:*}
+      case "$m" in synthetic:*) ;; *) m=$GGUF/$m.gguf ;; esac
+      for build in prev new; do
+        local exe=$bin; [ $build = prev ] && exe=/tmp/burn-gemma-bench-prev
+        log "ab $build $m $w ${layers[*]} round $round"
+        echo "== $build $m $w ${layers[*]} round $round" >> "$OUT/ab.txt"
+        "$exe" --model "$m" --backend cuda --dtype bf16 --weights "$w" "${layers[@]}" --prompt-len 512 --gen 128 \
+          --reps "$REPS" >> "$OUT/ab.txt" 2>&1 || log "ab $build failed on $m"
+      done
     done
   done
   grep -E "^==|prefill|decode tg|host time" "$OUT/ab.txt"
