@@ -6,8 +6,8 @@ use crate::{
     quant::kquant::{gemv::KPacked, HostKQuant, KQuantFormat, KQuantMatrix},
     quant::CodeLayout,
     AddNorm, AttentionOptions, Draws, Epilogue, ExpertProduct, ExpertWeights, Experts, GateUpLayout, GemmaBackend,
-    HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError, QuantizedMatrix, ReadBackError,
-    ReservedMemory, RopeTables, Routes, SamplingParams, StepPosition,
+    HeadChoice, HostMatrix, Int8Kv, KvFormat, KvStore, KvView, Matrix, QkvLayout, QuantError, QuantizedMatrix,
+    ReadBackError, ReservedMemory, RopeTables, Routes, SamplingParams, StepPosition,
 };
 use burn::module::Param;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -523,6 +523,33 @@ where
         let units = crate::gemm::kernel::has_matrix_units(&R::client(&x.device()), dtype);
         let path = crate::experts::ExpertPath::choose(tokens, top_k, experts.count, units);
         crate::experts::project_on(x, experts, routes, product, dtype, path)
+    }
+
+    /// Tables of Q4/Q8 blocks, for the rows a decode step multiplies with the matrix-vector
+    /// kernel, take the fused kernels of [`crate::greedy`] (logits capped in the product's
+    /// store, each cube's best logit beside them, one small kernel picking each row's best);
+    /// other tables the separate product, softcap and sampler.
+    fn project_greedy(
+        x: Tensor<Self, 2>,
+        table: &[Matrix<Self>],
+        cap: Option<f64>,
+    ) -> Result<HeadChoice<Self>, ReadBackError> {
+        let [rows, cols] = x.dims();
+        // The rows `project` would give the quantized mma kernel stay with it.
+        let gemv = rows <= crate::linear::GEMV_MAX_ROWS
+            && !(rows >= crate::quant::mma::MMA_MIN_ROWS
+                && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols));
+        let blocks = every_block(table, |b| match b {
+            Matrix::Quantized(q) if b.dims()[1] == cols => Some(packed(q)),
+            _ => None,
+        });
+        match blocks {
+            Some(blocks) if gemv => {
+                let (logits, ids) = crate::greedy::kernel::head_greedy(cube::float(x), &blocks, cap, I::dtype());
+                Ok(HeadChoice { logits: cube::tensor(logits), ids: cube::int_tensor(ids) })
+            }
+            _ => crate::greedy::reference(x, table, cap),
+        }
     }
 
     /// The logits are read in their own dtype; greedy reads no draws.

@@ -33,6 +33,7 @@ pub mod experts;
 pub mod gelu;
 pub mod gemm;
 pub mod graph;
+pub mod greedy;
 pub mod kv;
 pub mod linear;
 pub mod matrix;
@@ -96,6 +97,7 @@ pub enum PreferredBlocks {
     /// Dequantized, dense in the model dtype.
     Dense,
 }
+pub use greedy::HeadChoice;
 pub use rms_norm::AddNorm;
 pub use rope::{Frequencies, RopeTables};
 pub use sampling::{Draws, SamplingParams};
@@ -395,6 +397,21 @@ pub trait GemmaBackend: ReservedMemory {
         len: usize,
     ) -> KvStore<Self> {
         kv::paged::scatter_sequence(store, rows, blocks, block_size, len)
+    }
+
+    /// The lm_head of a greedy decode step: `x [n, in]` times the table whose consecutive row
+    /// blocks are `table` (`[vocab, in]` together), softcapped by `cap` when given, and each
+    /// row's greedy choice: what [`GemmaBackend::project`] per block, [`GemmaBackend::softcap`]
+    /// and [`GemmaBackend::sample`] with [`SamplingParams::GREEDY`] give
+    /// ([`greedy::reference`], the default).
+    ///
+    /// Fails only where something had to be read back from the device and could not be.
+    fn project_greedy(
+        x: Tensor<Self, 2>,
+        table: &[Matrix<Self>],
+        cap: Option<f64>,
+    ) -> Result<HeadChoice<Self>, ReadBackError> {
+        greedy::reference(x, table, cap)
     }
 
     /// Picks one token per row of `logits` (`[batch, vocab]`, any float dtype) with `params`,

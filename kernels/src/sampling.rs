@@ -177,7 +177,7 @@ pub(crate) mod kernel {
     /// declare shared memory allocated inside a helper.
     #[allow(clippy::too_many_arguments)]
     #[cube]
-    fn combine(
+    pub(crate) fn combine(
         mine: (f32, u32, f32, u32),
         values: &mut SharedMemory<f32>,
         index: &mut SharedMemory<u32>,

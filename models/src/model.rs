@@ -433,7 +433,15 @@ impl<B: GemmaBackend> Gemma<B> {
         cache: &mut KvCache<B>,
         sampling: &SamplingParams,
     ) -> Result<(Tensor<B, 1, Int>, Tensor<B, 2>), ModelError> {
-        let logits = self.decode_logits(inputs, cache)?;
+        let hidden = self.decode_hidden(inputs, cache)?;
+        // Greedy on one device: the lm_head, the softcap and the argmax as one backend
+        // operation (fused by the CubeCL backends for Q4/Q8 tables).
+        if sampling.temperature == 0.0 && !self.vocab_sharded() {
+            let cap = self.config.final_logit_softcapping;
+            let choice = self.pass(|| B::project_greedy(hidden, &self.embed_tokens.blocks, cap))?;
+            return Ok((choice.ids, choice.logits));
+        }
+        let logits = self.capped(self.project_vocab(hidden)?);
         let ids = B::sample(logits.clone(), sampling, Draws::Device(inputs.draws.clone()))?;
         Ok((ids, logits))
     }
@@ -450,6 +458,25 @@ impl<B: GemmaBackend> Gemma<B> {
     /// cache must then keep every position of its sliding windows
     /// ([`crate::WindowStore::EveryPosition`]) unless there is one row.
     pub fn decode_logits(&self, inputs: &StepInputs<B>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
+        let hidden = self.decode_hidden(inputs, cache)?;
+        Ok(self.capped(self.project_vocab(hidden)?))
+    }
+
+    /// The final softcap where the config has one.
+    fn capped(&self, logits: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self.config.final_logit_softcapping {
+            Some(cap) => B::softcap(logits, cap),
+            None => logits,
+        }
+    }
+
+    /// Whether this model is a tensor-parallel shard multiplying its slice of the vocabulary.
+    fn vocab_sharded(&self) -> bool {
+        self.head.is_some() && self.parallel().is_some()
+    }
+
+    /// [`Gemma::decode_logits`] up to the lm_head: the final hidden states `[batch, hidden]`.
+    fn decode_hidden(&self, inputs: &StepInputs<B>, cache: &mut KvCache<B>) -> Result<Tensor<B, 2>, ModelError> {
         let [batch, seq] = inputs.ids.dims();
         let positions = inputs.position.dims()[0];
         match inputs.rows {
@@ -484,11 +511,7 @@ impl<B: GemmaBackend> Gemma<B> {
         cache.sync_blocks();
         let position = StepPosition::Device { values: inputs.position.clone(), bound: inputs.bound, rows: inputs.rows };
         let hidden = self.pass(|| self.layers_forward(inputs.ids.clone(), &[], cache, &position))?;
-        let logits = self.project_vocab(hidden.reshape([batch, self.config.hidden_size]))?;
-        Ok(match self.config.final_logit_softcapping {
-            Some(cap) => B::softcap(logits, cap),
-            None => logits,
-        })
+        Ok(hidden.reshape([batch, self.config.hidden_size]))
     }
 
     /// `ids` at consecutive positions from the cache's length, as one decode step

@@ -92,23 +92,65 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
     #[comptime] splits: usize,
     #[define(F, S)] _dtypes: [StorageType; 2],
 ) {
-    let per_word = comptime!(if q4 { 8usize } else { 4usize });
-    let nw = codes.vector_size();
-    let nx = x.vector_size();
-    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
-    let loads = comptime!(nw * per_word / nx);
-    let vectors = words as usize / nw;
-    let n_out = n_out as usize;
-    let blocks = blocks as usize;
-    let k = words as usize * per_word;
-    let unit = UNIT_POS_X as usize;
     // A row group (`per_plane` features) is served by `splits` planes striding over the row
     // together: consecutive units read consecutive code vectors.
     let group_units = comptime!(LANES * splits);
-    let lane = unit % group_units;
+    let unit = UNIT_POS_X as usize;
     let first = cube_index() * ROWS + (unit / group_units) * per_plane;
+    let mut acc = Array::<f32>::new(comptime!(m * per_plane));
+    let shape = GemvShape { words, blocks, n_out, one };
+    accumulate::<F, S, NW, NX>(x, codes, scales, offsets, &mut acc, first, shape, m, per_plane, unroll, q4, splits);
+    let n_out = n_out as usize;
+    if comptime!(splits > 1) {
+        split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
+    } else {
+        reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
+    }
+}
+
+/// A quantized matrix as the GEMVs built on [`accumulate`] take it: code words and scale
+/// blocks per row, rows (output features), and [`ONE_BITS`].
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct GemvShape {
+    pub words: u32,
+    pub blocks: u32,
+    pub n_out: u32,
+    pub one: u32,
+}
+
+/// The body of [`qgemv_kernel`] up to the reduction: this unit's partial sums of the `m`
+/// activation rows' products with the `per_plane` output features from `first`, `acc[t *
+/// per_plane + r]` (`acc` holds `m * per_plane`). The unit is lane `UNIT_POS_X % (32 *
+/// splits)` of its row group. Every index is in range (rows clamped to the last).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(crate) fn accumulate<F: Float, S: Float, NW: Size, NX: Size>(
+    x: &Array<Vector<F, NX>>,
+    codes: &Array<Vector<u32, NW>>,
+    scales: &Array<S>,
+    offsets: &Array<S>,
+    acc: &mut Array<f32>,
+    first: usize,
+    shape: GemvShape,
+    #[comptime] m: usize,
+    #[comptime] per_plane: usize,
+    #[comptime] unroll: usize,
+    #[comptime] q4: bool,
+    #[comptime] splits: usize,
+) {
+    let per_word = comptime!(if q4 { 8usize } else { 4usize });
+    let nw = codes.vector_size();
+    let nx = x.vector_size();
+    let one = shape.one;
+    // Activation loads per code vector (`nx` divides the vector's `nw * per_word` codes).
+    let loads = comptime!(nw * per_word / nx);
+    let vectors = shape.words as usize / nw;
+    let n_out = shape.n_out as usize;
+    let blocks = shape.blocks as usize;
+    let k = shape.words as usize * per_word;
+    let group_units = comptime!(LANES * splits);
+    let lane = UNIT_POS_X as usize % group_units;
     let slots = comptime!(m * per_plane);
-    let mut acc = Array::<f32>::new(slots);
     #[unroll]
     for s in 0..slots {
         acc[s] = 0.0f32;
@@ -209,11 +251,6 @@ fn qgemv_kernel<F: Float, S: Float, NW: Size, NX: Size>(
                 q4,
             );
         }
-    }
-    if comptime!(splits > 1) {
-        split_reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs, splits);
-    } else {
-        reduce_and_store::<F>(&acc, out, place, first, n_out, m, per_plane, plane, pairs);
     }
 }
 
