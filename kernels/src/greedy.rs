@@ -26,7 +26,7 @@ pub struct HeadChoice<B: burn::tensor::backend::Backend> {
 }
 
 /// Reference: the product with each row block of `table` (side by side), the softcap, and the
-/// greedy sampler.
+/// greedy sampler. An empty table gives `[n, 0]` logits and every id 0 (its vocabulary size).
 pub fn reference<B: GemmaBackend>(
     x: Tensor<B, 2>,
     table: &[Matrix<B>],
@@ -34,6 +34,12 @@ pub fn reference<B: GemmaBackend>(
 ) -> Result<HeadChoice<B>, ReadBackError> {
     let mut blocks: Vec<Tensor<B, 2>> = table.iter().map(|w| B::project(x.clone(), w, Epilogue::Identity)).collect();
     let logits = match blocks.len() {
+        0 => {
+            let [n, _] = x.dims();
+            let device = x.device();
+            let logits = Tensor::empty([n, 0], (&device, x.dtype()));
+            return Ok(HeadChoice { logits, ids: Tensor::zeros([n], &device) });
+        }
         1 => blocks.pop().unwrap_or(x),
         _ => {
             crate::graph::unsupported(|| "an lm_head of several table blocks joined by Burn".into());
@@ -54,7 +60,7 @@ pub fn reference<B: GemmaBackend>(
 pub(crate) mod kernel {
     use crate::cube::{cube_index, empty, grid, planes_of_32, pow2_floor, tanh_f32};
     use crate::graph::{arg, launch_unchecked};
-    use crate::linear::kernel::{LANES, ROWS};
+    use crate::linear::kernel::{tree_sum, LANES, ROWS};
     use crate::quant::gemv::{accumulate, gemv_unroll, GemvShape, ONE_BITS};
     use crate::quant::kernel::Packed;
     use crate::sampling::kernel::combine;
@@ -138,24 +144,7 @@ pub(crate) mod kernel {
         } else {
             let threads = comptime!(ROWS / per_plane * LANES);
             let mut partial = SharedMemory::<f32>::new(comptime!(ROWS * LANES * m));
-            #[unroll]
-            for s in 0..slots {
-                partial[s * threads + unit] = acc[s];
-            }
-            sync_cube();
-            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = planes * LANES).
-            let mut stride = CUBE_DIM_X as usize / comptime!(2 * ROWS / per_plane);
-            while stride > 0 {
-                if lane < stride {
-                    #[unroll]
-                    for s in 0..slots {
-                        partial[s * threads + unit] =
-                            partial[s * threads + unit] + partial[s * threads + unit + stride];
-                    }
-                }
-                sync_cube();
-                stride /= 2;
-            }
+            tree_sum(&acc, &mut partial, m, per_plane);
             if lane == 0 {
                 #[unroll]
                 for t in 0..m {
@@ -482,6 +471,12 @@ mod gpu {
         let ids: Vec<i64> = choice.ids.into_data().convert::<i64>().to_vec().expect("ids");
         let argmax: Vec<i64> = (0..n).map(|r| sampling::argmax(&got[r * vocab..(r + 1) * vocab]) as i64).collect();
         assert_eq!(ids, argmax, "dense lm_head greedy: ids");
+        // No table: no logits, and the vocabulary size (0) as every row's id.
+        let x = Tensor::<B, 2>::from_data(TensorData::new(values(2 * inp, s ^ 0xD7), [2, inp]), (device, DType::F32))
+            .cast(dtype);
+        let empty = B::project_greedy(x, &[], None).expect("greedy head over no table");
+        assert_eq!(empty.logits.dims(), [2, 0]);
+        assert_eq!(empty.ids.into_data().convert::<i64>().to_vec::<i64>().expect("ids"), vec![0, 0]);
     }
 
     gpu_tests!(head_greedy_matches_reference => head_greedy);

@@ -81,27 +81,9 @@ pub(crate) mod kernel {
                 }
             }
         } else {
-            let slots = comptime!(m * per_plane);
             let threads = comptime!(ROWS / per_plane * LANES);
             let mut partial = SharedMemory::<f32>::new(comptime!(ROWS * LANES * m));
-            #[unroll]
-            for s in 0..slots {
-                partial[s * threads + unit] = acc[s];
-            }
-            sync_cube();
-            // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = planes * LANES).
-            let mut stride = CUBE_DIM_X as usize / comptime!(2 * ROWS / per_plane);
-            while stride > 0 {
-                if lane < stride {
-                    #[unroll]
-                    for s in 0..slots {
-                        partial[s * threads + unit] =
-                            partial[s * threads + unit] + partial[s * threads + unit + stride];
-                    }
-                }
-                sync_cube();
-                stride /= 2;
-            }
+            tree_sum(acc, &mut partial, m, per_plane);
             if lane == 0 {
                 #[unroll]
                 for t in 0..m {
@@ -130,6 +112,41 @@ pub(crate) mod kernel {
                 out[t * place.stride as usize + place.offset as usize + cube_index() * half + c] =
                     F::cast_from(gelu_mul_f32(gate, up));
             }
+        }
+    }
+
+    /// The shared-memory tree of [`reduce_and_store`] (planes not 32 wide): each unit's
+    /// `acc[s]` goes to `partial[s * threads + unit]` (`threads`: the cube's `ROWS / per_plane *
+    /// LANES` units; `partial` holds `ROWS * LANES * m`), and the 32 partial sums of each
+    /// (activation row, feature) pair of a plane are added into its lane 0's entries:
+    /// `partial[s * threads + unit]` for that unit.
+    #[cube]
+    pub(crate) fn tree_sum(
+        acc: &Array<f32>,
+        partial: &mut SharedMemory<f32>,
+        #[comptime] m: usize,
+        #[comptime] per_plane: usize,
+    ) {
+        let unit = UNIT_POS_X as usize;
+        let lane = unit % LANES;
+        let slots = comptime!(m * per_plane);
+        let threads = comptime!(ROWS / per_plane * LANES);
+        #[unroll]
+        for s in 0..slots {
+            partial[s * threads + unit] = acc[s];
+        }
+        sync_cube();
+        // From a builtin so the loop variable is a runtime value (CUBE_DIM_X = planes * LANES).
+        let mut stride = CUBE_DIM_X as usize / comptime!(2 * ROWS / per_plane);
+        while stride > 0 {
+            if lane < stride {
+                #[unroll]
+                for s in 0..slots {
+                    partial[s * threads + unit] = partial[s * threads + unit] + partial[s * threads + unit + stride];
+                }
+            }
+            sync_cube();
+            stride /= 2;
         }
     }
 
