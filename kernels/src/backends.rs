@@ -69,8 +69,7 @@ where
         let gemv_rows = rows <= crate::linear::GEMV_MAX_ROWS;
         // A few rows to a few dozen of quantized weights: each block read once, multiplied on
         // the matrix units.
-        let mma_rows = rows >= crate::quant::mma::MMA_MIN_ROWS
-            && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols);
+        let mma_rows = crate::quant::mma::takes(&R::client(&x.device()), x.dtype(), rows, cols);
         // Matrices whose product a kernel writes straight into columns of an output (the
         // quantized mma kernel, the matrix-vector kernels), epilogue included.
         // The direct kernels index their inputs unchecked: only a matching input width reaches
@@ -537,8 +536,7 @@ where
         let [rows, cols] = x.dims();
         // The rows `project` would give the quantized mma kernel stay with it.
         let gemv = rows <= crate::linear::GEMV_MAX_ROWS
-            && !(rows >= crate::quant::mma::MMA_MIN_ROWS
-                && crate::quant::mma::applies(&R::client(&x.device()), x.dtype(), rows, cols));
+            && !crate::quant::mma::takes(&R::client(&x.device()), x.dtype(), rows, cols);
         let blocks = every_block(table, |b| match b {
             Matrix::Quantized(q) if b.dims()[1] == cols => Some(packed(q)),
             _ => None,

@@ -11,7 +11,7 @@
 
 use crate::{
     sampling::{Draws, SamplingParams},
-    Epilogue, GemmaBackend, Matrix, ReadBackError,
+    GemmaBackend, Matrix, ReadBackError,
 };
 use burn::tensor::{Int, Tensor};
 
@@ -32,20 +32,11 @@ pub fn reference<B: GemmaBackend>(
     table: &[Matrix<B>],
     cap: Option<f64>,
 ) -> Result<HeadChoice<B>, ReadBackError> {
-    let mut blocks: Vec<Tensor<B, 2>> = table.iter().map(|w| B::project(x.clone(), w, Epilogue::Identity)).collect();
-    let logits = match blocks.len() {
-        0 => {
-            let [n, _] = x.dims();
-            let device = x.device();
-            let logits = Tensor::empty([n, 0], (&device, x.dtype()));
-            return Ok(HeadChoice { logits, ids: Tensor::zeros([n], &device) });
-        }
-        1 => blocks.pop().unwrap_or(x),
-        _ => {
-            crate::graph::unsupported(|| "an lm_head of several table blocks joined by Burn".into());
-            Tensor::cat(blocks, 1)
-        }
-    };
+    let logits = crate::matrix::project_table(x, table);
+    if table.is_empty() {
+        let [n, _] = logits.dims();
+        return Ok(HeadChoice { ids: Tensor::zeros([n], &logits.device()), logits });
+    }
     let logits = match cap {
         Some(cap) => B::softcap(logits, cap),
         None => logits,

@@ -4,7 +4,7 @@
 use crate::{
     gelu, linear,
     quant::{self, GgmlBlocks, GgmlMatrix, KQuantMatrix, QuantError},
-    HostQuantized, QuantizedMatrix,
+    GemmaBackend, HostQuantized, QuantizedMatrix,
 };
 use burn::{
     module::{Module, Param},
@@ -170,6 +170,24 @@ pub fn reference<B: Backend>(x: Tensor<B, 2>, w: &Matrix<B>, epilogue: Epilogue)
     match epilogue {
         Epilogue::Identity => y,
         Epilogue::GeluPairs => gelu::pairs_reference(y),
+    }
+}
+
+/// `x [n, in]` times a table stored as consecutive row blocks (`[rows, in]` together; GPU APIs
+/// cap the size of one buffer): one [`GemmaBackend::project`] per block, side by side, `[n,
+/// rows]` in `x`'s dtype; `[n, 0]` for no block.
+pub fn project_table<B: GemmaBackend>(x: Tensor<B, 2>, table: &[Matrix<B>]) -> Tensor<B, 2> {
+    let mut blocks: Vec<Tensor<B, 2>> = table.iter().map(|w| B::project(x.clone(), w, Epilogue::Identity)).collect();
+    match blocks.len() {
+        0 => {
+            let [n, _] = x.dims();
+            Tensor::empty([n, 0], (&x.device(), x.dtype()))
+        }
+        1 => blocks.pop().unwrap_or(x),
+        _ => {
+            crate::graph::unsupported(|| "an lm_head of several table blocks joined by Burn".into());
+            Tensor::cat(blocks, 1)
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use burn::{
     module::Module,
     tensor::{DType, Int, Tensor},
 };
-use burn_gemma_kernels::{Epilogue, GemmaBackend, GgmlBlocks, HostMatrix, Matrix, QuantFormat};
+use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostMatrix, Matrix, QuantFormat};
 
 /// The embedding scale `sqrt(width)`, rounded to the activation dtype as the reference
 /// implementation does.
@@ -104,14 +104,7 @@ impl<B: GemmaBackend> Embedding<B> {
 
     /// `hidden [n, hidden] @ table^T -> [n, vocab]`, one product per row block.
     pub(crate) fn project(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        let mut blocks: Vec<Tensor<B, 2>> =
-            self.blocks.iter().map(|t| B::project(hidden.clone(), t, Epilogue::Identity)).collect();
-        if blocks.len() == 1 {
-            blocks.pop().unwrap_or(hidden)
-        } else {
-            burn_gemma_kernels::graph::unsupported(|| "an lm_head of several table blocks joined by Burn".into());
-            Tensor::cat(blocks, 1)
-        }
+        burn_gemma_kernels::matrix::project_table(hidden, &self.blocks)
     }
 
     /// Bytes on the device.

@@ -147,6 +147,13 @@ impl MmaTiling {
     }
 }
 
+/// Whether the backends multiply `m` activation rows in `dtype` by a quantized matrix `k` wide
+/// with this kernel rather than the matrix-vector kernel: from [`MMA_MIN_ROWS`] rows, where it
+/// [`applies`].
+pub fn takes<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, m: usize, k: usize) -> bool {
+    m >= MMA_MIN_ROWS && applies(client, dtype, m, k)
+}
+
 /// Whether this kernel takes `m` activation rows in `dtype` of a quantized matrix `k`
 /// wide on `client`: the CUDA runtime (the only one its tests have run on), 16-bit floats
 /// multiplied on 16 x 16 x 16 cooperative matrices with an f32 accumulator, at most
