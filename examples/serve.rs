@@ -16,7 +16,12 @@
 //! `--tensor-parallel N` splits the model over N devices (CUDA devices joined by NCCL) and
 //! answers requests one at a time.
 //!
-//! Ctrl-C stops taking connections and lets the requests in flight finish.
+//! `--api-key KEY` (or `--api-key-file`, or `BURN_GEMMA_API_KEY`) makes every route but
+//! `/health` and `/ready` ask for `Authorization: Bearer KEY`. Unknown request fields get a 400
+//! unless `--ignore-unknown-fields`; CORS is off unless `--cors-origin`.
+//!
+//! Ctrl-C stops taking connections and lets the requests in flight finish (at most
+//! `--shutdown-seconds`).
 
 #[path = "cli/backend_args.rs"]
 mod backend_args;
@@ -26,11 +31,11 @@ use burn_gemma::{
     backends::{dispatch, BackendTask},
     chat::ChatTemplate,
     engine::{Engine, EngineConfig, EngineDrafts},
-    server::{Server, ServerConfig},
+    server::{Access, ApiKey, ConnectionLimits, Cors, RequestLimits, Server, ServerConfig, UnknownFields},
     Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint,
 };
 use clap::Parser;
-use std::{num::NonZeroUsize, path::PathBuf, process::ExitCode};
+use std::{num::NonZeroUsize, path::PathBuf, process::ExitCode, time::Duration};
 
 type CliError = Box<dyn std::error::Error>;
 
@@ -94,11 +99,97 @@ struct Args {
     /// (no batching, paging, prefix cache, drafts or pictures).
     #[arg(long, default_value_t = NonZeroUsize::MIN)]
     tensor_parallel: NonZeroUsize,
-    /// `max_tokens` of a request that gives none.
+    /// `max_tokens` of a request that gives none (cut to the room its prompt leaves).
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
     #[command(flatten)]
+    http: HttpArgs,
+    #[command(flatten)]
     backend: BackendArgs,
+}
+
+/// Who may call the server, and the limits of requests and connections.
+#[derive(clap::Args, Debug, Clone)]
+struct HttpArgs {
+    /// A key clients must send as `Authorization: Bearer KEY` (repeat for several). Also read
+    /// from `BURN_GEMMA_API_KEY`.
+    #[arg(long = "api-key", env = "BURN_GEMMA_API_KEY", value_delimiter = ',')]
+    api_keys: Vec<String>,
+    /// A file of keys, one a line.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// An origin whose web pages may read the answers (`https://app.example.com`; repeat for
+    /// several; `*` for any). Default: none.
+    #[arg(long = "cors-origin")]
+    cors_origins: Vec<String>,
+    /// Ignore request fields the server does not know (named in the `x-ignored-fields` header)
+    /// instead of answering 400. Fields it knows and does not implement are refused either way.
+    #[arg(long)]
+    ignore_unknown_fields: bool,
+    /// Connections open at once; one more gets a 503.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Bytes of a request body.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body_bytes: usize,
+    /// Bytes of a prompt's text.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_prompt_bytes: usize,
+    /// Pictures per request.
+    #[arg(long, default_value_t = 8)]
+    max_images: usize,
+    /// Seconds a client has to send a request's headers (also how long an idle connection stays).
+    #[arg(long, default_value_t = 30)]
+    header_seconds: u64,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, default_value_t = 60)]
+    body_seconds: u64,
+    /// Seconds one write may wait for a client to read; then its connection is closed.
+    #[arg(long, default_value_t = 30)]
+    write_seconds: u64,
+    /// Seconds the requests in flight get to finish after Ctrl-C.
+    #[arg(long, default_value_t = 30)]
+    shutdown_seconds: u64,
+}
+
+impl HttpArgs {
+    /// The server's configuration for `model_id`.
+    fn config(&self, model_id: String, default_max_tokens: usize) -> Result<ServerConfig, CliError> {
+        let mut keys = self.api_keys.clone();
+        if let Some(file) = &self.api_key_file {
+            let text = std::fs::read_to_string(file).map_err(|e| format!("--api-key-file {}: {e}", file.display()))?;
+            keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string));
+        }
+        let api_keys = keys.iter().map(|k| ApiKey::new(k)).collect::<Result<Vec<_>, _>>()?;
+        let cors = match &self.cors_origins[..] {
+            [] => Cors::Off,
+            origins if origins.iter().any(|o| o == "*") => Cors::AnyOrigin,
+            origins => Cors::Origins(origins.to_vec()),
+        };
+        let defaults = ServerConfig::default();
+        Ok(ServerConfig {
+            model_id,
+            default_max_tokens,
+            limits: RequestLimits {
+                max_body_bytes: self.max_body_bytes,
+                max_prompt_bytes: self.max_prompt_bytes,
+                max_images: self.max_images,
+                ..defaults.limits
+            },
+            connections: ConnectionLimits {
+                max_connections: self.max_connections,
+                header_timeout: Duration::from_secs(self.header_seconds),
+                body_timeout: Duration::from_secs(self.body_seconds),
+                write_timeout: Duration::from_secs(self.write_seconds),
+                shutdown_deadline: Duration::from_secs(self.shutdown_seconds),
+            },
+            access: Access { api_keys, cors },
+            unknown_fields: match self.ignore_unknown_fields {
+                true => UnknownFields::Ignore,
+                false => UnknownFields::Refuse,
+            },
+        })
+    }
 }
 
 /// Where `--draft` takes drafts from (the engine drafts by prompt lookup; a draft model or a
@@ -125,7 +216,7 @@ impl BackendTask for Run {
         let model_id = args.model_id.clone().unwrap_or_else(|| {
             self.model_path.file_stem().map_or_else(|| "gemma".into(), |s| s.to_string_lossy().into_owned())
         });
-        let server_config = ServerConfig { model_id, default_max_tokens: args.default_max_tokens };
+        let server_config = args.http.config(model_id, args.default_max_tokens)?;
         if args.tensor_parallel.get() > 1 {
             if args.mmproj.is_some() || args.draft != ServerDraft::Off || args.pan_and_scan {
                 return Err(CliError::from(
@@ -147,7 +238,7 @@ impl BackendTask for Run {
                 ..EngineConfig::default()
             };
             let engine = Engine::sharded(model, checkpoint.tokenizer()?, config)?;
-            return serve(Server::new(engine, template, server_config), &args.host, args.port);
+            return serve(Server::new(engine, template, server_config)?, &args.host, args.port);
         }
         let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
         let Loaded { model, .. } = checkpoint.load(options)?;
@@ -181,7 +272,7 @@ impl BackendTask for Run {
         if args.pan_and_scan {
             engine.set_pan_and_scan(Some(burn_gemma::images::PanAndScan::default()))?;
         }
-        serve(Server::new(engine, template, server_config), &args.host, args.port)
+        serve(Server::new(engine, template, server_config)?, &args.host, args.port)
     }
 }
 

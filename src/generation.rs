@@ -731,7 +731,7 @@ impl<B: GemmaBackend> Generator<B> {
         let features = self.image_features(ids, images)?;
         let sampler = Sampler::new(config.sampling.clone())?;
         let graph = self.graph_plan(config.cuda_graph, &sampler)?;
-        let needed = self.context.len() + ids.len() + config.max_new_tokens;
+        let needed = self.context.len().saturating_add(ids.len()).saturating_add(config.max_new_tokens);
         let limit = self.max_context();
         if self.context.len() + ids.len() + 1 > limit || (self.context.is_empty() && needed > limit) {
             return Err(RequestError::ContextOverflow {

@@ -170,6 +170,16 @@ pub fn read_image(path: impl AsRef<Path>) -> Result<DynamicImage, ImageError> {
     decode_image(&bytes)
 }
 
+/// A picture's width and height, read from its header alone (nothing decoded): what a server
+/// checks against its limits before decoding.
+pub fn image_dimensions(bytes: &[u8]) -> Result<(u32, u32), ImageError> {
+    ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Decode(e.to_string()))?
+        .into_dimensions()
+        .map_err(|e| ImageError::Decode(e.to_string()))
+}
+
 /// Decodes an encoded picture (PNG, JPEG, WebP or GIF), refusing empty and oversized ones before
 /// their pixels are allocated.
 pub fn decode_image(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
@@ -181,11 +191,7 @@ pub fn decode_image(bytes: &[u8]) -> Result<DynamicImage, ImageError> {
     if reader.format().is_none() {
         return Err(ImageError::Decode("not a PNG, JPEG, WebP or GIF picture".into()));
     }
-    let (width, height) = ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| ImageError::Decode(e.to_string()))?
-        .into_dimensions()
-        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    let (width, height) = image_dimensions(bytes)?;
     if width == 0 || height == 0 {
         return Err(ImageError::Empty { width, height });
     }

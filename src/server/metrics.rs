@@ -1,6 +1,7 @@
 //! `GET /metrics`: the engine's counters in Prometheus' text format.
 
 use super::Server;
+use crate::engine::EngineHealth;
 use axum::{extract::State, http::header, response::IntoResponse};
 use std::{
     fmt::Write,
@@ -19,7 +20,9 @@ fn render(server: &Server) -> String {
     let generated = m.generated_tokens.load(Ordering::Relaxed);
     let first_tokens = m.first_tokens.load(Ordering::Relaxed);
     let first_token_seconds = m.first_token_micros.load(Ordering::Relaxed) as f64 / 1e6;
-    let metrics: [(&str, &str, &str, f64); 26] = [
+    let up = matches!(server.engine.health(), EngineHealth::Serving | EngineHealth::Stopping);
+    let connections = &server.connections;
+    let metrics: [(&str, &str, &str, f64); 30] = [
         ("burn_gemma_requests_running", "gauge", "Requests generating now.", m.running.load(Ordering::Relaxed) as f64),
         (
             "burn_gemma_requests_waiting",
@@ -156,6 +159,30 @@ fn render(server: &Server) -> String {
             first_tokens as f64,
         ),
         ("burn_gemma_uptime_seconds", "gauge", "Seconds since the server started.", uptime),
+        (
+            "burn_gemma_engine_up",
+            "gauge",
+            "1 while the engine's worker serves, 0 once it has stopped or failed.",
+            f64::from(u8::from(up)),
+        ),
+        (
+            "burn_gemma_worker_panics_total",
+            "counter",
+            "Panics the engine's worker caught in its rounds (each ended the requests running then).",
+            m.worker_panics.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_http_connections_open",
+            "gauge",
+            "HTTP connections open now.",
+            connections.open.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "burn_gemma_http_connections_refused_total",
+            "counter",
+            "HTTP connections refused at the cap (answered 503 and closed).",
+            connections.refused.load(Ordering::Relaxed) as f64,
+        ),
     ];
     let mut text = String::new();
     for (name, kind, help, value) in metrics {

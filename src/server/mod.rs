@@ -1,32 +1,46 @@
-//! An OpenAI-compatible HTTP server over an [`Engine`] (feature `server`): axum on tokio.
+//! An OpenAI-compatible HTTP server over an [`Engine`] (feature `server`): axum on tokio, its
+//! connections served by hyper with timeouts ([`ConnectionLimits`]).
 //!
 //! - `POST /v1/completions` and `POST /v1/chat/completions`, streamed as server-sent events
 //!   (`"stream": true`) or not;
-//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//! - `GET /v1/models`, `GET /health` (the engine's worker alive), `GET /ready` (taking
+//!   requests now), `GET /metrics` (Prometheus text).
 //!
 //! Chat messages take OpenAI's content parts: `text`, and `image_url` with a `data:` URL
 //! (`data:image/png;base64,...`; PNG, JPEG, WebP or GIF) in user messages, for an engine that
-//! reads pictures ([`Engine::with_vision`]); each picture goes where its part is. Bodies up to
-//! [`MAX_BODY_BYTES`].
+//! reads pictures ([`Engine::with_vision`]); each picture goes where its part is.
 //!
-//! A bad request gets a 400 with an OpenAI-style JSON error naming the field; a full queue a
-//! 429; a server shutting down a 503. The `model` field of a request is not checked against the
-//! served model's name (as llama.cpp's server does): the server serves one model.
+//! Every request is checked before the work it asks for starts ([`RequestLimits`]): the body's
+//! size, the fields (one the server does not implement is refused, [`UnknownFields`]), the
+//! prompt's bytes before tokenizing, the pictures' count and pixels before decoding,
+//! `max_tokens` against the room the prompt leaves. Tokenizing and decoding run on blocking
+//! threads, a few at a time. Errors come in OpenAI's JSON shape for every status: 400 naming
+//! the field, 401 without a known key ([`Access`]), 413, 415 for a body not sent as JSON, 429
+//! on a full queue, 503 while shutting down or when the engine's worker failed. The `model`
+//! field is not checked against the served model's name (as llama.cpp's server does): the
+//! server serves one model.
 
+mod access;
+pub mod config;
+mod connection;
+mod fields;
 mod metrics;
 pub mod openai;
 
+pub use config::{Access, ApiKey, ConfigError, ConnectionLimits, Cors, RequestLimits, ServerConfig, UnknownFields};
+
 use crate::{
     chat::ChatTemplate,
-    engine::{Engine, EngineError, Event, Request, RequestStream},
+    engine::{Engine, EngineError, EngineHealth, Event, Request, RequestStream},
     tokenizer::Bos,
     vision::Picture,
-    Error, StopReason,
+    Error, GenerationConfig, StopReason,
 };
 use axum::{
     body::Bytes,
-    extract::{DefaultBodyLimit, State},
-    http::StatusCode,
+    extract::State,
+    http::{header, HeaderValue, StatusCode},
+    middleware,
     response::{
         sse::{Event as SseEvent, KeepAlive, Sse},
         IntoResponse, Response,
@@ -34,26 +48,15 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
+use connection::ConnectionCounts;
 use openai::{ApiError, FinishReason, RequestBody, Usage};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::{
     convert::Infallible,
     sync::{atomic::AtomicU64, Arc},
     time::{Instant, SystemTime, UNIX_EPOCH},
 };
-
-/// The largest request body read: room for a few pictures as base64 data URLs (axum's default
-/// is 2 MB).
-pub const MAX_BODY_BYTES: usize = 32 << 20;
-
-/// What the server is told at start.
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    /// The name `/v1/models` lists and responses carry.
-    pub model_id: String,
-    /// `max_tokens` of a request that gives none.
-    pub default_max_tokens: usize,
-}
+use tokio::sync::Semaphore;
 
 /// The server's shared state: the engine and its settings.
 #[derive(Debug)]
@@ -63,12 +66,39 @@ pub struct Server {
     template: ChatTemplate,
     started: Instant,
     next_id: AtomicU64,
+    /// Turns on the blocking threads that tokenize and decode pictures.
+    preparing: Arc<Semaphore>,
+    connections: Arc<ConnectionCounts>,
+    /// Bytes past which a prompt cannot fit a sequence, whatever its tokens.
+    prompt_bytes: usize,
 }
 
 impl Server {
-    /// Serves `engine`, whose model's chat layout is `template`.
-    pub fn new(engine: Engine, template: ChatTemplate, config: ServerConfig) -> Arc<Self> {
-        Arc::new(Self { engine, config, template, started: Instant::now(), next_id: AtomicU64::new(1) })
+    /// Serves `engine`, whose model's chat layout is `template`; fails on a configuration it
+    /// cannot serve with (a CORS origin that is not one, a zero limit).
+    pub fn new(engine: Engine, template: ChatTemplate, config: ServerConfig) -> Result<Arc<Self>, ConfigError> {
+        access::cors_layer(&config.access.cors)?;
+        for (name, value) in [
+            ("max_connections", config.connections.max_connections),
+            ("prepare_concurrency", config.limits.prepare_concurrency),
+            ("default_max_tokens", config.default_max_tokens),
+            ("max_body_bytes", config.limits.max_body_bytes),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        let fits = engine.sequence_positions().saturating_mul(engine.tokenizer().longest_token_bytes().max(1));
+        Ok(Arc::new(Self {
+            preparing: Arc::new(Semaphore::new(config.limits.prepare_concurrency)),
+            connections: Arc::default(),
+            prompt_bytes: config.limits.max_prompt_bytes.min(fits),
+            engine,
+            config,
+            template,
+            started: Instant::now(),
+            next_id: AtomicU64::new(1),
+        }))
     }
 
     /// The engine served.
@@ -76,26 +106,37 @@ impl Server {
         &self.engine
     }
 
-    /// The routes.
+    /// The routes, behind the key check, CORS and the JSON error shape.
     pub fn router(self: &Arc<Self>) -> Router {
-        Router::new()
+        let access = Arc::new(self.config.access.clone());
+        let routes = Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
             .route("/health", get(health))
+            .route("/ready", get(ready))
             .route("/metrics", get(metrics::handler))
-            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+            .fallback(access::not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .with_state(Arc::clone(self))
+            .layer(middleware::from_fn(move |request, next| access::guard(Arc::clone(&access), request, next)));
+        // Checked in `new`: a bad origin never gets here.
+        let routes = match access::cors_layer(&self.config.access.cors).ok().flatten() {
+            Some(cors) => routes.layer(cors),
+            None => routes,
+        };
+        routes.layer(middleware::map_response(access::json_errors))
     }
 
     /// Serves on `listener` until `shutdown` completes, then lets the requests in flight
-    /// finish.
+    /// finish (within [`ConnectionLimits::shutdown_deadline`]).
     pub async fn serve(
         self: &Arc<Self>,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).with_graceful_shutdown(shutdown).await
+        let counts = Arc::clone(&self.connections);
+        connection::serve(listener, self.router(), self.config.connections, counts, shutdown).await
     }
 
     fn id(&self, prefix: &str) -> String {
@@ -107,10 +148,46 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// A JSON body, or a 400 naming what is wrong with it and where.
-fn parse(body: &Bytes) -> Result<RequestBody, ApiError> {
-    let mut json = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+async fn method_not_allowed(request: axum::extract::Request) -> Response {
+    let message = format!("{} is not allowed on {}", request.method(), request.uri().path());
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message).into_response()
+}
+
+/// The body, within the size and time limits: 413 past the size, 408 past the time.
+async fn read_body(config: &ServerConfig, request: axum::extract::Request) -> Result<Bytes, ApiError> {
+    let max = config.limits.max_body_bytes;
+    let too_large = |size: String| {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("a request body of {size} bytes; at most {max}"))
+    };
+    let declared = request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(declared) = declared.filter(|&d| d > max as u64) {
+        return Err(too_large(declared.to_string()));
+    }
+    let timeout = config.connections.body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(request.into_body(), max)).await {
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {} s", timeout.as_secs_f64()),
+        )),
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let limited = std::error::Error::source(&e)
+                .is_some_and(|s| s.downcast_ref::<http_body_util::LengthLimitError>().is_some());
+            match limited {
+                true => Err(too_large(format!("more than {max}"))),
+                false => Err(ApiError::invalid_body(format!("the request body could not be read: {e}"))),
+            }
+        }
+    }
+}
+
+/// A JSON body: its fields checked against `endpoint`'s ([`fields::check`]), then read; the
+/// fields ignored (where [`UnknownFields::Ignore`]), by path.
+fn parse(body: &Bytes, endpoint: Endpoint, unknown: UnknownFields) -> Result<(RequestBody, Vec<String>), ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::invalid_body(format!("invalid request body: {e}")))?;
+    let ignored = fields::check(&value, endpoint, unknown)?;
+    let request = serde_path_to_error::deserialize(&value).map_err(|e| {
         let path = e.path().to_string();
         // The top-level field, as OpenAI's `param` names it.
         let field = path.split(['.', '[']).next().filter(|f| !f.is_empty()).map(str::to_string);
@@ -118,27 +195,24 @@ fn parse(body: &Bytes) -> Result<RequestBody, ApiError> {
             None => format!("invalid request body: {}", e.inner()),
             Some(_) => format!("invalid request body: {path}: {}", e.inner()),
         };
-        ApiError { status: StatusCode::BAD_REQUEST, message, param: field }
-    })
+        ApiError { param: field, ..ApiError::invalid_body(message) }
+    })?;
+    Ok((request, ignored))
 }
 
 /// What an engine refusal means to a client; `input` names the field the prompt came in.
 fn refused(e: EngineError, input: &'static str) -> ApiError {
     match e {
-        EngineError::QueueFull { .. } => {
-            ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), param: None }
-        }
-        EngineError::ShutDown => {
-            ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), param: None }
+        EngineError::QueueFull { .. } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+        EngineError::ShutDown | EngineError::WorkerFailed { .. } => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
         }
         EngineError::Generation(Error::Sampling(s)) => openai::sampling_error(&s),
         EngineError::Generation(e @ Error::Request(crate::error::RequestError::KvCacheTooSmall { .. })) => {
             ApiError::invalid("max_tokens", e.to_string())
         }
         EngineError::Generation(e @ Error::Request(_)) => ApiError::invalid(input, e.to_string()),
-        EngineError::Generation(e) => {
-            ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
-        }
+        EngineError::Generation(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 
@@ -149,38 +223,140 @@ struct Started {
     prompt_tokens: usize,
     id: String,
     model: String,
+    /// Streams: whether the last chunk carries the usage.
+    include_usage: bool,
 }
 
-/// What a request's prompt is: its text, and the pictures at its places.
-struct Prompt<'a> {
-    text: &'a str,
+/// A request checked and tokenized, ready for the engine.
+struct Prepared {
+    ids: Vec<u32>,
     pictures: Vec<Picture>,
-    /// The request field it came in.
+    generation: GenerationConfig,
+    stops: Vec<String>,
+    choices: usize,
+    delivery: Delivery,
+    include_usage: bool,
+    /// The request field the prompt came in.
     field: &'static str,
+    /// Fields ignored ([`UnknownFields::Ignore`]), by path.
+    ignored: Vec<String>,
 }
 
-fn start(server: &Server, prompt: Prompt<'_>, fields: &RequestBody, prefix: &str) -> Result<Started, ApiError> {
-    let (generation, stops) = fields.generation(server.config.default_max_tokens)?;
-    let input = prompt.field;
+/// Reads, checks and tokenizes a request to `endpoint`: every limit is checked before the work
+/// it bounds, and the tokenizing (with any pictures' decoding) runs on a blocking thread once
+/// one of the server's turns for it is free.
+async fn prepare(server: &Arc<Server>, endpoint: Endpoint, request: axum::extract::Request) -> Result<Prepared, ApiError> {
+    let config = &server.config;
+    let body = read_body(config, request).await?;
+    let (fields, ignored) = parse(&body, endpoint, config.unknown_fields)?;
+    let (generation, stops) = fields.generation(config.default_max_tokens, config.limits.max_stop_bytes)?;
+    let field = match endpoint {
+        Endpoint::Completions => "prompt",
+        Endpoint::Chat => "messages",
+    };
+    // The prompt's size before any work on it.
+    let (bytes, pictures) = match endpoint {
+        Endpoint::Completions => match fields.prompt.as_deref() {
+            None => return Err(ApiError::invalid("prompt", "missing field `prompt`")),
+            Some("") => return Err(ApiError::invalid("prompt", "prompt is empty")),
+            Some(p) => (p.len(), 0),
+        },
+        Endpoint::Chat => match &fields.messages {
+            None => return Err(ApiError::invalid("messages", "missing field `messages`")),
+            Some(messages) => messages.iter().map(openai::Message::size).fold((0usize, 0usize), |(b, p), (mb, mp)| {
+                (b.saturating_add(mb), p.saturating_add(mp))
+            }),
+        },
+    };
+    if bytes > server.prompt_bytes {
+        let message = format!(
+            "the prompt's text is {bytes} bytes, more than the {} a request of {} tokens takes: it exceeds the \
+             model's context, or this server's limit",
+            server.prompt_bytes,
+            server.engine.sequence_positions()
+        );
+        return Err(ApiError::invalid(field, message).with_code("context_length_exceeded"));
+    }
+    if pictures > config.limits.max_images {
+        let message = format!("{pictures} pictures; at most {} per request", config.limits.max_images);
+        return Err(ApiError::invalid("messages", message));
+    }
+    let turn = Arc::clone(&server.preparing).acquire_owned().await.map_err(|_| shutting_down())?;
+    let (tokenizing, fields_here) = (Arc::clone(server), fields.clone());
+    let tokenized = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        tokenize(&tokenizing, endpoint, &fields_here)
+    })
+    .await
+    .map_err(join_error)??;
+    let (ids, pictures) = tokenized;
+    let positions = server.engine.sequence_positions();
+    let asked = fields.max_tokens_asked().map(|n| (n, fields.max_tokens_field()));
+    let max_new_tokens =
+        openai::fit_max_tokens(asked, generation.max_new_tokens, ids.len(), positions, field)?;
+    Ok(Prepared {
+        ids,
+        pictures,
+        generation: GenerationConfig { max_new_tokens, ..generation },
+        stops,
+        choices: fields.choices(),
+        delivery: Delivery::of(&fields),
+        include_usage: fields.stream_options.is_some_and(|o| o.include_usage),
+        field,
+        ignored,
+    })
+}
+
+/// The prompt's token ids and pictures: the chat rendered in the model's template (its pictures
+/// decoded), the pictures' soft tokens placed, the text tokenized. Runs on a blocking thread.
+fn tokenize(server: &Server, endpoint: Endpoint, fields: &RequestBody) -> Result<(Vec<u32>, Vec<Picture>), ApiError> {
+    let (text, pictures, field) = match (endpoint, &fields.prompt, &fields.messages) {
+        (Endpoint::Completions, Some(prompt), _) => (prompt.clone(), Vec::new(), "prompt"),
+        (Endpoint::Chat, _, Some(messages)) => {
+            let images = server.engine.image_processor().map(|p| (p, server.config.limits.max_image_pixels));
+            let chat = openai::render_chat(server.template, messages, images)?;
+            (chat.text, chat.pictures, "messages")
+        }
+        _ => return Err(ApiError::invalid_body("the request has no prompt")),
+    };
     let tokenizer = server.engine.tokenizer();
     let text = match server.engine.image_processor() {
-        Some(processor) if !prompt.pictures.is_empty() => processor
-            .expand(prompt.text, &prompt.pictures, tokenizer)
-            .map_err(|e| ApiError::invalid(input, e.to_string()))?,
-        _ => prompt.text.to_string(),
+        Some(processor) if !pictures.is_empty() => {
+            processor.expand(&text, &pictures, tokenizer).map_err(|e| ApiError::invalid(field, e.to_string()))?
+        }
+        _ => text,
     };
-    let ids = tokenizer.encode(&text, Bos::Prepend).map_err(|e| ApiError::invalid(input, e.to_string()))?;
-    let prompt_tokens = ids.len();
+    let ids = tokenizer.encode(&text, Bos::Prepend).map_err(|e| ApiError::invalid(field, e.to_string()))?;
+    Ok((ids, pictures))
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down")
+}
+
+/// Submits each of `prepared`'s choices to the engine.
+fn start(server: &Server, prepared: Prepared, prefix: &str) -> Result<Started, ApiError> {
+    let prompt_tokens = prepared.ids.len();
     let mut streams = Vec::new();
-    for index in 0..fields.choices() {
-        let mut generation = generation.clone();
+    for index in 0..prepared.choices {
+        let mut generation = prepared.generation.clone();
         generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
         // On a refusal the choices already queued are cancelled as their streams drop.
-        let request =
-            Request { input: ids.clone(), generation, stop_strings: stops.clone(), images: prompt.pictures.clone() };
-        streams.push(server.engine.submit(request).map_err(|e| refused(e, input))?);
+        let request = Request {
+            input: prepared.ids.clone(),
+            generation,
+            stop_strings: prepared.stops.clone(),
+            images: prepared.pictures.clone(),
+        };
+        streams.push(server.engine.submit(request).map_err(|e| refused(e, prepared.field))?);
     }
-    Ok(Started { streams, prompt_tokens, id: server.id(prefix), model: server.config.model_id.clone() })
+    Ok(Started {
+        streams,
+        prompt_tokens,
+        id: server.id(prefix),
+        model: server.config.model_id.clone(),
+        include_usage: prepared.include_usage,
+    })
 }
 
 /// How a generation went.
@@ -218,11 +394,8 @@ fn drive(stream: &RequestStream, mut emit: impl FnMut(&str) -> bool) -> Result<O
             Err(e) => return Err(refused(e, "prompt")),
         }
     }
-    Err(ApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        message: "the request ended without finishing".into(),
-        param: None,
-    })
+    // The worker went away with the request unfinished.
+    Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped before the request finished"))
 }
 
 /// Sets a request's cancel flag when dropped.
@@ -296,7 +469,7 @@ impl Endpoint {
 }
 
 fn join_error(e: tokio::task::JoinError) -> ApiError {
-    ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string(), param: None }
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
 }
 
 async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, delivery: Delivery) -> Response {
@@ -309,7 +482,7 @@ async fn respond(server: Arc<Server>, started: Started, endpoint: Endpoint, deli
 /// Every choice run to its end, then one JSON body.
 async fn respond_whole(started: Started, endpoint: Endpoint) -> Response {
     let created = now();
-    let Started { streams, prompt_tokens, id, model } = started;
+    let Started { streams, prompt_tokens, id, model, .. } = started;
     // A client that goes away drops this future: the guards then cancel its choices.
     let _guards: Vec<CancelOnDrop> = streams.iter().map(|s| CancelOnDrop(s.cancel_flag())).collect();
     let choices: Vec<_> = streams
@@ -351,7 +524,7 @@ async fn respond_whole(started: Started, endpoint: Endpoint) -> Response {
 /// engine outlives them.
 fn respond_streamed(server: Arc<Server>, started: Started, endpoint: Endpoint) -> Response {
     let created = now();
-    let Started { streams, prompt_tokens, id, model } = started;
+    let Started { streams, prompt_tokens, id, model, include_usage } = started;
     let (sender, receiver) = tokio::sync::mpsc::channel::<SseEvent>(64);
     let chunk = Arc::new(move |choices: serde_json::Value, usage: Option<Usage>| {
         let mut body = json!({
@@ -394,7 +567,9 @@ fn respond_streamed(server: Arc<Server>, started: Started, endpoint: Endpoint) -
         for choice in choices {
             completion_tokens += choice.await.unwrap_or(0);
         }
-        let _ = sender.send(chunk(json!([]), Some(Usage::new(prompt_tokens, completion_tokens)))).await;
+        if include_usage {
+            let _ = sender.send(chunk(json!([]), Some(Usage::new(prompt_tokens, completion_tokens)))).await;
+        }
         let _ = sender.send(SseEvent::default().data("[DONE]")).await;
         drop(server);
     });
@@ -403,49 +578,37 @@ fn respond_streamed(server: Arc<Server>, started: Started, endpoint: Endpoint) -
     Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
-async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
-    let request = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let prompt = match request.prompt.as_deref() {
-        None => return ApiError::invalid("prompt", "missing field `prompt`").into_response(),
-        Some("") => return ApiError::invalid("prompt", "prompt is empty").into_response(),
-        Some(p) => p,
-    };
-    let prompt = Prompt { text: prompt, pictures: Vec::new(), field: "prompt" };
-    match start(&server, prompt, &request, "cmpl") {
-        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Completions, Delivery::of(&request)).await,
-        Err(e) => e.into_response(),
-    }
+async fn completions(State(server): State<Arc<Server>>, request: axum::extract::Request) -> Response {
+    handle(server, Endpoint::Completions, request).await
 }
 
-async fn chat_completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
-    let request = match parse(&body) {
-        Ok(r) => r,
+async fn chat_completions(State(server): State<Arc<Server>>, request: axum::extract::Request) -> Response {
+    handle(server, Endpoint::Chat, request).await
+}
+
+async fn handle(server: Arc<Server>, endpoint: Endpoint, request: axum::extract::Request) -> Response {
+    let prepared = match prepare(&server, endpoint, request).await {
+        Ok(prepared) => prepared,
         Err(e) => return e.into_response(),
     };
-    let Some(messages) = &request.messages else {
-        return ApiError::invalid("messages", "missing field `messages`").into_response();
+    let ignored = prepared.ignored.clone();
+    let delivery = prepared.delivery;
+    let prefix = match endpoint {
+        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl",
     };
-    // Pictures are decoded off the async threads.
-    let rendered = match messages.iter().any(|m| m.content.has_images()) {
-        false => openai::render_chat(server.template, messages, None),
-        true => {
-            let (server, messages) = (Arc::clone(&server), messages.clone());
-            let render = move || openai::render_chat(server.template, &messages, server.engine.image_processor());
-            tokio::task::spawn_blocking(render).await.unwrap_or_else(|e| Err(join_error(e)))
-        }
-    };
-    let chat = match rendered {
-        Ok(chat) => chat,
-        Err(e) => return e.into_response(),
-    };
-    let prompt = Prompt { text: &chat.text, pictures: chat.pictures, field: "messages" };
-    match start(&server, prompt, &request, "chatcmpl") {
-        Ok(started) => respond(Arc::clone(&server), started, Endpoint::Chat, Delivery::of(&request)).await,
+    let mut response = match start(&server, prepared, prefix) {
+        Ok(started) => respond(Arc::clone(&server), started, endpoint, delivery).await,
         Err(e) => e.into_response(),
+    };
+    if !ignored.is_empty() {
+        // Field names as JSON gave them: shown escaped where a header cannot carry them.
+        let names: String = ignored.join(", ").chars().flat_map(char::escape_default).collect();
+        if let Ok(value) = HeaderValue::from_str(&names) {
+            response.headers_mut().insert("x-ignored-fields", value);
+        }
     }
+    response
 }
 
 async fn models(State(server): State<Arc<Server>>) -> Json<serde_json::Value> {
@@ -455,6 +618,34 @@ async fn models(State(server): State<Arc<Server>>) -> Json<serde_json::Value> {
     }))
 }
 
-async fn health() -> Json<serde_json::Value> {
-    Json(json!({ "status": "ok" }))
+/// Whether the engine's worker is alive: 200 while it serves (or finishes the requests in
+/// flight at a shutdown), 503 once it has stopped or failed.
+async fn health(State(server): State<Arc<Server>>) -> Response {
+    match server.engine.health() {
+        EngineHealth::Serving | EngineHealth::Stopping => Json(json!({ "status": "ok" })).into_response(),
+        EngineHealth::Stopped => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "stopped" }))).into_response()
+        }
+        EngineHealth::Failed { reason } => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "error", "reason": reason }))).into_response()
+        }
+    }
+}
+
+/// Whether a request sent now would be taken: the worker serving and the queue not full.
+async fn ready(State(server): State<Arc<Server>>) -> Response {
+    let engine = &server.engine;
+    let waiting = engine.metrics().waiting.load(std::sync::atomic::Ordering::Relaxed);
+    let reason = match engine.health() {
+        EngineHealth::Serving if waiting < engine.config().max_waiting => None,
+        EngineHealth::Serving => Some(format!("the queue is full ({waiting} requests waiting)")),
+        EngineHealth::Stopping | EngineHealth::Stopped => Some("shutting down".into()),
+        EngineHealth::Failed { reason } => Some(format!("the engine's worker failed: {reason}")),
+    };
+    match reason {
+        None => Json(json!({ "status": "ready" })).into_response(),
+        Some(reason) => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "not ready", "reason": reason }))).into_response()
+        }
+    }
 }

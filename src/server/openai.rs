@@ -16,11 +16,33 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, where one is.
     pub param: Option<String>,
+    /// A machine-readable code, where OpenAI gives one (`invalid_api_key`, `context_length_exceeded`).
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
+    /// An error of `status` naming no field.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), param: None, code: None }
+    }
+
+    /// A 400 naming the field `param`.
     pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.to_string()) }
+        Self::invalid_owned(param.to_string(), message)
+    }
+
+    /// A 400 naming the field `param`.
+    pub fn invalid_owned(param: String, message: impl Into<String>) -> Self {
+        Self { param: Some(param), ..Self::new(StatusCode::BAD_REQUEST, message) }
+    }
+
+    /// A 400 about the body as a whole.
+    pub fn invalid_body(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    pub fn with_code(self, code: &'static str) -> Self {
+        Self { code: Some(code), ..self }
     }
 
     /// The error's JSON body.
@@ -30,10 +52,11 @@ impl ApiError {
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
             s if s.is_server_error() => "server_error",
             StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
             _ => "invalid_request_error",
         };
         serde_json::json!({
-            "error": { "message": self.message, "type": kind, "param": self.param, "code": null }
+            "error": { "message": self.message, "type": kind, "param": self.param, "code": self.code }
         })
     }
 }
@@ -77,6 +100,15 @@ pub struct RequestBody {
     pub n: Option<usize>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    /// Streams: whether a last chunk carries the usage (OpenAI's `include_usage`).
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
 }
 
 /// Most stop strings a request may give (OpenAI's limit).
@@ -92,8 +124,27 @@ impl RequestBody {
         self.n.unwrap_or(1)
     }
 
-    /// The generation settings, checked; `default_max_tokens` where the request gives none.
-    pub fn generation(&self, default_max_tokens: usize) -> Result<(GenerationConfig, Vec<String>), ApiError> {
+    /// The `max_tokens` asked for (`max_completion_tokens` first), if any.
+    pub fn max_tokens_asked(&self) -> Option<usize> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// The field the token budget came in.
+    pub fn max_tokens_field(&self) -> &'static str {
+        match self.max_completion_tokens {
+            Some(_) => "max_completion_tokens",
+            None => "max_tokens",
+        }
+    }
+
+    /// The generation settings, checked, with stop strings of at most `max_stop_bytes`;
+    /// `default_max_tokens` where the request gives none (the server later fits it to the room
+    /// its prompt leaves: [`fit_max_tokens`]).
+    pub fn generation(
+        &self,
+        default_max_tokens: usize,
+        max_stop_bytes: usize,
+    ) -> Result<(GenerationConfig, Vec<String>), ApiError> {
         if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
             return Err(ApiError::invalid("n", format!("n = {n}: from 1 to {MAX_CHOICES} choices per request")));
         }
@@ -104,9 +155,10 @@ impl RequestBody {
                 return Err(ApiError::invalid(param, format!("{param} is not supported; leave it out or 0")));
             }
         }
-        let max_new_tokens = self.max_completion_tokens.or(self.max_tokens).unwrap_or(default_max_tokens);
+        let max_new_tokens = self.max_tokens_asked().unwrap_or(default_max_tokens);
         if max_new_tokens == 0 {
-            return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
+            let field = self.max_tokens_field();
+            return Err(ApiError::invalid(field, format!("{field} must be at least 1")));
         }
         let temperature = self.temperature.unwrap_or(1.0);
         // OpenAI's range; the library takes any temperature from 0.
@@ -136,6 +188,10 @@ impl RequestBody {
         if stops.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop", "a stop string is empty"));
         }
+        if let Some(long) = stops.iter().find(|s| s.len() > max_stop_bytes) {
+            let message = format!("a stop string of {} bytes; at most {max_stop_bytes}", long.len());
+            return Err(ApiError::invalid("stop", message));
+        }
         // A top-p of 1 and a min-p of 0 keep every token: no filter.
         let sampling = SamplingConfig {
             top_p: sampling.top_p.filter(|&p| p < 1.0),
@@ -143,6 +199,38 @@ impl RequestBody {
             ..sampling
         };
         Ok((GenerationConfig { max_new_tokens, sampling, ..GenerationConfig::default() }, stops))
+    }
+}
+
+/// The tokens a request may generate after its `prompt_tokens` in sequences of `positions`:
+/// what it `asked` for, which must fit (a 400 naming `max_tokens` otherwise, as OpenAI's and
+/// vLLM's servers answer), or `default` cut to the room left.
+/// `input` names the field the prompt came in.
+pub fn fit_max_tokens(
+    asked: Option<(usize, &'static str)>,
+    default: usize,
+    prompt_tokens: usize,
+    positions: usize,
+    input: &'static str,
+) -> Result<usize, ApiError> {
+    let room = positions.saturating_sub(prompt_tokens);
+    if room == 0 {
+        let message = format!(
+            "the prompt's {prompt_tokens} tokens fill the {positions} positions a request holds: no room is left \
+             to generate (exceeds the model's context)"
+        );
+        return Err(ApiError::invalid(input, message).with_code("context_length_exceeded"));
+    }
+    match asked {
+        Some((asked, field)) if asked > room => {
+            let message = format!(
+                "{field} = {asked}, but a request holds {positions} positions and the prompt takes \
+                 {prompt_tokens}: at most {room} can be generated"
+            );
+            Err(ApiError::invalid(field, message).with_code("context_length_exceeded"))
+        }
+        Some((asked, _)) => Ok(asked),
+        None => Ok(default.min(room)),
     }
 }
 
@@ -170,6 +258,19 @@ fn rand_seed() -> u64 {
 pub struct Message {
     pub role: String,
     pub content: Content,
+}
+
+impl Message {
+    /// Bytes of its text parts, and its pictures: counted before anything is decoded.
+    pub fn size(&self) -> (usize, usize) {
+        match &self.content {
+            Content::Text(text) => (text.len(), 0),
+            Content::Parts(parts) => parts.iter().fold((0, 0), |(bytes, pictures), part| match part {
+                ContentPart::Text { text } => (bytes + text.len(), pictures),
+                ContentPart::ImageUrl { .. } => (bytes, pictures + 1),
+            }),
+        }
+    }
 }
 
 /// A message's content: a string, or OpenAI's content parts.
@@ -241,7 +342,7 @@ fn data_url_bytes(url: &str) -> Result<Vec<u8>, String> {
 fn content_text(
     i: usize,
     content: &Content,
-    images: Option<&ImageProcessor>,
+    images: Option<(&ImageProcessor, u64)>,
     pictures_here: bool,
     pictures: &mut Vec<Picture>,
 ) -> Result<String, ApiError> {
@@ -255,7 +356,7 @@ fn content_text(
             ContentPart::Text { text: t } => text.push_str(t),
             ContentPart::ImageUrl { image_url } => {
                 let at = format!("messages[{i}].content[{j}].image_url");
-                let Some(processor) = images.filter(|_| pictures_here) else {
+                let Some((processor, max_pixels)) = images.filter(|_| pictures_here) else {
                     let why = match images {
                         None => "this model reads no images (serve a multimodal checkpoint)",
                         Some(_) => "pictures go in user messages",
@@ -264,6 +365,13 @@ fn content_text(
                 };
                 let bytes =
                     data_url_bytes(&image_url.url).map_err(|e| ApiError::invalid("messages", format!("{at}: {e}")))?;
+                // Its size from the header, before any pixel is decoded.
+                let (width, height) = crate::images::image_dimensions(&bytes)
+                    .map_err(|e| ApiError::invalid("messages", format!("{at}: {e}")))?;
+                if u64::from(width) * u64::from(height) > max_pixels {
+                    let message = format!("{at}: a picture of {width}x{height} pixels; at most {max_pixels} pixels");
+                    return Err(ApiError::invalid("messages", message));
+                }
                 let picture =
                     processor.decode(&bytes).map_err(|e| ApiError::invalid("messages", format!("{at}: {e}")))?;
                 pictures.push(picture);
@@ -278,11 +386,12 @@ fn content_text(
 /// (first only) as Gemma 4's system turn or, before Gemma 4, at the head of the first user
 /// message; user and assistant turns alternating as they come; the last message a user's.
 /// Pictures (`image_url` parts of user messages) are decoded and prepared by `images`, the
-/// model's processor: a model without one refuses them.
+/// model's processor (each of at most the pixels given beside it): a model without one refuses
+/// them.
 pub fn render_chat(
     template: ChatTemplate,
     messages: &[Message],
-    images: Option<&ImageProcessor>,
+    images: Option<(&ImageProcessor, u64)>,
 ) -> Result<ChatPrompt, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages is empty"));
@@ -352,7 +461,7 @@ pub struct Usage {
 
 impl Usage {
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens.saturating_add(completion_tokens) }
     }
 }
 
@@ -413,15 +522,31 @@ mod tests {
             (r#"{"stop": ["a","b","c","d","e"]}"#, "stop"),
             (r#"{"stop": ""}"#, "stop"),
             (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
+            (r#"{"stop": "123456789"}"#, "stop"),
         ] {
-            assert_eq!(fields(json)?.generation(16).err().and_then(|e| e.param).as_deref(), Some(param), "{json}");
+            assert_eq!(fields(json)?.generation(16, 8).err().and_then(|e| e.param).as_deref(), Some(param), "{json}");
         }
         let (config, stops) = fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#)?
-            .generation(16)
+            .generation(16, 8)
             .map_err(|e| e.message)?;
         assert_eq!((config.max_new_tokens, config.sampling.temperature, config.sampling.seed), (7, 0.0, 5));
         assert_eq!(stops, vec!["\n".to_string()]);
-        assert_eq!(fields("{}")?.generation(16).map_err(|e| e.message)?.0.max_new_tokens, 16);
+        assert_eq!(fields("{}")?.generation(16, 8).map_err(|e| e.message)?.0.max_new_tokens, 16);
         Ok(())
+    }
+
+    #[test]
+    fn max_tokens_must_fit_the_room_the_prompt_leaves() {
+        // (asked, default, prompt, positions) -> tokens, or the field refused
+        assert_eq!(fit_max_tokens(Some((10, "max_tokens")), 256, 20, 64, "prompt"), Ok(10));
+        assert_eq!(fit_max_tokens(Some((44, "max_tokens")), 256, 20, 64, "prompt"), Ok(44));
+        assert_eq!(fit_max_tokens(None, 256, 20, 64, "prompt"), Ok(44));
+        assert_eq!(fit_max_tokens(None, 8, 20, 64, "prompt"), Ok(8));
+        for asked in [45, 1 << 62, usize::MAX] {
+            let e = fit_max_tokens(Some((asked, "max_tokens")), 8, 20, 64, "prompt").expect_err("too many");
+            assert_eq!((e.param.as_deref(), e.code), (Some("max_tokens"), Some("context_length_exceeded")));
+            assert!(e.message.contains("at most 44"), "{}", e.message);
+        }
+        assert!(fit_max_tokens(None, 8, 64, 64, "prompt").is_err());
     }
 }

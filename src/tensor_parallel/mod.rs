@@ -631,7 +631,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// Generates after `prompt` (token ids, its first the BOS where the model wants one) with
     /// fresh caches: up to `max_new_tokens` tokens drawn by `sampling` (greedy ones picked on
     /// the device), stopping after one of `stop`, or when `on_token` (called with each new
-    /// token) returns false. Returns the new tokens.
+    /// token) returns false, or when the model's context is full. Returns the new tokens.
     pub fn generate(
         &mut self,
         prompt: &[u32],
@@ -642,7 +642,9 @@ impl<B: GemmaBackend> ShardedModel<B> {
     ) -> Result<Vec<u32>, Error> {
         let mut sampler = Sampler::new(sampling)?;
         let on_device = sampler.is_greedy() && !sampler.penalizes();
-        self.new_cache(prompt.len() + max_new_tokens)?;
+        // Never more positions than the model holds, whatever `max_new_tokens` asks.
+        let capacity = prompt.len().saturating_add(max_new_tokens).min(self.config().max_position_embeddings);
+        self.new_cache(capacity)?;
         let mut history = prompt.to_vec();
         let mut generated = Vec::new();
         let mut input = prompt.to_vec();
@@ -655,7 +657,8 @@ impl<B: GemmaBackend> ShardedModel<B> {
             };
             generated.push(next);
             history.push(next);
-            if !on_token(next) || stop.contains(&next) {
+            // The next step would feed `next` at position `history.len() - 1`: past the cache, stop.
+            if !on_token(next) || stop.contains(&next) || history.len() > capacity {
                 break;
             }
             input = vec![next];

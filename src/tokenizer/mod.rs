@@ -240,6 +240,12 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Bytes of the vocabulary's longest token: no text of more than `n` times this many bytes
+    /// encodes to `n` tokens or fewer (each token covers at most this many of its bytes).
+    pub fn longest_token_bytes(&self) -> usize {
+        self.token_bytes.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
     /// The raw bytes of one token (empty for `<bos>`, `<eos>`, `<pad>`; may be part of a UTF-8
     /// character).
     pub fn token_bytes(&self, id: u32) -> &[u8] {

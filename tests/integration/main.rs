@@ -20,6 +20,8 @@ mod generation;
 mod real_model;
 #[cfg(feature = "server")]
 mod server;
+#[cfg(feature = "server")]
+mod server_hostile;
 mod speculative;
 mod tensor_parallel;
 mod tiny_models;

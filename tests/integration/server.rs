@@ -19,9 +19,23 @@ use std::{collections::HashSet, num::NonZeroUsize, sync::atomic::Ordering, sync:
 
 const FIXTURE: &str = "tiny-gemma/gemma3";
 
-fn model() -> Gemma<NdArray> {
+pub(crate) fn model() -> Gemma<NdArray> {
     let options = LoadOptions::<NdArray>::new().dtype(DType::F32);
     Checkpoint::open(common::fixtures().join(FIXTURE)).expect("open").load(options).expect("load").model
+}
+
+/// The tiny model with a context of `positions` (its config says 256; nothing else in it
+/// depends on that number): for requests that must run long.
+pub(crate) fn long_context_model(positions: usize) -> Gemma<NdArray> {
+    let dir = common::Scratch::new("long-context");
+    let fixture = common::fixtures().join(FIXTURE);
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).expect("config")).expect("config JSON");
+    config["max_position_embeddings"] = json!(positions);
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
+    std::fs::copy(fixture.join("model.safetensors"), dir.join("model.safetensors")).expect("copy weights");
+    let options = LoadOptions::<NdArray>::new().dtype(DType::F32);
+    Checkpoint::open(&*dir).expect("open").load(options).expect("load").model
 }
 
 /// What the plain generator answers to `prompt` greedily in `max_new_tokens`.
@@ -37,20 +51,22 @@ fn alone_sampled(prompt: &str, max_new_tokens: usize, sampling: SamplingConfig) 
 }
 
 /// A running server and how to stop it.
-struct Running {
-    base: String,
-    server: Arc<Server>,
+pub(crate) struct Running {
+    pub(crate) base: String,
+    pub(crate) server: Arc<Server>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 async fn start(config: EngineConfig) -> Running {
-    let engine = Engine::new(model(), common::tiny_tokenizer(), config).expect("engine");
-    let server = Server::new(
-        engine,
-        ChatTemplate::Gemma,
-        ServerConfig { model_id: "tiny-gemma3".into(), default_max_tokens: 8 },
-    );
+    let server = ServerConfig { default_max_tokens: 8, ..ServerConfig::new("tiny-gemma3") };
+    start_with(model(), config, server).await
+}
+
+/// A server of `model` with these settings, on a port of its own.
+pub(crate) async fn start_with(model: Gemma<NdArray>, config: EngineConfig, server: ServerConfig) -> Running {
+    let engine = Engine::new(model, common::tiny_tokenizer(), config).expect("engine");
+    let server = Server::new(engine, ChatTemplate::Gemma, server).expect("server");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("address"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -66,14 +82,14 @@ async fn start(config: EngineConfig) -> Running {
 }
 
 impl Running {
-    async fn post(&self, path: &str, body: &Value) -> (u16, String) {
+    pub(crate) async fn post(&self, path: &str, body: &Value) -> (u16, String) {
         let response =
             reqwest::Client::new().post(format!("{}{path}", self.base)).json(body).send().await.expect("post");
         let status = response.status().as_u16();
         (status, response.text().await.expect("body"))
     }
 
-    async fn shutdown(mut self) {
+    pub(crate) async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -252,8 +268,15 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_gets_429_and_a_gone_client_frees_its_place() {
-    let config = EngineConfig { max_running: NonZeroUsize::new(1).unwrap(), max_waiting: 1, ..EngineConfig::default() };
-    let running = start(config).await;
+    // A context long enough for a request that runs until its client goes away.
+    let config = EngineConfig {
+        max_running: NonZeroUsize::new(1).unwrap(),
+        max_waiting: 1,
+        max_sequence_len: NonZeroUsize::new(131_072).unwrap(),
+        ..EngineConfig::default()
+    };
+    let server = ServerConfig { default_max_tokens: 8, ..ServerConfig::new("tiny-gemma3") };
+    let running = start_with(long_context_model(131_072), config, server).await;
     let long = json!({ "prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0, "stream": true });
     // The first runs (its first event is out), the second waits, the third is refused.
     let mut first =

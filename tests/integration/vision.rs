@@ -1073,7 +1073,8 @@ async fn server_reads_pictures_in_chat_messages() {
     let png = std::fs::read(&path).unwrap();
     let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png));
     let serve = |engine: Engine, template: ChatTemplate| async move {
-        let server = Server::new(engine, template, ServerConfig { model_id: "tiny".into(), default_max_tokens: 4 });
+        let config = ServerConfig { default_max_tokens: 4, ..ServerConfig::new("tiny") };
+        let server = Server::new(engine, template, config).expect("server");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
