@@ -1718,20 +1718,25 @@ fn emit_verified<B: GemmaBackend>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::{share_drafts, step_rows};
     use super::{Engine, EngineConfig, EngineError, EngineHealth, Event, Fault, Request};
     use crate::{backends::NdArray, Checkpoint, GenerationConfig, LoadOptions, SamplingConfig, StopReason, Tokenizer};
     use std::sync::atomic::Ordering;
 
     /// The tiny Gemma 3 fixture's engine, and its tokenizer's vocabulary (512 tokens).
-    fn tiny_engine() -> Result<Engine, crate::Error> {
+    pub(crate) fn tiny_engine() -> Result<Engine, crate::Error> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-gemma/gemma3");
         let options = LoadOptions::<NdArray>::new().dtype(burn::tensor::DType::F32);
         let model = Checkpoint::open(&dir)?.load(options)?.model;
+        // The integration tests' vocabulary: control tokens, the 256 byte tokens, then words.
         let mut tokens = vec!["<pad>".to_string(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
+        tokens.extend(["<start_of_turn>".to_string(), "<end_of_turn>".into()]);
+        let mut types = vec![3; tokens.len()];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        types.resize(tokens.len(), 6);
         tokens.extend((tokens.len()..512).map(|i| format!("w{i}")));
-        let types = (0..512).map(|i| if i < 4 { 3 } else { 1 }).collect();
+        types.resize(512, 1);
         let scores = (0..512).map(|i| -(i as f32)).collect();
         Engine::new(model, Tokenizer::from_vocab(tokens, scores, types, 2)?, EngineConfig::default())
     }

@@ -49,8 +49,8 @@ fn text_modality(v: &Value) -> bool {
 fn default_tier(v: &Value) -> bool {
     v.is_null() || matches!(v.as_str(), Some("auto" | "default"))
 }
-fn any(_: &Value) -> bool {
-    true
+fn null_or_bool(v: &Value) -> bool {
+    v.is_null() || v.is_boolean()
 }
 
 const fn off(off: fn(&Value) -> bool, accepted: &'static str) -> Rule {
@@ -96,7 +96,8 @@ const CHAT: &[(&str, Rule)] = &[
     ("top_logprobs", off(null_or_zero, "null or 0")),
     ("tools", off(null_or_empty, "null or []")),
     ("tool_choice", off(no_tool_choice, "null or \"none\"")),
-    ("parallel_tool_calls", off(any, "")),
+    // Without tools (refused above unless empty) it changes nothing.
+    ("parallel_tool_calls", off(null_or_bool, "null, true or false")),
     ("functions", off(null_or_empty, "null or []")),
     ("function_call", off(no_tool_choice, "null or \"none\"")),
     ("response_format", off(text_format, "null or {\"type\": \"text\"}")),
@@ -184,12 +185,9 @@ fn check_object(
             Some(Rule::OnlyOff { off, .. }) if off(value) => {}
             Some(Rule::OnlyOff { accepted, .. }) => {
                 let shown = shown(value);
-                let message = match accepted {
-                    "" => format!("{at}{name} is not implemented by this server"),
-                    accepted => format!(
-                        "{at}{name} = {shown} is not implemented by this server; leave it out or set it to {accepted}"
-                    ),
-                };
+                let message = format!(
+                    "{at}{name} = {shown} is not implemented by this server; leave it out or set it to {accepted}"
+                );
                 return Err(ApiError::invalid_owned(param(name), message));
             }
             None => match unknown {
@@ -236,7 +234,7 @@ mod tests {
             ("response_format", json!({ "type": "json_object" })),
             ("logit_bias", json!({ "42": 5 })),
             ("reasoning_effort", json!("high")),
-            ("parallel_tool_calls", json!(true)),
+            ("parallel_tool_calls", json!("yes")),
         ] {
             let mut body = json!({ "messages": user });
             body[field] = value.clone();

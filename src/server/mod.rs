@@ -649,3 +649,60 @@ async fn ready(State(server): State<Arc<Server>>) -> Response {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{tests::tiny_engine, Fault};
+
+    /// A worker that stopped on a failure turns `/health`, `/ready` and the metric to failed, and
+    /// requests get a 503 naming it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_worker_is_reported_not_hidden() -> Result<(), Box<dyn std::error::Error>> {
+        let server = Server::new(tiny_engine()?, ChatTemplate::Gemma, ServerConfig::new("tiny"))?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let base = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = Arc::clone(&server);
+        let task = tokio::spawn(async move {
+            serving
+                .serve(listener, async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        let get = |path: &'static str| {
+            let base = base.clone();
+            async move {
+                let response = reqwest::get(format!("{base}{path}")).await?;
+                Ok::<_, reqwest::Error>((response.status().as_u16(), response.text().await?))
+            }
+        };
+        assert_eq!(get("/health").await?, (200, json!({ "status": "ok" }).to_string()));
+        assert_eq!(get("/ready").await?.0, 200);
+        server.engine.inject(Fault::Worker);
+        let started = Instant::now();
+        while get("/health").await?.0 == 200 {
+            assert!(started.elapsed() < std::time::Duration::from_secs(30), "the failure was not reported");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let (status, text) = get("/health").await?;
+        assert_eq!(status, 503);
+        let health: Value = serde_json::from_str(&text)?;
+        assert_eq!(health["status"], "error");
+        assert!(health["reason"].as_str().is_some_and(|r| r.contains("a fault injected")), "{text}");
+        assert_eq!(get("/ready").await?.0, 503);
+        assert!(get("/metrics").await?.1.contains("burn_gemma_engine_up 0"));
+        let response = reqwest::Client::new()
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({ "prompt": "hi", "max_tokens": 2 }))
+            .send()
+            .await?;
+        assert_eq!(response.status().as_u16(), 503);
+        let body: Value = response.json().await?;
+        assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("worker failed")), "{body}");
+        let _ = stop.send(());
+        task.await??;
+        Ok(())
+    }
+}

@@ -266,8 +266,8 @@ impl Message {
         match &self.content {
             Content::Text(text) => (text.len(), 0),
             Content::Parts(parts) => parts.iter().fold((0, 0), |(bytes, pictures), part| match part {
-                ContentPart::Text { text } => (bytes + text.len(), pictures),
-                ContentPart::ImageUrl { .. } => (bytes, pictures + 1),
+                ContentPart::Text { text } => (bytes.saturating_add(text.len()), pictures),
+                ContentPart::ImageUrl { .. } => (bytes, pictures.saturating_add(1)),
             }),
         }
     }
