@@ -964,8 +964,7 @@ impl<B: GemmaBackend> Worker<B> {
             self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             // A panic in starting one request ends that request alone.
             let events = submitted.events.clone();
-            let started =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.start(submitted, reservation)));
+            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.start(submitted, reservation)));
             let started = match started {
                 Ok(started) => started,
                 Err(panic) => {
@@ -1742,8 +1741,7 @@ pub(crate) mod tests {
     }
 
     fn request(tokens: usize) -> Request {
-        let generation =
-            GenerationConfig {
+        let generation = GenerationConfig {
             max_new_tokens: tokens,
             sampling: SamplingConfig { temperature: 0.0, ..SamplingConfig::default() },
             ..GenerationConfig::default()

@@ -19,7 +19,12 @@ use std::{
     },
     time::Duration,
 };
-use tokio::{io::{AsyncReadExt, AsyncWriteExt}, net::TcpListener, sync::Semaphore, task::JoinSet};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+    sync::Semaphore,
+    task::JoinSet,
+};
 use tokio_io_timeout::TimeoutStream;
 
 /// Open connections, for `/metrics`.

@@ -270,7 +270,8 @@ mod tests {
         assert_eq!(e.err().and_then(|e| e.param).as_deref(), Some("messages"));
         let e = chat(json!({ "messages": [{ "role": "user", "content": "a", "name": "bob" }] }), UnknownFields::Refuse);
         assert_eq!(e.err().and_then(|e| e.param).as_deref(), Some("messages"));
-        let e = chat(json!({ "messages": [], "stream_options": { "include_obfuscation": true } }), UnknownFields::Refuse);
+        let e =
+            chat(json!({ "messages": [], "stream_options": { "include_obfuscation": true } }), UnknownFields::Refuse);
         assert_eq!(e.err().and_then(|e| e.param).as_deref(), Some("stream_options"));
         assert!(chat(json!([1, 2]), UnknownFields::Refuse).is_err());
     }

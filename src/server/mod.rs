@@ -245,7 +245,11 @@ struct Prepared {
 /// Reads, checks and tokenizes a request to `endpoint`: every limit is checked before the work
 /// it bounds, and the tokenizing (with any pictures' decoding) runs on a blocking thread once
 /// one of the server's turns for it is free.
-async fn prepare(server: &Arc<Server>, endpoint: Endpoint, request: axum::extract::Request) -> Result<Prepared, ApiError> {
+async fn prepare(
+    server: &Arc<Server>,
+    endpoint: Endpoint,
+    request: axum::extract::Request,
+) -> Result<Prepared, ApiError> {
     let config = &server.config;
     let body = read_body(config, request).await?;
     let (fields, ignored) = parse(&body, endpoint, config.unknown_fields)?;
@@ -263,9 +267,10 @@ async fn prepare(server: &Arc<Server>, endpoint: Endpoint, request: axum::extrac
         },
         Endpoint::Chat => match &fields.messages {
             None => return Err(ApiError::invalid("messages", "missing field `messages`")),
-            Some(messages) => messages.iter().map(openai::Message::size).fold((0usize, 0usize), |(b, p), (mb, mp)| {
-                (b.saturating_add(mb), p.saturating_add(mp))
-            }),
+            Some(messages) => messages
+                .iter()
+                .map(openai::Message::size)
+                .fold((0usize, 0usize), |(b, p), (mb, mp)| (b.saturating_add(mb), p.saturating_add(mp))),
         },
     };
     if bytes > server.prompt_bytes {
@@ -292,8 +297,7 @@ async fn prepare(server: &Arc<Server>, endpoint: Endpoint, request: axum::extrac
     let (ids, pictures) = tokenized;
     let positions = server.engine.sequence_positions();
     let asked = fields.max_tokens_asked().map(|n| (n, fields.max_tokens_field()));
-    let max_new_tokens =
-        openai::fit_max_tokens(asked, generation.max_new_tokens, ids.len(), positions, field)?;
+    let max_new_tokens = openai::fit_max_tokens(asked, generation.max_new_tokens, ids.len(), positions, field)?;
     Ok(Prepared {
         ids,
         pictures,

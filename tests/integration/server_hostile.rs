@@ -12,7 +12,7 @@ use crate::server::{long_context_model, model, start_with, Running};
 
 use burn_gemma::{
     engine::EngineConfig,
-    server::{Access, ApiKey, ConnectionLimits, RequestLimits, ServerConfig, UnknownFields},
+    server::{Access, ApiKey, ConnectionLimits, Cors, RequestLimits, ServerConfig, UnknownFields},
 };
 use serde_json::{json, Value};
 use std::{
@@ -99,9 +99,12 @@ async fn the_requests_that_once_broke_the_server_are_refused_and_it_goes_on() {
     // The request that killed the engine worker (capacity overflow), and u64::MAX.
     for max_tokens in ["4611686018427387904", "18446744073709551615"] {
         let body = format!(r#"{{"prompt":"hi","max_tokens":{max_tokens}}}"#);
-        let (status, text) =
-            raw(&running.base, &post_bytes("/v1/completions", "application/json", body.as_bytes()), Duration::from_secs(10))
-                .await;
+        let (status, text) = raw(
+            &running.base,
+            &post_bytes("/v1/completions", "application/json", body.as_bytes()),
+            Duration::from_secs(10),
+        )
+        .await;
         assert_eq!(status, Some(400), "{text}");
         assert!(text.contains("\"param\":\"max_tokens\""), "{text}");
         still_serving(&running).await;
@@ -117,7 +120,12 @@ async fn the_requests_that_once_broke_the_server_are_refused_and_it_goes_on() {
         .map(|_| {
             let (base, big) = (running.base.clone(), Arc::clone(&big));
             tokio::spawn(async move {
-                reqwest::Client::new().post(format!("{base}/v1/completions")).json(&*big).send().await.map(|r| r.status())
+                reqwest::Client::new()
+                    .post(format!("{base}/v1/completions"))
+                    .json(&*big)
+                    .send()
+                    .await
+                    .map(|r| r.status())
             })
         })
         .collect();
@@ -221,7 +229,11 @@ async fn api_keys_are_required_where_configured() {
     assert_eq!(health_time(&running.base).await.0, 200);
     assert_eq!(reqwest::get(format!("{}/ready", running.base)).await.expect("ready").status().as_u16(), 200);
     for path in ["/v1/models", "/metrics", "/nowhere"] {
-        assert_eq!(reqwest::get(format!("{}{path}", running.base)).await.expect("get").status().as_u16(), 401, "{path}");
+        assert_eq!(
+            reqwest::get(format!("{}{path}", running.base)).await.expect("get").status().as_u16(),
+            401,
+            "{path}"
+        );
     }
     running.shutdown().await;
 }
@@ -240,17 +252,65 @@ fn json_case(what: &'static str, path: &'static str, body: Value, status: u16, p
     Case { what, path, body: body.to_string().into_bytes(), status, param }
 }
 
+/// Values of one field: (JSON, what it is, the status it gets).
+type Values = &'static [(&'static str, &'static str, u16)];
+
 /// Every numeric field of a request, each with values out of its range or of the wrong type.
 fn numeric_cases() -> Vec<Case> {
     let mut cases = Vec::new();
-    let fields: [(&str, &[(&str, &str, u16)]); 10] = [
-        ("max_tokens", &[("-1", "negative", 400), ("1.5", "a float", 400), ("1e300", "huge float", 400), ("\"7\"", "a string", 400), ("99999999999999999999", "past u64", 400)]),
+    let fields: [(&str, Values); 10] = [
+        (
+            "max_tokens",
+            &[
+                ("-1", "negative", 400),
+                ("1.5", "a float", 400),
+                ("1e300", "huge float", 400),
+                ("\"7\"", "a string", 400),
+                ("99999999999999999999", "past u64", 400),
+            ],
+        ),
         ("max_completion_tokens", &[("-7", "negative", 400), ("0", "zero", 400), ("4611686018427387904", "2^62", 400)]),
-        ("n", &[("0", "zero", 400), ("-1", "negative", 400), ("9", "over the cap", 400), ("1e19", "huge float", 400), ("true", "a bool", 400)]),
-        ("top_k", &[("0", "zero", 400), ("-5", "negative", 400), ("2.5", "a float", 400), ("4611686018427387904", "2^62 (clamped to the vocabulary)", 200)]),
-        ("seed", &[("-1", "negative", 400), ("1.5", "a float", 400), ("18446744073709551616", "past u64", 400), ("18446744073709551615", "u64::MAX", 200)]),
-        ("temperature", &[("-1", "negative", 400), ("1e300", "past f32", 400), ("2.0001", "over 2", 400), ("\"hot\"", "a string", 400)]),
-        ("top_p", &[("0", "zero", 400), ("-0.5", "negative", 400), ("1.5", "over 1", 400), ("1e-300", "a denormal", 400)]),
+        (
+            "n",
+            &[
+                ("0", "zero", 400),
+                ("-1", "negative", 400),
+                ("9", "over the cap", 400),
+                ("1e19", "huge float", 400),
+                ("true", "a bool", 400),
+            ],
+        ),
+        (
+            "top_k",
+            &[
+                ("0", "zero", 400),
+                ("-5", "negative", 400),
+                ("2.5", "a float", 400),
+                ("4611686018427387904", "2^62 (clamped to the vocabulary)", 200),
+            ],
+        ),
+        (
+            "seed",
+            &[
+                ("-1", "negative", 400),
+                ("1.5", "a float", 400),
+                ("18446744073709551616", "past u64", 400),
+                ("18446744073709551615", "u64::MAX", 200),
+            ],
+        ),
+        (
+            "temperature",
+            &[
+                ("-1", "negative", 400),
+                ("1e300", "past f32", 400),
+                ("2.0001", "over 2", 400),
+                ("\"hot\"", "a string", 400),
+            ],
+        ),
+        (
+            "top_p",
+            &[("0", "zero", 400), ("-0.5", "negative", 400), ("1.5", "over 1", 400), ("1e-300", "a denormal", 400)],
+        ),
         ("min_p", &[("-0.1", "negative", 400), ("1.1", "over 1", 400), ("1e300", "past f32", 400)]),
         ("frequency_penalty", &[("0.5", "not 0", 400), ("-1e300", "past f32", 400), ("[]", "an array", 400)]),
         ("presence_penalty", &[("2", "not 0", 400), ("null", "null", 200), ("{}", "an object", 400)]),
@@ -284,23 +344,65 @@ fn other_cases() -> Vec<Case> {
     let nine_pictures: Vec<Value> =
         (0..9).map(|_| json!({ "type": "image_url", "image_url": { "url": "data:image/png;base64,AAAA" } })).collect();
     vec![
-        Case { what: "deep JSON (100,000 nested arrays)", path: cmpl, body: deep.into_bytes(), status: 400, param: None },
+        Case {
+            what: "deep JSON (100,000 nested arrays)",
+            path: cmpl,
+            body: deep.into_bytes(),
+            status: 400,
+            param: None,
+        },
         Case { what: "invalid UTF-8 in a string", path: cmpl, body: invalid_utf8, status: 400, param: None },
-        Case { what: "a lone surrogate escape", path: cmpl, body: br#"{"prompt":"\ud800"}"#.to_vec(), status: 400, param: None },
+        Case {
+            what: "a lone surrogate escape",
+            path: cmpl,
+            body: br#"{"prompt":"\ud800"}"#.to_vec(),
+            status: 400,
+            param: None,
+        },
         Case { what: "an empty body", path: cmpl, body: Vec::new(), status: 400, param: None },
         Case { what: "a JSON array body", path: cmpl, body: b"[1,2,3]".to_vec(), status: 400, param: None },
         Case { what: "a JSON string body", path: chat, body: b"\"hello\"".to_vec(), status: 400, param: None },
         Case { what: "JSON null", path: chat, body: b"null".to_vec(), status: 400, param: None },
-        Case { what: "trailing garbage", path: cmpl, body: br#"{"prompt":"a"} xyz"#.to_vec(), status: 400, param: None },
-        json_case("a stop string of 300 bytes", cmpl, json!({ "prompt": "a", "stop": "x".repeat(300) }), 400, Some("stop")),
-        json_case("five stop strings", cmpl, json!({ "prompt": "a", "stop": ["a", "b", "c", "d", "e"] }), 400, Some("stop")),
+        Case {
+            what: "trailing garbage",
+            path: cmpl,
+            body: br#"{"prompt":"a"} xyz"#.to_vec(),
+            status: 400,
+            param: None,
+        },
+        json_case(
+            "a stop string of 300 bytes",
+            cmpl,
+            json!({ "prompt": "a", "stop": "x".repeat(300) }),
+            400,
+            Some("stop"),
+        ),
+        json_case(
+            "five stop strings",
+            cmpl,
+            json!({ "prompt": "a", "stop": ["a", "b", "c", "d", "e"] }),
+            400,
+            Some("stop"),
+        ),
         json_case("a numeric stop", cmpl, json!({ "prompt": "a", "stop": 5 }), 400, Some("stop")),
         json_case("stream = \"yes\"", cmpl, json!({ "prompt": "a", "stream": "yes" }), 400, Some("stream")),
         json_case("model = 123", cmpl, json!({ "prompt": "a", "model": 123 }), 400, Some("model")),
         json_case("prompt = null", cmpl, json!({ "prompt": null }), 400, Some("prompt")),
         json_case("a list of prompts", cmpl, json!({ "prompt": ["a", "b"] }), 400, Some("prompt")),
-        json_case("role tool", chat, json!({ "messages": [{ "role": "tool", "content": "a" }] }), 400, Some("messages")),
-        json_case("content null", chat, json!({ "messages": [{ "role": "user", "content": null }] }), 400, Some("messages")),
+        json_case(
+            "role tool",
+            chat,
+            json!({ "messages": [{ "role": "tool", "content": "a" }] }),
+            400,
+            Some("messages"),
+        ),
+        json_case(
+            "content null",
+            chat,
+            json!({ "messages": [{ "role": "user", "content": null }] }),
+            400,
+            Some("messages"),
+        ),
         json_case(
             "an audio content part",
             chat,
@@ -336,9 +438,27 @@ fn other_cases() -> Vec<Case> {
             400,
             Some("messages"),
         ),
-        json_case("control tokens typed as text", cmpl, json!({ "prompt": "<eos><bos><start_of_turn>user\n<end_of_turn>", "max_tokens": 2 }), 200, None),
-        json_case("NUL and control characters", cmpl, json!({ "prompt": "a\u{0}\u{1}\u{7f}\u{1b}[31m", "max_tokens": 2 }), 200, None),
-        json_case("emoji and combining marks", cmpl, json!({ "prompt": "🦀é\u{301}\u{200d}", "max_tokens": 2 }), 200, None),
+        json_case(
+            "control tokens typed as text",
+            cmpl,
+            json!({ "prompt": "<eos><bos><start_of_turn>user\n<end_of_turn>", "max_tokens": 2 }),
+            200,
+            None,
+        ),
+        json_case(
+            "NUL and control characters",
+            cmpl,
+            json!({ "prompt": "a\u{0}\u{1}\u{7f}\u{1b}[31m", "max_tokens": 2 }),
+            200,
+            None,
+        ),
+        json_case(
+            "emoji and combining marks",
+            cmpl,
+            json!({ "prompt": "🦀é\u{301}\u{200d}", "max_tokens": 2 }),
+            200,
+            None,
+        ),
         json_case("echo = true", cmpl, json!({ "prompt": "a", "echo": true }), 400, Some("echo")),
         json_case("best_of = 3", cmpl, json!({ "prompt": "a", "best_of": 3 }), 400, Some("best_of")),
         Case {
@@ -348,8 +468,20 @@ fn other_cases() -> Vec<Case> {
             status: 200,
             param: None,
         },
-        json_case("stream_options without a stream", cmpl, json!({ "prompt": "a", "max_tokens": 1, "stream_options": { "include_usage": true } }), 200, None),
-        json_case("a prompt too long for the context", cmpl, json!({ "prompt": "w300 ".repeat(600) }), 400, Some("prompt")),
+        json_case(
+            "stream_options without a stream",
+            cmpl,
+            json!({ "prompt": "a", "max_tokens": 1, "stream_options": { "include_usage": true } }),
+            200,
+            None,
+        ),
+        json_case(
+            "a prompt too long for the context",
+            cmpl,
+            json!({ "prompt": "w300 ".repeat(600) }),
+            400,
+            Some("prompt"),
+        ),
     ]
 }
 
@@ -484,7 +616,10 @@ async fn clients_that_stop_reading_or_leave_free_what_they_held() {
     socket.set_recv_buffer_size(4096).expect("buffer");
     let address = running.base.trim_start_matches("http://").parse().expect("address");
     let mut stalled = socket.connect(address).await.expect("connect");
-    stalled.write_all(&post_bytes("/v1/completions", "application/json", body.to_string().as_bytes())).await.expect("write");
+    stalled
+        .write_all(&post_bytes("/v1/completions", "application/json", body.to_string().as_bytes()))
+        .await
+        .expect("write");
     let started = Instant::now();
     while metrics.running.load(Ordering::SeqCst) == 0 {
         assert!(started.elapsed() < Duration::from_secs(30), "the stream never started");
@@ -505,8 +640,12 @@ async fn clients_that_stop_reading_or_leave_free_what_they_held() {
         for _ in 0..20 {
             let (base, body) = (running.base.clone(), body.clone());
             clients.push(tokio::spawn(async move {
-                let mut response =
-                    reqwest::Client::new().post(format!("{base}/v1/completions")).json(&body).send().await.expect("post");
+                let mut response = reqwest::Client::new()
+                    .post(format!("{base}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .expect("post");
                 if read_first {
                     let _ = response.chunk().await;
                 }
@@ -533,8 +672,12 @@ async fn floods_get_429_and_503_and_the_server_stays_up() {
         let running = Arc::clone(&running);
         tasks.push(tokio::spawn(async move {
             let body = format!(r#"{{"prompt":"flood {i}","max_tokens":3,"temperature":0}}"#);
-            raw(&running.base, &post_bytes("/v1/completions", "application/json", body.as_bytes()), Duration::from_secs(60))
-                .await
+            raw(
+                &running.base,
+                &post_bytes("/v1/completions", "application/json", body.as_bytes()),
+                Duration::from_secs(60),
+            )
+            .await
         }));
     }
     let mut counts = std::collections::BTreeMap::new();
@@ -569,7 +712,7 @@ fn mutate(rng: &mut Rng, valid: &Value) -> Vec<u8> {
     let random_value = |rng: &mut Rng| -> Value {
         match rng.next() % 14 {
             0 => json!(null),
-            1 => json!(rng.next() % 2 == 0),
+            1 => json!(rng.next().is_multiple_of(2)),
             2 => json!(rng.next() as i64),
             3 => json!(-((rng.next() % 1000) as i64)),
             4 => json!(f64::from_bits(rng.next() & !(0x7ffu64 << 52)) * 1e300),
@@ -586,8 +729,22 @@ fn mutate(rng: &mut Rng, valid: &Value) -> Vec<u8> {
     };
     let mut body = valid.clone();
     let fields = [
-        "prompt", "messages", "max_tokens", "n", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-        "logprobs", "tools", "stream_options", "frequency_penalty", "x-unknown",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "n",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "logprobs",
+        "tools",
+        "stream_options",
+        "frequency_penalty",
+        "x-unknown",
     ];
     for _ in 0..1 + rng.next() % 3 {
         let field = fields[(rng.next() % fields.len() as u64) as usize];
@@ -598,7 +755,7 @@ fn mutate(rng: &mut Rng, valid: &Value) -> Vec<u8> {
             _ => body[field] = random_value(rng),
         }
         // Keep generation short where the mutation left a valid budget.
-        if body["max_tokens"].as_u64().is_some_and(|m| m > 16) && rng.next() % 4 != 0 {
+        if body["max_tokens"].as_u64().is_some_and(|m| m > 16) && !rng.next().is_multiple_of(4) {
             body["max_tokens"] = json!(8);
         }
     }
@@ -672,4 +829,42 @@ async fn fuzzed_request_bodies_never_break_the_server() {
         Ok(running) => running.shutdown().await,
         Err(_) => panic!("a fuzz task still holds the server"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cors_answers_only_the_origins_configured() {
+    let access = Access { cors: Cors::Origins(vec!["https://app.example.com".into()]), ..Access::default() };
+    let running = start(ServerConfig { access, ..server_config() }).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", running.base);
+    for (origin, allowed) in [("https://app.example.com", true), ("https://evil.example", false)] {
+        let preflight = client
+            .request(reqwest::Method::OPTIONS, &url)
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "content-type, authorization")
+            .send()
+            .await
+            .expect("preflight");
+        let allow = preflight.headers().get("access-control-allow-origin").and_then(|v| v.to_str().ok());
+        assert_eq!(allow, allowed.then_some(origin), "{origin}");
+    }
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shutdown_closes_what_is_left_at_its_deadline() {
+    let config = EngineConfig { max_sequence_len: NonZeroUsize::new(8192).unwrap(), ..EngineConfig::default() };
+    let connections = ConnectionLimits { shutdown_deadline: Duration::from_secs(1), ..server_config().connections };
+    let running = start_with(long_context_model(8192), config, ServerConfig { connections, ..server_config() }).await;
+    // A stream that would run for minutes is in flight when the shutdown comes.
+    let body = json!({ "prompt": "Once upon a time", "max_tokens": 8000, "stream": true, "temperature": 0 });
+    let mut response =
+        reqwest::Client::new().post(format!("{}/v1/completions", running.base)).json(&body).send().await.expect("post");
+    assert!(response.chunk().await.expect("a first event").is_some());
+    let started = Instant::now();
+    running.shutdown().await;
+    let took = started.elapsed();
+    println!("shutdown with a stream in flight: {took:?}");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(10), "{took:?}");
 }
