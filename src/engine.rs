@@ -911,13 +911,18 @@ impl<B: GemmaBackend> Worker<B> {
             if let Place::Prompt(cache, _) = std::mem::replace(&mut sequence.place, Place::Row(usize::MAX)) {
                 self.keep_spare(cache);
             }
-            self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-            let e = BackendError::Panicked { what: "an engine round", message: message.clone() };
-            let _ = sequence.submitted.events.send(Err(EngineError::Generation(e.into())));
+            self.fail_with_panic(&sequence.submitted.events, "an engine round", message.clone());
         }
         self.generating = 0;
         self.broken = Some(message);
         self.renew_rows();
+    }
+
+    /// Ends a request through `events` with the panic (its `message`) caught while `what`.
+    fn fail_with_panic(&self, events: &mpsc::Sender<Result<Event, EngineError>>, what: &'static str, message: String) {
+        self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+        let e = BackendError::Panicked { what, message };
+        let _ = events.send(Err(EngineError::Generation(e.into())));
     }
 
     /// Moves waiting requests to the running while there is room: each gets a prompt cache.
@@ -969,10 +974,7 @@ impl<B: GemmaBackend> Worker<B> {
                 Ok(started) => started,
                 Err(panic) => {
                     self.metrics.worker_panics.fetch_add(1, Ordering::Relaxed);
-                    self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                    let message = panic_message(&*panic);
-                    let e = BackendError::Panicked { what: "starting a request", message };
-                    let _ = events.send(Err(EngineError::Generation(e.into())));
+                    self.fail_with_panic(&events, "starting a request", panic_message(&*panic));
                     continue;
                 }
             };
@@ -1764,26 +1766,28 @@ pub(crate) mod tests {
         Err(EngineError::ShutDown)
     }
 
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
     #[test]
-    fn a_panic_in_a_round_fails_the_running_requests_and_the_engine_goes_on() -> Result<(), crate::Error> {
+    fn a_panic_in_a_round_fails_the_running_requests_and_the_engine_goes_on() -> TestResult {
         let engine = tiny_engine()?;
-        let alone = tokens(engine.submit(request(6)).expect("submit")).expect("answered");
+        let alone = tokens(engine.submit(request(6))?)?;
         // The next round with a request running panics: that request ends with the panic's error.
         engine.inject(Fault::Round);
-        let failed = tokens(engine.submit(request(200)).expect("submit"));
+        let failed = tokens(engine.submit(request(200))?);
         let message = failed.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(message.contains("a fault injected in a round"), "{message}");
         assert_eq!(engine.metrics().worker_panics.load(Ordering::SeqCst), 1);
         assert_eq!(engine.health(), EngineHealth::Serving);
         // Later requests answer as before the panic.
-        let after = tokens(engine.submit(request(6)).expect("submit after the panic")).expect("answered");
+        let after = tokens(engine.submit(request(6))?)?;
         assert_eq!(after, alone);
         assert_eq!(engine.metrics().running.load(Ordering::SeqCst), 0);
         Ok(())
     }
 
     #[test]
-    fn a_worker_that_cannot_go_on_is_reported_failed() -> Result<(), crate::Error> {
+    fn a_worker_that_cannot_go_on_is_reported_failed() -> TestResult {
         let engine = tiny_engine()?;
         engine.inject(Fault::Worker);
         let started = std::time::Instant::now();
@@ -1802,22 +1806,22 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn huge_token_budgets_are_held_to_the_sequence() -> Result<(), crate::Error> {
+    fn huge_token_budgets_are_held_to_the_sequence() -> TestResult {
         let engine = tiny_engine()?;
         // 2^62 and usize::MAX new tokens: no overflow, no allocation of what they ask; the
         // sequence ends when its positions are full.
         for max in [1usize << 62, usize::MAX] {
-            let stream = engine.submit(request(max)).expect("submit");
+            let stream = engine.submit(request(max))?;
             let mut last = None;
             for event in stream {
-                last = Some(event.expect("no error"));
+                last = Some(event?);
             }
             match last {
                 Some(Event::Done(finish)) => {
                     assert!(matches!(finish.reason, StopReason::ContextFull | StopReason::StopToken(_)), "{finish:?}");
                     assert!(finish.prompt_tokens + finish.generated_tokens <= engine.sequence_positions() + 1);
                 }
-                other => panic!("{other:?}"),
+                other => return Err(format!("the stream ended with {other:?}").into()),
             }
         }
         assert_eq!(engine.health(), EngineHealth::Serving);

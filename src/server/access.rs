@@ -119,6 +119,12 @@ pub(super) async fn not_found(request: Request<Body>) -> Response {
     ApiError::new(StatusCode::NOT_FOUND, message).into_response()
 }
 
+/// A 405 naming the method and the path.
+pub(super) async fn method_not_allowed(request: Request<Body>) -> Response {
+    let message = format!("{} is not allowed on {}", request.method(), request.uri().path());
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message).into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -144,8 +144,7 @@ pub(super) fn check(body: &Value, endpoint: Endpoint, unknown: UnknownFields) ->
         Endpoint::Completions => COMPLETIONS,
         Endpoint::Chat => CHAT,
     };
-    let top: Vec<&[(&str, Rule)]> = vec![SHARED, own];
-    check_object(object, &top, "", unknown, &mut ignored)?;
+    check_object(object, &[SHARED, own], "", unknown, &mut ignored)?;
     if let Some(options) = object.get("stream_options").and_then(Value::as_object) {
         check_object(options, &[STREAM_OPTIONS], "stream_options.", unknown, &mut ignored)?;
     }

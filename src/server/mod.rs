@@ -71,13 +71,15 @@ pub struct Server {
     connections: Arc<ConnectionCounts>,
     /// Bytes past which a prompt cannot fit a sequence, whatever its tokens.
     prompt_bytes: usize,
+    /// The CORS layer, where [`Access::cors`] allows other origins.
+    cors: Option<tower_http::cors::CorsLayer>,
 }
 
 impl Server {
     /// Serves `engine`, whose model's chat layout is `template`; fails on a configuration it
     /// cannot serve with (a CORS origin that is not one, a zero limit).
     pub fn new(engine: Engine, template: ChatTemplate, config: ServerConfig) -> Result<Arc<Self>, ConfigError> {
-        access::cors_layer(&config.access.cors)?;
+        let cors = access::cors_layer(&config.access.cors)?;
         for (name, value) in [
             ("max_connections", config.connections.max_connections),
             ("prepare_concurrency", config.limits.prepare_concurrency),
@@ -93,6 +95,7 @@ impl Server {
             preparing: Arc::new(Semaphore::new(config.limits.prepare_concurrency)),
             connections: Arc::default(),
             prompt_bytes: config.limits.max_prompt_bytes.min(fits),
+            cors,
             engine,
             config,
             template,
@@ -117,12 +120,11 @@ impl Server {
             .route("/ready", get(ready))
             .route("/metrics", get(metrics::handler))
             .fallback(access::not_found)
-            .method_not_allowed_fallback(method_not_allowed)
+            .method_not_allowed_fallback(access::method_not_allowed)
             .with_state(Arc::clone(self))
             .layer(middleware::from_fn(move |request, next| access::guard(Arc::clone(&access), request, next)));
-        // Checked in `new`: a bad origin never gets here.
-        let routes = match access::cors_layer(&self.config.access.cors).ok().flatten() {
-            Some(cors) => routes.layer(cors),
+        let routes = match &self.cors {
+            Some(cors) => routes.layer(cors.clone()),
             None => routes,
         };
         routes.layer(middleware::map_response(access::json_errors))
@@ -146,11 +148,6 @@ impl Server {
 
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-async fn method_not_allowed(request: axum::extract::Request) -> Response {
-    let message = format!("{} is not allowed on {}", request.method(), request.uri().path());
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message).into_response()
 }
 
 /// The body, within the size and time limits: 413 past the size, 408 past the time.
@@ -286,26 +283,29 @@ async fn prepare(
         let message = format!("{pictures} pictures; at most {} per request", config.limits.max_images);
         return Err(ApiError::invalid("messages", message));
     }
+    // What is read of the fields after tokenizing, so that they move to the blocking thread
+    // (a chat's pictures with them) instead of being copied.
+    let asked = fields.max_tokens_asked().map(|n| (n, fields.max_tokens_field()));
+    let (choices, delivery) = (fields.choices(), Delivery::of(&fields));
+    let include_usage = fields.stream_options.is_some_and(|o| o.include_usage);
     let turn = Arc::clone(&server.preparing).acquire_owned().await.map_err(|_| shutting_down())?;
-    let (tokenizing, fields_here) = (Arc::clone(server), fields.clone());
-    let tokenized = tokio::task::spawn_blocking(move || {
+    let tokenizing = Arc::clone(server);
+    let (ids, pictures) = tokio::task::spawn_blocking(move || {
         let _turn = turn;
-        tokenize(&tokenizing, endpoint, &fields_here)
+        tokenize(&tokenizing, endpoint, &fields)
     })
     .await
     .map_err(join_error)??;
-    let (ids, pictures) = tokenized;
     let positions = server.engine.sequence_positions();
-    let asked = fields.max_tokens_asked().map(|n| (n, fields.max_tokens_field()));
     let max_new_tokens = openai::fit_max_tokens(asked, generation.max_new_tokens, ids.len(), positions, field)?;
     Ok(Prepared {
         ids,
         pictures,
         generation: GenerationConfig { max_new_tokens, ..generation },
         stops,
-        choices: fields.choices(),
-        delivery: Delivery::of(&fields),
-        include_usage: fields.stream_options.is_some_and(|o| o.include_usage),
+        choices,
+        delivery,
+        include_usage,
         field,
         ignored,
     })
@@ -591,11 +591,11 @@ async fn chat_completions(State(server): State<Arc<Server>>, request: axum::extr
 }
 
 async fn handle(server: Arc<Server>, endpoint: Endpoint, request: axum::extract::Request) -> Response {
-    let prepared = match prepare(&server, endpoint, request).await {
+    let mut prepared = match prepare(&server, endpoint, request).await {
         Ok(prepared) => prepared,
         Err(e) => return e.into_response(),
     };
-    let ignored = prepared.ignored.clone();
+    let ignored = std::mem::take(&mut prepared.ignored);
     let delivery = prepared.delivery;
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",

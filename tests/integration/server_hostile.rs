@@ -316,7 +316,7 @@ fn numeric_cases() -> Vec<Case> {
         ("presence_penalty", &[("2", "not 0", 400), ("null", "null", 200), ("{}", "an object", 400)]),
     ];
     for (field, values) in fields {
-        for &(value, _, status) in values {
+        for &(value, kind, status) in values {
             let body = format!(r#"{{"prompt":"hi","max_tokens":2,"{field}":{value}}}"#);
             let body = match field {
                 "max_tokens" => format!(r#"{{"prompt":"hi","max_tokens":{value}}}"#),
@@ -326,7 +326,7 @@ fn numeric_cases() -> Vec<Case> {
                 _ => body,
             };
             let path = if field == "max_completion_tokens" { "/v1/chat/completions" } else { "/v1/completions" };
-            let what: &'static str = Box::leak(format!("{field} = {value}").into_boxed_str());
+            let what: &'static str = Box::leak(format!("{field} = {value} ({kind})").into_boxed_str());
             let param = (status == 400).then_some(field);
             cases.push(Case { what, path, body: body.into_bytes(), status, param });
         }
@@ -855,7 +855,13 @@ async fn cors_answers_only_the_origins_configured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shutdown_closes_what_is_left_at_its_deadline() {
     let config = EngineConfig { max_sequence_len: NonZeroUsize::new(8192).unwrap(), ..EngineConfig::default() };
-    let connections = ConnectionLimits { shutdown_deadline: Duration::from_secs(1), ..server_config().connections };
+    // The client below stops reading after its first event: the write timeout is set past the
+    // test, so that only the shutdown deadline closes its connection.
+    let connections = ConnectionLimits {
+        shutdown_deadline: Duration::from_secs(1),
+        write_timeout: Duration::from_secs(60),
+        ..server_config().connections
+    };
     let running = start_with(long_context_model(8192), config, ServerConfig { connections, ..server_config() }).await;
     // A stream that would run for minutes is in flight when the shutdown comes.
     let body = json!({ "prompt": "Once upon a time", "max_tokens": 8000, "stream": true, "temperature": 0 });
