@@ -854,23 +854,42 @@ async fn cors_answers_only_the_origins_configured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shutdown_closes_what_is_left_at_its_deadline() {
-    let config = EngineConfig { max_sequence_len: NonZeroUsize::new(8192).unwrap(), ..EngineConfig::default() };
-    // The client below stops reading after its first event: the write timeout is set past the
-    // test, so that only the shutdown deadline closes its connection.
-    let connections = ConnectionLimits {
-        shutdown_deadline: Duration::from_secs(1),
-        write_timeout: Duration::from_secs(60),
-        ..server_config().connections
+    // A context long enough that the stream below cannot end by itself within the deadline:
+    // the tiny model writes tens of thousands of tokens in well over a second.
+    const POSITIONS: usize = 1 << 16;
+    let config = EngineConfig {
+        max_sequence_len: NonZeroUsize::new(POSITIONS).unwrap(),
+        max_running: NonZeroUsize::new(1).unwrap(),
+        ..EngineConfig::default()
     };
-    let running = start_with(long_context_model(8192), config, ServerConfig { connections, ..server_config() }).await;
-    // A stream that would run for minutes is in flight when the shutdown comes.
-    let body = json!({ "prompt": "Once upon a time", "max_tokens": 8000, "stream": true, "temperature": 0 });
+    let connections = ConnectionLimits { shutdown_deadline: Duration::from_secs(1), ..server_config().connections };
+    let running =
+        start_with(long_context_model(POSITIONS), config, ServerConfig { connections, ..server_config() }).await;
+    let body = json!({ "prompt": "Once upon a time", "max_tokens": POSITIONS - 64, "stream": true, "temperature": 0 });
     let mut response =
         reqwest::Client::new().post(format!("{}/v1/completions", running.base)).json(&body).send().await.expect("post");
     assert!(response.chunk().await.expect("a first event").is_some());
+    // The client keeps reading, so that neither its buffers nor a write timeout end the stream.
+    let reader = tokio::spawn(async move {
+        let mut tail = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    tail.extend_from_slice(&chunk);
+                    let keep = tail.len().saturating_sub(256);
+                    tail.drain(..keep);
+                }
+                Ok(None) => return (String::from_utf8_lossy(&tail).into_owned(), true),
+                Err(_) => return (String::from_utf8_lossy(&tail).into_owned(), false),
+            }
+        }
+    });
     let started = Instant::now();
     running.shutdown().await;
     let took = started.elapsed();
     println!("shutdown with a stream in flight: {took:?}");
+    let (tail, ended_cleanly) = reader.await.expect("reader");
+    assert!(!tail.contains("[DONE]"), "the stream ended by itself before the deadline: {tail}");
+    assert!(!ended_cleanly, "the stream was not cut: {tail}");
     assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(10), "{took:?}");
 }
