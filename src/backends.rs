@@ -208,15 +208,21 @@ pub fn cuda_present() -> bool {
 }
 
 /// Whether wgpu finds an adapter of the kind `device` asks for (without touching CubeCL, whose
-/// runtime panics where there is none).
+/// runtime panics where there is none). It looks where CubeCL will: on the graphics API CubeCL
+/// picks for this OS (Vulkan, Metal on macOS), taking an adapter of type `Other` where none of
+/// the kind asked for is there. Other APIs' adapters (a GL driver on llvmpipe) do not count.
 #[cfg(feature = "wgpu")]
 pub fn wgpu_adapter(device: &burn::backend::wgpu::WgpuDevice) -> bool {
-    use burn::backend::wgpu::WgpuDevice;
+    use burn::backend::wgpu::{
+        graphics::{AutoGraphicsApi, GraphicsApi},
+        WgpuDevice,
+    };
     use wgpu::DeviceType;
     let instance = wgpu::Instance::default();
-    let adapters = cubecl::future::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+    let api = AutoGraphicsApi::backend();
+    let adapters = cubecl::future::block_on(instance.enumerate_adapters(api.into()));
     let kinds: Vec<DeviceType> = adapters.iter().map(|a| a.get_info().device_type).collect();
-    let has = |kind: DeviceType| kinds.contains(&kind);
+    let has = |kind: DeviceType| kinds.contains(&kind) || kinds.contains(&DeviceType::Other);
     match device {
         WgpuDevice::DiscreteGpu(_) => has(DeviceType::DiscreteGpu),
         WgpuDevice::IntegratedGpu(_) => has(DeviceType::IntegratedGpu),

@@ -21,6 +21,10 @@
 //! - Attention tensors are `[batch, heads, seq, head_dim]`.
 //! - Normalization and softmax accumulate in f32 whatever the activation dtype.
 
+// The kernels' checks run on the GPU backends (`gpu_test!`: wgpu, CUDA); a test build without
+// one compiles them unused.
+#![cfg_attr(all(test, not(any(feature = "wgpu", feature = "cuda", feature = "rocm"))), allow(dead_code))]
+
 #[cfg(test)]
 #[macro_use]
 pub(crate) mod gpu_test;
