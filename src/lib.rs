@@ -67,3 +67,8 @@ pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojChec
 pub use sampling::SamplingConfig;
 pub use tokenizer::{Bos, Tokenizer};
 pub use vision::{ImageProcessor, Picture, Vision};
+
+/// The README's programs, compiled as doc tests (`no_run`: they fetch the default model).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeProgramsCompile;
