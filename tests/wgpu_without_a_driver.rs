@@ -60,7 +60,7 @@ fn main() -> ExitCode {
         "wgpu discrete GPU: none",
         "wgpu integrated GPU: none",
         "wgpu CPU adapter (software): none",
-        "error: the wgpu backend is compiled in but found no usable device",
+        "error: backend: the wgpu backend is compiled in but found no usable device",
     ] {
         if !stdout.lines().any(|l| l == line) {
             failures.push(format!("missing the line {line:?}"));
