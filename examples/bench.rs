@@ -567,7 +567,7 @@ fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: M
                 tg.push(a.gen as f64 / decode.as_secs_f64());
             }
         }
-        let steps = match (a.cuda_graph, model.eager_because()) {
+        let steps = match (a.cuda_graph, model.eager_reason()) {
             (CudaGraph::Off, _) => "eager".to_string(),
             (_, Some(why)) => format!("eager ({why})"),
             _ => "graphs".to_string(),

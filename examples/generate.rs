@@ -19,7 +19,7 @@ use burn::tensor::DType;
 use burn_gemma::{
     backends::{dispatch, list_devices, resident_bytes, BackendTask},
     chat::{ChatTemplate, ReplyPart, ReplyRouter, SystemTurn, Thinking},
-    generation::Utf8Stream,
+    output::{OutputRules, Room, SequenceOutput},
     speculative::{AssistantDrafter, DraftLength, DraftModel, Drafter, PromptLookup, Speculation},
     tensor_parallel::{self, ShardedModel},
     AssistantCheckpoint, Bos, Checkpoint, EagerReason, Error, GemmaBackend, GenerationConfig, Generator, LoadOptions,
@@ -63,6 +63,9 @@ struct Args {
     thinking: bool,
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
+    /// A text that ends generation where it appears (it is not printed); repeat for several.
+    #[arg(long = "stop", value_name = "TEXT")]
+    stop_strings: Vec<String>,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -367,7 +370,7 @@ impl BackendTask for Run {
                 if output.stop == StopReason::Interrupted {
                     eprintln!("interrupted");
                 }
-                if let Some(EagerReason::GraphFailed(reason)) = generator.eager_reason() {
+                if let Some(reason @ EagerReason::GraphFailed { .. }) = generator.eager_reason() {
                     eprintln!("note: decoding ran eagerly, the CUDA graph failed: {reason}");
                 }
                 eprintln!("{}", output.stats);
@@ -434,20 +437,27 @@ impl Run {
         };
         let ids = tokenizer.encode(&text, Bos::Prepend)?;
         let stop = burn_gemma::generation::default_stop_tokens(&config, &tokenizer);
-        let mut utf8 = Utf8Stream::default();
+        let mut output = SequenceOutput::new(OutputRules {
+            stop_tokens: stop.clone(),
+            stop_strings: self.generation.stop_strings.clone(),
+            max_new_tokens: self.args.max_new_tokens,
+        });
+        // The split model checks its own context; the output checks stops and the limit.
+        let room = Room { used: 0, capacity: usize::MAX };
         let mut stdout = std::io::stdout();
         let started = Instant::now();
         let mut first = None;
         let interrupt = self.interrupt.clone();
         let generated = model.generate(&ids, self.generation.sampling, self.args.max_new_tokens, &stop, |id| {
             first.get_or_insert_with(|| started.elapsed());
-            if !stop.contains(&id) {
-                let _ = stdout.write_all(utf8.push(tokenizer.token_bytes(id)).as_bytes());
+            let emitted = output.push(id, tokenizer.token_bytes(id), room);
+            if let Some(text) = &emitted.text {
+                let _ = stdout.write_all(text.as_bytes());
                 let _ = stdout.flush();
             }
-            !interrupt.load(Ordering::SeqCst)
+            emitted.stop.is_none() && !interrupt.load(Ordering::SeqCst)
         })?;
-        let _ = stdout.write_all(utf8.finish().as_bytes());
+        let _ = stdout.write_all(output.finish().as_bytes());
         eprintln!();
         let first = first.unwrap_or_default().as_secs_f64();
         let decode = started.elapsed().as_secs_f64() - first;
@@ -557,6 +567,7 @@ fn real_main(args: Args) -> Result<(), CliError> {
         max_new_tokens: args.max_new_tokens,
         sampling,
         stop_tokens: Vec::new(),
+        stop_strings: args.stop_strings.clone(),
         cuda_graph: args.cuda_graph,
         prefill_chunk: args.prefill_chunk,
     };

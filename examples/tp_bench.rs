@@ -167,7 +167,7 @@ fn main() -> Result<(), CliError> {
             }
         }
         let (pp, tg) = (median(prefill), median(decode));
-        let steps = match (args.cuda_graph, model.eager_because()) {
+        let steps = match (args.cuda_graph, model.eager_reason()) {
             (CudaGraph::Off, _) => "eager".to_string(),
             (_, Some(why)) => format!("eager ({why})"),
             _ => "graphs".to_string(),

@@ -27,15 +27,16 @@ use crate::{
     error::{BackendError, RequestError},
     generation::{
         check_input, check_vocabulary, checked_token, chunk_end, default_stop_tokens, first_sampled, prefill,
-        prefill_with_images, sampled_ids, token_tensor, Utf8Stream,
+        prefill_with_images, sampled_ids, token_tensor,
     },
+    graph_policy::{EagerReason, GraphPolicy},
     images::{ImageError, PanAndScan},
+    output::{OutputRules, Room, SequenceOutput},
     sampling::Sampler,
     speculative::{
         judge::{greedy_verdict, judge},
         Drafts, PromptLookup, Proposal,
     },
-    stop_text::StopText,
     vision::{ImageProcessor, Picture, Vision},
     BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GemmaConfig, GenerationConfig, GraphSetup, ImageEmbeds,
     KvCache, ModelError, PagedLayout, PrefixCache, Reservation, StepInputs, StopReason, Token, Tokenizer, WindowStore,
@@ -161,12 +162,11 @@ impl Default for EngineConfig {
 pub struct Request {
     /// The prompt, already tokenized (BOS and chat template included where wanted).
     pub input: Vec<u32>,
-    /// Most tokens to generate, how to choose them and extra stop tokens; its CUDA-graph
-    /// setting is not used (the engine's is, [`EngineConfig::cuda_graph`]).
+    /// Most tokens to generate, how to choose them, extra stop tokens and stop strings (the
+    /// text that could still begin one is held back from the token events until it cannot).
+    /// Its `cuda_graph` stays at `Auto`: the engine's steps follow
+    /// [`EngineConfig::cuda_graph`], and a request asking otherwise is refused.
     pub generation: GenerationConfig,
-    /// Texts that end generation where they appear (cut before them): the text that could
-    /// still begin one is held back from the token events until it cannot.
-    pub stop_strings: Vec<String>,
     /// Pictures for the runs of the image soft token in `input`, in order (an engine reading
     /// images: [`Engine::with_vision`]; [`ImageProcessor::expand`] places them in a prompt's
     /// text). A prompt with pictures is not cached for others, nor taken from the cache.
@@ -174,9 +174,9 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request for `input` continued as `generation` says, without stop strings.
+    /// A request for `input` continued as `generation` says, without pictures.
     pub fn new(input: Vec<u32>, generation: GenerationConfig) -> Self {
-        Self { input, generation, stop_strings: Vec::new(), images: Vec::new() }
+        Self { input, generation, images: Vec::new() }
     }
 }
 
@@ -389,7 +389,7 @@ pub struct Engine {
     /// Most positions one sequence can hold KV blocks for.
     reservable: usize,
     accepting: Arc<AtomicBool>,
-    eager_reason: Arc<Mutex<Option<String>>>,
+    eager_reason: Arc<Mutex<Option<EagerReason>>>,
     /// How the model's pictures are prepared and placed, where it reads them.
     images: Option<ImageProcessor>,
     /// How the worker thread ended, once it has.
@@ -408,7 +408,7 @@ struct Front {
     /// says fewer).
     reservable: usize,
     metrics: Arc<EngineMetrics>,
-    eager_reason: Arc<Mutex<Option<String>>>,
+    eager_reason: Arc<Mutex<Option<EagerReason>>>,
     images: Option<ImageProcessor>,
 }
 
@@ -487,7 +487,7 @@ impl Engine {
             (CudaGraph::On, Err(e)) => return Err(ModelError::from(e).into()),
             (mode, Ok(())) => {
                 let eager_reason = Arc::clone(&front.eager_reason);
-                Steps::Graphs { graphs: BatchGraphs::new(), mode, eager_reason, most_rows: usize::MAX }
+                Steps::Graphs { graphs: BatchGraphs::new(), mode, policy: GraphPolicy::default(), eager_reason }
             }
         };
         let rows = model.new_paged_cache(layout)?;
@@ -601,7 +601,7 @@ impl Engine {
     /// Why batched steps run eagerly under [`CudaGraph::Auto`] on CUDA: the reason a step could
     /// not be recorded (`None` while they replay graphs, or were never to: other backends,
     /// [`CudaGraph::Off`]).
-    pub fn eager_reason(&self) -> Option<String> {
+    pub fn eager_reason(&self) -> Option<EagerReason> {
         self.eager_reason.lock().ok().and_then(|r| r.clone())
     }
 
@@ -714,8 +714,8 @@ impl Drop for Engine {
 fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -> Result<(), Error> {
     let generation = &request.generation;
     check_input(&request.input, generation, vocab)?;
-    if let Some(index) = request.stop_strings.iter().position(String::is_empty) {
-        return Err(RequestError::EmptyStopString { index }.into());
+    if generation.cuda_graph != CudaGraph::Auto {
+        return Err(RequestError::CudaGraphPerRequest { asked: generation.cuda_graph }.into());
     }
     let prompt = request.input.len();
     if prompt >= max_context {
@@ -760,10 +760,8 @@ struct Sequence<B: GemmaBackend> {
     context: Vec<u32>,
     /// What the next step feeds the model: the prompt first, then the last token.
     input: Vec<u32>,
-    stops: Vec<u32>,
-    generated: usize,
-    utf8: Utf8Stream,
-    stop_text: StopText,
+    /// Stop tokens, stop strings, limits and the text held back.
+    output: SequenceOutput,
     first_token: Option<Duration>,
     /// Positions its cache holds.
     capacity: usize,
@@ -811,19 +809,23 @@ enum Steps<B: GemmaBackend> {
     /// Eager: by choice, on a backend without graphs, or since a step could not be recorded.
     Eager,
     /// Replayed as CUDA graphs; under [`CudaGraph::Auto`] a step that cannot be recorded runs
-    /// eagerly, its reason kept in `eager_reason` ([`Engine::eager_reason`]), and so do all
-    /// steps of as many rows or more from then on (`most_rows`: fewer than the smallest count
-    /// that failed; a model's products record up to some count of rows); a step of one row that
-    /// cannot be recorded turns them eager for good. Drafts are cut to keep a step within
-    /// `most_rows`.
-    Graphs { graphs: BatchGraphs<B>, mode: CudaGraph, eager_reason: Arc<Mutex<Option<String>>>, most_rows: usize },
+    /// eagerly, and so do all steps of as many rows or more from then on ([`GraphPolicy`]; a
+    /// model's products record up to some count of rows), the reason published in
+    /// `eager_reason` ([`Engine::eager_reason`]); a step of one row that cannot be recorded
+    /// turns them eager for good. Drafts are cut to keep a step within the rows that replay.
+    Graphs {
+        graphs: BatchGraphs<B>,
+        mode: CudaGraph,
+        policy: GraphPolicy,
+        eager_reason: Arc<Mutex<Option<EagerReason>>>,
+    },
 }
 
 impl<B: GemmaBackend> Steps<B> {
     /// The most rows a step replays as a graph (unbounded for eager steps).
     fn most_rows(&self) -> usize {
         match self {
-            Self::Graphs { most_rows, .. } => *most_rows,
+            Self::Graphs { policy, .. } => policy.most_rows(),
             Self::Eager => usize::MAX,
         }
     }
@@ -1045,7 +1047,11 @@ impl<B: GemmaBackend> Worker<B> {
             self.metrics.prefix_cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
         }
         let generation = &submitted.request.generation;
-        let stops = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
+        let output = SequenceOutput::new(OutputRules {
+            stop_tokens: self.default_stops.iter().chain(&generation.stop_tokens).copied().collect(),
+            stop_strings: generation.stop_strings.clone(),
+            max_new_tokens: generation.max_new_tokens,
+        });
         let mut input = submitted.request.input.clone();
         // What the request asks for is not what it can hold: at most its sequence's positions.
         let mut context = Vec::with_capacity(reserved_positions(&submitted.request, self.capacity));
@@ -1077,10 +1083,7 @@ impl<B: GemmaBackend> Worker<B> {
             context,
             input,
             chunk,
-            stops,
-            generated: 0,
-            utf8: Utf8Stream::default(),
-            stop_text: StopText::new(submitted.request.stop_strings.clone()),
+            output,
             first_token: None,
             capacity: self.capacity,
             images,
@@ -1155,7 +1158,7 @@ impl<B: GemmaBackend> Worker<B> {
             Place::Prompt(..) => 0,
             Place::Row(_) => 0,
         };
-        let first_token_out = sequence.generated > 0;
+        let first_token_out = sequence.output.generated() > 0;
         if cached > 0 && !first_token_out {
             self.update_kv_metrics();
         }
@@ -1250,7 +1253,7 @@ impl<B: GemmaBackend> Worker<B> {
         let max_new = sequence.submitted.request.generation.max_new_tokens;
         // The fed token is at `context.len() - 1`; drafts take the positions after it.
         let room = max_new
-            .saturating_sub(sequence.generated + 1)
+            .saturating_sub(sequence.output.generated() + 1)
             .min(sequence.capacity.saturating_sub(sequence.context.len()));
         PromptLookup::default().draft(&sequence.context, tokens.get().min(room))
     }
@@ -1328,15 +1331,12 @@ impl<B: GemmaBackend> Worker<B> {
         let event = match outcome {
             Ok(reason) => {
                 self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
-                let text = match reason {
-                    StopReason::StopString(_) => String::new(),
-                    _ => sequence.utf8.finish() + &sequence.stop_text.finish(),
-                };
+                let text = sequence.output.finish();
                 Ok(Event::Done(Finish {
                     reason,
                     text,
                     prompt_tokens: sequence.submitted.request.input.len(),
-                    generated_tokens: sequence.generated,
+                    generated_tokens: sequence.output.generated(),
                     time_to_first_token: sequence.first_token,
                 }))
             }
@@ -1471,7 +1471,7 @@ fn prompt_step<B: GemmaBackend>(
     };
     sequence.context.extend_from_slice(&sequence.input);
     let token = sample_alone(&mut sequence.submitted.sampler, logits, &sequence.context)?;
-    let token = checked_token(token, model.config().vocab_size, sequence.generated)?;
+    let token = checked_token(token, model.config().vocab_size, sequence.output.generated())?;
     Ok(emit(tokenizer, sequence, token, metrics))
 }
 
@@ -1563,7 +1563,7 @@ fn decode_rows<B: GemmaBackend>(
     }
     let verdicts = order.iter().enumerate().map(|(r, &i)| {
         let sequence = &mut running[i];
-        let step = sequence.generated;
+        let step = sequence.output.generated();
         let drafted = &drafts[r];
         if drafted.is_empty() {
             return checked_token(choices[r], vocab, step).map(|token| (0, token));
@@ -1593,18 +1593,17 @@ fn step_logits<B: GemmaBackend>(
     ids: &[u32],
     positions: &[usize],
 ) -> Result<(Tensor<B, 2>, bool), Error> {
-    if let Steps::Graphs { graphs, mode, eager_reason, most_rows } = steps {
-        if ids.len() <= *most_rows {
+    if let Steps::Graphs { graphs, mode, policy, eager_reason } = steps {
+        if policy.replays(*mode, ids.len()) {
             match graphs.step(model, rows, ids, positions) {
                 Ok(logits) => return Ok((logits, true)),
-                Err(ModelError::Graph(e)) if *mode == CudaGraph::Auto => {
+                Err(e @ ModelError::Graph(_)) => {
+                    // Auto: this step and larger ones eager from here on; On: the error.
+                    policy.fall_back(*mode, ids.len(), e)?;
                     if let Ok(mut reason) = eager_reason.lock() {
-                        *reason = Some(format!("steps of {} rows or more: {e}", ids.len()));
+                        *reason = policy.eager_reason().cloned();
                     }
-                    // The largest power of two below the count (the counts stepped are powers
-                    // of two, or the cache's rows).
-                    *most_rows = ids.len().next_power_of_two() / 2;
-                    if *most_rows == 0 {
+                    if policy.most_rows() == 0 {
                         *steps = Steps::Eager;
                     }
                 }
@@ -1648,32 +1647,23 @@ fn emit<B: GemmaBackend>(
     token: u32,
     metrics: &EngineMetrics,
 ) -> Stepped {
-    let generation = &sequence.submitted.request.generation;
     if sequence.first_token.is_none() {
         let elapsed = sequence.submitted.submitted.elapsed();
         sequence.first_token = Some(elapsed);
         metrics.first_tokens.fetch_add(1, Ordering::Relaxed);
         metrics.first_token_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
     }
-    sequence.generated += 1;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
-    if sequence.stops.contains(&token) {
-        return Stepped::Finished(StopReason::StopToken(token));
+    let room = Room { used: sequence.context.len(), capacity: sequence.capacity };
+    let emitted = sequence.output.push(token, tokenizer.token_bytes(token), room);
+    if let Some(text) = emitted.text {
+        if sequence.submitted.events.send(Ok(Event::Token(Token { id: token, text }))).is_err() {
+            // Nobody listens any more.
+            return Stepped::Finished(StopReason::Interrupted);
+        }
     }
-    let text = sequence.utf8.push(tokenizer.token_bytes(token));
-    let pushed = sequence.stop_text.push(&text);
-    if sequence.submitted.events.send(Ok(Event::Token(Token { id: token, text: pushed.text }))).is_err() {
-        // Nobody listens any more.
-        return Stepped::Finished(StopReason::Interrupted);
-    }
-    if let Some(index) = pushed.stopped {
-        return Stepped::Finished(StopReason::StopString(index));
-    }
-    if sequence.generated >= generation.max_new_tokens {
-        return Stepped::Finished(StopReason::MaxTokens);
-    }
-    if sequence.context.len() + 1 > sequence.capacity {
-        return Stepped::Finished(StopReason::ContextFull);
+    if let Some(reason) = emitted.stop {
+        return Stepped::Finished(reason);
     }
     sequence.input = vec![token];
     Stepped::Continue

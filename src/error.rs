@@ -183,6 +183,12 @@ pub enum RequestError {
          replayed step does not keep): use --cuda-graph auto"
     )]
     CudaGraphWithAssistant,
+    /// An engine request that sets its own CUDA-graph mode: an engine's batched steps follow
+    /// its `EngineConfig::cuda_graph`.
+    #[error(
+        "an engine request cannot set cuda_graph ({asked:?}): the engine's steps follow its EngineConfig::cuda_graph;          leave the request's at Auto"
+    )]
+    CudaGraphPerRequest { asked: burn_gemma_model::CudaGraph },
     /// Tool responses with no conversation to continue.
     #[error("no conversation to continue: start one with a chat turn")]
     NoConversation,

@@ -3,7 +3,9 @@
 use crate::{
     chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
     error::{BackendError, RequestError, TokenizerError},
+    graph_policy::{EagerReason, GraphFailure, GraphPolicy},
     images::ImageError,
+    output::{OutputRules, Room, SequenceOutput},
     sampling::{Sampler, SamplingConfig},
     speculative::{
         judge::{greedy_verdict, judge},
@@ -14,7 +16,6 @@ use crate::{
     Error, Gemma, GemmaBackend, GemmaConfig, KvCache, Tokenizer,
 };
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_gemma_kernels::graph::GraphError;
 use burn_gemma_kernels::SamplingParams;
 use burn_gemma_model::{
     Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows, WindowStore,
@@ -39,6 +40,9 @@ pub struct GenerationConfig {
     /// Extra stop tokens beside `<eos>` and the end-of-turn token (`<end_of_turn>`, Gemma 4's
     /// `<turn|>`).
     pub stop_tokens: Vec<u32>,
+    /// Strings that end generation: the text stops before the first to appear (it and what
+    /// follows are dropped; see [`StopReason::StopString`]).
+    pub stop_strings: Vec<String>,
     /// Whether decoding replays a recorded CUDA graph (see [`CudaGraph`]; `Auto`: on CUDA,
     /// with greedy or temperature sampling and no repetition penalty).
     pub cuda_graph: CudaGraph,
@@ -62,6 +66,7 @@ impl Default for GenerationConfig {
             max_new_tokens: 128,
             sampling: SamplingConfig::default(),
             stop_tokens: Vec::new(),
+            stop_strings: Vec::new(),
             cuda_graph: CudaGraph::Auto,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
@@ -73,8 +78,8 @@ impl Default for GenerationConfig {
 pub enum StopReason {
     /// A stop token was generated (it is included in the tokens, not in the text).
     StopToken(u32),
-    /// The text reached the stop string of this index (an engine [`crate::engine::Request`]'s
-    /// `stop_strings`); it and what follows are not in the text.
+    /// The text reached the stop string of this index ([`GenerationConfig::stop_strings`]); it
+    /// and what follows are not in the text.
     StopString(usize),
     /// `max_new_tokens` were generated.
     MaxTokens,
@@ -181,15 +186,6 @@ impl std::fmt::Display for Stats {
     }
 }
 
-/// Why a generator decodes eagerly under [`CudaGraph::Auto`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EagerReason {
-    /// The backend is not CUDA: there are no graphs to replay.
-    NotCuda,
-    /// Recording or replaying the step failed; the runtime's words.
-    GraphFailed(String),
-}
-
 /// One generated token and the text it completes (empty while a character is still split
 /// across tokens; stop tokens are not yielded).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,15 +242,14 @@ struct Run {
     graph: bool,
     cuda_graph: CudaGraph,
     prefill_chunk: NonZeroUsize,
-    max_new_tokens: usize,
     /// The cache capacity the request needs.
     capacity: usize,
-    stops: Vec<u32>,
+    /// Stop tokens, stop strings, limits and the text held back.
+    output: SequenceOutput,
     start: Instant,
     decode_start: Instant,
     tuning_before: Duration,
     stats: Stats,
-    utf8: Utf8Stream,
     text: String,
     tokens: Vec<u32>,
     /// What the next step runs through the model.
@@ -271,7 +266,7 @@ impl Run {
     /// The output, and the rest of a character left split by the last token (also in the
     /// output's text).
     fn finish(mut self) -> (GenerationOutput, String) {
-        let rest = self.utf8.finish();
+        let rest = self.output.finish();
         self.text.push_str(&rest);
         self.stats.generated_tokens = self.tokens.len();
         self.stats.decode = self.decode_start.elapsed();
@@ -303,38 +298,6 @@ pub fn token_tensor<B: burn::tensor::backend::Backend>(ids: &[u32], device: &B::
     Tensor::from_data(TensorData::new(data, [1, ids.len()]), device)
 }
 
-/// Emits only complete UTF-8 characters from a stream of token bytes.
-#[derive(Default)]
-pub struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    /// Adds bytes and returns the text that is now complete.
-    pub fn push(&mut self, bytes: &[u8]) -> String {
-        self.pending.extend_from_slice(bytes);
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_some() => {
-                // Invalid bytes (not merely incomplete): emit them replaced.
-                let text = String::from_utf8_lossy(&self.pending).into_owned();
-                self.pending.clear();
-                return text;
-            }
-            Err(e) => e.valid_up_to(),
-        };
-        let rest = self.pending.split_off(valid);
-        String::from_utf8(std::mem::replace(&mut self.pending, rest)).unwrap_or_default()
-    }
-
-    /// Whatever is left, with incomplete characters replaced.
-    pub fn finish(&mut self) -> String {
-        let text = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        text
-    }
-}
-
 /// Generates text with a model and its tokenizer, keeping the KV cache between calls.
 pub struct Generator<B: GemmaBackend> {
     model: Gemma<B>,
@@ -355,7 +318,8 @@ pub struct Generator<B: GemmaBackend> {
     /// (they write all their rows before any attends), else rings.
     window_store: WindowStore,
     /// Why decoding stays eager in `Auto` mode.
-    graph_off: Option<EagerReason>,
+    /// What replaying decode steps taught so far.
+    graph_policy: GraphPolicy,
     /// The model's chat layout.
     template: ChatTemplate,
     /// How a conversation opens (see [`Generator::set_system`]).
@@ -399,7 +363,7 @@ impl<B: GemmaBackend> Generator<B> {
             graphs: None,
             verify_graphs: Vec::new(),
             window_store: WindowStore::Ring,
-            graph_off: None,
+            graph_policy: GraphPolicy::default(),
             speculation: None,
             rewind: None,
             target_hidden: None,
@@ -771,9 +735,18 @@ impl<B: GemmaBackend> Generator<B> {
             graph,
             cuda_graph: config.cuda_graph,
             prefill_chunk: config.prefill_chunk,
-            max_new_tokens: config.max_new_tokens,
             capacity,
-            stops: self.default_stops.iter().chain(&config.stop_tokens).copied().chain(self.tool_handover()).collect(),
+            output: SequenceOutput::new(OutputRules {
+                stop_tokens: self
+                    .default_stops
+                    .iter()
+                    .chain(&config.stop_tokens)
+                    .copied()
+                    .chain(self.tool_handover())
+                    .collect(),
+                stop_strings: config.stop_strings.clone(),
+                max_new_tokens: config.max_new_tokens,
+            }),
             start,
             decode_start: start,
             tuning_before: burn_gemma_kernels::gemm::tune::summary().time,
@@ -782,7 +755,6 @@ impl<B: GemmaBackend> Generator<B> {
                 speculation: self.speculation.as_ref().map(|_| SpeculationStats::default()),
                 ..Default::default()
             },
-            utf8: Utf8Stream::default(),
             text: String::new(),
             tokens: Vec::new(),
             input,
@@ -845,12 +817,10 @@ impl<B: GemmaBackend> Generator<B> {
         if run.graph && run.input.len() == 1 {
             match self.graph_step(&run.input, &draws, &run.sampler, &mut run.stats) {
                 Ok(t) => token = Some(t),
-                Err(e) if run.cuda_graph == CudaGraph::On => return Err(e.into()),
                 Err(e) => {
                     // Auto: eager from here on (a failed recording ran nothing: the cache is as
-                    // it was).
-                    run.graph = false;
-                    self.note_graph_off(&e);
+                    // it was); On: the step's error.
+                    self.graph_failed(run, e)?;
                 }
             }
         }
@@ -884,24 +854,24 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(self.take_token(run, token, false))
     }
 
-    /// Hands out `token`: ends the run where it is a stop token or the last the run may make,
-    /// else makes it the next step's input (or, where the cache already holds it, a kept
-    /// draft, part of the context).
+    /// Hands out `token`: ends the run where it is a stop token, reaches a stop string or is
+    /// the last the run may make, else makes it the next step's input (or, where the cache
+    /// already holds it, a kept draft, part of the context). The token that ends the run
+    /// carries the text still held back (a stop token only where some is), so a stream's
+    /// tokens add up to the output's text.
     fn take_token(&mut self, run: &mut Run, token: u32, cached: bool) -> Option<Token> {
         run.tokens.push(token);
-        let text = if run.stops.contains(&token) {
-            run.stop = Some(StopReason::StopToken(token));
-            None
-        } else {
-            let text = run.utf8.push(self.tokenizer.token_bytes(token));
-            run.text.push_str(&text);
-            if run.tokens.len() >= run.max_new_tokens {
-                run.stop = Some(StopReason::MaxTokens);
-            } else if self.context.len() + 1 > self.cache.as_ref().map_or(0, |c| c.capacity()) {
-                run.stop = Some(StopReason::ContextFull);
-            }
-            Some(text)
+        let room = Room { used: self.context.len(), capacity: self.cache.as_ref().map_or(0, |c| c.capacity()) };
+        let emitted = run.output.push(token, self.tokenizer.token_bytes(token), room);
+        run.stop = emitted.stop;
+        let text = match (emitted.text, run.stop.is_some()) {
+            (Some(text), true) => Some(text + &run.output.finish()),
+            (None, true) => Some(run.output.finish()).filter(|rest| !rest.is_empty()),
+            (text, false) => text,
         };
+        if let Some(text) = &text {
+            run.text.push_str(text);
+        }
         if run.stop.is_some() || cached {
             self.context.push(token);
         } else {
@@ -956,7 +926,7 @@ impl<B: GemmaBackend> Generator<B> {
         // The verify step writes the pending token and the drafts; the drafts beyond what the
         // run may still make, or the cache can take back, are not worth drafting.
         let room = cache.capacity().saturating_sub(cache.len() + run.input.len());
-        let left = run.max_new_tokens.saturating_sub(run.tokens.len() + 1);
+        let left = run.output.remaining().saturating_sub(1);
         let k = spec.next_length().min(room).min(left).min(cache.checkpoint_limit().saturating_sub(run.input.len()));
         if k == 0 || run.input.len() != 1 {
             return Ok(None);
@@ -994,13 +964,9 @@ impl<B: GemmaBackend> Generator<B> {
             let most = spec.max_length().min(room).max(k);
             match self.verify_on_graph(run, &drafts, most) {
                 Ok(v) => verified = Some(v),
-                Err(e) if run.cuda_graph == CudaGraph::On => return Err(e),
                 Err(e) => {
                     // Auto: eager from here on (a failed recording ran nothing).
-                    run.graph = false;
-                    if let Error::Model(e) = &e {
-                        self.note_graph_off(e);
-                    }
+                    self.graph_failed(run, e)?;
                 }
             }
         }
@@ -1108,7 +1074,7 @@ impl<B: GemmaBackend> Generator<B> {
             CudaGraph::On if reads_hidden => Err(RequestError::CudaGraphWithAssistant.into()),
             CudaGraph::Auto if reads_hidden => Ok(false),
             CudaGraph::On if sampler.penalizes() => Err(RequestError::CudaGraphWithPenalty.into()),
-            CudaGraph::Auto if sampler.penalizes() || self.graph_off.is_some() => Ok(false),
+            CudaGraph::Auto if sampler.penalizes() || !self.graph_policy.replays(mode, 1) => Ok(false),
             CudaGraph::On => {
                 // Said before any work, not after the first token.
                 burn_gemma_kernels::graph::available::<B>(&self.model.device()).map_err(ModelError::from)?;
@@ -1139,20 +1105,21 @@ impl<B: GemmaBackend> Generator<B> {
         Ok(ids.first().map_or(-1, |&t| i64::from(t)))
     }
 
-    /// Remembers why decoding stays eager (see [`Generator::eager_reason`]).
-    fn note_graph_off(&mut self, e: &ModelError) {
+    /// A step that could not be replayed: under `Auto` this and later runs decode eagerly (a
+    /// generator's graphs, decode and verify, go together: the policy is asked for one row),
+    /// the reason kept ([`Generator::eager_reason`]); under `On` it is the step's error.
+    fn graph_failed<E: GraphFailure>(&mut self, run: &mut Run, failure: E) -> Result<(), E> {
+        self.graph_policy.fall_back(run.cuda_graph, 1, failure)?;
+        run.graph = false;
         self.graphs = None;
         self.verify_graphs.clear();
-        self.graph_off = Some(match e {
-            ModelError::Graph(GraphError::NotCuda(_)) => EagerReason::NotCuda,
-            other => EagerReason::GraphFailed(other.to_string()),
-        });
+        Ok(())
     }
 
     /// Why decode steps run eagerly under [`CudaGraph::Auto`] (`None` while graphs are used or
     /// not yet tried).
     pub fn eager_reason(&self) -> Option<&EagerReason> {
-        self.graph_off.as_ref()
+        self.graph_policy.eager_reason()
     }
 
     /// The cache, taken out of the generator (put it back after use), reallocated first where it
@@ -1216,9 +1183,12 @@ pub fn default_stop_tokens(config: &GemmaConfig, tokenizer: &Tokenizer) -> Vec<u
 
 /// The checks of a request's input `ids` and token budget, for a model of `vocab` tokens.
 pub(crate) fn check_input(ids: &[u32], config: &GenerationConfig, vocab: usize) -> Result<(), Error> {
-    if config.max_new_tokens == 0 {
-        return Err(RequestError::NoNewTokens.into());
-    }
+    let rules = OutputRules {
+        stop_strings: config.stop_strings.clone(),
+        max_new_tokens: config.max_new_tokens,
+        ..Default::default()
+    };
+    rules.check()?;
     if ids.is_empty() {
         return Err(RequestError::NoInput.into());
     }
@@ -1310,30 +1280,4 @@ pub(crate) fn prefill<B: GemmaBackend>(
         model.forward_last(token_tensor(filling, device), cache)?;
     }
     Ok(model.forward_last(token_tensor(&input[last..], device), cache)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Utf8Stream;
-
-    #[test]
-    fn utf8_stream_never_splits_characters() {
-        let text = "日本の首都は東京です 👍";
-        let bytes = text.as_bytes();
-        for chunk in 1..5 {
-            let mut s = Utf8Stream::default();
-            let mut out = String::new();
-            for piece in bytes.chunks(chunk) {
-                let emitted = s.push(piece);
-                assert!(std::str::from_utf8(emitted.as_bytes()).is_ok());
-                out.push_str(&emitted);
-            }
-            out.push_str(&s.finish());
-            assert_eq!(out, text);
-        }
-        let mut s = Utf8Stream::default();
-        assert_eq!(s.push(&[0xE6]), "");
-        assert_eq!(s.push(&[0x97]), "");
-        assert_eq!(s.push(&[0xA5]), "日");
-    }
 }

@@ -38,15 +38,16 @@ mod floats;
 pub mod generation;
 pub mod gguf;
 mod gguf_config;
+pub mod graph_policy;
 pub mod images;
 mod load_options;
 pub mod loader;
+pub mod output;
 pub mod safetensors;
 pub mod sampling;
 #[cfg(feature = "server")]
 pub mod server;
 pub mod speculative;
-pub mod stop_text;
 pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod vision;
@@ -60,8 +61,9 @@ pub use burn_gemma_model::{
 };
 pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
 pub use generation::{
-    EagerReason, GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
+    GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
 };
+pub use graph_policy::EagerReason;
 pub use load_options::{LoadOptions, LoadProgress};
 pub use loader::{AssistantCheckpoint, Checkpoint, LoadReport, Loaded, MmprojCheckpoint, MmprojConfig};
 pub use sampling::SamplingConfig;

@@ -229,7 +229,6 @@ struct Prepared {
     ids: Vec<u32>,
     pictures: Vec<Picture>,
     generation: GenerationConfig,
-    stops: Vec<String>,
     choices: usize,
     delivery: Delivery,
     include_usage: bool,
@@ -250,7 +249,7 @@ async fn prepare(
     let config = &server.config;
     let body = read_body(config, request).await?;
     let (fields, ignored) = parse(&body, endpoint, config.unknown_fields)?;
-    let (generation, stops) = fields.generation(config.default_max_tokens, config.limits.max_stop_bytes)?;
+    let generation = fields.generation(config.default_max_tokens, config.limits.max_stop_bytes)?;
     let field = match endpoint {
         Endpoint::Completions => "prompt",
         Endpoint::Chat => "messages",
@@ -302,7 +301,6 @@ async fn prepare(
         ids,
         pictures,
         generation: GenerationConfig { max_new_tokens, ..generation },
-        stops,
         choices,
         delivery,
         include_usage,
@@ -346,12 +344,7 @@ fn start(server: &Server, prepared: Prepared, prefix: &str) -> Result<Started, A
         let mut generation = prepared.generation.clone();
         generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
         // On a refusal the choices already queued are cancelled as their streams drop.
-        let request = Request {
-            input: prepared.ids.clone(),
-            generation,
-            stop_strings: prepared.stops.clone(),
-            images: prepared.pictures.clone(),
-        };
+        let request = Request { input: prepared.ids.clone(), generation, images: prepared.pictures.clone() };
         streams.push(server.engine.submit(request).map_err(|e| refused(e, prepared.field))?);
     }
     Ok(Started {

@@ -137,14 +137,10 @@ impl RequestBody {
         }
     }
 
-    /// The generation settings, checked, with stop strings of at most `max_stop_bytes`;
+    /// The generation settings, checked, stop strings of at most `max_stop_bytes` included;
     /// `default_max_tokens` where the request gives none (the server later fits it to the room
     /// its prompt leaves: [`fit_max_tokens`]).
-    pub fn generation(
-        &self,
-        default_max_tokens: usize,
-        max_stop_bytes: usize,
-    ) -> Result<(GenerationConfig, Vec<String>), ApiError> {
+    pub fn generation(&self, default_max_tokens: usize, max_stop_bytes: usize) -> Result<GenerationConfig, ApiError> {
         if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
             return Err(ApiError::invalid("n", format!("n = {n}: from 1 to {MAX_CHOICES} choices per request")));
         }
@@ -198,7 +194,7 @@ impl RequestBody {
             min_p: sampling.min_p.filter(|&p| p > 0.0),
             ..sampling
         };
-        Ok((GenerationConfig { max_new_tokens, sampling, ..GenerationConfig::default() }, stops))
+        Ok(GenerationConfig { max_new_tokens, sampling, stop_strings: stops, ..GenerationConfig::default() })
     }
 }
 
@@ -526,12 +522,12 @@ mod tests {
         ] {
             assert_eq!(fields(json)?.generation(16, 8).err().and_then(|e| e.param).as_deref(), Some(param), "{json}");
         }
-        let (config, stops) = fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#)?
+        let config = fields(r#"{"max_tokens": 7, "temperature": 0, "seed": 5, "stop": "\n"}"#)?
             .generation(16, 8)
             .map_err(|e| e.message)?;
         assert_eq!((config.max_new_tokens, config.sampling.temperature, config.sampling.seed), (7, 0.0, 5));
-        assert_eq!(stops, vec!["\n".to_string()]);
-        assert_eq!(fields("{}")?.generation(16, 8).map_err(|e| e.message)?.0.max_new_tokens, 16);
+        assert_eq!(config.stop_strings, vec!["\n".to_string()]);
+        assert_eq!(fields("{}")?.generation(16, 8).map_err(|e| e.message)?.max_new_tokens, 16);
         Ok(())
     }
 

@@ -6,8 +6,9 @@
 use super::accept::{pick, Proposal};
 use crate::{
     generation::{checked_token, first_sampled, prefill, token_tensor},
+    graph_policy::{EagerReason, GraphPolicy},
     sampling::Sampler,
-    Error, Gemma, GemmaBackend, KvCache,
+    CudaGraph, Error, Gemma, GemmaBackend, KvCache,
 };
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::SamplingParams;
@@ -50,8 +51,8 @@ pub struct DraftModel<B: GemmaBackend> {
     graphs: Option<DecodeGraphs<B>>,
     /// Recorded catch-up steps of [`CATCH_UP_ROWS`] consecutive rows for the current cache.
     catch_up: Option<DecodeGraphs<B>>,
-    /// Why graph steps failed, after which every step is eager.
-    graph_failed: Option<String>,
+    /// What replaying its steps taught: once a recording failed, every step is eager.
+    graph_policy: GraphPolicy,
 }
 
 impl<B: GemmaBackend> std::fmt::Debug for DraftModel<B> {
@@ -72,13 +73,21 @@ impl<B: GemmaBackend> DraftModel<B> {
     /// Wraps a loaded model (its vocabulary is checked against the target's when it is set on
     /// a [`crate::Generator`]).
     pub fn new(model: Gemma<B>) -> Self {
-        Self { model, cache: None, fed: Vec::new(), checkpoint: None, graphs: None, catch_up: None, graph_failed: None }
+        Self {
+            model,
+            cache: None,
+            fed: Vec::new(),
+            checkpoint: None,
+            graphs: None,
+            catch_up: None,
+            graph_policy: GraphPolicy::default(),
+        }
     }
 
     /// Why this drafter's steps run eagerly although graphs were asked for (`None` while they
     /// replay, or were never asked for).
-    pub fn graph_failure(&self) -> Option<&str> {
-        self.graph_failed.as_deref()
+    pub fn eager_reason(&self) -> Option<&EagerReason> {
+        self.graph_policy.eager_reason()
     }
 
     /// The draft model.
@@ -106,22 +115,23 @@ impl<B: GemmaBackend> DraftModel<B> {
             DraftSteps::Graph => WindowStore::EveryPosition,
             DraftSteps::Eager => WindowStore::Ring,
         };
-        let graph = steps == DraftSteps::Graph && self.graph_failed.is_none();
+        let graph = steps == DraftSteps::Graph && self.graph_policy.replays(CudaGraph::Auto, 1);
         let mut cache = self.synced_cache(context, context.len() + k - 1, windows)?;
         // The cache takes back at most a sliding window's positions.
         let k = k.min(cache.checkpoint_limit() + 1);
         let mut result = self.draft_into(&mut cache, context, k, sampler, (chunk, graph));
-        if let Err(Error::Model(e)) = &result {
-            if graph && matches!(**e, ModelError::Graph(_)) {
-                // Recording failed: eager from here on, starting afresh.
-                self.graph_failed = Some(e.to_string());
-                self.graphs = None;
-                self.catch_up = None;
-                cache.reset();
-                self.fed.clear();
-                self.checkpoint = None;
-                result = self.draft_into(&mut cache, context, k, sampler, (chunk, false));
+        let recording_failed = matches!(&result, Err(Error::Model(e)) if matches!(**e, ModelError::Graph(_)));
+        if graph && recording_failed {
+            if let Err(failure) = std::mem::replace(&mut result, Ok(Drafts::default())) {
+                // Recording failed: eager from here on (Auto never refuses), starting afresh.
+                let _ = self.graph_policy.fall_back(CudaGraph::Auto, 1, failure);
             }
+            self.graphs = None;
+            self.catch_up = None;
+            cache.reset();
+            self.fed.clear();
+            self.checkpoint = None;
+            result = self.draft_into(&mut cache, context, k, sampler, (chunk, false));
         }
         if result.is_err() {
             // What the cache holds is no longer known: the next draft starts afresh.

@@ -8,7 +8,12 @@
 pub mod nccl;
 pub(crate) mod serve;
 
-use crate::{generation::token_tensor, sampling::Sampler, Checkpoint, Error, LoadOptions, SamplingConfig};
+use crate::{
+    generation::token_tensor,
+    graph_policy::{EagerReason, GraphPolicy},
+    sampling::Sampler,
+    Checkpoint, Error, LoadOptions, SamplingConfig,
+};
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::GemmaBackend;
 use burn_gemma_kernels::SamplingParams;
@@ -116,8 +121,8 @@ pub struct ShardedModel<B: GemmaBackend> {
     cuda_graph: CudaGraph,
     /// The position bound the shards' recorded steps serve (none recorded: `None`).
     recorded: Option<usize>,
-    /// Why decoding went eager in [`CudaGraph::Auto`] mode.
-    eager_because: Option<String>,
+    /// What replaying decode steps taught so far.
+    graph_policy: GraphPolicy,
 }
 
 impl<B: GemmaBackend> ShardedModel<B> {
@@ -235,7 +240,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
             broken: false,
             cuda_graph: CudaGraph::Auto,
             recorded: None,
-            eager_because: None,
+            graph_policy: GraphPolicy::default(),
         })
     }
 
@@ -249,13 +254,13 @@ impl<B: GemmaBackend> ShardedModel<B> {
             self.recorded = None;
         }
         self.cuda_graph = mode;
-        self.eager_because = None;
+        self.graph_policy = GraphPolicy::default();
         Ok(())
     }
 
     /// Why decode steps run eagerly in [`CudaGraph::Auto`] mode, once a recording failed.
-    pub fn eager_because(&self) -> Option<&str> {
-        self.eager_because.as_deref()
+    pub fn eager_reason(&self) -> Option<&EagerReason> {
+        self.graph_policy.eager_reason()
     }
 
     /// The whole model's config.
@@ -317,7 +322,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
     /// the position left the recorded bucket. A recording that fails on any shard turns the
     /// graphs off on all ([`CudaGraph::Auto`]) or is the step's error ([`CudaGraph::On`]).
     fn graph_ready(&mut self, capacity: usize) -> Result<bool, Error> {
-        if self.cuda_graph == CudaGraph::Off || self.eager_because.is_some() || self.position >= capacity {
+        if !self.graph_policy.replays(self.cuda_graph, 1) || self.position >= capacity {
             return Ok(false);
         }
         let bound = bucket_bound(self.position, capacity);
@@ -336,10 +341,7 @@ impl<B: GemmaBackend> ShardedModel<B> {
             return Err(failure);
         }
         self.each(Command::Eager)?;
-        if self.cuda_graph == CudaGraph::On {
-            return Err(failure);
-        }
-        self.eager_because = Some(failure.to_string());
+        self.graph_policy.fall_back(self.cuda_graph, 1, failure)?;
         Ok(false)
     }
 

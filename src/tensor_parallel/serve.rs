@@ -5,8 +5,8 @@
 use super::ShardedModel;
 use crate::{
     engine::{Command, EngineError, EngineMetrics, Event, Finish, Submitted},
-    generation::Utf8Stream,
-    stop_text::StopText,
+    graph_policy::EagerReason,
+    output::{OutputRules, Room, SequenceOutput},
     Error, GemmaBackend, StopReason, Token, Tokenizer,
 };
 use std::{
@@ -25,7 +25,7 @@ pub(crate) struct Serving<B: GemmaBackend> {
     /// from request to request (emptied in place, their recorded decode steps kept).
     pub(crate) capacity: usize,
     pub(crate) metrics: Arc<EngineMetrics>,
-    pub(crate) eager_reason: Arc<Mutex<Option<String>>>,
+    pub(crate) eager_reason: Arc<Mutex<Option<EagerReason>>>,
 }
 
 /// Requests taken from the engine and what it was told to do.
@@ -108,9 +108,9 @@ impl<B: GemmaBackend> Serving<B> {
 
     fn serve(&mut self, mut submitted: Submitted, commands: &mpsc::Receiver<Command>, inbox: &mut Inbox) {
         let answer = self.answer(&mut submitted, commands, inbox);
-        if let Some(why) = self.model.eager_because() {
+        if let Some(why) = self.model.eager_reason() {
             if let Ok(mut reason) = self.eager_reason.lock() {
-                reason.get_or_insert_with(|| why.to_string());
+                reason.get_or_insert_with(|| why.clone());
             }
         }
         self.finish(&submitted, answer);
@@ -124,14 +124,15 @@ impl<B: GemmaBackend> Serving<B> {
         inbox: &mut Inbox,
     ) -> Result<Answer, Error> {
         let generation = &submitted.request.generation;
-        let stops: Vec<u32> = self.default_stops.iter().chain(&generation.stop_tokens).copied().collect();
-        let max_new_tokens = generation.max_new_tokens;
+        let mut output = SequenceOutput::new(OutputRules {
+            stop_tokens: self.default_stops.iter().chain(&generation.stop_tokens).copied().collect(),
+            stop_strings: generation.stop_strings.clone(),
+            max_new_tokens: generation.max_new_tokens,
+        });
         let on_device = submitted.sampler.is_greedy() && !submitted.sampler.penalizes();
         let mut history = submitted.request.input.clone();
         let mut input = history.clone();
-        let mut utf8 = Utf8Stream::default();
-        let mut stop_text = StopText::new(submitted.request.stop_strings.clone());
-        let (mut generated, mut first_token) = (0, None);
+        let mut first_token = None;
         self.model.new_cache(self.capacity)?;
         let reason = loop {
             let interrupted = !inbox.poll(commands) || inbox.aborted;
@@ -150,33 +151,21 @@ impl<B: GemmaBackend> Serving<B> {
                 self.metrics.first_tokens.fetch_add(1, Ordering::Relaxed);
                 self.metrics.first_token_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
             }
-            generated += 1;
             self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
             history.push(token);
-            if stops.contains(&token) {
-                break StopReason::StopToken(token);
+            let room = Room { used: self.model.position(), capacity: self.capacity };
+            let emitted = output.push(token, self.tokenizer.token_bytes(token), room);
+            if let Some(text) = emitted.text {
+                if submitted.events.send(Ok(Event::Token(Token { id: token, text }))).is_err() {
+                    break StopReason::Interrupted;
+                }
             }
-            let text = utf8.push(self.tokenizer.token_bytes(token));
-            let pushed = stop_text.push(&text);
-            if submitted.events.send(Ok(Event::Token(Token { id: token, text: pushed.text }))).is_err() {
-                break StopReason::Interrupted;
-            }
-            if let Some(index) = pushed.stopped {
-                break StopReason::StopString(index);
-            }
-            if generated >= max_new_tokens {
-                break StopReason::MaxTokens;
-            }
-            if self.model.position() + 1 > self.capacity {
-                break StopReason::ContextFull;
+            if let Some(reason) = emitted.stop {
+                break reason;
             }
             input = vec![token];
         };
-        let text = match reason {
-            StopReason::StopString(_) => String::new(),
-            _ => utf8.finish() + &stop_text.finish(),
-        };
-        Ok(Answer { reason, text, generated, first_token })
+        Ok(Answer { reason, text: output.finish(), generated: output.generated(), first_token })
     }
 
     /// Sends the request's last event: how it ended, or its error.

@@ -334,10 +334,16 @@ fn stop_strings_cut_the_text_where_they_appear() {
         // that never appears.
         let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
         let expected = &whole[..whole.find(&stop).expect("the stop is in the text")];
-        let request = Request {
-            stop_strings: vec!["never there \u{1}".into(), stop.clone()],
-            ..Request::new(prompt, generation)
-        };
+        let stops = GenerationConfig { stop_strings: vec!["never there \u{1}".into(), stop.clone()], ..generation };
+        // The generator cuts its text where the engine does.
+        let mut generator = Generator::new(model(fixture), common::tiny_tokenizer()).expect("generator");
+        let mut streamed = String::new();
+        let mut stream = generator.stream_ids(&prompt, &stops).expect("request");
+        stream.by_ref().for_each(|t| streamed.push_str(&t.expect("token").text));
+        let output = stream.finish();
+        assert_eq!((output.text.as_str(), output.stop), (expected, StopReason::StopString(1)), "{fixture}: generator");
+        assert_eq!(streamed, expected, "{fixture}: the generator's stream adds up to its text");
+        let request = Request::new(prompt, stops);
         let mut text = String::new();
         let mut finish = None;
         for event in engine.submit(request).expect("submit") {
@@ -362,7 +368,23 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
     let good = Request::new(input(fixture)[..5].to_vec(), GenerationConfig { max_new_tokens: 4, ..Default::default() });
     let cases: Vec<(Request, &str)> = vec![
         (Request { input: vec![], ..good.clone() }, "no input tokens"),
-        (Request { stop_strings: vec!["a".into(), String::new()], ..good.clone() }, "stop string 1 is empty"),
+        (
+            Request {
+                generation: GenerationConfig {
+                    stop_strings: vec!["a".into(), String::new()],
+                    ..good.generation.clone()
+                },
+                ..good.clone()
+            },
+            "stop string 1 is empty",
+        ),
+        (
+            Request {
+                generation: GenerationConfig { cuda_graph: CudaGraph::Off, ..good.generation.clone() },
+                ..good.clone()
+            },
+            "an engine request cannot set cuda_graph (Off)",
+        ),
         (Request { input: vec![2, 600_000], ..good.clone() }, "token id 600000 is outside the vocabulary"),
         (
             Request { generation: GenerationConfig { max_new_tokens: 0, ..good.generation.clone() }, ..good.clone() },
