@@ -1,4 +1,4 @@
-//! The crate's error types: [`Error`] and the enums it carries, each a caller can match.
+//! The crate's error type, [`Error`], and the enums it carries, each a caller can match.
 
 use crate::{gguf::GgufError, safetensors::SafetensorsError};
 use burn_gemma_model::ModelError;
@@ -36,6 +36,24 @@ pub enum Error {
     Backend(#[from] BackendError),
     #[error("image: {0}")]
     Image(#[from] crate::images::ImageError),
+    /// The engine's state refused a request, or ended it (queue full, shut down, failed).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Why the engine refused a request or could not finish it (beside what is wrong with the
+/// request itself, which is [`Error::Request`] and the others).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Too many requests are waiting already.
+    #[error("the engine's queue is full ({waiting} requests waiting); try again later")]
+    QueueFull { waiting: usize },
+    /// The engine is shutting down or its worker has stopped.
+    #[error("the engine is shut down")]
+    ShutDown,
+    /// The engine's worker failed and cannot continue ([`crate::engine::EngineHealth::Failed`]).
+    #[error("the engine's worker failed: {reason}")]
+    WorkerFailed { reason: String },
 }
 
 impl From<ModelError> for Error {

@@ -2,11 +2,11 @@
 
 use crate::{
     chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
-    error::{BackendError, RequestError, TokenizerError},
+    error::{RequestError, TokenizerError},
     graph_policy::{EagerReason, GraphFailure, GraphPolicy},
     images::ImageError,
     output::{OutputRules, Room, SequenceOutput},
-    sampling::{Sampler, SamplingConfig},
+    sampling::{checked_token, first_sampled, Sampler, SamplingConfig},
     speculative::{
         judge::{greedy_verdict, judge},
         DraftSteps, Drafter, Drafts, Proposal, Speculation, SpeculationStats,
@@ -18,7 +18,7 @@ use crate::{
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_gemma_kernels::SamplingParams;
 use burn_gemma_model::{
-    Checkpoint, CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows, WindowStore,
+    CudaGraph, DecodeGraphs, GraphSetup, ImageEmbeds, ModelError, QueryRows, RewindPoint, WindowStore,
 };
 use std::{
     collections::VecDeque,
@@ -29,6 +29,8 @@ use std::{
     },
     time::{Duration, Instant},
 };
+
+pub use crate::output::{StopReason, Token};
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -71,24 +73,6 @@ impl Default for GenerationConfig {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
-}
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// A stop token was generated (it is included in the tokens, not in the text).
-    StopToken(u32),
-    /// The text reached the stop string of this index ([`GenerationConfig::stop_strings`]); it
-    /// and what follows are not in the text.
-    StopString(usize),
-    /// `max_new_tokens` were generated.
-    MaxTokens,
-    /// The model's context is full.
-    ContextFull,
-    /// The interrupt flag was raised (Ctrl-C), or a token stream was finished early.
-    Interrupted,
-    /// A step failed (the error was returned).
-    Failed,
 }
 
 /// Timings of one generation.
@@ -184,14 +168,6 @@ impl std::fmt::Display for Stats {
         }
         Ok(())
     }
-}
-
-/// One generated token and the text it completes (empty while a character is still split
-/// across tokens; stop tokens are not yielded).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Token {
-    pub id: u32,
-    pub text: String,
 }
 
 /// Generation as an iterator of [`Token`]s ([`Generator::generate_stream`]): each `next()` runs
@@ -327,7 +303,7 @@ pub struct Generator<B: GemmaBackend> {
     /// Drafting, where set ([`Generator::set_speculation`]).
     speculation: Option<Speculation<B>>,
     /// Taken before the last verify step: takes back cached drafts the context did not keep.
-    rewind: Option<Checkpoint<B>>,
+    rewind: Option<RewindPoint<B>>,
     /// The model's last final hidden state, where a Gemma 4 assistant drafts from it.
     target_hidden: Option<TargetHidden<B>>,
     /// The vision tower and projector, where images are read ([`Generator::set_vision`]).
@@ -347,7 +323,7 @@ struct TargetHidden<B: GemmaBackend> {
 impl<B: GemmaBackend> Generator<B> {
     /// Wraps a model and tokenizer. Fails if they disagree on the vocabulary.
     pub fn new(model: Gemma<B>, tokenizer: Tokenizer) -> Result<Self, Error> {
-        crate::tensor_parallel::refuse_shard(&model)?;
+        refuse_shard(&model)?;
         check_vocabulary(model.config(), &tokenizer)?;
         let template = ChatTemplate::for_architecture(model.config().model_type);
         let default_stops = default_stop_tokens(model.config(), &tokenizer);
@@ -1024,7 +1000,7 @@ impl<B: GemmaBackend> Generator<B> {
         run: &mut Run,
         drafts: &Drafts,
         k: usize,
-    ) -> Result<(Checkpoint<B>, usize, u32), Error> {
+    ) -> Result<(RewindPoint<B>, usize, u32), Error> {
         let rows = 1 + k;
         let drafted = drafts.tokens.len();
         let mut ids: Vec<u32> = run.input.iter().chain(&drafts.tokens).copied().collect();
@@ -1198,26 +1174,6 @@ pub(crate) fn check_input(ids: &[u32], config: &GenerationConfig, vocab: usize) 
     Ok(())
 }
 
-/// A sampled id as a token of the vocabulary: logits with NaN or infinity sample outside it.
-pub(crate) fn checked_token(token: i64, vocab: usize, step: usize) -> Result<u32, Error> {
-    u32::try_from(token).ok().filter(|&t| (t as usize) < vocab).ok_or(Error::NonFiniteLogits { step })
-}
-
-/// The first id of a sampled batch, read back to the host.
-pub(crate) fn first_sampled<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<i64, BackendError> {
-    sampled_ids(ids)?
-        .first()
-        .copied()
-        .ok_or_else(|| BackendError::ReadBack { what: "the sampled token", reason: "no id came back".into() })
-}
-
-/// Every sampled id, read back.
-pub(crate) fn sampled_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec<i64>, BackendError> {
-    let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
-    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
-    ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
-}
-
 /// [`prefill`] with pictures (`images`: their features by the row of `input` where their soft
 /// tokens start, in order), returning the last position's logits and final hidden state
 /// (`[1, hidden]`). A chunk that would end inside a picture's tokens runs on to its end.
@@ -1280,4 +1236,18 @@ pub(crate) fn prefill<B: GemmaBackend>(
         model.forward_last(token_tensor(filling, device), cache)?;
     }
     Ok(model.forward_last(token_tensor(&input[last..], device), cache)?)
+}
+
+/// Fails for one shard of a split model: it runs only beside the other shards, through
+/// [`ShardedModel`] (alone, its first all-reduce would wait for them for ever).
+pub(crate) fn refuse_shard<B: GemmaBackend>(model: &Gemma<B>) -> Result<(), Error> {
+    match model.parallel() {
+        Some(p) => Err(ModelError::TensorParallel(format!(
+            "shard {} of {} of a split model runs only with the other shards, in a ShardedModel",
+            p.shard.rank(),
+            p.shard.world()
+        ))
+        .into()),
+        None => Ok(()),
+    }
 }

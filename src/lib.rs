@@ -59,7 +59,9 @@ pub use burn_gemma_model::{
     ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StepRows, StoredRows,
     WeightFormat, WeightSource, WindowStore,
 };
-pub use error::{BackendError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError};
+pub use error::{
+    BackendError, EngineError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError,
+};
 pub use generation::{
     GenerationConfig, GenerationOutput, Generator, StopReason, Token, TokenStream, DEFAULT_PREFILL_CHUNK,
 };

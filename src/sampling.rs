@@ -1,6 +1,9 @@
 //! Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty, seeded.
 
-use crate::{error::SamplingError, Error, GemmaBackend, ModelError};
+use crate::{
+    error::{BackendError, SamplingError},
+    Error, GemmaBackend, ModelError,
+};
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use burn_gemma_kernels::sampling::{self as kernel, SamplingParams};
 use burn_gemma_kernels::Draws;
@@ -255,6 +258,26 @@ impl Sampler {
 }
 
 pub use burn_gemma_kernels::sampling::argmax;
+
+/// A sampled id as a token of the vocabulary: logits with NaN or infinity sample outside it.
+pub(crate) fn checked_token(token: i64, vocab: usize, step: usize) -> Result<u32, Error> {
+    u32::try_from(token).ok().filter(|&t| (t as usize) < vocab).ok_or(Error::NonFiniteLogits { step })
+}
+
+/// The first id of a sampled batch, read back to the host.
+pub(crate) fn first_sampled<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<i64, BackendError> {
+    sampled_ids(ids)?
+        .first()
+        .copied()
+        .ok_or_else(|| BackendError::ReadBack { what: "the sampled token", reason: "no id came back".into() })
+}
+
+/// Every sampled id, read back.
+pub(crate) fn sampled_ids<B: GemmaBackend>(ids: Tensor<B, 1, Int>) -> Result<Vec<i64>, BackendError> {
+    let read = |reason: String| BackendError::ReadBack { what: "the sampled tokens", reason };
+    let ids = ids.try_into_data().map_err(|e| read(format!("{e:?}")))?.convert::<i64>();
+    ids.into_vec::<i64>().map_err(|e| read(format!("{e:?}")))
+}
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 
 use crate::{
     cube,
-    quant::kernel::Packed,
+    quant::device::packed,
     quant::kquant::{gemv::KPacked, HostKQuant, KQuantFormat, KQuantMatrix},
     quant::CodeLayout,
     AddNorm, AttentionOptions, Draws, Epilogue, ExpertProduct, ExpertWeights, Experts, GateUpLayout, GemmaBackend,
@@ -713,21 +713,6 @@ where
         hi: w.hi.as_ref().map(|h| cube::int(h.val())),
         meta: cube::int(w.meta.val()),
         supers: cube::float(w.supers.val()),
-        format: w.format,
-    }
-}
-
-pub(crate) fn packed<R, F, I, BT>(w: &QuantizedMatrix<CubeBackend<R, F, I, BT>>) -> Packed<R>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    Packed {
-        codes: cube::int(w.codes.val()),
-        scales: cube::float(w.scales.val()),
-        offsets: w.offsets.as_ref().map(|o| cube::float(o.val())),
         format: w.format,
     }
 }

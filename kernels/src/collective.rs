@@ -7,6 +7,10 @@
 //! own stream with the communicators of an [`NcclGroup`] (CubeCL keeps its communicators inside
 //! its server, where a capture cannot name them): NCCL's kernels become nodes of the graph, and
 //! every device replays its own graph.
+//!
+//! This module and `graph` import each other, and must: a collective asks the recorder whether
+//! a capture is on and hands it a [`Recorded`] collective, and the recorder's capture runs those
+//! collectives with this module's NCCL groups. Splitting either side would only hide the tie.
 
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeBackend, FloatElement, IntElement};

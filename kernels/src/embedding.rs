@@ -44,16 +44,6 @@ pub fn table_reference<B: Backend>(
     reference(&blocks, ids, scale).cast(dtype)
 }
 
-/// `scale` rounded to `dtype` (bf16, f16; f32 and wider keep it), as the dense gather applies it
-/// in the activation dtype: the quantized gathers scale by the same number.
-pub(crate) fn scale_in(scale: f64, dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => half::bf16::from_f64(scale).to_f64(),
-        DType::F16 => half::f16::from_f64(scale).to_f64(),
-        _ => scale,
-    }
-}
-
 /// Reference: `table[ids] * scale`. Each block gathers the ids that fall in its rows (others
 /// are clamped and zeroed), and the blocks' contributions are summed.
 pub fn reference<B: Backend>(table: &[Tensor<B, 2>], ids: Tensor<B, 2, Int>, scale: f64) -> Tensor<B, 3> {

@@ -32,6 +32,7 @@ pub(crate) mod gpu_test;
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod collective;
+mod dtype;
 pub mod embedding;
 pub mod experts;
 pub mod gelu;
@@ -95,7 +96,7 @@ pub enum PreferredBlocks {
     /// Converted to the closest of Q8 and Q4. The GPU backends' choice: on the H200 their Q4
     /// and Q8 matrix-vector kernels decode faster than the k-quant ones read the file's fewer
     /// bytes (Gemma 3 12B shapes, tg128: 510 against 460 tok/s for Q4_K, 473 against 379 for
-    /// Q6_K, 179 against 156 on a Q4_K_M file; `docs/gpu-runs/2026-11-28-kquant`): the k-quant
+    /// Q6_K, 179 against 156 on a Q4_K_M file; `docs/runs/gpu/2026-11-28-kquant.md`): the k-quant
     /// kernels decode more per weight and are bound by issuing instructions, not by memory.
     Converted,
     /// Dequantized, dense in the model dtype.

@@ -3,7 +3,6 @@
 //! `sliding_window_pattern` keys) or built from GGUF metadata by the loader, and validated before
 //! anything is allocated.
 
-use crate::hf_config::HfConfig;
 use crate::ModelError;
 use serde::{Deserialize, Serialize};
 
@@ -200,12 +199,6 @@ pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ModelEr
 }
 
 impl GemmaConfig {
-    /// Parses an HF `config.json` ([`HfConfig`], resolved by `TryFrom`). A multimodal config is
-    /// read through its `text_config`.
-    pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
-        Self::try_from(HfConfig::from_json(json)?)
-    }
-
     /// Names accepted by [`GemmaConfig::preset`].
     pub const PRESETS: [&'static str; 8] =
         ["gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b", "gemma4-e2b", "gemma4-e4b", "gemma4-31b"];

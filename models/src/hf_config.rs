@@ -503,6 +503,16 @@ pub(crate) fn resolve(hf: HfConfig) -> Result<GemmaConfig, ModelError> {
     Ok(config)
 }
 
+// Beside the parser rather than in `config.rs`, so that the config does not depend on the
+// HF format it is read from.
+impl GemmaConfig {
+    /// Parses an HF `config.json` ([`HfConfig`], resolved by `TryFrom`). A multimodal config is
+    /// read through its `text_config`.
+    pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
+        Self::try_from(HfConfig::from_json(json)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -31,7 +31,7 @@ pub struct Router<B: GemmaBackend> {
     /// both before the projection; folded here once in f32), `[num_experts, hidden]` in the
     /// model dtype: HF multiplies in the checkpoint's dtype, and in bf16 a prompt's scores take
     /// the matrix units (in f32 they took a millisecond per 26B-A4B layer of a 512-token prompt,
-    /// `docs/gpu-runs/2026-11-25-experts-gemm/call5`).
+    /// `docs/runs/gpu/2026-11-25-experts-gemm.md`).
     pub proj: Matrix<B>,
     /// The same folded matrix in f32 where `proj` is not (bf16 and f16 models), for decode
     /// steps (at most [`GEMV_MAX_ROWS`] tokens): their scores then take no cast, and Burn's

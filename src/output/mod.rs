@@ -22,7 +22,7 @@ mod utf8;
 pub use stop_text::{Pushed, StopText};
 pub use utf8::Utf8Stream;
 
-use crate::{generation::StopReason, Error, RequestError};
+use crate::{Error, RequestError};
 
 /// When a sequence stops.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -150,6 +150,32 @@ impl SequenceOutput {
     }
 }
 
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token was generated (it is included in the tokens, not in the text).
+    StopToken(u32),
+    /// The text reached the stop string of this index ([`GenerationConfig::stop_strings`]); it
+    /// and what follows are not in the text.
+    StopString(usize),
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The model's context is full.
+    ContextFull,
+    /// The interrupt flag was raised (Ctrl-C), or a token stream was finished early.
+    Interrupted,
+    /// A step failed (the error was returned).
+    Failed,
+}
+
+/// One generated token and the text it completes (empty while a character is still split
+/// across tokens; stop tokens are not yielded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,7 +229,7 @@ mod tests {
         let mut out = output(&[], &["END"], 2);
         assert_eq!(run(&mut out, &[b"a", b"bE"]), ("abE".into(), Some(StopReason::MaxTokens)));
         let mut out = output(&[], &[], 10);
-        let full = Room { used: 9, capacity: 10 };
+        let full = Room { used: 10, capacity: 10 };
         assert_eq!(out.push(1, b"x", full), Emitted { text: Some("x".into()), stop: Some(StopReason::ContextFull) });
         // The limit wins over a full cache; a stop string over both.
         let mut out = output(&[], &["x"], 1);

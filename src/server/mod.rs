@@ -198,18 +198,18 @@ fn parse(body: &Bytes, endpoint: Endpoint, unknown: UnknownFields) -> Result<(Re
 }
 
 /// What an engine refusal means to a client; `input` names the field the prompt came in.
-fn refused(e: EngineError, input: &'static str) -> ApiError {
+fn refused(e: Error, input: &'static str) -> ApiError {
     match e {
-        EngineError::QueueFull { .. } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
-        EngineError::ShutDown | EngineError::WorkerFailed { .. } => {
+        Error::Engine(EngineError::QueueFull { .. }) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+        Error::Engine(EngineError::ShutDown | EngineError::WorkerFailed { .. }) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
         }
-        EngineError::Generation(Error::Sampling(s)) => openai::sampling_error(&s),
-        EngineError::Generation(e @ Error::Request(crate::error::RequestError::KvCacheTooSmall { .. })) => {
+        Error::Sampling(s) => openai::sampling_error(&s),
+        e @ Error::Request(crate::error::RequestError::KvCacheTooSmall { .. }) => {
             ApiError::invalid("max_tokens", e.to_string())
         }
-        EngineError::Generation(e @ Error::Request(_)) => ApiError::invalid(input, e.to_string()),
-        EngineError::Generation(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        e @ Error::Request(_) => ApiError::invalid(input, e.to_string()),
+        e => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 
@@ -362,22 +362,27 @@ struct Outcome {
     completion_tokens: usize,
 }
 
-/// Runs one choice to its end on this (blocking) thread, handing each piece of text to `emit`
-/// (which says whether the client still listens; the engine holds back text that could begin
-/// a stop string, and ends the request at one).
-fn drive(stream: &RequestStream, mut emit: impl FnMut(&str) -> bool) -> Result<Outcome, ApiError> {
+/// Runs one choice to its end, handing each piece of text to `emit` (whose future says whether
+/// the client still listens; the engine holds back text that could begin a stop string, and
+/// ends the request at one). No thread waits on the engine: its events come as a stream.
+async fn drive<F, Sent>(stream: RequestStream, mut emit: F) -> Result<Outcome, ApiError>
+where
+    F: FnMut(String) -> Sent,
+    Sent: std::future::Future<Output = bool>,
+{
+    let mut stream = stream.into_async();
     let mut completion_tokens = 0;
-    for event in stream.events() {
+    while let Some(event) = futures_lite::StreamExt::next(&mut stream).await {
         match event {
             Ok(Event::Token(token)) => {
                 completion_tokens += 1;
-                if !token.text.is_empty() && !emit(&token.text) {
+                if !token.text.is_empty() && !emit(token.text).await {
                     stream.cancel();
                 }
             }
             Ok(Event::Done(finish)) => {
                 if !finish.text.is_empty() {
-                    emit(&finish.text);
+                    emit(finish.text).await;
                 }
                 let finish_reason = match finish.reason {
                     StopReason::MaxTokens | StopReason::ContextFull => FinishReason::Length,
@@ -485,13 +490,14 @@ async fn respond_whole(started: Started, endpoint: Endpoint) -> Response {
     let choices: Vec<_> = streams
         .into_iter()
         .map(|stream| {
-            tokio::task::spawn_blocking(move || {
+            tokio::spawn(async move {
                 let mut text = String::new();
-                drive(&stream, |piece| {
-                    text.push_str(piece);
-                    true
+                let outcome = drive(stream, |piece| {
+                    text.push_str(&piece);
+                    std::future::ready(true)
                 })
-                .map(|outcome| (text, outcome))
+                .await;
+                outcome.map(|outcome| (text, outcome))
             })
         })
         .collect();
@@ -541,20 +547,24 @@ fn respond_streamed(server: Arc<Server>, started: Started, endpoint: Endpoint) -
         .enumerate()
         .map(|(index, stream)| {
             let (sender, chunk) = (sender.clone(), Arc::clone(&chunk));
-            tokio::task::spawn_blocking(move || {
+            tokio::spawn(async move {
                 if endpoint == Endpoint::Chat {
                     let role = json!({ "index": index, "delta": { "role": "assistant", "content": "" }, "finish_reason": null });
-                    if sender.blocking_send(chunk(json!([role]), None)).is_err() {
+                    if sender.send(chunk(json!([role]), None)).await.is_err() {
                         stream.cancel();
                     }
                 }
                 let piece = |text: Option<&str>, finish| json!([endpoint.choice(index, text, finish, Delivery::Streamed)]);
-                let outcome = drive(&stream, |text| sender.blocking_send(chunk(piece(Some(text), None), None)).is_ok());
+                let outcome = drive(stream, |text| {
+                    let (sender, event) = (sender.clone(), chunk(piece(Some(&text), None), None));
+                    async move { sender.send(event).await.is_ok() }
+                })
+                .await;
                 let last = match &outcome {
                     Ok(o) => chunk(piece(None, Some(o.finish_reason)), None),
                     Err(e) => SseEvent::default().data(e.body().to_string()),
                 };
-                let _ = sender.blocking_send(last);
+                let _ = sender.send(last).await;
                 outcome.map(|o| o.completion_tokens).unwrap_or(0)
             })
         })

@@ -5,14 +5,15 @@
 
 use super::accept::{pick, Proposal};
 use crate::{
-    generation::{checked_token, first_sampled, prefill, token_tensor},
+    generation::{prefill, token_tensor},
     graph_policy::{EagerReason, GraphPolicy},
     sampling::Sampler,
+    sampling::{checked_token, first_sampled},
     CudaGraph, Error, Gemma, GemmaBackend, KvCache,
 };
 use burn::tensor::{DType, Tensor};
 use burn_gemma_kernels::SamplingParams;
-use burn_gemma_model::{Checkpoint, DecodeGraphs, ModelError, WindowStore};
+use burn_gemma_model::{DecodeGraphs, ModelError, RewindPoint, WindowStore};
 use std::num::NonZeroUsize;
 
 /// How a draft model runs its one-token steps.
@@ -46,7 +47,7 @@ pub struct DraftModel<B: GemmaBackend> {
     fed: Vec<u32>,
     /// Taken before the last draft's tokens were written: lets the cache drop those the
     /// target refused.
-    checkpoint: Option<Checkpoint<B>>,
+    checkpoint: Option<RewindPoint<B>>,
     /// Recorded one-token steps for the current cache ([`DraftSteps::Graph`]).
     graphs: Option<DecodeGraphs<B>>,
     /// Recorded catch-up steps of [`CATCH_UP_ROWS`] consecutive rows for the current cache.

@@ -7,8 +7,8 @@ use super::{
     Drafts,
 };
 use crate::{
-    generation::{checked_token, first_sampled, sampled_ids},
     sampling::Sampler,
+    sampling::{checked_token, first_sampled, sampled_ids},
     Error, GemmaBackend,
 };
 use burn::tensor::Tensor;

@@ -6,7 +6,6 @@
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
-pub(crate) mod serve;
 
 use crate::{
     generation::token_tensor,
@@ -666,19 +665,5 @@ impl<B: GemmaBackend> ShardedModel<B> {
             input = vec![next];
         }
         Ok(generated)
-    }
-}
-
-/// Fails for one shard of a split model: it runs only beside the other shards, through
-/// [`ShardedModel`] (alone, its first all-reduce would wait for them for ever).
-pub(crate) fn refuse_shard<B: GemmaBackend>(model: &Gemma<B>) -> Result<(), Error> {
-    match model.parallel() {
-        Some(p) => Err(ModelError::TensorParallel(format!(
-            "shard {} of {} of a split model runs only with the other shards, in a ShardedModel",
-            p.shard.rank(),
-            p.shard.world()
-        ))
-        .into()),
-        None => Ok(()),
     }
 }

@@ -283,7 +283,7 @@ fn a_request_larger_than_the_kv_cache_is_refused() {
     let prompt = input(fixture)[..10].to_vec();
     let generation = |new| GenerationConfig { max_new_tokens: new, ..GenerationConfig::default() };
     match engine.submit(Request::new(prompt.clone(), generation(100))) {
-        Err(EngineError::Generation(e)) => assert!(e.to_string().contains("KV positions"), "{e}"),
+        Err(e) => assert!(e.to_string().contains("KV positions"), "{e}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
     let (ids, _) = collect(engine.submit(Request::new(prompt, generation(5))).expect("a request that fits"));
@@ -404,7 +404,7 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
     ];
     for (request, says) in cases {
         match engine.submit(request) {
-            Err(EngineError::Generation(e)) => {
+            Err(e) => {
                 assert!(matches!(e, Error::Request(_) | Error::Sampling(_)), "{e:?}");
                 assert!(e.to_string().contains(says), "{e} does not say {says:?}");
             }
@@ -428,7 +428,7 @@ fn a_full_queue_refuses_and_cancelled_requests_leave() {
     let second = engine.submit(long.clone()).expect("second");
     let third = engine.submit(long.clone()).expect("third");
     match engine.submit(long.clone()) {
-        Err(EngineError::QueueFull { waiting: 2 }) => {}
+        Err(Error::Engine(EngineError::QueueFull { waiting: 2 })) => {}
         other => panic!("expected QueueFull with 2 waiting, got {other:?}"),
     }
     assert_eq!(engine.metrics().requests_refused.load(std::sync::atomic::Ordering::SeqCst), 1);
@@ -636,4 +636,48 @@ fn draft_rows_pointed_at_a_sequence_give_its_one_token_steps() {
     rings.attach(0, blocks).expect("attach");
     let refused = rings.set_draft_rows(&[(2, 0)]).expect_err("draft rows over rings");
     assert!(refused.to_string().contains("EveryPosition"), "{refused}");
+}
+
+/// The same requests read as async streams (no thread waits on them), polled together on one
+/// thread, give what the blocking streams give, and dropping an async stream cancels its request.
+#[test]
+fn async_streams_match_the_blocking_ones() {
+    use futures_lite::{future, StreamExt};
+    let fixture = FIXTURES[0];
+    let engine = Engine::new(model(fixture), common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
+    let requests: Vec<_> = [5, 9, 13]
+        .iter()
+        .map(|&n| {
+            Request::new(input(fixture)[..n].to_vec(), GenerationConfig { max_new_tokens: 12, ..Default::default() })
+        })
+        .collect();
+    let blocking: Vec<_> = requests.iter().map(|r| collect(engine.submit(r.clone()).expect("submit"))).collect();
+    let streams: Vec<_> = requests.iter().map(|r| engine.submit(r.clone()).expect("submit").into_async()).collect();
+    let read = |mut events: burn_gemma::engine::EventStream| async move {
+        let mut ids = Vec::new();
+        while let Some(event) = events.next().await {
+            match event.expect("event") {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done(finish) => return (ids, finish.reason),
+            }
+        }
+        panic!("the stream ended without a Done event");
+    };
+    let mut streams = streams.into_iter();
+    let (a, b, c) = (streams.next().unwrap(), streams.next().unwrap(), streams.next().unwrap());
+    let ((first, second), third) = future::block_on(future::zip(future::zip(read(a), read(b)), read(c)));
+    assert_eq!(vec![first, second, third], blocking);
+    // A dropped async stream cancels its request: the engine counts it finished, not running.
+    let long =
+        Request::new(input(fixture)[..5].to_vec(), GenerationConfig { max_new_tokens: 10_000, ..Default::default() });
+    let mut events = engine.submit(long).expect("submit").into_async();
+    assert!(matches!(future::block_on(events.next()), Some(Ok(Event::Token(_)))));
+    drop(events);
+    let metrics = engine.metrics();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while metrics.running.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        assert!(std::time::Instant::now() < deadline, "the dropped request still runs");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    engine.shutdown();
 }

@@ -946,7 +946,7 @@ fn engine_fixture(
 /// fit the prompt are refused at submit, and a text model's engine refuses pictures.
 #[test]
 fn engine_reads_pictures_as_the_generator() {
-    use burn_gemma::engine::{Engine, EngineConfig, EngineError, Event, Request};
+    use burn_gemma::engine::{Engine, EngineConfig, Event, Request};
     use burn_gemma::{images::ImageError, Error};
     for fixture in ["gemma3", "gemma4", "gemma4-e"] {
         let (model, vision, pictures, prompts) = engine_fixture(fixture);
@@ -1009,7 +1009,7 @@ fn engine_reads_pictures_as_the_generator() {
         // Two places, one picture; a picture of the other generation.
         let two = prompts.iter().find(|p| p.1 == 2).unwrap();
         let err = engine.submit(request(&two.0, pictures[..1].to_vec(), 2, 64)).unwrap_err();
-        assert!(matches!(err, EngineError::Generation(Error::Image(ImageError::Count { images: 1, places: 2 }))));
+        assert!(matches!(err, Error::Image(ImageError::Count { images: 1, places: 2 })));
         let wrong: burn_gemma::Picture = match &pictures[0] {
             burn_gemma::Picture::Square(_) => {
                 burn_gemma::images::PatchGrid { rows: 2, cols: 2, patch_size: 4, values: vec![0.5; 192] }.into()
@@ -1018,7 +1018,7 @@ fn engine_reads_pictures_as_the_generator() {
             burn_gemma::Picture::Crops { .. } => panic!("the fixtures' pictures have no crops"),
         };
         let err = engine.submit(request(&first_ids, vec![wrong], 2, 64)).unwrap_err();
-        assert!(matches!(&err, EngineError::Generation(Error::Image(ImageError::VisionMismatch(_)))), "{err}");
+        assert!(matches!(&err, Error::Image(ImageError::VisionMismatch(_))), "{err}");
         engine.shutdown();
     }
     // A text model's engine.
@@ -1030,7 +1030,7 @@ fn engine_reads_pictures_as_the_generator() {
     let mut request = Request::new(prompts[0].0.clone(), burn_gemma::GenerationConfig::default());
     request.images = pictures[..1].to_vec();
     let err = engine.submit(request).unwrap_err();
-    assert!(matches!(err, EngineError::Generation(Error::Image(ImageError::NoVision))), "{err}");
+    assert!(matches!(err, Error::Image(ImageError::NoVision)), "{err}");
 }
 
 /// A multimodal fixture served: its model, its tower (Gemma 4's within a budget of 24 soft

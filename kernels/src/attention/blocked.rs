@@ -211,7 +211,7 @@ pub(crate) fn attention<R: CubeRuntime>(
                 // Too small for the tuned kernels (the last block of a prompt a few tokens past
                 // a multiple of the block): CubeCL's per-unit GEMM runs such a product in one
                 // cube, 4.3 ms for the last query of a 513-token prompt on the H200
-                // (`docs/gpu-runs/2026-11-27-prefill`, call 4), where the tiled kernel takes
+                // (`docs/runs/gpu/2026-11-27-prefill.md`, call 4), where the tiled kernel takes
                 // microseconds.
                 let qb = slice(q.clone(), &[b..b + 1, 0..q_heads, i0..i1, 0..dim]);
                 let kv = Kv::Dense { k: slice(k.clone(), &keys), v: slice(v.clone(), &keys) };

@@ -149,7 +149,7 @@ impl FlashTiling {
     }
 }
 
-/// The default layouts, best first (H200, bf16, `docs/gpu-runs/2026-11-28-flash` call 3, causal
+/// The default layouts, best first (H200, bf16, `docs/runs/gpu/2026-11-28-flash.md` call 3, causal
 /// prompts of 8k and 16k tokens): for heads of 256, eight planes and 64 keys per tile (188 KiB
 /// of shared memory; 60-89 TFLOP/s on Gemma 3's global and local layers), then four planes and
 /// 32 keys (82 KiB, two cubes per multiprocessor, within 10% of it); for Gemma 4's 512 eight

@@ -88,7 +88,7 @@ pub fn reference<B: Backend>(
         // broadcast over the heads: the scores `mask_fill` on the expanded mask gave (a visible
         // score plus 0 is itself; a hidden one plus f32::MIN rounds to f32::MIN), in one pass
         // over them instead of the booleans' expansion and a select (on Candle that took 4% of a
-        // 512-token prompt, docs/cpu-runs/2026-11-30-prompt-profile).
+        // 512-token prompt, docs/runs/cpu/2026-11-30-prompt-profile.md).
         let bias = Tensor::<B, 2>::zeros([q_len, k_len], (&device, DType::F32)).mask_fill(hidden, f32::MIN);
         scores = scores + bias.reshape([1, 1, 1, q_len, k_len]);
     }
@@ -162,7 +162,7 @@ pub enum PrefillAttention {
 /// Multiply-adds of one block's score product (every KV head) from which
 /// [`PrefillAttention::Auto`] takes the blocked GEMM path over flash attention for dense,
 /// global layers: there the product runs through cuBLASLt near the bf16 rate (H200, bf16,
-/// `docs/gpu-runs/2026-11-28-flash` call 3: Gemma 3 12B's global layer over 16k keys, 34G per
+/// `docs/runs/gpu/2026-11-28-flash.md` call 3: Gemma 3 12B's global layer over 16k keys, 34G per
 /// block, 129 TFLOP/s blocked against 89 flash; at 8k keys, 17G, both 80; Gemma 3 4B at 16k,
 /// 17G, 67 blocked against 83 flash).
 pub const BLOCKED_MIN_MACS: usize = 32_000_000_000;
@@ -540,7 +540,7 @@ mod tests {
     }
 
     /// The default kernel choice on Gemma's shapes (an H200's 132 multiprocessors, the
-    /// measured Hopper layouts): the cases of `docs/gpu-runs/2026-11-28-flash`, a short chunk
+    /// measured Hopper layouts): the cases of `docs/runs/gpu/2026-11-28-flash.md`, a short chunk
     /// after a long cache, and a chunk too short for flash.
     #[test]
     fn default_prompt_kernel() {

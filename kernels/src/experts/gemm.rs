@@ -5,7 +5,7 @@
 //! The grouped matrix-vector kernels ([`super::gemv`]) read each expert's rows once for all its
 //! slots, but multiply with scalar instructions: on a 512-token prompt of the 26B-A4B that is
 //! compute-bound, far from the matrix units (pp512 905 tok/s against llama.cpp's 9,323 on the
-//! H200, `docs/gpu-runs/2026-11-25-gemma4-26b-a4b-grouped`). Here:
+//! H200, `docs/runs/gpu/2026-11-25-gemma4-26b-a4b-grouped.md`). Here:
 //!
 //! 1. [`super::gemv`]'s grouping kernel lists each expert's slots on the device; the counts are
 //!    read back (one small read per product: this path is for prompts, never recorded in a
@@ -34,7 +34,7 @@ const SPAN_ALIGN: usize = 16;
 /// Fewest slots per expert, on average, for which the batched product beats the grouped
 /// matrix-vector kernels (which read only the chosen experts' rows, once): below it most
 /// of a padded batch would be zeros and dequantizing every expert would cost more than it saves.
-/// On one 26B-A4B layer on the H200 (`docs/gpu-runs/2026-11-25-experts-gemm/call3`) the GEMVs
+/// On one 26B-A4B layer on the H200 (`docs/runs/gpu/2026-11-25-experts-gemm.md`) the GEMVs
 /// are 1.08-1.10x faster for Q8/Q4 experts at 4 slots per expert (64 tokens; dense: the batched
 /// path 1.09x), the batched path 1.5-2.0x faster at 8 (128 tokens).
 pub const GEMM_MIN_SLOTS_PER_EXPERT: usize = 8;

@@ -63,7 +63,7 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    use crate::backends::packed;
+    use crate::quant::device::packed;
     use gemm::kernel::{expert_gemm, GroupedError, Stack};
     use gemv::kernel::{expert_gemv, expert_qgemv};
     let ExpertWeights::Stacked(stacked) = &experts.weights else {

@@ -17,7 +17,7 @@
 //! CubeCL's device thread (`ComputeClient::exclusive`): CubeCL's queued work is synchronized,
 //! the product runs on a stream of ours, and that stream is synchronized before CubeCL's device
 //! thread goes on. This is the ordering that made whole prompts slower on small models on CUDA
-//! (each wait drains the launch queue; `docs/gpu-runs/2026-11-27-prefill`); the device-side
+//! (each wait drains the launch queue; `docs/runs/gpu/2026-11-27-prefill.md`); the device-side
 //! flags of [`super::cublas::order`] are CUDA C and not ported.
 //!
 //! The library is opened at run time (`libloading`); nothing links against it.

@@ -2,7 +2,7 @@
 //! cached in memory and on disk so that later runs start at full speed.
 //!
 //! No single CubeCL kernel is fastest on every Gemma product (on the H100 the best of
-//! [`TUNED`] beats any one of them by up to 1.4x on some shape: `docs/gpu-runs/2026-11-24-prefill`).
+//! [`TUNED`] beats any one of them by up to 1.4x on some shape: `docs/runs/gpu/2026-11-24-prefill.md`).
 //! The first product of a shape class (the device, the dtypes, the batch size, `n`, `k`, the
 //! layout, and `m` rounded up to a power of two) runs each candidate that launches, checks its
 //! result against CubeCL's per-unit kernel, times it, and keeps the fastest that agrees; that
@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// CubeCL's kernels tuning chooses among: on the H100 (`docs/gpu-runs/2026-11-24-prefill`,
+/// CubeCL's kernels tuning chooses among: on the H100 (`docs/runs/gpu/2026-11-24-prefill.md`,
 /// `gemm-sweep.md`) the best of the first four is within 6% of the best of all twenty
 /// candidates on every Gemma 3 1B/4B product at 512 and 4,096 rows, and each is the fastest on
 /// some of them; the last runs where there is neither TMA nor `mma` (Vulkan's cooperative
@@ -39,7 +39,7 @@ pub const TUNED: [GemmKernel; 5] = [
 pub const DEFAULT: [GemmKernel; 6] = [TUNED[0], TUNED[1], TUNED[2], TUNED[3], TUNED[4], GemmKernel::CublasLt];
 
 /// Fewest multiply-adds (batch included) of a product for which cuBLASLt is timed, by default.
-/// Measured on the H200 (`docs/gpu-runs/2026-11-27-order`, call 4, whole prompts): with no
+/// Measured on the H200 (`docs/runs/gpu/2026-11-27-order.md`, call 4, whole prompts): with no
 /// floor the tuner also chose cuBLASLt for the blocked attention's smaller products, and Gemma
 /// 3 1B's prompts ran 0.59-0.75x CubeCL's kernels alone (each cuBLASLt product waits for
 /// CubeCL's device thread once, which a small product cannot repay where the launches, not
@@ -155,7 +155,7 @@ fn key<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> 
 /// Key lengths past which the products' choices are shared: by 16K keys every candidate has
 /// tiles for all units, so the choice made there stands for longer ones. Timing each longer
 /// power of two (on products that grow with it) took a 128K-token prompt on the 4B 155 s of
-/// tuning (H200, 12 classes, `docs/gpu-runs/2026-11-28-long`).
+/// tuning (H200, 12 classes, `docs/runs/gpu/2026-11-28-long.md`).
 const SHARED_LENGTH: usize = 16_384;
 
 /// A key-length dimension's class: exact up to 2,048, then its power of two up to

@@ -174,6 +174,22 @@ pub struct Packed<R: CubeRuntime> {
     pub format: QuantFormat,
 }
 
+/// The device tensors of a quantized matrix as kernel arguments.
+pub(crate) fn packed<R, F, I, BT>(w: &QuantizedMatrix<burn_cubecl::CubeBackend<R, F, I, BT>>) -> Packed<R>
+where
+    R: CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    Packed {
+        codes: crate::cube::int(w.codes.val()),
+        scales: crate::cube::float(w.scales.val()),
+        offsets: w.offsets.as_ref().map(|o| crate::cube::float(o.val())),
+        format: w.format,
+    }
+}
+
 impl<R: CubeRuntime> Packed<R> {
     pub(crate) fn args(&self) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, bool) {
         let offsets = self.offsets.clone().unwrap_or_else(|| self.scales.clone());

@@ -48,7 +48,7 @@ pub fn embed_reference<B: Backend>(
         return Tensor::zeros([batch, seq, 0], (&device, dtype));
     };
     let cols = out.dims()[1];
-    out.cast(dtype).reshape([batch, seq, cols]).mul_scalar(crate::embedding::scale_in(scale, dtype))
+    out.cast(dtype).reshape([batch, seq, cols]).mul_scalar(crate::dtype::scale_in(scale, dtype))
 }
 
 /// Writes the rows of the tokens whose id falls in `[start, start + rows)`; the launch with

@@ -403,7 +403,7 @@ const PLANES_PER_SM: usize = 16;
 /// features` registers), so that each activation is loaded, converted and summed once for all
 /// of them; splits: for one or two rows, enough planes per row group to keep `PLANES_PER_SM`
 /// planes per multiprocessor busy (each unit keeping at least one code vector per row).
-/// Measured on the H200 (ncu, Gemma 3 12B q4 decode, `docs/gpu-runs/2026-11-27-gemv`): four
+/// Measured on the H200 (ncu, Gemma 3 12B q4 decode, `docs/runs/gpu/2026-11-27-gemv.md`): four
 /// features per plane reached 1,888 GB/s on gate|up (30,720 features) and 3,310 GB/s on the
 /// LM head, while the 3,840-feature products, at one feature per plane to keep enough planes,
 /// reached 1,167 GB/s with the units 66% busy converting activations once per feature; split

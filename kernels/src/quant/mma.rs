@@ -49,7 +49,7 @@ pub const MMA_MAX_ROWS: usize = 64;
 /// Fewest activation rows the backends multiply with this kernel rather than the quantized
 /// matrix-vector kernel. Its time hardly falls below 16 rows (one row tile), while the GEMV's
 /// grows with every row: on the H200 (graph replays, Gemma 3 4B's qkv, Q4,
-/// `docs/gpu-runs/2026-11-26-mma` calls 2-3) this kernel takes 12.5 us at 3 and 4 rows where the
+/// `docs/runs/gpu/2026-11-26-mma.md` calls 2-3) this kernel takes 12.5 us at 3 and 4 rows where the
 /// GEMV took 15.0 and 17.7 us, and the GEMV's 10.8 us at 2 rows is below it.
 pub const MMA_MIN_ROWS: usize = 3;
 
@@ -90,7 +90,7 @@ impl MmaTiling {
 
     /// The tiling for `m` rows of a `[n, k]` matrix on a device of `sms` multiprocessors, from
     /// the H200's timings of every candidate on Gemma 3 4B's products at 4, 16 and 64 rows
-    /// (`docs/gpu-runs/2026-11-26-mma`): four planes per cube; one column tile per plane and
+    /// (`docs/runs/gpu/2026-11-26-mma.md`): four planes per cube; one column tile per plane and
     /// stages of 128 columns up to 32 rows, two column tiles and stages of 64 above (the
     /// activation tile is then the larger part of a stage, and wider cubes load it for more
     /// features); splits along `k` for about four cubes per multiprocessor, at most eight.
@@ -610,7 +610,7 @@ where
     }
     let x = crate::cube::float(x);
     let out = empty(&x, [rows, epilogue.out_width(w.shape[0])], x.dtype);
-    product_into_tiled(x, &crate::backends::packed(w), epilogue, &out, 0, tiling);
+    product_into_tiled(x, &super::device::packed(w), epilogue, &out, 0, tiling);
     Ok(crate::cube::tensor(out))
 }
 
@@ -623,9 +623,9 @@ pub fn multiprocessors<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::backends::packed;
     use crate::gpu_test::{assert_close, seed, tolerance};
     use crate::quant::check::{host, values};
+    use crate::quant::device::packed;
     use crate::quant::{CodeLayout, HostQuantized, QuantFormat, QuantizedMatrix};
     use crate::HostMatrix;
     use burn::backend::Cuda;

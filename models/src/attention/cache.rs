@@ -3,7 +3,7 @@
 
 use super::paged::{BlockPool, PagedLayout, PrefixCache, Reservation, Source};
 use super::prefix::{NodeKey, PrefixIndex};
-use super::rewind::{ring_slots, Checkpoint};
+use super::rewind::{ring_slots, RewindPoint};
 use super::ring::{ring_writes, window_in_order, Span, WindowStore};
 use crate::{GemmaConfig, ModelError};
 use burn::tensor::{s, DType, Tensor};
@@ -1017,7 +1017,7 @@ impl<B: GemmaBackend> KvCache<B> {
     /// back: speculative decoding writes every drafted position in its verify step and rewinds
     /// the rejected ones. `ahead` is at most [`KvCache::checkpoint_limit`]; a paged cache takes
     /// no checkpoints.
-    pub fn checkpoint(&self, ahead: usize) -> Result<Checkpoint<B>, ModelError> {
+    pub fn checkpoint(&self, ahead: usize) -> Result<RewindPoint<B>, ModelError> {
         if self.paging.is_some() {
             return Err(ModelError::InvalidInput(
                 "a paged KV cache takes no checkpoints: rewind a sequence in a cache of its own".into(),
@@ -1032,13 +1032,13 @@ impl<B: GemmaBackend> KvCache<B> {
         }
         let span = self.len..self.len + ahead;
         let rings = self.layers.iter().map(|layer| layer.saved(&span)).collect::<Result<_, _>>()?;
-        Ok(Checkpoint { cache: self.id, span, rings })
+        Ok(RewindPoint { cache: self.id, span, rings })
     }
 
     /// Takes the cache back to `len` positions, as if those after it had never been written:
     /// `len` and the cache's length lie within `checkpoint`'s span (taken of this cache, which
     /// has written no further since). A refused rewind changes nothing.
-    pub fn rewind(&mut self, checkpoint: &Checkpoint<B>, len: usize) -> Result<(), ModelError> {
+    pub fn rewind(&mut self, checkpoint: &RewindPoint<B>, len: usize) -> Result<(), ModelError> {
         let span = checkpoint.span();
         if checkpoint.cache != self.id || checkpoint.rings.len() != self.layers.len() {
             return Err(ModelError::InvalidInput("a checkpoint of another KV cache".into()));

@@ -10,7 +10,7 @@ pub mod ring;
 
 pub use cache::{KvCache, LayerCache, PrefixStats, QueryRows, Scores, StoredRows};
 pub use paged::{PagedLayout, PrefixCache, Reservation};
-pub use rewind::Checkpoint;
+pub use rewind::RewindPoint;
 pub use ring::WindowStore;
 
 use crate::{norm::RmsNorm, projection::Projection, projection::WeightSettings, GemmaConfig, ModelError};

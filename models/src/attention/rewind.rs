@@ -4,7 +4,7 @@
 //! A full-attention store needs nothing: a later write at the same position replaces the
 //! rejected row, and nothing reads past the cache's length. A sliding-window ring does: the
 //! slot of position `p` held position `p - w`, which the queries after the rewind still see.
-//! A [`Checkpoint`] keeps, for every ring, the rows the positions ahead will overwrite, so
+//! A [`RewindPoint`] keeps, for every ring, the rows the positions ahead will overwrite, so
 //! that [`crate::KvCache::rewind`] can put back those of the rejected positions.
 
 use super::ring::ring_writes;
@@ -16,7 +16,7 @@ use std::ops::Range;
 /// ([`crate::KvCache::checkpoint`]), to take those positions back
 /// ([`crate::KvCache::rewind`]).
 #[derive(Debug)]
-pub struct Checkpoint<B: GemmaBackend> {
+pub struct RewindPoint<B: GemmaBackend> {
     /// The cache it was taken of ([`crate::KvCache::id`]).
     pub(crate) cache: u64,
     /// The positions it covers: from the cache's length when taken.
@@ -27,7 +27,7 @@ pub struct Checkpoint<B: GemmaBackend> {
     pub(crate) rings: Vec<Option<StoredRows<B>>>,
 }
 
-impl<B: GemmaBackend> Checkpoint<B> {
+impl<B: GemmaBackend> RewindPoint<B> {
     /// The positions this checkpoint covers: a cache can be rewound to any length within it
     /// while its length has not passed its end.
     pub fn span(&self) -> Range<usize> {

@@ -5,7 +5,7 @@
 //! Why a vendor library for this one operation: CubeCL 0.10's matmul kernels have no Hopper
 //! `wgmma` path and reach about 30% of the H200's bf16 rate on Gemma's products; cuBLASLt's
 //! kernels use `wgmma` with TMA-fed pipelines. Whole prompts on the H200
-//! (`docs/gpu-runs/2026-11-27-order`, call 4, random bf16 weights): Gemma 3 4B pp4096 24,365 ->
+//! (`docs/runs/gpu/2026-11-27-order.md`, call 4, random bf16 weights): Gemma 3 4B pp4096 24,365 ->
 //! 45,529 tok/s, 12B (16 of its layers) pp4096 26,060 -> 59,367 and pp512 19,589 -> 47,742;
 //! 1B unchanged (its products are small, and stay on CubeCL's kernels). It is chosen only where
 //! the tuner timed it faster on the shape, and every other backend (and a machine without
@@ -19,7 +19,7 @@
 //! stream of ours, ordered against CubeCL's by one of two means ([`order`]): flags in device
 //! memory polled by one-thread kernels on both streams (the default), or host waits. With host
 //! waits the product alone ran at up to 654 TFLOP/s on the H200 (Gemma 3 4B's gate|up at 4,096
-//! rows, `docs/gpu-runs/2026-11-27-prefill`) but whole prompts ran slower than with CubeCL's
+//! rows, `docs/runs/gpu/2026-11-27-prefill.md`) but whole prompts ran slower than with CubeCL's
 //! kernels alone (each wait drains CubeCL's launch queue). Each host thread has its own stream,
 //! workspace and flags.
 
@@ -140,7 +140,7 @@ fn product(
     // On CubeCL's device thread, in order with the launches queued before it: everything they
     // launch has been submitted to CUDA when this runs, and the pointer lookups and CubeCL's
     // ordering kernels run inline, so the calling thread waits once per product (four round
-    // trips to the device thread each cost prompts on small models: `docs/gpu-runs/2026-11-27-order`).
+    // trips to the device thread each cost prompts on small models: `docs/runs/gpu/2026-11-27-order.md`).
     let task = || -> Result<(), String> {
         let pointer = |t: &CubeTensor<CudaRuntime>| -> Result<u64, String> {
             client.get_resource(t.handle.clone()).map(|r| r.resource().ptr).map_err(|e| format!("get_resource: {e:?}"))

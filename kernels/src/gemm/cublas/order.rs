@@ -3,7 +3,7 @@
 //!
 //! [`Ordering::Host`] waits on the host: CubeCL's queue is drained before the product and the
 //! product is waited for after it. Correct everywhere, but each wait empties the launch queue,
-//! and on small models the prompt pass became host-bound (`docs/gpu-runs/2026-11-27-prefill`).
+//! and on small models the prompt pass became host-bound (`docs/runs/gpu/2026-11-27-prefill.md`).
 //!
 //! [`Ordering::Device`] orders the streams on the device, with no host wait, through four 32-bit
 //! words in CubeCL's memory ([`Flags`]):
@@ -18,7 +18,7 @@
 //!
 //! Every wait is for work submitted to CUDA before the waiting kernel starts, so no wait
 //! depends on a launch not yet made. That takes two precautions, both found by the first run on
-//! the H200 (`docs/gpu-runs/2026-11-27-order`, where each lane's first device-ordered product
+//! the H200 (`docs/runs/gpu/2026-11-27-order.md`, where each lane's first device-ordered product
 //! stalled until its poll gave up): CubeCL hands launches to a device thread that may hold them,
 //! so the product is ordered from that thread (`ComputeClient::exclusive`), where the signal is
 //! submitted to CUDA before our poll is launched; and a kernel's first launch may

@@ -460,7 +460,7 @@ pub fn embed_reference<B: Backend>(
     Tensor::<B, 2>::from_data(TensorData::new(out, [batch * seq, cols]), (&device, DType::F32))
         .cast(dtype)
         .reshape([batch, seq, cols])
-        .mul_scalar(crate::embedding::scale_in(scale, dtype))
+        .mul_scalar(crate::dtype::scale_in(scale, dtype))
 }
 
 #[cfg(test)]

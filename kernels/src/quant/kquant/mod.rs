@@ -21,7 +21,7 @@
 //! Here: the formats, the host rearrangement and reference, the device form; [`gemv`]: the decode
 //! product; [`dequant`]: the dense matrix (prompts) and the embedding gather.
 //!
-//! Measured on the H200 (`docs/gpu-runs/2026-11-28-kquant`), the matrix-vector kernel reads these
+//! Measured on the H200 (`docs/runs/gpu/2026-11-28-kquant.md`), the matrix-vector kernel reads these
 //! fewer bytes more slowly than the Q4/Q8 kernel reads the converted matrices (Q4_K 0.90x, Q6_K
 //! 0.80x of their decode speed): it is bound by the instructions that decode the scales and join
 //! the code bits. So the GPU backends convert by default ([`crate::PreferredBlocks::Converted`]);

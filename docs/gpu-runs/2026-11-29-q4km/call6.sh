@@ -1,4 +1,0 @@
-#!/bin/bash
-# GPU call 6 (same warm machine, right after call 5; run as one command line): llama-bench's
-# pp2048 on the assembled real 270M (-fa 1, 5 reps), then ours again on it (tuning cached).
-export LD_LIBRARY_PATH=/tmp/lcpp/build/bin; /tmp/lcpp/build/bin/llama-bench -m /tmp/gemma3-270m-q4_k_m.gguf -p 2048 -n 0 -fa 1 -ngl 99 -r 5 -o jsonl > $OUT/270m-llama.jsonl 2>$OUT/270m-llama.err; echo rc $?; cat $OUT/270m-llama.jsonl | python3 -c 'import json,sys; [print(r["n_prompt"], r["avg_ts"], r["stddev_ts"], r["samples_ts"]) for r in map(json.loads, sys.stdin)]'; LT=$(find /usr/local /usr/lib -name 'libcublasLt.so*' 2>/dev/null | head -1); export LD_LIBRARY_PATH=$(dirname $LT); BURN_GEMMA_CACHE=/tmp/cache-270m timeout 100 /tmp/burn-gemma-bench --model /tmp/gemma3-270m-q4_k_m.gguf --backend cuda --dtype bf16 --prompt-len 2048 --gen 1 --reps 5 > $OUT/270m-ttft-2.txt 2>&1; grep -E "prefill pp|first token|tuning" $OUT/270m-ttft-2.txt
