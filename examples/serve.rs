@@ -29,7 +29,6 @@ mod backend_args;
 use backend_args::BackendArgs;
 use burn_gemma::{
     backends::{dispatch, BackendTask},
-    chat::ChatTemplate,
     engine::{Engine, EngineConfig, EngineDrafts},
     server::{Access, ApiKey, ConnectionLimits, Cors, RequestLimits, Server, ServerConfig, UnknownFields},
     Checkpoint, GemmaBackend, LoadOptions, Loaded, MmprojCheckpoint,
@@ -231,14 +230,13 @@ impl BackendTask for Run {
             let mut model = burn_gemma::tensor_parallel::ShardedModel::load(&checkpoint, &devices, options, reduces)?;
             model.set_cuda_graph(args.cuda_graph)?;
             eprintln!("the model split over {world} devices; requests answered one at a time");
-            let template = ChatTemplate::for_architecture(model.config().model_type);
             let config = EngineConfig {
                 max_waiting: args.max_waiting,
                 max_sequence_len: args.max_sequence_len,
                 ..EngineConfig::default()
             };
             let engine = Engine::sharded(model, checkpoint.tokenizer()?, config)?;
-            return serve(Server::new(engine, template, server_config)?, &args.host, args.port);
+            return serve(Server::new(engine, server_config)?, &args.host, args.port);
         }
         let options = LoadOptions::<B>::new().device(device.clone()).dtype(dtype).weights(weights).kv_cache(kv_cache);
         let Loaded { model, .. } = checkpoint.load(options)?;
@@ -253,7 +251,6 @@ impl BackendTask for Run {
             eprintln!("reading pictures (image_url parts of chat messages)");
         }
         drop(checkpoint);
-        let template = ChatTemplate::for_architecture(model.config().model_type);
         let config = EngineConfig {
             max_running: args.max_running,
             max_waiting: args.max_waiting,
@@ -272,7 +269,7 @@ impl BackendTask for Run {
         if args.pan_and_scan {
             engine.set_pan_and_scan(Some(burn_gemma::images::PanAndScan::default()))?;
         }
-        serve(Server::new(engine, template, server_config)?, &args.host, args.port)
+        serve(Server::new(engine, server_config)?, &args.host, args.port)
     }
 }
 

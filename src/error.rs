@@ -56,6 +56,12 @@ pub enum EngineError {
     WorkerFailed { reason: String },
 }
 
+impl From<crate::chat::ChatError> for Error {
+    fn from(e: crate::chat::ChatError) -> Self {
+        Self::Request(e.into())
+    }
+}
+
 impl From<ModelError> for Error {
     fn from(e: ModelError) -> Self {
         Self::Model(Box::new(e))
@@ -146,8 +152,9 @@ pub enum SamplingError {
 pub enum RequestError {
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("the message is empty")]
-    EmptyMessage,
+    /// A conversation the chat template cannot lay out.
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
     #[error("max new tokens must be at least 1")]
     NoNewTokens,
     #[error("no input tokens")]
@@ -180,9 +187,6 @@ pub enum RequestError {
          --cuda-graph auto"
     )]
     CudaGraphWithPenalty,
-    /// Thinking or tool calls asked of a model before Gemma 4.
-    #[error("{feature} need a Gemma 4 model (its chat template); this model's has none")]
-    Gemma4Only { feature: &'static str },
     /// [`crate::Generator::send_tool_responses`] with no responses.
     #[error("no tool responses to send")]
     NoToolResponses,

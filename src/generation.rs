@@ -1,7 +1,7 @@
 //! Text generation over a [`Gemma`] model: streaming, stop conditions, chat history, statistics.
 
 use crate::{
-    chat::{self, ChatTemplate, SystemTurn, Thinking, ToolResponse},
+    chat::{ChatError, ChatMessage, ChatTemplate, ReplyEnd, SystemTurn, ToolResponse},
     error::{RequestError, TokenizerError},
     graph_policy::{EagerReason, GraphFailure, GraphPolicy},
     images::ImageError,
@@ -456,7 +456,7 @@ impl<B: GemmaBackend> Generator<B> {
         on_text: impl FnMut(&str),
     ) -> Result<GenerationOutput, Error> {
         if message.trim().is_empty() {
-            return Err(RequestError::EmptyMessage.into());
+            return Err(ChatError::EmptyUserMessage { index: 0 }.into());
         }
         let text = self.image_text(message, images)?;
         let ids = self.turn_ids(&text)?;
@@ -534,16 +534,7 @@ impl<B: GemmaBackend> Generator<B> {
     /// [`Generator::send_tool_responses`], and split replies with
     /// [`crate::chat::ModelReply::parse`].
     pub fn set_system(&mut self, system: SystemTurn) -> Result<(), Error> {
-        if self.template != ChatTemplate::Gemma4 {
-            let feature = match (&system.thinking, system.tools.is_empty()) {
-                (Thinking::On, _) => Some("thinking"),
-                (_, false) => Some("tool calls"),
-                _ => None,
-            };
-            if let Some(feature) = feature {
-                return Err(RequestError::Gemma4Only { feature }.into());
-            }
-        }
+        self.template.check_system(&system)?;
         self.system = system;
         self.reset();
         Ok(())
@@ -570,7 +561,7 @@ impl<B: GemmaBackend> Generator<B> {
 
     fn tool_response_ids(&self, responses: &[ToolResponse]) -> Result<Vec<u32>, Error> {
         if self.template != ChatTemplate::Gemma4 {
-            return Err(RequestError::Gemma4Only { feature: "tool calls" }.into());
+            return Err(ChatError::Gemma4Only { feature: "tool calls" }.into());
         }
         if responses.is_empty() {
             return Err(RequestError::NoToolResponses.into());
@@ -602,29 +593,17 @@ impl<B: GemmaBackend> Generator<B> {
 
     /// The ids of a user turn after the conversation so far, in the model's chat template.
     fn turn_ids(&self, message: &str) -> Result<Vec<u32>, Error> {
-        if message.trim().is_empty() {
-            return Err(RequestError::EmptyMessage.into());
-        }
-        let mut text = String::new();
-        if !self.context.is_empty() {
-            // The previous reply ended with its end-of-turn token (already in the context) or
-            // was cut short; either way close the turn before the next one.
-            let end = self.template.end_of_turn();
-            if self.context.last().is_none_or(|&t| Some(t) != self.tokenizer.token_id(end)) {
-                text.push_str(end);
+        let text = match self.context.last() {
+            None => self.template.render_with(&self.system, &[ChatMessage::user(message)])?,
+            Some(&last) => {
+                // The previous reply ended with its end-of-turn token or was cut short.
+                let ended = match self.tokenizer.token_id(self.template.end_of_turn()) == Some(last) {
+                    true => ReplyEnd::Closed,
+                    false => ReplyEnd::Open,
+                };
+                self.template.next_turn(ended, message)?
             }
-            text.push_str(chat::TURN_SEPARATOR);
-        }
-        match (self.context.is_empty(), self.template, &self.system.instructions) {
-            (true, ChatTemplate::Gemma4, _) => {
-                text.push_str(&self.system.render());
-                text.push_str(&self.template.user_turn(message));
-            }
-            (true, ChatTemplate::Gemma, Some(instructions)) => {
-                text.push_str(&self.template.user_turn(&format!("{instructions}\n\n{message}")));
-            }
-            _ => text.push_str(&self.template.user_turn(message)),
-        }
+        };
         self.tokenizer.encode(&text, if self.context.is_empty() { Bos::Prepend } else { Bos::Omit })
     }
 

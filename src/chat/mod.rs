@@ -1,8 +1,11 @@
 //! The Gemma chat templates: plain turns for every generation ([`ChatTemplate`]), and Gemma 4's
 //! system turn, thinking and tool calls ([`gemma4`]).
 
+pub mod conversation;
 pub mod gemma4;
 pub mod gemma4_value;
+
+pub use conversation::{ChatError, ChatMessage, ReplyEnd, Role};
 
 pub use gemma4::{ModelReply, ReplyPart, ReplyRouter, SystemTurn, Thinking, ToolCall, ToolDeclaration, ToolResponse};
 

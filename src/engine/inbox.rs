@@ -1,6 +1,6 @@
 //! What the worker takes from the engine's front: submitted requests and commands.
 
-use super::request::Request;
+use super::request::Tokenized;
 use super::stream::EventSender;
 use crate::sampling::Sampler;
 
@@ -14,7 +14,7 @@ use std::{
 
 /// A request on its way to the worker.
 pub(crate) struct Submitted {
-    pub(crate) request: Request,
+    pub(crate) request: Tokenized,
     pub(crate) sampler: Sampler,
     pub(crate) events: EventSender,
     pub(crate) cancel: Arc<AtomicBool>,

@@ -39,7 +39,8 @@ pub(crate) mod tests;
 pub use crate::error::EngineError;
 pub use config::{EngineConfig, EngineDrafts};
 pub use metrics::{EngineHealth, EngineMetrics};
-pub use request::{Event, Finish, Request};
+use request::Tokenized;
+pub use request::{Event, Finish, Prompt, Request};
 pub use stream::{EventStream, RequestStream};
 
 #[cfg(test)]
@@ -50,12 +51,14 @@ use scheduler::{panic_message, Worker, DRAFTING_SEQUENCES};
 use steps::Steps;
 
 use crate::{
+    chat::ChatTemplate,
     error::{BackendError, RequestError},
     generation::{check_input, check_vocabulary, default_stop_tokens},
     graph_policy::{EagerReason, GraphPolicy},
     images::{ImageError, PanAndScan},
     sampling::Sampler,
-    vision::{ImageProcessor, Vision},
+    tokenizer::Bos,
+    vision::{ImageProcessor, Picture, Vision},
     BatchGraphs, CudaGraph, Error, Gemma, GemmaBackend, GemmaConfig, ModelError, PagedLayout, Tokenizer,
 };
 use std::{
@@ -86,6 +89,8 @@ pub struct Engine {
     eager_reason: Arc<Mutex<Option<EagerReason>>>,
     /// How the model's pictures are prepared and placed, where it reads them.
     images: Option<ImageProcessor>,
+    /// How the model's conversations are laid out.
+    template: ChatTemplate,
     /// How the worker thread ended, once it has.
     worker_state: Arc<WorkerState>,
 }
@@ -104,6 +109,7 @@ struct Front {
     pub(super) metrics: Arc<EngineMetrics>,
     pub(super) eager_reason: Arc<Mutex<Option<EagerReason>>>,
     pub(super) images: Option<ImageProcessor>,
+    pub(super) template: ChatTemplate,
 }
 
 impl Front {
@@ -122,6 +128,7 @@ impl Front {
             metrics: Arc::new(EngineMetrics::default()),
             eager_reason: Arc::new(Mutex::new(None)),
             images: None,
+            template: ChatTemplate::for_architecture(model.model_type),
         })
     }
 }
@@ -254,7 +261,8 @@ impl Engine {
                 state.set(outcome.map_err(|panic| panic_message(&*panic)));
             })
             .map_err(|e| BackendError::Thread { what: "engine worker", reason: e.to_string() })?;
-        let Front { tokenizer, vocab, max_context, capacity, reservable, metrics, eager_reason, images } = front;
+        let Front { tokenizer, vocab, max_context, capacity, reservable, metrics, eager_reason, images, template } =
+            front;
         Ok(Self {
             commands,
             worker: Some(worker),
@@ -268,6 +276,7 @@ impl Engine {
             accepting: Arc::new(AtomicBool::new(true)),
             eager_reason,
             images,
+            template,
             worker_state,
         })
     }
@@ -335,6 +344,25 @@ impl Engine {
         self.config
     }
 
+    /// The token ids of `prompt`: text and chats laid out in the model's chat template where
+    /// asked ([`crate::chat::ChatTemplate::render`]), each picture's placeholder expanded to its
+    /// soft tokens, then tokenized with `<bos>` first; ids as they are. What
+    /// [`Engine::submit`] runs, for a caller that wants the count first.
+    pub fn prompt_ids(&self, prompt: Prompt, images: &[Picture]) -> Result<Vec<u32>, Error> {
+        let text = match prompt {
+            Prompt::Ids(ids) => return Ok(ids),
+            Prompt::Text(text) if text.is_empty() => return Err(RequestError::EmptyPrompt.into()),
+            Prompt::Text(text) => text,
+            Prompt::Chat(messages) => self.template.render(&messages)?,
+        };
+        let text = match (&self.images, images.is_empty()) {
+            (Some(processor), false) => processor.expand(&text, images, &self.tokenizer)?,
+            (None, false) => return Err(ImageError::NoVision.into()),
+            (_, true) => text,
+        };
+        self.tokenizer.encode(&text, Bos::Prepend)
+    }
+
     /// Queues `request`; its events come through the returned stream. Checks the request before
     /// queueing it (empty input, ids outside the vocabulary, no new tokens, sampling values,
     /// context length), so a bad one is refused here with the reason.
@@ -344,6 +372,9 @@ impl Engine {
             EngineHealth::Failed { reason } => return Err(EngineError::WorkerFailed { reason }.into()),
             EngineHealth::Stopping | EngineHealth::Stopped => return Err(EngineError::ShutDown.into()),
         }
+        let Request { prompt, generation, images } = request;
+        let input = self.prompt_ids(prompt, &images)?;
+        let request = Tokenized { input, generation, images };
         check(&request, self.vocab, self.max_context, self.capacity)?;
         match (&self.images, request.images.is_empty()) {
             (_, true) => {}
@@ -406,7 +437,7 @@ impl Drop for Engine {
 }
 
 /// The checks [`Engine::submit`] makes before queueing.
-fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -> Result<(), Error> {
+fn check(request: &Tokenized, vocab: usize, max_context: usize, capacity: usize) -> Result<(), Error> {
     let generation = &request.generation;
     check_input(&request.input, generation, vocab)?;
     if generation.cuda_graph != CudaGraph::Auto {
@@ -432,6 +463,6 @@ fn check(request: &Request, vocab: usize, max_context: usize, capacity: usize) -
 
 /// KV positions a request's sequence holds blocks for: its prompt and the tokens it may
 /// generate, within the sequence's positions.
-fn reserved_positions(request: &Request, capacity: usize) -> usize {
+fn reserved_positions(request: &Tokenized, capacity: usize) -> usize {
     request.input.len().saturating_add(request.generation.max_new_tokens).min(capacity)
 }

@@ -133,3 +133,30 @@ fn steps_run_power_of_two_rows_within_the_cache() {
         assert_eq!(step_rows(n, batch), rows, "{n} of {batch}");
     }
 }
+
+/// Text and chat prompts are the engine's own tokenizing of what a caller would send as ids:
+/// the chat laid out by the model's template, `<bos>` first; bad ones are refused at submit.
+#[test]
+fn text_and_chat_prompts_match_their_ids() -> TestResult {
+    use super::Prompt;
+    use crate::chat::{ChatError, ChatMessage, ChatTemplate};
+    use crate::{tokenizer::Bos, RequestError};
+    let engine = tiny_engine()?;
+    let generation = request(5).generation;
+    let chat = vec![ChatMessage::system("w300"), ChatMessage::user("w301 w302")];
+    let text = ChatTemplate::Gemma.render(&chat)?;
+    let ids = engine.tokenizer().encode(&text, Bos::Prepend)?;
+    assert_eq!(ids[0], 2);
+    assert_eq!(engine.prompt_ids(Prompt::Chat(chat.clone()), &[])?, ids);
+    let by_ids = tokens(engine.submit(Request::new(ids.clone(), generation.clone()))?)?;
+    let by_chat = tokens(engine.submit(Request::chat(chat, generation.clone()))?)?;
+    let by_text = tokens(engine.submit(Request::text(text, generation.clone()))?)?;
+    assert_eq!(by_chat, by_ids);
+    assert_eq!(by_text, by_ids);
+    let refused = |prompt: Prompt| engine.submit(Request { prompt, ..request(5) }).err().map(|e| e.to_string());
+    let empty = Error::from(RequestError::EmptyPrompt).to_string();
+    assert_eq!(refused(Prompt::Text(String::new())), Some(empty));
+    let last = Error::from(ChatError::LastNotUser).to_string();
+    assert_eq!(refused(Prompt::Chat(vec![ChatMessage::user("w300"), ChatMessage::assistant("w301")])), Some(last));
+    Ok(())
+}

@@ -30,9 +30,7 @@ pub mod openai;
 pub use config::{Access, ApiKey, ConfigError, ConnectionLimits, Cors, RequestLimits, ServerConfig, UnknownFields};
 
 use crate::{
-    chat::ChatTemplate,
-    engine::{Engine, EngineError, EngineHealth, Event, Request, RequestStream},
-    tokenizer::Bos,
+    engine::{Engine, EngineError, EngineHealth, Event, Prompt, Request, RequestStream},
     vision::Picture,
     Error, GenerationConfig, StopReason,
 };
@@ -63,7 +61,6 @@ use tokio::sync::Semaphore;
 pub struct Server {
     engine: Engine,
     config: ServerConfig,
-    template: ChatTemplate,
     started: Instant,
     next_id: AtomicU64,
     /// Turns on the blocking threads that tokenize and decode pictures.
@@ -76,9 +73,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// Serves `engine`, whose model's chat layout is `template`; fails on a configuration it
-    /// cannot serve with (a CORS origin that is not one, a zero limit).
-    pub fn new(engine: Engine, template: ChatTemplate, config: ServerConfig) -> Result<Arc<Self>, ConfigError> {
+    /// Serves `engine`; fails on a configuration it cannot serve with (a CORS origin that is
+    /// not one, a zero limit).
+    pub fn new(engine: Engine, config: ServerConfig) -> Result<Arc<Self>, ConfigError> {
         let cors = access::cors_layer(&config.access.cors)?;
         for (name, value) in [
             ("max_connections", config.connections.max_connections),
@@ -98,7 +95,6 @@ impl Server {
             cors,
             engine,
             config,
-            template,
             started: Instant::now(),
             next_id: AtomicU64::new(1),
         }))
@@ -309,26 +305,20 @@ async fn prepare(
     })
 }
 
-/// The prompt's token ids and pictures: the chat rendered in the model's template (its pictures
-/// decoded), the pictures' soft tokens placed, the text tokenized. Runs on a blocking thread.
+/// The prompt's token ids and pictures: the chat's pictures decoded, then the engine's
+/// [`Engine::prompt_ids`] (the template, the pictures' soft tokens, the tokenizer). Runs on a
+/// blocking thread.
 fn tokenize(server: &Server, endpoint: Endpoint, fields: &RequestBody) -> Result<(Vec<u32>, Vec<Picture>), ApiError> {
-    let (text, pictures, field) = match (endpoint, &fields.prompt, &fields.messages) {
-        (Endpoint::Completions, Some(prompt), _) => (prompt.clone(), Vec::new(), "prompt"),
+    let (prompt, pictures, field) = match (endpoint, &fields.prompt, &fields.messages) {
+        (Endpoint::Completions, Some(prompt), _) => (Prompt::Text(prompt.clone()), Vec::new(), "prompt"),
         (Endpoint::Chat, _, Some(messages)) => {
             let images = server.engine.image_processor().map(|p| (p, server.config.limits.max_image_pixels));
-            let chat = openai::render_chat(server.template, messages, images)?;
-            (chat.text, chat.pictures, "messages")
+            let chat = openai::conversation(messages, images)?;
+            (Prompt::Chat(chat.messages), chat.pictures, "messages")
         }
         _ => return Err(ApiError::invalid_body("the request has no prompt")),
     };
-    let tokenizer = server.engine.tokenizer();
-    let text = match server.engine.image_processor() {
-        Some(processor) if !pictures.is_empty() => {
-            processor.expand(&text, &pictures, tokenizer).map_err(|e| ApiError::invalid(field, e.to_string()))?
-        }
-        _ => text,
-    };
-    let ids = tokenizer.encode(&text, Bos::Prepend).map_err(|e| ApiError::invalid(field, e.to_string()))?;
+    let ids = server.engine.prompt_ids(prompt, &pictures).map_err(|e| ApiError::invalid(field, e.to_string()))?;
     Ok((ids, pictures))
 }
 
@@ -344,7 +334,8 @@ fn start(server: &Server, prepared: Prepared, prefix: &str) -> Result<Started, A
         let mut generation = prepared.generation.clone();
         generation.sampling.seed = generation.sampling.seed.wrapping_add(index as u64);
         // On a refusal the choices already queued are cancelled as their streams drop.
-        let request = Request { input: prepared.ids.clone(), generation, images: prepared.pictures.clone() };
+        let request =
+            Request { prompt: Prompt::Ids(prepared.ids.clone()), generation, images: prepared.pictures.clone() };
         streams.push(server.engine.submit(request).map_err(|e| refused(e, prepared.field))?);
     }
     Ok(Started {
@@ -666,7 +657,7 @@ mod tests {
     /// requests get a 503 naming it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_worker_is_reported_not_hidden() -> Result<(), Box<dyn std::error::Error>> {
-        let server = Server::new(tiny_engine()?, ChatTemplate::Gemma, ServerConfig::new("tiny"))?;
+        let server = Server::new(tiny_engine()?, ServerConfig::new("tiny"))?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let base = format!("http://{}", listener.local_addr()?);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

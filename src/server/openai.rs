@@ -1,7 +1,7 @@
 //! The OpenAI-compatible request and response bodies, their checks, and the chat templates.
 
 use crate::{
-    chat::{ChatTemplate, SystemTurn, Thinking},
+    chat::{ChatMessage, Role},
     sampling::SamplingConfig,
     vision::{ImageProcessor, Picture},
     Error, GenerationConfig, SamplingError,
@@ -311,8 +311,8 @@ impl Content {
 /// A chat's prompt text in the model's template and its pictures, in the order of their
 /// places in the text ([`ImageProcessor::placeholder`]).
 #[derive(Debug, Clone)]
-pub struct ChatPrompt {
-    pub text: String,
+pub struct Conversation {
+    pub messages: Vec<ChatMessage>,
     pub pictures: Vec<Picture>,
 }
 
@@ -378,64 +378,33 @@ fn content_text(
     Ok(text)
 }
 
-/// The prompt of a chat in the model's template, its model turn opened: system messages
-/// (first only) as Gemma 4's system turn or, before Gemma 4, at the head of the first user
-/// message; user and assistant turns alternating as they come; the last message a user's.
-/// Pictures (`image_url` parts of user messages) are decoded and prepared by `images`, the
-/// model's processor (each of at most the pixels given beside it): a model without one refuses
-/// them.
-pub fn render_chat(
-    template: ChatTemplate,
-    messages: &[Message],
-    images: Option<(&ImageProcessor, u64)>,
-) -> Result<ChatPrompt, ApiError> {
+/// The conversation of a chat request, for the engine to lay out in the model's template
+/// ([`ChatTemplate::render`]): roles read, each content's text joined. Pictures (`image_url`
+/// parts of user messages) are decoded and prepared by `images`, the model's processor (each of
+/// at most the pixels given beside it), their places marked in the text: a model without one
+/// refuses them.
+pub fn conversation(messages: &[Message], images: Option<(&ImageProcessor, u64)>) -> Result<Conversation, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages is empty"));
     }
-    let mut system = None;
-    let mut text = String::new();
     let mut pictures = Vec::new();
+    let mut conversation = Vec::with_capacity(messages.len());
     for (i, message) in messages.iter().enumerate() {
-        let user = message.role == "user";
-        let content = content_text(i, &message.content, images, user, &mut pictures)?;
-        match message.role.as_str() {
-            "system" | "developer" if i == 0 => system = Some(content),
-            "system" | "developer" => {
-                return Err(ApiError::invalid("messages", format!("messages[{i}]: a system message must come first")))
-            }
-            "user" => {
-                let content = match (template, system.take()) {
-                    (ChatTemplate::Gemma, Some(s)) => format!("{s}\n\n{content}"),
-                    (_, s) => {
-                        if let Some(s) = s {
-                            let turn = SystemTurn { instructions: Some(s), thinking: Thinking::Off, tools: Vec::new() };
-                            text.push_str(&turn.render());
-                        }
-                        content
-                    }
-                };
-                text.push_str(&template.user_turn(&content));
-            }
-            "assistant" => {
-                if i + 1 == messages.len() {
-                    return Err(ApiError::invalid("messages", "the last message must be the user's"));
-                }
-                text.push_str(&content);
-                text.push_str(template.end_of_turn());
-                text.push_str(crate::chat::TURN_SEPARATOR);
-            }
+        let role = match message.role.as_str() {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
             other => {
                 return Err(ApiError::invalid(
                     "messages",
                     format!("messages[{i}].role is {other:?}; expected system, user or assistant"),
                 ))
             }
-        }
+        };
+        let content = content_text(i, &message.content, images, role == Role::User, &mut pictures)?;
+        conversation.push(ChatMessage { role, content });
     }
-    if messages.last().is_some_and(|m| m.role != "user") {
-        return Err(ApiError::invalid("messages", "the last message must be the user's"));
-    }
-    Ok(ChatPrompt { text, pictures })
+    Ok(Conversation { messages: conversation, pictures })
 }
 
 /// Why a choice ended, in OpenAI's words.
@@ -464,9 +433,17 @@ impl Usage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::ChatTemplate;
 
     fn message(role: &str, content: &str) -> Message {
         Message { role: role.into(), content: content.into() }
+    }
+
+    /// The chat's prompt text as the engine lays it out.
+    fn render_chat(template: ChatTemplate, messages: &[Message]) -> Result<String, ApiError> {
+        template
+            .render(&conversation(messages, None)?.messages)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))
     }
 
     #[test]
@@ -478,12 +455,12 @@ mod tests {
             message("user", "Again"),
         ];
         assert_eq!(
-            render_chat(ChatTemplate::Gemma, &chat, None)?.text,
+            render_chat(ChatTemplate::Gemma, &chat)?,
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
              <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(
-            render_chat(ChatTemplate::Gemma4, &chat, None)?.text,
+            render_chat(ChatTemplate::Gemma4, &chat)?,
             "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n\
              <|turn>user\nAgain<turn|>\n<|turn>model\n"
         );
@@ -498,7 +475,7 @@ mod tests {
             (vec![message("user", "a"), message("system", "b"), message("user", "c")], "must come first"),
             (vec![message("tool", "a")], "messages[0].role is \"tool\""),
         ] {
-            let e = render_chat(ChatTemplate::Gemma, &chat, None).unwrap_err();
+            let e = render_chat(ChatTemplate::Gemma, &chat).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("messages"));
             assert!(e.message.contains(says), "{} does not say {says}", e.message);
         }

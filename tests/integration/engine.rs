@@ -8,7 +8,7 @@ use crate::common;
 use burn::tensor::DType;
 use burn_gemma::{
     backends::NdArray,
-    engine::{Engine, EngineConfig, EngineDrafts, EngineError, Event, Request},
+    engine::{Engine, EngineConfig, EngineDrafts, EngineError, Event, Prompt, Request},
     Checkpoint, CudaGraph, Error, Gemma, GemmaBackend, GenerationConfig, Generator, LoadOptions, PagedLayout,
     PrefixCache, SamplingConfig, StepInputs, StopReason, WindowStore,
 };
@@ -31,6 +31,14 @@ fn input(fixture: &str) -> Vec<u32> {
 
 /// Requests of mixed prompt lengths, token budgets and sampling: greedy, and seeded sampling
 /// with temperature, top-k and top-p. Budgets of 50 and more pass the fixtures' sliding windows.
+/// The token ids of a request these tests built from ids.
+fn ids_of(request: &Request) -> &[u32] {
+    match &request.prompt {
+        Prompt::Ids(ids) => ids,
+        other => panic!("the tests build requests from ids, not {other:?}"),
+    }
+}
+
 fn requests(input: &[u32], prefill_chunk: NonZeroUsize) -> Vec<Request> {
     let cases: [(usize, usize, Option<u64>); 7] = [
         (3, 20, None),
@@ -79,7 +87,7 @@ where
         .iter()
         .map(|r| {
             generator.reset();
-            let mut stream = generator.stream_ids(&r.input, &r.generation).expect("request");
+            let mut stream = generator.stream_ids(ids_of(r), &r.generation).expect("request");
             let ids: Vec<u32> = stream.by_ref().map(|t| t.expect("token").id).collect();
             let output = stream.finish();
             graph_steps += output.stats.graph_steps;
@@ -367,7 +375,7 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
     let engine = Engine::new(model(fixture), common::tiny_tokenizer(), EngineConfig::default()).expect("engine");
     let good = Request::new(input(fixture)[..5].to_vec(), GenerationConfig { max_new_tokens: 4, ..Default::default() });
     let cases: Vec<(Request, &str)> = vec![
-        (Request { input: vec![], ..good.clone() }, "no input tokens"),
+        (Request { prompt: Prompt::Ids(vec![]), ..good.clone() }, "no input tokens"),
         (
             Request {
                 generation: GenerationConfig {
@@ -385,7 +393,10 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
             },
             "an engine request cannot set cuda_graph (Off)",
         ),
-        (Request { input: vec![2, 600_000], ..good.clone() }, "token id 600000 is outside the vocabulary"),
+        (
+            Request { prompt: Prompt::Ids(vec![2, 600_000]), ..good.clone() },
+            "token id 600000 is outside the vocabulary",
+        ),
         (
             Request { generation: GenerationConfig { max_new_tokens: 0, ..good.generation.clone() }, ..good.clone() },
             "max new tokens must be at least 1",
@@ -400,7 +411,7 @@ fn bad_requests_are_refused_with_their_reason_and_the_engine_serves_on() {
             },
             "temperature",
         ),
-        (Request { input: vec![2; 1_000_000], ..good.clone() }, "exceeds the model's context"),
+        (Request { prompt: Prompt::Ids(vec![2; 1_000_000]), ..good.clone() }, "exceeds the model's context"),
     ];
     for (request, says) in cases {
         match engine.submit(request) {
@@ -508,7 +519,7 @@ fn alone_every_position<B: GemmaBackend>(
         .iter()
         .map(|r| {
             let mut cache = model.new_cache_with(1, DRAFT_TEST_POSITIONS, WindowStore::EveryPosition).expect("cache");
-            let prompt = burn_gemma::generation::token_tensor::<B>(&r.input, device);
+            let prompt = burn_gemma::generation::token_tensor::<B>(ids_of(r), device);
             let mut token = argmax(last_row(model.forward(prompt, &mut cache).expect("prompt")));
             let mut tokens = Vec::new();
             loop {
@@ -519,7 +530,7 @@ fn alone_every_position<B: GemmaBackend>(
                 if tokens.len() == r.generation.max_new_tokens {
                     return (tokens, StopReason::MaxTokens);
                 }
-                let position = r.input.len() + tokens.len() - 1;
+                let position = ids_of(r).len() + tokens.len() - 1;
                 let inputs = StepInputs::sequences(&[token], &[position], device).expect("step inputs");
                 let logits = model.decode_logits(&inputs, &mut cache).expect("step");
                 token = argmax(logits.into_data().convert::<f32>().to_vec().expect("logits"));

@@ -467,7 +467,7 @@ fn newline_runs_are_whole_tokens_where_the_vocabulary_has_them() {
 /// thinking and tools.
 #[test]
 fn gemma4_chat_with_thinking_and_tools() {
-    use burn_gemma::chat::{SystemTurn, Thinking, ToolDeclaration, ToolResponse};
+    use burn_gemma::chat::{ChatError, SystemTurn, Thinking, ToolDeclaration, ToolResponse};
     use burn_gemma::{Bos, Error, RequestError};
     let vocab = Gemma4Vocab::shared();
     let gguf = write_gguf("gemma4-e", Some(vocab));
@@ -510,7 +510,7 @@ fn gemma4_chat_with_thinking_and_tools() {
     let thinking = SystemTurn { thinking: Thinking::On, ..Default::default() };
     assert!(matches!(
         generator.set_system(thinking),
-        Err(Error::Request(RequestError::Gemma4Only { feature: "thinking" }))
+        Err(Error::Request(RequestError::Chat(ChatError::Gemma4Only { feature: "thinking" })))
     ));
     generator.set_system(SystemTurn { instructions: Some("Be brief.".into()), ..Default::default() }).unwrap();
     generator.chat("Hi", &config, |_| {}).unwrap();

@@ -66,7 +66,7 @@ async fn start(config: EngineConfig) -> Running {
 /// A server of `model` with these settings, on a port of its own.
 pub(crate) async fn start_with(model: Gemma<NdArray>, config: EngineConfig, server: ServerConfig) -> Running {
     let engine = Engine::new(model, common::tiny_tokenizer(), config).expect("engine");
-    let server = Server::new(engine, ChatTemplate::Gemma, server).expect("server");
+    let server = Server::new(engine, server).expect("server");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("address"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

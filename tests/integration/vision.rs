@@ -1072,9 +1072,9 @@ async fn server_reads_pictures_in_chat_messages() {
     let path = common::fixtures().join("tiny-gemma-vision/gemma3/image.png");
     let png = std::fs::read(&path).unwrap();
     let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png));
-    let serve = |engine: Engine, template: ChatTemplate| async move {
+    let serve = |engine: Engine| async move {
         let config = ServerConfig { default_max_tokens: 4, ..ServerConfig::new("tiny") };
-        let server = Server::new(engine, template, config).expect("server");
+        let server = Server::new(engine, config).expect("server");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -1106,7 +1106,7 @@ async fn server_reads_pictures_in_chat_messages() {
         };
         assert_eq!(expected.tokens.len(), 4, "{fixture}: {:?}", expected.stop);
         let engine = Engine::with_vision(model, Some(vision), tokenizer, EngineConfig::default()).unwrap();
-        let (base, stop, task) = serve(engine, template).await;
+        let (base, stop, task) = serve(engine).await;
         let parts = |url: &str| {
             json!([
                 { "type": "text", "text": "w300 " },
@@ -1164,7 +1164,7 @@ async fn server_reads_pictures_in_chat_messages() {
     // A text model refuses pictures.
     let (model, _, tokenizer) = served_fixture("gemma3");
     let engine = Engine::new(model, tokenizer, EngineConfig::default()).unwrap();
-    let (base, stop, task) = serve(engine, ChatTemplate::Gemma).await;
+    let (base, stop, task) = serve(engine).await;
     let body =
         json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url", "image_url": { "url": url } }] }] });
     let (status, text) = post(base, body).await;

@@ -1,4 +1,5 @@
-//! Soak: 1,000 generations in one process with random sampling parameters, a fifth of them
+//! Soak: 1,000 generations in one process (200 on wgpu, whose software driver in CI is slow;
+//! 1,000 with `BURN_GEMMA_LONG_TESTS=1`) with random sampling parameters, a fifth of them
 //! invalid: every invalid one is rejected with a sampling error before any work, no valid one
 //! fails, and the device memory reserved at the end is within a few percent of what it was after
 //! the first generation (backends that report it). Device faults: a KV cache past the device's
@@ -9,6 +10,8 @@ use crate::common;
 use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, SamplingConfig};
 
 const GENERATIONS: usize = 1_000;
+/// The wgpu soak's generations without `BURN_GEMMA_LONG_TESTS=1`.
+const SHORT_GENERATIONS: usize = 200;
 
 use common::Rng;
 
@@ -49,7 +52,7 @@ fn sampling(rng: &mut Rng, invalid: bool) -> SamplingConfig {
     s
 }
 
-fn soak<B: GemmaBackend>(device: B::Device) {
+fn soak<B: GemmaBackend>(device: B::Device, generations: usize) {
     let dir = common::fixtures().join("tiny-gemma/gemma3");
     let (model, _) = Checkpoint::open(&dir)
         .unwrap()
@@ -63,7 +66,7 @@ fn soak<B: GemmaBackend>(device: B::Device) {
     let (mut ok, mut rejected) = (0, 0);
     let mut first_reserved = None;
     let start = std::time::Instant::now();
-    for i in 0..GENERATIONS {
+    for i in 0..generations {
         let invalid = rng.next().is_multiple_of(5);
         let config = GenerationConfig {
             max_new_tokens: 1 + (rng.next() % 6) as usize,
@@ -87,12 +90,12 @@ fn soak<B: GemmaBackend>(device: B::Device) {
     }
     let last = B::memory_reserved(&device);
     println!(
-        "soak: {GENERATIONS} generations in {:.1} s: {ok} valid ran, {rejected} invalid rejected; device memory reserved after the first {}, at the end {}",
+        "soak: {generations} generations in {:.1} s: {ok} valid ran, {rejected} invalid rejected; device memory reserved after the first {}, at the end {}",
         start.elapsed().as_secs_f64(),
         first_reserved.flatten().map_or("not reported".to_string(), |b| format!("{b} bytes")),
         last.map_or("not reported".to_string(), |b| format!("{b} bytes")),
     );
-    assert_eq!(ok + rejected, GENERATIONS);
+    assert_eq!(ok + rejected, generations);
     if let (Some(Some(first)), Some(last)) = (first_reserved, last) {
         assert!(
             last as f64 <= first as f64 * 1.05 + (1 << 20) as f64,
@@ -104,14 +107,15 @@ fn soak<B: GemmaBackend>(device: B::Device) {
 #[test]
 fn thousand_generations_on_ndarray() {
     let _shared = crate::shared();
-    soak::<burn_gemma::backends::NdArray>(Default::default());
+    soak::<burn_gemma::backends::NdArray>(Default::default(), GENERATIONS);
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn thousand_generations_on_wgpu() {
     let _shared = crate::shared();
-    soak::<burn_gemma::backends::Wgpu>(Default::default());
+    let generations = if common::long_tests() { GENERATIONS } else { SHORT_GENERATIONS };
+    soak::<burn_gemma::backends::Wgpu>(Default::default(), generations);
 }
 
 /// A KV cache the device cannot hold is refused before any of it is allocated, naming the
@@ -160,7 +164,7 @@ fn device_faults_on_wgpu() {
 #[test]
 fn thousand_generations_on_cuda() {
     let _shared = crate::shared();
-    soak::<burn_gemma::backends::Cuda>(Default::default());
+    soak::<burn_gemma::backends::Cuda>(Default::default(), GENERATIONS);
 }
 
 #[cfg(feature = "cuda")]
