@@ -199,10 +199,10 @@ fn run_once(engine: &Engine, n: usize, args: &Args, (seed, texts): (u64, &[Vec<u
         std::iter::repeat_with(random(0x5eed)).take(args.shared_prefix.min(args.prompt_len)).collect();
     let mut next = random(seed);
     let generation = GenerationConfig { max_new_tokens: args.gen, ..GenerationConfig::default() };
-    let requests: Vec<Request> = (0..n)
+    let prompts: Vec<Vec<u32>> = (0..n)
         .map(|i| {
             if !texts.is_empty() {
-                return Request::new(texts[i % texts.len()].clone(), generation.clone());
+                return texts[i % texts.len()].clone();
             }
             let own: Vec<u32> = match args.prompt {
                 PromptKind::Random => std::iter::repeat_with(&mut next).take(args.prompt_len - shared.len()).collect(),
@@ -211,10 +211,11 @@ fn run_once(engine: &Engine, n: usize, args: &Args, (seed, texts): (u64, &[Vec<u
                     phrase.into_iter().cycle().take(args.prompt_len - shared.len()).collect()
                 }
             };
-            Request::new(shared.iter().copied().chain(own).collect(), generation.clone())
+            shared.iter().copied().chain(own).collect()
         })
         .collect();
-    let prompt_tokens = requests.iter().map(|r| r.input.len()).sum();
+    let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    let requests: Vec<Request> = prompts.into_iter().map(|ids| Request::new(ids, generation.clone())).collect();
     let start = Instant::now();
     let streams = requests.into_iter().map(|r| engine.submit(r)).collect::<Result<Vec<_>, _>>()?;
     let seen: Vec<Result<Seen, String>> = std::thread::scope(|scope| {

@@ -11,6 +11,7 @@ use burn_gemma::{Checkpoint, Error, GemmaBackend, GenerationConfig, Generator, S
 
 const GENERATIONS: usize = 1_000;
 /// The wgpu soak's generations without `BURN_GEMMA_LONG_TESTS=1`.
+#[cfg(feature = "wgpu")]
 const SHORT_GENERATIONS: usize = 200;
 
 use common::Rng;
