@@ -96,14 +96,13 @@ impl GraphPolicy {
             return Err(failure);
         }
         let rows = rows.max(1);
-        self.most_rows = self.most_rows.min(rows.next_power_of_two() / 2);
-        self.eager = Some(match failure.not_cuda() {
-            true => {
-                self.most_rows = 0;
-                EagerReason::NotCuda
-            }
-            false => EagerReason::GraphFailed { rows, reason: failure.to_string() },
-        });
+        // A backend without graphs replays nothing; a failed recording, only fewer rows.
+        let (most_rows, reason) = match failure.not_cuda() {
+            true => (0, EagerReason::NotCuda),
+            false => (rows.next_power_of_two() / 2, EagerReason::GraphFailed { rows, reason: failure.to_string() }),
+        };
+        self.most_rows = self.most_rows.min(most_rows);
+        self.eager = Some(reason);
         Ok(())
     }
 
