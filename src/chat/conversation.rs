@@ -58,8 +58,9 @@ impl ChatTemplate {
     ///
     /// ```
     /// use burn_gemma::chat::{ChatMessage, ChatTemplate};
-    /// let text = ChatTemplate::Gemma.render(&[ChatMessage::system("Be brief."), ChatMessage::user("Hi")]);
-    /// assert_eq!(text.unwrap(), "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+    /// let text = ChatTemplate::Gemma.render(&[ChatMessage::system("Be brief."), ChatMessage::user("Hi")])?;
+    /// assert_eq!(text, "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+    /// # Ok::<(), burn_gemma::chat::ChatError>(())
     /// ```
     pub fn render(self, messages: &[ChatMessage]) -> Result<String, ChatError> {
         self.render_with(&SystemTurn::default(), messages)
@@ -69,12 +70,12 @@ impl ChatTemplate {
     /// system message replaces `system`'s instructions.
     pub fn render_with(self, system: &SystemTurn, messages: &[ChatMessage]) -> Result<String, ChatError> {
         self.check_system(system)?;
-        let (first, rest) = match messages.split_first() {
+        // A leading system message: its text, and the messages to skip.
+        let (first, skip) = match messages.first() {
             None => return Err(ChatError::NoMessages),
-            Some((m, rest)) if m.role == Role::System => (Some(m.content.as_str()), rest),
-            Some(_) => (None, messages),
+            Some(m) if m.role == Role::System => (Some(m.content.as_str()), 1),
+            Some(_) => (None, 0),
         };
-        let offset = messages.len() - rest.len();
         let instructions = first.or(system.instructions.as_deref());
         // Gemma 4 opens with its system turn; Gemma 1-3 put the instructions in the first user turn.
         let (mut text, mut leading) = match self {
@@ -84,12 +85,11 @@ impl ChatTemplate {
             }
             ChatTemplate::Gemma => (String::new(), instructions),
         };
-        for (i, message) in rest.iter().enumerate() {
-            let index = i + offset;
+        for (index, message) in messages.iter().enumerate().skip(skip) {
             match message.role {
                 Role::System => return Err(ChatError::SystemNotFirst { index }),
                 Role::User => {
-                    check_user(message, index)?;
+                    check_user(&message.content, index)?;
                     match leading.take() {
                         Some(s) => text.push_str(&self.user_turn(&format!("{s}\n\n{}", message.content))),
                         None => text.push_str(&self.user_turn(&message.content)),
@@ -102,7 +102,7 @@ impl ChatTemplate {
                 }
             }
         }
-        match rest.last() {
+        match messages.last() {
             Some(m) if m.role == Role::User => Ok(text),
             _ => Err(ChatError::LastNotUser),
         }
@@ -112,7 +112,7 @@ impl ChatTemplate {
     /// the previous reply's turn closed (`ended` says whether its end-of-turn token is already
     /// there), then `message`'s turn, the model's opened.
     pub fn next_turn(self, ended: ReplyEnd, message: &str) -> Result<String, ChatError> {
-        check_user(&ChatMessage::user(message), 0)?;
+        check_user(message, 0)?;
         let mut text = String::new();
         if ended == ReplyEnd::Open {
             text.push_str(self.end_of_turn());
@@ -144,8 +144,8 @@ pub enum ReplyEnd {
     Open,
 }
 
-fn check_user(message: &ChatMessage, index: usize) -> Result<(), ChatError> {
-    match message.content.trim().is_empty() {
+fn check_user(content: &str, index: usize) -> Result<(), ChatError> {
+    match content.trim().is_empty() {
         true => Err(ChatError::EmptyUserMessage { index }),
         false => Ok(()),
     }
@@ -157,7 +157,7 @@ mod tests {
     use crate::chat::ToolDeclaration;
 
     #[test]
-    fn conversations_in_both_templates() {
+    fn conversations_in_both_templates() -> Result<(), ChatError> {
         let convo = [
             ChatMessage::system("Be brief."),
             ChatMessage::user("Hi"),
@@ -165,28 +165,29 @@ mod tests {
             ChatMessage::user("Again"),
         ];
         assert_eq!(
-            ChatTemplate::Gemma.render(&convo).unwrap(),
+            ChatTemplate::Gemma.render(&convo)?,
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
              <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(
-            ChatTemplate::Gemma4.render(&convo).unwrap(),
+            ChatTemplate::Gemma4.render(&convo)?,
             "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n\
              <|turn>user\nAgain<turn|>\n<|turn>model\n"
         );
         // Without instructions Gemma 4 writes no system turn.
-        assert_eq!(ChatTemplate::Gemma4.render(&convo[1..2]).unwrap(), "<|turn>user\nHi<turn|>\n<|turn>model\n");
+        assert_eq!(ChatTemplate::Gemma4.render(&convo[1..2])?, "<|turn>user\nHi<turn|>\n<|turn>model\n");
+        Ok(())
     }
 
     #[test]
-    fn the_system_turn_and_the_next_turn() {
+    fn the_system_turn_and_the_next_turn() -> Result<(), ChatError> {
         let tools = vec![ToolDeclaration {
             name: "f".into(),
             description: "d".into(),
             parameters: serde_json::json!({"type": "object"}),
         }];
         let system = SystemTurn { instructions: None, thinking: Thinking::On, tools };
-        let text = ChatTemplate::Gemma4.render_with(&system, &[ChatMessage::user("Hi")]).unwrap();
+        let text = ChatTemplate::Gemma4.render_with(&system, &[ChatMessage::user("Hi")])?;
         assert_eq!(text, format!("{}<|turn>user\nHi<turn|>\n<|turn>model\n", system.render()));
         assert!(text.starts_with("<|turn>system\n<|think|>\n<|tool>declaration:f"));
         assert_eq!(
@@ -194,13 +195,14 @@ mod tests {
             Err(ChatError::Gemma4Only { feature: "thinking" })
         );
         assert_eq!(
-            ChatTemplate::Gemma.next_turn(ReplyEnd::Open, "More").unwrap(),
+            ChatTemplate::Gemma.next_turn(ReplyEnd::Open, "More")?,
             "<end_of_turn>\n<start_of_turn>user\nMore<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(
-            ChatTemplate::Gemma4.next_turn(ReplyEnd::Closed, "More").unwrap(),
+            ChatTemplate::Gemma4.next_turn(ReplyEnd::Closed, "More")?,
             "\n<|turn>user\nMore<turn|>\n<|turn>model\n"
         );
+        Ok(())
     }
 
     #[test]

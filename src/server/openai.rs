@@ -1,4 +1,4 @@
-//! The OpenAI-compatible request and response bodies, their checks, and the chat templates.
+//! The OpenAI-compatible request and response bodies, their checks, and a chat's conversation.
 
 use crate::{
     chat::{ChatMessage, Role},
@@ -308,8 +308,8 @@ impl Content {
     }
 }
 
-/// A chat's prompt text in the model's template and its pictures, in the order of their
-/// places in the text ([`ImageProcessor::placeholder`]).
+/// A chat's messages and their pictures, in the order of their places in the text
+/// ([`ImageProcessor::placeholder`]).
 #[derive(Debug, Clone)]
 pub struct Conversation {
     pub messages: Vec<ChatMessage>,
@@ -379,7 +379,7 @@ fn content_text(
 }
 
 /// The conversation of a chat request, for the engine to lay out in the model's template
-/// ([`ChatTemplate::render`]): roles read, each content's text joined. Pictures (`image_url`
+/// ([`crate::chat::ChatTemplate::render`]): roles read, each content's text joined. Pictures (`image_url`
 /// parts of user messages) are decoded and prepared by `images`, the model's processor (each of
 /// at most the pixels given beside it), their places marked in the text: a model without one
 /// refuses them.
