@@ -23,7 +23,9 @@ use burn_gemma::{
     generation::token_tensor,
     Checkpoint, Gemma, GemmaBackend, GemmaConfig, KvCache, LoadOptions, ModelOptions,
 };
-use burn_gemma_kernels::{graph::GraphError, Draws, SamplingParams};
+use burn_gemma_kernels::{
+    attention::PrefillAttention, graph::GraphError, tuning::BlasOrdering, Draws, KernelTuning, SamplingParams,
+};
 use burn_gemma_model::{CudaGraph, DecodeGraphs, KvFormat, ModelError, RandomWeights};
 use clap::Parser;
 use std::num::NonZeroUsize;
@@ -200,34 +202,27 @@ impl BackendTask for Bench {
                 (_, None) => return Err(format!("--gemm-candidates: no GEMM kernel named `{name}`").into()),
             }
         }
-        burn_gemma_kernels::gemm::tune::set_candidates(&candidates);
-        burn_gemma_kernels::gemm::tune::set_cublaslt_floor(a.cublaslt_floor_m.saturating_mul(1_000_000));
-        burn_gemma_kernels::graph::set_dependent_launch(a.dependent_launch);
-        {
-            use burn_gemma_kernels::attention::{set_prefill_attention, PrefillAttention as P};
-            set_prefill_attention(match a.prefill_attention {
-                PromptAttention::Auto => P::Auto,
-                PromptAttention::Flash => P::Flash,
-                PromptAttention::Blocked => P::Blocked,
-                PromptAttention::Tiled => P::Tiled,
-            });
-        }
-        #[cfg(feature = "cuda")]
-        {
-            use burn_gemma_kernels::gemm::cublas::{set_ordering, Ordering};
-            set_ordering(match a.cublaslt_order {
-                CublasOrder::Device => Ordering::Device,
-                CublasOrder::Host => Ordering::Host,
-            });
-        }
-        // cuBLASLt exists in CUDA builds only.
-        #[cfg(not(feature = "cuda"))]
-        let _ = a.cublaslt_order;
+        let tuning = KernelTuning {
+            gemm_candidates: candidates.into(),
+            cublaslt_floor: a.cublaslt_floor_m.saturating_mul(1_000_000),
+            blas_ordering: match a.cublaslt_order {
+                CublasOrder::Device => BlasOrdering::Device,
+                CublasOrder::Host => BlasOrdering::Host,
+            },
+            prefill_attention: match a.prefill_attention {
+                PromptAttention::Auto => PrefillAttention::Auto,
+                PromptAttention::Flash => PrefillAttention::Flash,
+                PromptAttention::Blocked => PrefillAttention::Blocked,
+                PromptAttention::Tiled => PrefillAttention::Tiled,
+            },
+            flash_layout: None,
+            dependent_launch: a.dependent_launch,
+        };
         if a.model == "default" {
             a.model = burn_gemma::fetch::default_model(|_, _| {})?.display().to_string();
         }
         if a.tensor_parallel.get() > 1 {
-            return sharded::<B>(&a, &device, name, ModelOptions { dtype, weights, kv_cache: Some(kv_cache) });
+            return sharded::<B>(&a, &device, name, ModelOptions { dtype, weights, kv_cache: Some(kv_cache) }, tuning);
         }
         let load = Instant::now();
         // (tensors read, seconds since the load began) at each progress report.
@@ -244,7 +239,9 @@ impl BackendTask for Bench {
                     config.num_hidden_layers = layers;
                     config.layer_types.truncate(layers);
                 }
-                Gemma::<B>::load(config, &mut RandomWeights::new(a.seed), &options, &device)?
+                let mut model = Gemma::<B>::load(config, &mut RandomWeights::new(a.seed), &options, &device)?;
+                model.set_tuning(tuning);
+                model
             }
             None => {
                 let checkpoint = Checkpoint::open(&a.model)?;
@@ -255,6 +252,7 @@ impl BackendTask for Bench {
                     .dtype(dtype)
                     .weights(weights)
                     .kv_cache(kv_cache)
+                    .tuning(tuning)
                     .progress(move |p| {
                         if let Ok(mut m) = marks.lock() {
                             m.push((p.loaded, load.elapsed().as_secs_f64()));
@@ -511,7 +509,13 @@ mod host_profile {
 /// `--tensor-parallel N`: the model split over N devices, each rep a fresh prompt (timed to its
 /// greedy token) and `--gen` greedy tokens, each read back; decode steps replay one CUDA graph
 /// per device where they can (`--cuda-graph`).
-fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: ModelOptions) -> Result<(), CliError> {
+fn sharded<B: GemmaBackend>(
+    a: &Args,
+    device: &B::Device,
+    name: &str,
+    options: ModelOptions,
+    tuning: KernelTuning,
+) -> Result<(), CliError> {
     use burn_gemma::tensor_parallel::{split_devices, ShardedModel};
     if a.depth.iter().any(|&d| d != 0) || !a.kv_caches.is_empty() || a.layers.is_some() || a.host_profile.is_some() {
         return Err(CliError::from(
@@ -538,6 +542,7 @@ fn sharded<B: GemmaBackend>(a: &Args, device: &B::Device, name: &str, options: M
         }
     };
     model.set_cuda_graph(a.cuda_graph)?;
+    model.set_tuning(tuning)?;
     let config = model.config().clone();
     eprintln!(
         "model {} split over {world} devices of {name}, dtype {:?}, weights {}, loaded in {:.1} s",

@@ -2,7 +2,7 @@
 
 use crate::{GemmaBackend, KvFormat, WeightFormat};
 use burn::tensor::DType;
-use burn_gemma_kernels::PreferredBlocks;
+use burn_gemma_kernels::{KernelTuning, PreferredBlocks};
 use burn_gemma_model::ModelOptions;
 
 /// How far loading has come: tensors read of the checkpoint's total.
@@ -12,8 +12,8 @@ pub struct LoadProgress {
     pub total: usize,
 }
 
-/// The device, dtype, weight format, KV-cache format and progress callback of a load, each with
-/// a default:
+/// The device, dtype, weight format, KV-cache format, kernel tuning and progress callback of a
+/// load, each with a default:
 ///
 /// - device: the backend's default device;
 /// - dtype: the backend's preferred activation dtype (bf16 on CUDA, f32 elsewhere);
@@ -22,6 +22,7 @@ pub struct LoadProgress {
 ///   ([`WeightFormat::Converted`]) on the GPU backends, dense on the plain CPU reference
 ///   (NdArray);
 /// - KV cache: dense in the activation dtype;
+/// - tuning: [`KernelTuning::DEFAULT`];
 /// - progress: none.
 ///
 /// ```no_run
@@ -41,6 +42,7 @@ pub struct LoadOptions<B: GemmaBackend> {
     dtype: Option<DType>,
     weights: Option<WeightFormat>,
     kv_cache: Option<KvFormat>,
+    tuning: KernelTuning,
     progress: Option<ProgressFn>,
 }
 
@@ -49,7 +51,14 @@ pub(crate) type ProgressFn = Box<dyn FnMut(LoadProgress) + Send>;
 
 impl<B: GemmaBackend> Default for LoadOptions<B> {
     fn default() -> Self {
-        Self { device: Default::default(), dtype: None, weights: None, kv_cache: None, progress: None }
+        Self {
+            device: Default::default(),
+            dtype: None,
+            weights: None,
+            kv_cache: None,
+            tuning: KernelTuning::DEFAULT,
+            progress: None,
+        }
     }
 }
 
@@ -60,6 +69,7 @@ impl<B: GemmaBackend> std::fmt::Debug for LoadOptions<B> {
             .field("dtype", &self.dtype)
             .field("weights", &self.weights)
             .field("kv_cache", &self.kv_cache)
+            .field("tuning", &self.tuning)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -95,6 +105,14 @@ impl<B: GemmaBackend> LoadOptions<B> {
         self
     }
 
+    /// How the GPU kernels are chosen and launched ([`KernelTuning::DEFAULT`]: the measured
+    /// fastest). The text model's passes run with it ([`crate::Gemma::set_tuning`] changes it
+    /// later). Vision towers and the speculative assistant always run with the default.
+    pub fn tuning(mut self, tuning: KernelTuning) -> Self {
+        self.tuning = tuning;
+        self
+    }
+
     /// Called after each tensor is read.
     pub fn progress(mut self, progress: impl FnMut(LoadProgress) + Send + 'static) -> Self {
         self.progress = Some(Box::new(progress));
@@ -117,9 +135,17 @@ impl<B: GemmaBackend> LoadOptions<B> {
         ModelOptions { dtype, weights, kv_cache: self.kv_cache }
     }
 
-    /// Splits off the device and the progress callback.
-    pub(crate) fn into_parts(self) -> (ModelOptions, B::Device, Option<ProgressFn>) {
+    /// Splits off the device, the tuning and the progress callback.
+    pub(crate) fn into_parts(self) -> LoadParts<B> {
         let options = self.model_options();
-        (options, self.device, self.progress)
+        LoadParts { options, device: self.device, tuning: self.tuning, progress: self.progress }
     }
+}
+
+/// [`LoadOptions`] taken apart for a loader.
+pub(crate) struct LoadParts<B: GemmaBackend> {
+    pub(crate) options: ModelOptions,
+    pub(crate) device: B::Device,
+    pub(crate) tuning: KernelTuning,
+    pub(crate) progress: Option<ProgressFn>,
 }

@@ -5,12 +5,12 @@ use crate::{
     error::TokenizerError,
     floats::{self, Float},
     gguf::{GgufFile, Value},
-    load_options::ProgressFn,
+    load_options::{LoadParts, ProgressFn},
     safetensors::{Dtype, SafetensorsFile},
     Error, LoadOptions, LoadProgress, Tokenizer, Vision,
 };
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
-use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, QuantFormat};
+use burn_gemma_kernels::{GemmaBackend, GgmlBlocks, HostQuantized, KernelTuning, QuantFormat};
 use burn_gemma_model::{
     assistant::config::ASSISTANT_MODEL_TYPES,
     config::NormScale,
@@ -192,7 +192,8 @@ impl Checkpoint {
             return Err(Error::NotAModel { path: self.path.clone(), reason: reason.into() });
         };
         let total = vision_tensors(&config);
-        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
+        let (mut source, options, device, _tuning) =
+            Source::open(&self.format, self.config.model_type, total, options)?;
         Ok(Gemma3Vision::load(config, &mut source, &options, &device)?)
     }
 
@@ -215,7 +216,8 @@ impl Checkpoint {
             });
         };
         let total = gemma4_vision_tensors(&config);
-        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, total, options)?;
+        let (mut source, options, device, _tuning) =
+            Source::open(&self.format, self.config.model_type, total, options)?;
         Ok(Gemma4Vision::load(config, &mut source, &options, &device)?)
     }
 
@@ -289,11 +291,13 @@ impl Checkpoint {
     ) -> Result<Loaded<B>, Error> {
         // A shard reads the table a second time for its slice of the lm_head.
         let tensors = self.tensors_to_load() + usize::from(parallel.is_some());
-        let (mut source, options, device) = Source::open(&self.format, self.config.model_type, tensors, options)?;
-        let model = match parallel {
+        let (mut source, options, device, tuning) =
+            Source::open(&self.format, self.config.model_type, tensors, options)?;
+        let mut model = match parallel {
             None => Gemma::load(self.config.clone(), &mut source, &options, &device)?,
             Some(parallel) => Gemma::load_shard(self.config.clone(), &mut source, &options, &device, parallel)?,
         };
+        model.set_tuning(tuning);
         let used = source.used;
         let mut unused: Vec<String> = match &self.format {
             Format::Hf { index, .. } => index.keys().filter(|n| !used.contains(*n)).cloned().collect(),
@@ -376,7 +380,7 @@ impl AssistantCheckpoint {
         // norm, the two projections, the masked lm_head's centroids and ordering.
         let masked = if c.ordered_embeddings.is_some() { 2 } else { 0 };
         let total = 11 * c.text.num_hidden_layers + 4 + masked;
-        let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma4, total, options)?;
+        let (mut source, options, device, _tuning) = Source::open(&self.format, Architecture::Gemma4, total, options)?;
         Ok(Gemma4Assistant::load(c.clone(), &mut source, &options, &device)?)
     }
 }
@@ -449,12 +453,14 @@ impl MmprojCheckpoint {
         match &self.config {
             MmprojConfig::Gemma3(config) => {
                 let total = vision_tensors(config);
-                let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma3, total, options)?;
+                let (mut source, options, device, _tuning) =
+                    Source::open(&self.format, Architecture::Gemma3, total, options)?;
                 Ok(Gemma3Vision::load(config.clone(), &mut source, &options, &device)?.into())
             }
             MmprojConfig::Gemma4(config) => {
                 let total = gemma4_vision_tensors(config);
-                let (mut source, options, device) = Source::open(&self.format, Architecture::Gemma4, total, options)?;
+                let (mut source, options, device, _tuning) =
+                    Source::open(&self.format, Architecture::Gemma4, total, options)?;
                 Ok(Gemma4Vision::load(config.clone(), &mut source, &options, &device)?.into())
             }
         }
@@ -495,10 +501,10 @@ impl<'a> Source<'a> {
         arch: Architecture,
         total: usize,
         options: LoadOptions<B>,
-    ) -> Result<(Self, ModelOptions, B::Device), Error> {
-        let (options, device, progress) = options.into_parts();
+    ) -> Result<(Self, ModelOptions, B::Device, KernelTuning), Error> {
+        let LoadParts { options, device, tuning, progress } = options.into_parts();
         crate::backends::check_dtype::<B>(&device, options.dtype)?;
-        Ok((Self { format, arch, used: HashSet::new(), progress, total }, options, device))
+        Ok((Self { format, arch, used: HashSet::new(), progress, total }, options, device, tuning))
     }
 
     /// Reports the tensors read so far.

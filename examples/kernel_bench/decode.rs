@@ -6,8 +6,9 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_gemma::{Error, GemmaBackend, GemmaConfig};
 use burn_gemma_kernels::{
     graph::{self, Replay, StepBuffer, StepGraph},
-    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HeadNorms, HostMatrix, HostQuantized, KvFormat,
-    KvRows, KvView, Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition, ValueNorm,
+    rope, AddNorm, AttentionMask, AttentionOptions, Draws, Epilogue, HeadNorms, HostMatrix, HostQuantized,
+    KernelTuning, KvFormat, KvRows, KvView, Matrix, QkvLayout, QuantFormat, RopeTables, SamplingParams, StepPosition,
+    ValueNorm,
 };
 
 /// Calls recorded into one graph per timing.
@@ -79,7 +80,7 @@ impl<'a, B: GemmaBackend> Timer<'a, B> {
             let outs: Vec<T> = (0..GRAPH_CALLS).map(&mut *f).collect();
             drop(outs);
         })?;
-        let mut graph = StepGraph::new(recording)?;
+        let mut graph = StepGraph::new(recording, KernelTuning::DEFAULT.dependent_launch)?;
         let mut byte = [0u8; 4];
         let mut replay = |graph: &mut StepGraph| {
             graph.replay(Replay { writes: &[], read: Some((&buffer, &mut byte)) }).map(|_| graph.last_replay().gpu)

@@ -7,8 +7,8 @@ use super::{random, time};
 use burn::tensor::{DType, Tensor};
 use burn_gemma::GemmaBackend;
 use burn_gemma_kernels::{
-    attention::{set_flash_layout, set_prefill_attention, FlashLayout, PrefillAttention},
-    AttentionMask, AttentionOptions, KvFormat, KvStore, KvView,
+    attention::{FlashLayout, PrefillAttention},
+    AttentionMask, AttentionOptions, KernelTuning, KvFormat, KvStore, KvView,
 };
 
 /// `(what, q heads, kv heads, head size, window)`.
@@ -83,10 +83,12 @@ pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings) {
                     _ => KvView::Dense { keys: k.clone(), values: v.clone() },
                 };
                 for &(kernel, layout) in &runs {
-                    set_prefill_attention(kernel);
-                    set_flash_layout(layout);
+                    let tuning =
+                        KernelTuning { prefill_attention: kernel, flash_layout: layout, ..KernelTuning::DEFAULT };
                     let run = |q: Tensor<B, 4>| {
-                        B::grouped_attention(q, view(), &options).expect("a host position reads nothing back")
+                        tuning.run(|| {
+                            B::grouped_attention(q, view(), &options).expect("a host position reads nothing back")
+                        })
                     };
                     let s = time::<B, _>(d, reps, || run(q.clone()));
                     let kv = if int8 { "int8" } else { "dense" };
@@ -101,8 +103,6 @@ pub fn section<B: GemmaBackend>(d: &B::Device, settings: &Settings) {
                     );
                 }
             }
-            set_prefill_attention(PrefillAttention::Auto);
-            set_flash_layout(None);
         }
     }
 }

@@ -49,6 +49,7 @@ pub mod rope;
 pub mod sampling;
 pub mod softcap;
 pub mod step;
+pub mod tuning;
 
 mod backends;
 mod cube;
@@ -59,6 +60,7 @@ pub use gelu::GateUpLayout;
 pub use kv::{BlockTable, Int8Kv, KvFormat, KvStore, KvView, StoreMismatch};
 pub use matrix::{Epilogue, HostMatrix, Matrix};
 pub use qkv::{HeadNorms, KvRows, QkvLayout, ValueNorm};
+pub use tuning::KernelTuning;
 /// A value that could not be read back from the device.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("reading {what} back from the device failed: {reason}")]

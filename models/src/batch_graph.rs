@@ -157,7 +157,7 @@ impl<B: GemmaBackend> BatchGraphs<B> {
         let (result, recording) = graph::record::<B, _>(&device, || model.decode_logits(&inputs, cache))?;
         let logits = result?;
         let launches = recording.launches();
-        let graph = StepGraph::new(recording)?;
+        let graph = StepGraph::new(recording, model.tuning().dependent_launch)?;
         let kernels = graph.kernels();
         let recorded = Recorded {
             rows,

@@ -267,7 +267,7 @@ impl<B: GemmaBackend> DecodeGraphs<B> {
         let (result, recording) = graph::record::<B, _>(&device, || model.decode_step(&inputs, cache, &sampling))?;
         let (out, logits) = result?;
         let launches = recording.launches();
-        let graph = StepGraph::new(recording)?;
+        let graph = StepGraph::new(recording, model.tuning().dependent_launch)?;
         let kernels = graph.kernels();
         let int_bytes = inputs.position.dtype().size();
         if !matches!(int_bytes, 4 | 8) || out.dtype().size() != int_bytes || inputs.draws.dtype() != DType::F32 {

@@ -21,7 +21,7 @@ use burn::{
     module::Module,
     tensor::{DType, Int, Tensor},
 };
-use burn_gemma_kernels::{Draws, GemmaBackend, KvFormat, SamplingParams, StepPosition, StepRows};
+use burn_gemma_kernels::{Draws, GemmaBackend, KernelTuning, KvFormat, SamplingParams, StepPosition, StepRows};
 
 /// The per-token values of a decode step, in device buffers (see [`Gemma::decode_step`]): a
 /// replayed step reads them there after the host rewrote them.
@@ -167,6 +167,9 @@ pub struct Gemma<B: GemmaBackend> {
     /// The shard this model is of a model split over several devices ([`Gemma::load_shard`]).
     #[module(skip)]
     pub(crate) parallel: Option<ShardLink>,
+    /// How its passes choose and launch kernels ([`Gemma::set_tuning`]).
+    #[module(skip)]
+    pub(crate) tuning: KernelTuning,
 }
 
 impl<B: GemmaBackend> Gemma<B> {
@@ -252,6 +255,7 @@ impl<B: GemmaBackend> Gemma<B> {
                 dtype,
                 kv_cache,
                 parallel: parallel.clone(),
+                tuning: KernelTuning::DEFAULT,
             })
         });
         B::memory_cleanup(device);
@@ -276,6 +280,17 @@ impl<B: GemmaBackend> Gemma<B> {
     /// The activation dtype (and that of dense weights).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// How the model's passes choose and launch kernels.
+    pub fn tuning(&self) -> &KernelTuning {
+        &self.tuning
+    }
+
+    /// Makes the model's passes, and the CUDA graphs recorded from them after this call, choose
+    /// and launch kernels as `tuning` says.
+    pub fn set_tuning(&mut self, tuning: KernelTuning) {
+        self.tuning = tuning;
     }
 
     /// How [`Gemma::new_cache`] stores keys and values.
@@ -364,6 +379,8 @@ impl<B: GemmaBackend> Gemma<B> {
     /// the other shards', and on a pool of fewer threads than shards a pass waiting inside the
     /// pool would hold a thread another shard's pass needs.
     fn pass<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        let tuning = &self.tuning;
+        let work = move || tuning.run(work);
         match self.parallel() {
             Some(_) => work(),
             None => B::run_pass(work),

@@ -14,8 +14,8 @@ use crate::{
     Checkpoint, Error, LoadOptions, SamplingConfig,
 };
 use burn::tensor::{DType, Tensor};
-use burn_gemma_kernels::GemmaBackend;
 use burn_gemma_kernels::SamplingParams;
+use burn_gemma_kernels::{GemmaBackend, KernelTuning};
 use burn_gemma_model::{
     bucket_bound, CudaGraph, DecodeGraphs, Gemma, GemmaConfig, KvCache, ModelError, ModelOptions, WeightSource,
 };
@@ -48,6 +48,8 @@ enum Command {
     Replay(u32),
     /// Forget the recorded steps: every step eager from now on.
     Eager,
+    /// Run passes (and record steps) with this tuning from now on; the recorded steps are forgotten.
+    Tuning(KernelTuning),
 }
 
 /// What shard 0 gives back (the others give back nothing but success).
@@ -254,6 +256,14 @@ impl<B: GemmaBackend> ShardedModel<B> {
         }
         self.cuda_graph = mode;
         self.graph_policy = GraphPolicy::default();
+        Ok(())
+    }
+
+    /// Makes every shard's passes, and the steps recorded from them after this call, choose
+    /// and launch kernels as `tuning` says; steps recorded before are forgotten.
+    pub fn set_tuning(&mut self, tuning: KernelTuning) -> Result<(), Error> {
+        self.each(Command::Tuning(tuning))?;
+        self.recorded = None;
         Ok(())
     }
 
@@ -482,7 +492,7 @@ impl<B: GemmaBackend> Drop for ShardedModel<B> {
 }
 
 impl Worker {
-    fn spawn<B: GemmaBackend>(rank: usize, model: Gemma<B>) -> Self {
+    fn spawn<B: GemmaBackend>(rank: usize, mut model: Gemma<B>) -> Self {
         let (commands, inbox) = mpsc::channel::<Command>();
         let (outbox, replies) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -490,7 +500,7 @@ impl Worker {
             .spawn(move || {
                 let mut state = ShardState { cache: None, graphs: None };
                 while let Ok(command) = inbox.recv() {
-                    let reply = Self::execute(rank, &model, &mut state, command);
+                    let reply = Self::execute(rank, &mut model, &mut state, command);
                     if outbox.send(reply).is_err() {
                         break;
                     }
@@ -502,7 +512,7 @@ impl Worker {
 
     fn execute<B: GemmaBackend>(
         rank: usize,
-        model: &Gemma<B>,
+        model: &mut Gemma<B>,
         state: &mut ShardState<B>,
         command: Command,
     ) -> Result<Reply, Error> {
@@ -520,6 +530,11 @@ impl Worker {
                 return Ok(Reply::Done);
             }
             Command::Eager => {
+                state.graphs = None;
+                return Ok(Reply::Done);
+            }
+            Command::Tuning(tuning) => {
+                model.set_tuning(tuning.clone());
                 state.graphs = None;
                 return Ok(Reply::Done);
             }

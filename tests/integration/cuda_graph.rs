@@ -182,16 +182,16 @@ fn gemma4_graph_equals_eager() {
     // bf16 activations: the routed kernels read f32 router inputs and write bf16.
     let dir = common::fixtures().join("tiny-gemma").join("gemma4-moe");
     let options = LoadOptions::<B>::new().device(d.clone()).dtype(DType::BF16).weights(WeightFormat::Dense);
-    let model = Checkpoint::open(&dir).unwrap().load(options).unwrap().model;
+    let mut model = Checkpoint::open(&dir).unwrap().load(options).unwrap().model;
     // In stream order first, then overlapped (programmatic dependent launch, 9.0+): the H200
     // run of 2026-11-28 failed this comparison with overlapped launches (token 0, logits 2.05
     // apart) and had not run it in stream order since 2026-11-25 (then 7.68e-3 apart).
-    use burn_gemma_kernels::graph::{set_dependent_launch, DependentLaunch};
-    set_dependent_launch(DependentLaunch::Off);
+    use burn_gemma_kernels::{graph::DependentLaunch, KernelTuning};
+    model.set_tuning(KernelTuning { dependent_launch: DependentLaunch::Off, ..KernelTuning::DEFAULT });
     let serial = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         compare(&model, &prompt, 40, SamplingParams::GREEDY, BF16_STEP, "gemma4-moe bf16 greedy, stream order")
     }));
-    set_dependent_launch(DependentLaunch::Auto);
+    model.set_tuning(KernelTuning::DEFAULT);
     compare(&model, &prompt, 40, SamplingParams::GREEDY, BF16_STEP, "gemma4-moe bf16 greedy, overlapped");
     if let Err(panic) = serial {
         std::panic::resume_unwind(panic);

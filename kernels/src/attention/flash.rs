@@ -139,11 +139,11 @@ impl FlashTiling {
     }
 
     /// The tiling the kernel uses for heads of `dim` under `shared` bytes of shared memory per
-    /// cube: the layout [`set_flash_layout`] gave where it fits, else the first of
+    /// cube: the layout of the [`crate::KernelTuning`] in effect where it fits, else the first of
     /// `DEFAULT_LAYOUTS` that fits.
     pub fn choose(dim: usize, shared: usize) -> Option<Self> {
         let fits = |t: &Self| t.shared_bytes() <= shared;
-        let chosen = flash_layout().and_then(|l| Self::new(dim, l)).filter(fits);
+        let chosen = crate::tuning::current(|t| t.flash_layout).and_then(|l| Self::new(dim, l)).filter(fits);
         let defaults = || DEFAULT_LAYOUTS.iter().filter_map(|&l| Self::new(dim, l));
         chosen.or_else(|| defaults().filter(Self::suits_head).find(fits)).or_else(|| defaults().find(fits))
     }
@@ -167,22 +167,6 @@ impl FlashTiling {
     fn suits_head(&self) -> bool {
         self.dim <= MAX_DV || self.bk == 32
     }
-}
-
-static FLASH_LAYOUT: std::sync::Mutex<Option<FlashLayout>> = std::sync::Mutex::new(None);
-
-/// Makes the flash kernel use `layout` (where it fits the head size and the device) instead of
-/// its default, for this process: for measuring layouts against each other. `None` restores
-/// the default.
-pub fn set_flash_layout(layout: Option<FlashLayout>) {
-    if let Ok(mut chosen) = FLASH_LAYOUT.lock() {
-        *chosen = layout;
-    }
-}
-
-/// The layout [`set_flash_layout`] gave.
-pub fn flash_layout() -> Option<FlashLayout> {
-    FLASH_LAYOUT.lock().ok().and_then(|l| *l)
 }
 
 /// `out[b, h, i, :]` (contiguous `[batch, q_heads, q_len, dim]`, vectors of 8) for the cube's

@@ -139,7 +139,7 @@ pub(crate) mod flash;
 mod merge;
 mod tiled;
 
-pub use flash::{flash_layout, set_flash_layout, FlashLayout, FlashTiling, Prefetch};
+pub use flash::{FlashLayout, FlashTiling, Prefetch, DEFAULT_LAYOUTS};
 
 /// Which kernel attends a prompt (one mask for every sequence) where several take its shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -216,22 +216,6 @@ fn flash_by_default_for<R: burn_cubecl::CubeRuntime>(
 /// Fewest query positions [`PrefillAttention::Auto`] gives flash attention (fewer take the
 /// tiled kernel, which also splits the keys over cubes).
 pub const FLASH_MIN_QUERIES: usize = flash::MIN_QUERIES;
-
-static PREFILL_ATTENTION: std::sync::Mutex<PrefillAttention> = std::sync::Mutex::new(PrefillAttention::Auto);
-
-/// Chooses the prompt attention kernel for this process (for measuring one against another;
-/// [`PrefillAttention::Auto`] is the default). Every kernel gives the same result up to
-/// rounding.
-pub fn set_prefill_attention(choice: PrefillAttention) {
-    if let Ok(mut chosen) = PREFILL_ATTENTION.lock() {
-        *chosen = choice;
-    }
-}
-
-/// The choice [`set_prefill_attention`] made.
-pub fn prefill_attention() -> PrefillAttention {
-    PREFILL_ATTENTION.lock().map_or(PrefillAttention::Auto, |c| *c)
-}
 
 /// What every attention kernel shares: the launch sizes, the keys and values as kernels read them,
 /// the int8 code decoding and the dispatch between the decode and tiled kernels.
@@ -397,7 +381,9 @@ pub(crate) mod kernel {
         }
         Ok(match (tiling, position) {
             (Some(tiling), position) => super::decode::attention(q, kv, out, tiling, options, position, blocks),
-            (None, None | Some(Position::Host(_))) => prefill(q, kv, out, options, super::prefill_attention()),
+            (None, None | Some(Position::Host(_))) => {
+                prefill(q, kv, out, options, crate::tuning::current(|t| t.prefill_attention))
+            }
             (None, Some(position @ Position::Device { .. })) if position.per_row() => {
                 // The caller runs such sequences one at a time ([`decode_kernel_applies`]).
                 return Err(crate::ReadBackError {

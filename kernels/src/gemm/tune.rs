@@ -72,16 +72,6 @@ pub fn summary() -> TuningSummary {
     TuningSummary { path: cache_path(), ..guard.summary.clone() }
 }
 
-/// The kernels tuning chooses among from now on in this process, in place of [`DEFAULT`] (e.g.
-/// [`TUNED`] alone: CubeCL's kernels); cached choices of other kernels are timed again.
-/// Candidates a device cannot launch are still skipped.
-pub fn set_candidates(kernels: &[GemmKernel]) {
-    let state = state();
-    let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
-    guard.candidates = Some(kernels.to_vec());
-    guard.choices.retain(|_, k| kernels.contains(k));
-}
-
 /// `$BURN_GEMMA_CACHE/gemm-tune.txt` (the folder models are cached in), else
 /// `$XDG_CACHE_HOME/burn-gemma/gemm-tune.txt`, else `$HOME/.cache/burn-gemma/gemm-tune.txt`;
 /// `None` where none of these is set (choices are then kept for the process only).
@@ -93,15 +83,6 @@ pub fn cache_path() -> Option<PathBuf> {
     Some(folder.join("gemm-tune.txt"))
 }
 
-/// Fewest multiply-adds of a product for which cuBLASLt is timed ([`set_cublaslt_floor`]).
-static CUBLASLT_FLOOR: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(DEFAULT_CUBLASLT_FLOOR);
-
-/// Sets the fewest multiply-adds (batch included) of a product for which cuBLASLt is a
-/// candidate ([`DEFAULT_CUBLASLT_FLOOR`] by default); choices already made stand.
-pub fn set_cublaslt_floor(macs: usize) {
-    CUBLASLT_FLOOR.store(macs, std::sync::atomic::Ordering::Relaxed);
-}
-
 #[derive(Default)]
 struct State {
     /// Choices by key (loaded from the file on first use).
@@ -109,16 +90,7 @@ struct State {
     loaded: bool,
     /// Whether this process has said that it is tuning.
     announced: bool,
-    /// The kernels tuning chooses among ([`set_candidates`]; [`DEFAULT`] where unset).
-    candidates: Option<Vec<GemmKernel>>,
     summary: TuningSummary,
-}
-
-impl State {
-    /// The kernels tuning chooses among now.
-    fn candidates(&self) -> Vec<GemmKernel> {
-        self.candidates.clone().unwrap_or_else(|| DEFAULT.to_vec())
-    }
 }
 
 fn state() -> &'static Mutex<State> {
@@ -172,7 +144,7 @@ fn length_class(d: usize) -> String {
 }
 
 /// The kernel for `lhs @ rhs` (as [`matmul`] takes them) on this device: the cached choice for
-/// the shape class, or the fastest candidate ([`DEFAULT`]) timed now on these operands whose result agrees
+/// the shape class, or the fastest candidate (the tuning's, [`DEFAULT`] by default) timed now on these operands whose result agrees
 /// with [`GemmKernel::Unit`]'s (a candidate CubeCL launches but computes wrongly for some shape
 /// is never chosen); `None` when no candidate launches and agrees.
 pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, out: DType) -> Option<GemmKernel> {
@@ -187,10 +159,12 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
         * shape[rank - 2].next_power_of_two()
         * shape[rank - 1]
         * rhs.meta.shape()[rank - 1];
-    let floor = CUBLASLT_FLOOR.load(std::sync::atomic::Ordering::Relaxed);
+    // The candidates and the floor of the tuning in effect ([`crate::KernelTuning`]).
+    let (mut candidates, floor, default) = crate::tuning::current(|t| {
+        (t.gemm_candidates.to_vec(), t.cublaslt_floor, t.gemm_candidates[..] == DEFAULT[..])
+    });
     // cuBLASLt runs on CUDA only: elsewhere it is not a candidate (nor in the key).
     let cuda = R::name(&lhs.client) == "cuda";
-    let mut candidates = guard.candidates();
     candidates.retain(|&k| k != GemmKernel::CublasLt || (cuda && macs >= floor));
     // hipBLASLt (only when named as a candidate) likewise on ROCm, keyed apart (` hlt`).
     let hip = R::name(&lhs.client) == "hip";
@@ -202,14 +176,18 @@ pub(crate) fn choose<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>, o
     if candidates.contains(&GemmKernel::HipBlasLt) {
         key.push_str(" hlt");
     }
+    // Choices made among other candidates than the default's are kept apart from its choices.
+    if !default {
+        let names: Vec<String> = candidates.iter().map(GemmKernel::to_string).collect();
+        key.push_str(&format!(" among[{}]", names.join(",")));
+    }
     if !guard.loaded {
         guard.loaded = true;
         let loaded = load();
         guard.summary.cached = loaded.len();
-        let all = guard.candidates();
-        guard.choices.extend(loaded.into_iter().filter(|(_, k)| all.contains(k)));
+        guard.choices.extend(loaded);
     }
-    if let Some(&kernel) = guard.choices.get(&key) {
+    if let Some(&kernel) = guard.choices.get(&key).filter(|k| candidates.contains(k)) {
         return Some(kernel);
     }
     if !guard.announced {

@@ -423,6 +423,7 @@ impl Graph {
         launches: Vec<Recorded>,
         collectives: Vec<(usize, crate::collective::Recorded)>,
         device: &CudaDevice,
+        dependent: super::DependentLaunch,
     ) -> Result<Self, GraphError> {
         let ordinal = device.index;
         let client = CudaRuntime::client(device);
@@ -452,7 +453,7 @@ impl Graph {
         make_current(ordinal)?;
         let arch = architecture(ordinal)?;
         let options = compilation_options(arch);
-        let order = KernelOrder::for_architecture(arch, super::dependent_launch());
+        let order = KernelOrder::for_architecture(arch, dependent);
         if !options.supports_features.grid_constants {
             return Err(GraphError::Unsupported(format!("compute capability {arch} has no grid constants")));
         }

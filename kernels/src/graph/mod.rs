@@ -16,7 +16,7 @@
 //!    capability 9.0+ the kernels follow one another by programmatic dependent launch: each
 //!    kernel's first statements wait for its predecessor and then release its successor, whose
 //!    launch and block start-up so overlap this kernel's run (`KernelOrder` in `cuda.rs`;
-//!    [`set_dependent_launch`] turns it off). A kernel may mark a later place for its wait
+//!    [`crate::KernelTuning::dependent_launch`] turns it off). A kernel may mark a later place for its wait
 //!    (`comment!("burn-gemma: wait for the kernels before")`) when everything it does before
 //!    the mark reads only what no kernel of a step writes: the quantized GEMV issues its first
 //!    weight loads there, which then overlap the kernels before it.
@@ -92,22 +92,6 @@ impl std::str::FromStr for DependentLaunch {
             other => Err(format!("unknown dependent-launch mode `{other}` (expected auto, at-start or off)")),
         }
     }
-}
-
-/// The process's [`DependentLaunch`] as its index in `MODES`.
-static DEPENDENT_LAUNCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-const MODES: [DependentLaunch; 3] = [DependentLaunch::Auto, DependentLaunch::AtStart, DependentLaunch::Off];
-
-/// Sets [`DependentLaunch`] for the graphs this process builds from now on ([`DependentLaunch::Auto`]
-/// by default), as the GEMM tuner's settings are set.
-pub fn set_dependent_launch(mode: DependentLaunch) {
-    let index = MODES.iter().position(|&m| m == mode).unwrap_or(0) as u8;
-    DEPENDENT_LAUNCH.store(index, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The [`DependentLaunch`] graphs are built with now.
-pub fn dependent_launch() -> DependentLaunch {
-    MODES[DEPENDENT_LAUNCH.load(std::sync::atomic::Ordering::Relaxed) as usize % MODES.len()]
 }
 
 /// What one recording session collects on this thread.
@@ -397,17 +381,18 @@ pub struct Replay<'a> {
 impl StepGraph {
     /// Compiles every recorded kernel (NVRTC, PTX cached on disk), resolves the device pointers
     /// of its arguments and captures the launches into one CUDA graph. The CubeCL stream of
-    /// the device is synchronized first, so that the graph sees what eager work wrote.
-    pub fn new(recording: Recording) -> Result<Self, GraphError> {
+    /// the device is synchronized first, so that the graph sees what eager work wrote. `launch`
+    /// says whether its launches overlap ([`crate::KernelTuning::dependent_launch`]).
+    pub fn new(recording: Recording, launch: DependentLaunch) -> Result<Self, GraphError> {
         #[cfg(feature = "cuda")]
         {
             let launches = recording.launches.len();
-            let inner = cuda::Graph::new(recording.launches, recording.collectives, &recording.device)?;
+            let inner = cuda::Graph::new(recording.launches, recording.collectives, &recording.device, launch)?;
             Ok(Self { inner, launches })
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = recording;
+            let _ = (recording, launch);
             Err(GraphError::NotCuda("built without the `cuda` feature".into()))
         }
     }

@@ -25,7 +25,7 @@
 
 pub mod order;
 
-pub use order::{ordering, set_ordering, Ordering};
+pub use order::Ordering;
 
 use super::blas_layout::{Layouts, Problem};
 use super::GemmError;
@@ -137,6 +137,8 @@ fn product(
     // The lane of the calling thread (one per CubeCL stream), chosen before the task moves to
     // CubeCL's device thread.
     let key = (ordinal, std::thread::current().id());
+    // Read here too: the tuning's scope belongs to the calling thread.
+    let ordering = crate::tuning::current(|t| t.blas_ordering);
     // On CubeCL's device thread, in order with the launches queued before it: everything they
     // launch has been submitted to CUDA when this runs, and the pointer lookups and CubeCL's
     // ordering kernels run inline, so the calling thread waits once per product (four round
@@ -152,7 +154,7 @@ fn product(
             std::collections::hash_map::Entry::Occupied(lane) => lane.into_mut(),
             std::collections::hash_map::Entry::Vacant(slot) => slot.insert(Lane::new(ordinal, sms)?),
         };
-        lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr])
+        lane.run(client, &problem, [input, output], [rhs_ptr, lhs_ptr, out_ptr], ordering)
     };
     client.exclusive(task).map_err(|e| format!("CubeCL's device thread: {e:?}"))?
 }
@@ -305,13 +307,14 @@ impl Lane {
         problem: &Problem,
         types: [lts::cudaDataType; 2],
         pointers: [u64; 3],
+        ordering: Ordering,
     ) -> Result<(), String> {
         let descriptors = Descriptors::new(problem, types, self.sm_target)?;
         // A problem's first run is ordered by host waits: it loads cuBLASLt's kernel for it, which
         // must not happen while a poll runs (see [`order`]).
         let first = !self.algos.contains_key(problem);
         let algo = self.algo(problem, &descriptors)?;
-        if first || self.host_only || order::ordering() == Ordering::Host {
+        if first || self.host_only || ordering == Ordering::Host {
             // CubeCL's work so far (the inputs, earlier users of the output's memory) first.
             cubecl::future::block_on(client.sync()).map_err(|e| format!("sync: {e:?}"))?;
             let product = self.launch(&descriptors, &algo, pointers);
@@ -480,7 +483,11 @@ mod tests {
     #[test]
     fn cublaslt_device_order_keeps_dependencies() {
         assert!(super::available(), "libcublasLt did not load: put its folder on LD_LIBRARY_PATH");
-        assert_eq!(super::ordering(), super::Ordering::Device, "device ordering is the default");
+        assert_eq!(
+            crate::tuning::current(|t| t.blas_ordering),
+            super::Ordering::Device,
+            "device ordering is the default"
+        );
         let device = Default::default();
         seed::<B>(&device, "cublaslt-order");
         let (m, k, n, steps) = (77, 320, 448, 40);

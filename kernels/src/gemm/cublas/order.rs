@@ -36,32 +36,8 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use cudarc::driver::{result as drv, sys as drs};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, Ordering as Atomic8};
 
-/// How cuBLASLt's products are ordered against CubeCL's stream (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ordering {
-    /// Host waits around each product.
-    Host,
-    /// Flags in device memory polled by one-thread kernels on both streams; no host wait.
-    Device,
-}
-
-static ORDERING: AtomicU8 = AtomicU8::new(1);
-
-/// The ordering cuBLASLt's products use from now on in this process ([`Ordering::Device`] by
-/// default).
-pub fn set_ordering(ordering: Ordering) {
-    ORDERING.store(matches!(ordering, Ordering::Device) as u8, Atomic8::Relaxed);
-}
-
-/// The ordering in effect.
-pub fn ordering() -> Ordering {
-    match ORDERING.load(Atomic8::Relaxed) {
-        0 => Ordering::Host,
-        _ => Ordering::Device,
-    }
-}
+pub use crate::tuning::BlasOrdering as Ordering;
 
 /// How often (in products) the give-up marks are read back.
 pub(super) const CHECK_EVERY: u32 = 64;
