@@ -54,11 +54,12 @@ pub mod vision;
 
 pub use burn_gemma_kernels::{GemmaBackend, QuantFormat};
 pub use burn_gemma_model::{
-    AssistantConfig, BatchGraphs, CudaGraph, Gemma, Gemma3Vision, Gemma3VisionConfig, Gemma4Assistant,
-    Gemma4ImageConfig, Gemma4Patches, Gemma4Vision, GemmaConfig, GraphSetup, ImageEmbeds, KvCache, KvFormat,
-    ModelError, ModelOptions, PagedLayout, PrefixCache, PrefixStats, Reservation, StepInputs, StepRows, StoredRows,
-    WeightFormat, WeightSource, WindowStore,
+    AssistantConfig, BatchGraphs, BlockSet, BlockShortfall, CudaGraph, Gemma, Gemma3Vision, Gemma3VisionConfig,
+    Gemma4Assistant, Gemma4ImageConfig, Gemma4Patches, Gemma4Vision, GemmaConfig, GraphSetup, ImageEmbeds, KvCache,
+    KvFormat, ModelError, ModelOptions, PagedLayout, Reservation, StepInputs, StepRows, StoredRows, WeightFormat,
+    WeightSource, WindowStore,
 };
+pub use engine::PrefixCache;
 pub use error::{
     BackendError, EngineError, Error, FetchError, OptionError, RequestError, SamplingError, TokenizerError,
 };

@@ -28,7 +28,7 @@ pub mod weights;
 
 pub use assistant::{AssistantConfig, DraftInput, DraftOutput, Gemma4Assistant, OrderedEmbeddings};
 pub use attention::{
-    KvCache, PagedLayout, PrefixCache, PrefixStats, QueryRows, Reservation, RewindPoint, StoredRows, WindowStore,
+    BlockSet, BlockShortfall, KvCache, PagedLayout, QueryRows, Reservation, RewindPoint, StoredRows, WindowStore,
 };
 pub use batch_graph::BatchGraphs;
 pub use burn_gemma_kernels::{KvFormat, Matrix, StepRows};

@@ -1,6 +1,7 @@
 //! One round's steps: prompt chunks, and one batched decode step for every generating sequence.
 
 use super::config::EngineDrafts;
+use super::kv_manager::KvManager;
 use super::metrics::EngineMetrics;
 use super::scheduler::{catch_panic, Worker, DRAFTING_SEQUENCES};
 use super::sequence::{emit, emit_verified, Place, Sequence, Stepped};
@@ -33,7 +34,7 @@ impl<B: GemmaBackend> Worker<B> {
         let shared = !sequence.has_images();
         let cached = match &mut sequence.place {
             Place::Prompt(cache, reservation) if shared => {
-                self.rows.cache_prefix(reservation, &sequence.context, cache)?
+                self.kv.cache_prefix(reservation, &sequence.context, cache)?
             }
             Place::Prompt(..) => 0,
             Place::Row(_) => 0,
@@ -52,7 +53,7 @@ impl<B: GemmaBackend> Worker<B> {
         let Place::Prompt(cache, reservation) = std::mem::replace(&mut sequence.place, Place::Row(row)) else {
             return Ok(stepped);
         };
-        let joined = self.rows.attach(row, reservation).and_then(|()| self.rows.copy_sequence(row, &cache, 0));
+        let joined = self.kv.attach(row, reservation).and_then(|()| self.kv.rows.copy_sequence(row, &cache, 0));
         self.keep_spare(cache);
         self.generating += 1;
         self.update_kv_metrics();
@@ -76,13 +77,13 @@ impl<B: GemmaBackend> Worker<B> {
             n if n > DRAFTING_SEQUENCES => vec![Vec::new(); n],
             n => {
                 let mut drafts: Vec<Vec<u32>> = order.iter().map(|&i| self.drafts_for(&self.running[i])).collect();
-                share_drafts(&mut drafts, self.steps.most_rows().min(self.rows.batch()).saturating_sub(n));
+                share_drafts(&mut drafts, self.steps.most_rows().min(self.kv.rows.batch()).saturating_sub(n));
                 drafts
             }
         };
         let drafted: usize = drafts.iter().map(Vec::len).sum();
         let model = &self.model;
-        let (rows, running, steps) = (&mut self.rows, &mut self.running, &mut self.steps);
+        let (rows, running, steps) = (&mut self.kv.rows, &mut self.running, &mut self.steps);
         let started = std::time::Instant::now();
         let recorded = graph_setup(steps);
         let verdicts =
@@ -173,19 +174,21 @@ impl<B: GemmaBackend> Worker<B> {
     /// A fresh batched cache in place of one that can no longer be trusted (`broken`); the
     /// old one stays where a new one cannot be made (the next round tries again).
     pub(super) fn renew_rows(&mut self) {
-        let fresh = self.rows.paged_layout().ok_or_else(|| ModelError::InvalidInput("an unpaged batched cache".into()));
+        let fresh =
+            self.kv.rows.paged_layout().ok_or_else(|| ModelError::InvalidInput("an unpaged batched cache".into()));
         if let Ok(fresh) = fresh.and_then(|layout| self.model.new_paged_cache(layout)) {
             // The prompts running hold reservations of the old cache: made again in the new
             // (the old cache goes with its promises).
-            let mut fresh = fresh;
+            // The old prefix index goes with it (its blocks are the old cache's).
+            let mut fresh = KvManager::new(fresh, self.config.prefix_cache);
             for sequence in &mut self.running {
                 if let Place::Prompt(_, reservation) = &mut sequence.place {
-                    if let Ok(again) = fresh.reserve(reservation.positions()) {
+                    if let Ok(again) = fresh.reserve(reservation.positions(), &[]) {
                         *reservation = again;
                     }
                 }
             }
-            self.rows = fresh;
+            self.kv = fresh;
             self.broken = None;
         }
         self.update_kv_metrics();
@@ -194,10 +197,10 @@ impl<B: GemmaBackend> Worker<B> {
     /// The KV gauges: sequences generating and blocks held.
     pub(super) fn update_kv_metrics(&self) {
         self.metrics.kv_sequences_in_use.store(self.generating, Ordering::SeqCst);
-        let (used, all) = self.rows.blocks_in_use().unwrap_or((0, 0));
+        let (used, all) = self.kv.blocks_in_use().unwrap_or((0, 0));
         self.metrics.kv_blocks_in_use.store(used, Ordering::SeqCst);
         self.metrics.kv_blocks_total.store(all, Ordering::SeqCst);
-        if let Some(prefix) = self.rows.prefix_stats() {
+        if let Some(prefix) = self.kv.prefix_stats() {
             self.metrics.kv_blocks_cached.store(prefix.held_only, Ordering::SeqCst);
             self.metrics.prefix_blocks_given_up.store(prefix.given_up, Ordering::SeqCst);
         }

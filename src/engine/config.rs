@@ -1,6 +1,6 @@
 //! How an engine runs: its limits, its steps, its drafts.
 
-use crate::{CudaGraph, PrefixCache, WindowStore};
+use crate::{CudaGraph, WindowStore};
 
 use std::num::NonZeroUsize;
 
@@ -103,5 +103,38 @@ impl Default for EngineConfig {
             prefix_cache: PrefixCache::On,
             drafts: EngineDrafts::Off,
         }
+    }
+}
+
+/// Whether the engine keeps prompts' blocks for later prompts with the same beginning
+/// ([`EngineConfig::prefix_cache`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixCache {
+    /// Every prompt runs whole.
+    Off,
+    /// A prompt starting with a cached prefix runs only the rest, sharing the prefix's
+    /// full-attention blocks; the sliding-window pools hold a sequence's length of positions
+    /// more for the copies the index keeps.
+    #[default]
+    On,
+}
+
+impl std::str::FromStr for PrefixCache {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("unknown prefix-cache mode `{other}` (expected on or off)")),
+        }
+    }
+}
+
+impl std::fmt::Display for PrefixCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::On => "on",
+            Self::Off => "off",
+        })
     }
 }

@@ -26,6 +26,7 @@
 mod batch;
 mod config;
 mod inbox;
+mod kv_manager;
 mod metrics;
 mod request;
 mod scheduler;
@@ -37,7 +38,7 @@ mod stream;
 pub(crate) mod tests;
 
 pub use crate::error::EngineError;
-pub use config::{EngineConfig, EngineDrafts};
+pub use config::{EngineConfig, EngineDrafts, PrefixCache};
 pub use metrics::{EngineHealth, EngineMetrics};
 use request::Tokenized;
 pub use request::{Event, Finish, Prompt, Request};
@@ -46,6 +47,7 @@ pub use stream::{EventStream, RequestStream};
 #[cfg(test)]
 pub(crate) use inbox::Fault;
 use inbox::{Command, Submitted};
+use kv_manager::KvManager;
 use metrics::WorkerState;
 use scheduler::{panic_message, Worker, DRAFTING_SEQUENCES};
 use steps::Steps;
@@ -177,7 +179,11 @@ impl Engine {
             capacity: cache_capacity,
             block_size: PagedLayout::block_size_for(model.config(), cache_capacity, config.kv_block_size.get()),
             positions: config.kv_positions.map(NonZeroUsize::get),
-            prefix_cache: config.prefix_cache,
+            // Rings keep a sequence's length more for the prefix index's copies.
+            ring_copies: match config.prefix_cache {
+                PrefixCache::On => cache_capacity,
+                PrefixCache::Off => 0,
+            },
             window_store: config.drafts.window_store(),
             // Every sequence that may draft, at once.
             draft_rows: config.max_running.get().min(DRAFTING_SEQUENCES).saturating_mul(config.drafts.max_tokens()),
@@ -205,7 +211,7 @@ impl Engine {
             metrics: Arc::clone(&front.metrics),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            rows,
+            kv: KvManager::new(rows, config.prefix_cache),
             capacity,
             generating: 0,
             spare: Vec::new(),

@@ -4,6 +4,7 @@ use super::config::EngineConfig;
 #[cfg(test)]
 use super::inbox::Fault;
 use super::inbox::{Command, Submitted};
+use super::kv_manager::{KvManager, PromptBlocks};
 use super::metrics::EngineMetrics;
 use super::request::{Event, Finish};
 use super::reserved_positions;
@@ -15,7 +16,7 @@ use crate::{
     images::ImageError,
     output::{OutputRules, SequenceOutput},
     vision::Vision,
-    Error, Gemma, GemmaBackend, KvCache, ModelError, PrefixCache, Reservation, StopReason, Tokenizer,
+    Error, Gemma, GemmaBackend, KvCache, ModelError, PrefixCache, StopReason, Tokenizer,
 };
 
 use std::{
@@ -47,8 +48,9 @@ pub(super) struct Worker<B: GemmaBackend> {
     pub(super) metrics: Arc<EngineMetrics>,
     pub(super) waiting: VecDeque<Submitted>,
     pub(super) running: Vec<Sequence<B>>,
-    /// The generating sequences' keys and values: its first `generating` sequences.
-    pub(super) rows: KvCache<B>,
+    /// The generating sequences' keys and values (the batched cache's first `generating`
+    /// sequences) and the prefix cache.
+    pub(super) kv: KvManager<B>,
     /// Positions per sequence (the cache's capacity is this rounded up to a block).
     pub(super) capacity: usize,
     pub(super) generating: usize,
@@ -152,7 +154,7 @@ impl<B: GemmaBackend> Worker<B> {
                 (PrefixCache::On, false) => &submitted.request.input,
                 _ => &[],
             };
-            let reservation = match self.rows.reserve_prompt(positions, prompt) {
+            let reservation = match self.kv.reserve(positions, prompt) {
                 Ok(reservation) => reservation,
                 Err(ModelError::KvBlocks { .. }) if !self.running.is_empty() => {
                     // Blocks come back as the running leave.
@@ -187,7 +189,7 @@ impl<B: GemmaBackend> Worker<B> {
                 }
                 Err(failed) => {
                     let (submitted, reservation, e) = *failed;
-                    self.rows.release_reservation(reservation);
+                    self.kv.release(reservation);
                     self.metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
                     let _ = submitted.events.send(Err(e));
                 }
@@ -201,7 +203,7 @@ impl<B: GemmaBackend> Worker<B> {
     /// Whether a prompt beginning with `input` would find more of itself cached after a prompt
     /// still running is (one starting with the same blocks): then it waits for that one.
     pub(super) fn follows_a_prompt(&mut self, input: &[u32]) -> bool {
-        let (PrefixCache::On, Some(bs)) = (self.config.prefix_cache, self.rows.block_size()) else { return false };
+        let (PrefixCache::On, Some(bs)) = (self.config.prefix_cache, self.kv.rows.block_size()) else { return false };
         // How far each running prompt could still cache this one's beginning.
         let reach = self.running.iter().filter(|leader| !leader.has_images()).filter_map(|leader| {
             let Place::Prompt(_, reservation) = &leader.place else { return None };
@@ -212,7 +214,7 @@ impl<B: GemmaBackend> Worker<B> {
         });
         // The index is looked up only where some running prompt could add to it.
         match reach.max() {
-            Some(reach) => reach > self.rows.cached_prefix(input),
+            Some(reach) => reach > self.kv.cached_prefix(input),
             None => false,
         }
     }
@@ -222,11 +224,11 @@ impl<B: GemmaBackend> Worker<B> {
     pub(super) fn start(
         &mut self,
         submitted: Submitted,
-        mut reservation: Reservation,
-    ) -> Result<Sequence<B>, Box<(Submitted, Reservation, Error)>> {
+        mut reservation: PromptBlocks,
+    ) -> Result<Sequence<B>, Box<(Submitted, PromptBlocks, Error)>> {
         let mut cache = match self.spare.pop() {
             Some(cache) => cache,
-            None => match self.model.new_cache_with(1, self.rows.capacity(), self.config.drafts.window_store()) {
+            None => match self.model.new_cache_with(1, self.kv.rows.capacity(), self.config.drafts.window_store()) {
                 Ok(cache) => {
                     self.metrics.kv_cache_bytes.fetch_add(cache.device_bytes() as u64, Ordering::SeqCst);
                     cache
@@ -235,7 +237,7 @@ impl<B: GemmaBackend> Worker<B> {
             },
         };
         // A cached prefix goes into the prompt's cache, and the prompt runs from its end.
-        if let Err(e) = self.rows.fill_prefix(&mut reservation, &mut cache) {
+        if let Err(e) = self.kv.fill_prefix(&mut reservation, &mut cache) {
             self.keep_spare(cache);
             return Err(Box::new((submitted, reservation, e.into())));
         }
@@ -254,7 +256,7 @@ impl<B: GemmaBackend> Worker<B> {
         // What the request asks for is not what it can hold: at most its sequence's positions.
         let mut context = Vec::with_capacity(reserved_positions(&submitted.request, self.capacity));
         context.extend(input.drain(..cached));
-        let chunk = match (self.config.prefix_cache, self.rows.ring_slots().and_then(NonZeroUsize::new)) {
+        let chunk = match (self.config.prefix_cache, self.kv.rows.ring_slots().and_then(NonZeroUsize::new)) {
             (PrefixCache::On, Some(ring)) => generation.prefill_chunk.min(ring),
             _ => generation.prefill_chunk,
         };
@@ -371,15 +373,15 @@ impl<B: GemmaBackend> Worker<B> {
         self.metrics.running.fetch_sub(1, Ordering::SeqCst);
         match std::mem::replace(&mut sequence.place, Place::Row(usize::MAX)) {
             Place::Prompt(cache, reservation) => {
-                self.rows.release_reservation(reservation);
+                self.kv.release(reservation);
                 self.keep_spare(cache);
             }
             Place::Row(row) => {
                 self.generating -= 1;
-                self.rows.release(row);
+                self.kv.rows.release(row);
                 let last = self.generating;
                 if row != last && self.broken.is_none() {
-                    if let Err(e) = self.rows.move_sequence(last, row) {
+                    if let Err(e) = self.kv.rows.move_sequence(last, row) {
                         self.broken = Some(e.to_string());
                     }
                     if let Some(other) = self.running.iter_mut().find(|s| s.row() == Some(last)) {

@@ -1,12 +1,13 @@
 //! A running request: where its keys and values are, what it runs next, what it hands out.
 
 use super::inbox::Submitted;
+use super::kv_manager::PromptBlocks;
 use super::metrics::EngineMetrics;
 use super::request::Event;
 use crate::{
     generation::chunk_end,
     output::{Room, SequenceOutput},
-    GemmaBackend, ImageEmbeds, KvCache, Reservation, StopReason, Token, Tokenizer,
+    GemmaBackend, ImageEmbeds, KvCache, StopReason, Token, Tokenizer,
 };
 
 use std::{num::NonZeroUsize, sync::atomic::Ordering, time::Duration};
@@ -17,7 +18,7 @@ use std::{num::NonZeroUsize, sync::atomic::Ordering, time::Duration};
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Place<B: GemmaBackend> {
     /// Its prompt runs in a cache of its own; the blocks of the batched cache it will hold.
-    Prompt(KvCache<B>, Reservation),
+    Prompt(KvCache<B>, PromptBlocks),
     /// Generating: sequence `row` of the batched cache.
     Row(usize),
 }

@@ -649,6 +649,69 @@ fn draft_rows_pointed_at_a_sequence_give_its_one_token_steps() {
     assert!(refused.to_string().contains("EveryPosition"), "{refused}");
 }
 
+/// The mechanism under the engine's prefix cache: a block of a prompt copied into a block set
+/// and shared by a later reservation fills a fresh prompt cache that steps on exactly as the
+/// original (bit for bit on the CPU); each shortfall of `take_block_set` is named, and a set
+/// given up frees its blocks.
+#[test]
+fn block_sets_carry_a_prompt_block_to_a_later_prompt() {
+    use burn_gemma::BlockShortfall;
+    let fixture = FIXTURES[0];
+    let device = Default::default();
+    let model = model(fixture);
+    let (capacity, bs) = (64, 8);
+    let layout = PagedLayout { ring_copies: capacity, ..PagedLayout::new(2, capacity, bs) };
+    let mut paged = model.new_paged_cache(layout).expect("paged cache");
+    // The fixture's window is one block: its ring pool is what `ring_copies` sizes.
+    assert_eq!(paged.ring_slots(), Some(bs), "{fixture}: a sliding window of one block");
+    let prompt = &input(fixture)[..bs + 1];
+    let mut first = model.new_cache_with(1, capacity, WindowStore::Ring).expect("cache");
+    model.forward(burn_gemma::generation::token_tensor::<NdArray>(&prompt[..bs], &device), &mut first).expect("prompt");
+    let mut reservation = paged.reserve(40).expect("blocks");
+    let set = paged.take_block_set(&mut reservation).expect("a block set");
+    paged.copy_into_block_sets(&first, 0, &[&set], bs).expect("copy");
+    paged.attach(0, reservation).expect("attach");
+    paged.copy_sequence(0, &first, 0).expect("copy the prompt");
+
+    // A later prompt starting alike shares the block and runs on from it.
+    let mut later = paged.reserve_sharing(40, &[&set]).expect("blocks sharing the set");
+    assert_eq!(later.cached_positions(), bs);
+    let mut second = model.new_cache_with(1, capacity, WindowStore::Ring).expect("cache");
+    paged.fill_prefix(&mut later, &mut second).expect("fill");
+    assert_eq!(second.len(), bs);
+    let step = |cache: &mut burn_gemma::KvCache<NdArray>| -> Vec<f32> {
+        let inputs = StepInputs::sequences(&prompt[bs..], &[bs], &device).expect("inputs");
+        model.decode_logits(&inputs, cache).expect("step").into_data().to_vec().expect("logits")
+    };
+    assert_eq!(step(&mut second), step(&mut first), "the shared prefix steps on as the original");
+
+    // Shortfalls: a reservation of another cache; a promise used up; rings with no free block.
+    let mut other = model.new_paged_cache(PagedLayout::new(1, capacity, bs)).expect("other cache");
+    let mut foreign = other.reserve(bs).expect("blocks");
+    assert_eq!(paged.take_block_set(&mut foreign).err(), Some(BlockShortfall::NotThisCache));
+    other.release_reservation(foreign);
+    let mut one_block = paged.reserve(bs).expect("blocks");
+    let taken = paged.take_block_set(&mut one_block).expect("the promised block");
+    assert_eq!(paged.take_block_set(&mut one_block).err(), Some(BlockShortfall::Promise));
+    paged.release_reservation(one_block);
+    paged.release_block_set(taken);
+    let mut no_copies = model.new_paged_cache(PagedLayout::new(2, capacity, bs)).expect("cache without copies");
+    let whole: Vec<_> = (0..2).map(|_| no_copies.reserve(40).expect("blocks")).collect();
+    let mut whole = whole.into_iter();
+    let mut full = whole.next().expect("a reservation");
+    assert_eq!(no_copies.take_block_set(&mut full).err(), Some(BlockShortfall::Free));
+    no_copies.release_reservation(full);
+    whole.for_each(|r| no_copies.release_reservation(r));
+
+    // Given up, a set only it holds frees a block in every pool.
+    paged.release_reservation(later);
+    paged.release(0);
+    let (held, _) = paged.blocks_in_use().expect("paged");
+    assert_eq!(paged.held_only_by(&set), held, "after its sequence left only the set holds blocks");
+    paged.release_block_set(set);
+    assert_eq!(paged.blocks_in_use().expect("paged").0, 0);
+}
+
 /// The same requests read as async streams (no thread waits on them), polled together on one
 /// thread, give what the blocking streams give, and dropping an async stream cancels its request.
 #[test]

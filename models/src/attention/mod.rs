@@ -4,12 +4,11 @@
 
 pub mod cache;
 pub mod paged;
-mod prefix;
 pub mod rewind;
 pub mod ring;
 
-pub use cache::{KvCache, LayerCache, PrefixStats, QueryRows, Scores, StoredRows};
-pub use paged::{PagedLayout, PrefixCache, Reservation};
+pub use cache::{KvCache, LayerCache, QueryRows, Scores, StoredRows};
+pub use paged::{BlockSet, BlockShortfall, PagedLayout, Reservation};
 pub use rewind::RewindPoint;
 pub use ring::WindowStore;
 

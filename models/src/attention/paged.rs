@@ -10,7 +10,6 @@
 //! reservation the pools cannot cover now is refused, and the caller waits for blocks to come
 //! back.
 
-use super::prefix::NodeKey;
 use super::ring::WindowStore;
 use burn_gemma_kernels::{BlockTable, GemmaBackend};
 use std::collections::BTreeSet;
@@ -29,9 +28,10 @@ pub struct PagedLayout {
     /// `positions / block_size` blocks); `None`: `sequences * capacity`, every sequence at
     /// full length at once. A ring's pool holds as many, up to `sequences` rings.
     pub positions: Option<usize>,
-    /// Whether prompts' first blocks stay cached for later prompts that start alike
-    /// ([`crate::KvCache::reserve_prompt`]).
-    pub prefix_cache: PrefixCache,
+    /// Positions each sliding-window ring pool holds beyond the sequences' rings, for block
+    /// copies kept outside them ([`crate::KvCache::take_block_set`]): a prefix cache keeps up
+    /// to a sequence's length (`capacity`); 0 keeps none.
+    pub ring_copies: usize,
     /// How the sliding-window layers keep their keys: rings of the window (the least memory),
     /// or a slot per position masked by the window, in the full-attention layers' pool, which
     /// draft rows need ([`crate::KvCache::set_draft_rows`]).
@@ -42,48 +42,16 @@ pub struct PagedLayout {
     pub draft_rows: usize,
 }
 
-/// Whether a paged KV cache keeps prompts' blocks for later prompts with the same beginning.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefixCache {
-    /// Every prompt runs whole.
-    Off,
-    /// A prompt starting with a cached prefix runs only the rest, sharing the prefix's
-    /// full-attention blocks; the sliding-window pools hold a sequence's length of positions
-    /// more for the copies the index keeps ([`crate::KvCache::reserve_prompt`]).
-    #[default]
-    On,
-}
-
-impl std::str::FromStr for PrefixCache {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "on" => Ok(Self::On),
-            "off" => Ok(Self::Off),
-            other => Err(format!("unknown prefix-cache mode `{other}` (expected on or off)")),
-        }
-    }
-}
-
-impl std::fmt::Display for PrefixCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::On => "on",
-            Self::Off => "off",
-        })
-    }
-}
-
 impl PagedLayout {
     /// `sequences` of up to `capacity` positions in blocks of `block_size`, every sequence at
-    /// full length at once, sliding windows in rings, no prompt prefixes kept, no draft rows.
+    /// full length at once, sliding windows in rings, no ring copies, no draft rows.
     pub fn new(sequences: usize, capacity: usize, block_size: usize) -> Self {
         Self {
             sequences,
             capacity,
             block_size,
             positions: None,
-            prefix_cache: PrefixCache::Off,
+            ring_copies: 0,
             window_store: WindowStore::Ring,
             draft_rows: 0,
         }
@@ -120,9 +88,7 @@ pub struct Reservation {
     /// Per pool, the prefix's ring copies (the sliding-window pools'), held until they are
     /// copied into the prompt's cache ([`crate::KvCache::fill_prefix`]).
     pub(crate) rings: Vec<Vec<u32>>,
-    /// The prefix's nodes: found at admission, then the ones the prompt adds.
-    pub(crate) prefix: Vec<NodeKey>,
-    /// Positions found cached at admission.
+    /// Positions of the prefix it shares (the block sets it was made with).
     pub(crate) cached: usize,
 }
 
@@ -132,23 +98,38 @@ impl Reservation {
         self.positions
     }
 
-    /// The prompt's first positions found in the prefix cache: the prompt runs from there
-    /// ([`crate::KvCache::fill_prefix`]).
+    /// The prompt's first positions it shares ([`crate::KvCache::reserve_sharing`]): the
+    /// prompt runs from there ([`crate::KvCache::fill_prefix`]).
     pub fn cached_positions(&self) -> usize {
         self.cached
     }
+}
 
-    /// Blocks of the prompt's prefix in the prefix index: found at admission, and cached since
-    /// ([`crate::KvCache::cache_prefix`]).
-    pub fn prefix_blocks(&self) -> usize {
-        self.prefix.len()
-    }
+/// One block of every pool of a paged cache, held for a block of positions kept outside the
+/// sequences ([`crate::KvCache::take_block_set`]): a prefix cache's node. Its blocks stay held
+/// until [`crate::KvCache::release_block_set`] gives them up.
+#[derive(Debug)]
+pub struct BlockSet {
+    pub(crate) cache: u64,
+    /// One block per pool.
+    pub(crate) blocks: Vec<u32>,
+}
+
+/// Why [`crate::KvCache::take_block_set`] took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockShortfall {
+    /// The cache is not paged, or the reservation is another cache's.
+    NotThisCache,
+    /// The reservation has no promised block left in a full-attention pool.
+    Promise,
+    /// A sliding-window pool has no free block that is not promised.
+    Free,
 }
 
 /// The blocks of one group of layers.
 ///
-/// A block is held by the sequences whose rows name it, by the prefix index
-/// ([`super::prefix`]) and by reservations that pin it; it is free when none holds it
+/// A block is held by the sequences whose rows name it, by block sets
+/// ([`BlockSet`]: a prefix cache's) and by reservations that pin it; it is free when none holds it
 /// (`refs` counts the holders).
 #[derive(Debug)]
 pub(crate) struct BlockPool<B: GemmaBackend> {
@@ -267,7 +248,7 @@ impl<B: GemmaBackend> BlockPool<B> {
         self.changed();
     }
 
-    /// `n` blocks for the prefix index: promised ones (`Promised`), or ones free and not
+    /// `n` blocks for a block set: promised ones (`Promised`), or ones free and not
     /// promised; `None`, taking nothing, where there are not `n` of them.
     pub fn hold(&mut self, n: usize, from: Source) -> Option<Vec<u32>> {
         match from {

@@ -1,14 +1,14 @@
-//! The prefix index of a paged KV cache: the keys and values of prompts' first blocks, kept
+//! The prefix index: the keys and values of prompts' first blocks in the paged KV cache, kept
 //! after their sequences end, so that a later prompt starting with the same tokens (a shared
 //! system prompt, the other choices of one request) runs only the rest through the model.
 //!
 //! Block `i` of a prompt (positions `i * block_size..(i + 1) * block_size`) is a node named
 //! by a hash chained over every token up to its end, so that two prompts share node `i` only
 //! where they agree on all of them (each node also keeps its tokens and its parent, and a
-//! lookup compares them: a hash collision is a miss, never a wrong prefix). A node holds one
-//! block per pool ([`super::paged`]):
+//! lookup compares them: a hash collision is a miss, never a wrong prefix). A node holds a
+//! block set ([`crate::BlockSet`]), one block per pool of the cache:
 //! - of the full-attention pools, the block of those positions, which the sequences that reuse
-//!   it share ([`super::paged::BlockPool::share`]): nobody writes a prompt's positions again;
+//!   it share: nobody writes a prompt's positions again;
 //! - of the sliding-window pools, a copy of the block's positions as the window's ring held them
 //!   (a sequence writes over its own ring as it wraps, so rings are never shared): a sequence
 //!   that reuses `m` nodes gets the rings' last window rebuilt from the copies of the nodes
@@ -23,14 +23,14 @@ use std::hash::{Hash, Hasher};
 /// The name of a node: its chain's hash.
 pub(crate) type NodeKey = u64;
 
-/// One cached block of a prompt.
+/// One cached block of a prompt, holding `T` (its blocks in the cache).
 #[derive(Debug)]
-struct Node {
+struct Node<T> {
     parent: Option<NodeKey>,
     /// The block's tokens.
     tokens: Vec<u32>,
-    /// Its block in each pool.
-    blocks: Vec<u32>,
+    /// Its blocks.
+    blocks: T,
     /// Nodes continuing it.
     children: usize,
     /// When it was last used (the index's clock).
@@ -38,10 +38,16 @@ struct Node {
 }
 
 /// The nodes of every cached prefix.
-#[derive(Debug, Default)]
-pub(crate) struct PrefixIndex {
-    nodes: HashMap<NodeKey, Node>,
+#[derive(Debug)]
+pub(crate) struct PrefixIndex<T> {
+    nodes: HashMap<NodeKey, Node<T>>,
     clock: u64,
+}
+
+impl<T> Default for PrefixIndex<T> {
+    fn default() -> Self {
+        Self { nodes: HashMap::new(), clock: 0 }
+    }
 }
 
 /// A chain's next key: the hash of its parent's and the block's tokens.
@@ -52,7 +58,7 @@ fn key(parent: Option<NodeKey>, tokens: &[u32]) -> NodeKey {
     h.finish()
 }
 
-impl PrefixIndex {
+impl<T> PrefixIndex<T> {
     /// The keys of the longest cached chain `tokens` starts with, at most `max_blocks` blocks of
     /// `block_size`; the nodes found count as used.
     pub fn longest(&mut self, tokens: &[u32], block_size: usize, max_blocks: usize) -> Vec<NodeKey> {
@@ -80,37 +86,38 @@ impl PrefixIndex {
     }
 
     /// Adds the node `k` ([`PrefixIndex::next`]) for the block `tokens` after `parent`,
-    /// holding `blocks` (one per pool).
-    pub fn insert(&mut self, k: NodeKey, parent: Option<NodeKey>, tokens: &[u32], blocks: Vec<u32>) {
+    /// holding `blocks`.
+    pub fn insert(&mut self, k: NodeKey, parent: Option<NodeKey>, tokens: &[u32], blocks: T) {
         if let Some(p) = parent.and_then(|p| self.nodes.get_mut(&p)) {
             p.children += 1;
         }
         self.nodes.insert(k, Node { parent, tokens: tokens.to_vec(), blocks, children: 0, used: self.clock });
     }
 
-    /// Node `k`'s blocks, one per pool.
-    pub fn blocks(&self, k: NodeKey) -> Option<&[u32]> {
-        self.nodes.get(&k).map(|n| n.blocks.as_slice())
+    /// Node `k`'s blocks.
+    pub fn blocks(&self, k: NodeKey) -> Option<&T> {
+        self.nodes.get(&k).map(|n| &n.blocks)
     }
 
     /// Takes out the least recently used node without children, none of `keep`; returns its
     /// blocks, whose holds the caller gives up.
-    pub fn evict(&mut self, keep: &[NodeKey]) -> Option<Vec<u32>> {
+    pub fn evict(&mut self, keep: &[NodeKey]) -> Option<T> {
         let (&k, _) =
             self.nodes.iter().filter(|(k, n)| n.children == 0 && !keep.contains(k)).min_by_key(|(_, n)| n.used)?;
         let node = self.nodes.remove(&k)?;
         if let Some(p) = node.parent.and_then(|p| self.nodes.get_mut(&p)) {
-            p.children -= 1;
+            p.children = p.children.saturating_sub(1);
         }
         Some(node.blocks)
     }
 
-    /// Every node's blocks, one per pool.
-    pub fn all_blocks(&self) -> impl Iterator<Item = &[u32]> {
-        self.nodes.values().map(|n| n.blocks.as_slice())
+    /// Every node's blocks.
+    pub fn all_blocks(&self) -> impl Iterator<Item = &T> {
+        self.nodes.values().map(|n| &n.blocks)
     }
 
     /// Nodes cached.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.nodes.len()
     }
@@ -143,6 +150,6 @@ mod tests {
         assert_eq!(index.evict(&[]), Some(vec![20]));
         assert_eq!(index.evict(&[]), Some(vec![10]));
         assert_eq!(index.longest(&prompt, 2, 8).len(), 1);
-        assert_eq!(index.blocks(chain[0]), Some(&[0u32][..]));
+        assert_eq!(index.blocks(chain[0]), Some(&vec![0u32]));
     }
 }

@@ -1,8 +1,9 @@
 //! The KV cache: one [`LayerCache`] per decoder layer, each typed once when the cache is built
 //! (full or ring, dense or int8, its own KV heads and head size).
 
-use super::paged::{BlockPool, PagedLayout, PrefixCache, Reservation, Source};
-use super::prefix::{NodeKey, PrefixIndex};
+mod blocks;
+
+use super::paged::{BlockPool, PagedLayout};
 use super::rewind::{ring_slots, RewindPoint};
 use super::ring::{ring_writes, window_in_order, Span, WindowStore};
 use crate::{GemmaConfig, ModelError};
@@ -556,17 +557,6 @@ struct EachRow<B: GemmaBackend> {
     store: KvStore<B>,
 }
 
-/// What a paged cache's prefix index holds ([`KvCache::prefix_stats`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefixStats {
-    /// Prompt blocks cached (each a block in every pool).
-    pub blocks: usize,
-    /// Blocks, summed over the pools, that only the index holds (no sequence shares them).
-    pub held_only: usize,
-    /// Prompt blocks given up for room so far.
-    pub given_up: u64,
-}
-
 /// What every layer's store is sized by.
 #[derive(Debug, Clone, Copy)]
 struct LayerShape {
@@ -602,10 +592,6 @@ pub struct KvCache<B: GemmaBackend> {
 struct Paging<B: GemmaBackend> {
     pools: Vec<BlockPool<B>>,
     device: B::Device,
-    /// Cached prompt prefixes ([`PrefixCache::On`]).
-    prefix: Option<PrefixIndex>,
-    /// Nodes the prefix index gave up for room so far.
-    evicted: u64,
     /// What the cache was made with: its blocks' size, positions per sequence (a pool with
     /// fewer slots is a sliding window's ring).
     layout: PagedLayout,
@@ -615,29 +601,6 @@ impl<B: GemmaBackend> Paging<B> {
     /// Whether pool `p` holds sliding-window rings.
     fn is_ring(&self, p: usize) -> bool {
         self.pools[p].slots < self.layout.capacity
-    }
-
-    /// Lets the prefix index give up its least recently used nodes (none of `keep`) until
-    /// every pool has `need[p]` blocks available; whether it got there.
-    fn make_room(&mut self, need: &[usize], keep: &[NodeKey]) -> bool {
-        loop {
-            if self.pools.iter().zip(need).all(|(pool, &n)| pool.available() >= n) {
-                return true;
-            }
-            let Some(blocks) = self.prefix.as_mut().and_then(|index| index.evict(keep)) else { return false };
-            self.evicted += 1;
-            for (pool, b) in self.pools.iter_mut().zip(blocks) {
-                pool.release(b);
-            }
-        }
-    }
-
-    /// The longest cached chain `prompt` starts with: whole blocks, within its first `limit`
-    /// positions and without its last token (whose logits a prompt needs).
-    fn longest(&mut self, prompt: &[u32], limit: usize) -> Vec<NodeKey> {
-        let bs = self.layout.block_size;
-        let max_blocks = prompt.len().saturating_sub(1).min(limit) / bs;
-        self.prefix.as_mut().map_or(Vec::new(), |index| index.longest(prompt, bs, max_blocks))
     }
 
     /// A one-sequence table row of pool `p`: block `b` of each `(j, b)` at the `j`-th block of
@@ -650,12 +613,6 @@ impl<B: GemmaBackend> Paging<B> {
             row[j % width] = b;
         }
         row
-    }
-
-    /// Blocks only the prefix index holds, summed over the pools.
-    fn cached_only(&self) -> usize {
-        let Some(index) = &self.prefix else { return 0 };
-        index.all_blocks().map(|blocks| self.pools.iter().zip(blocks).filter(|(p, &b)| p.holders(b) == 1).count()).sum()
     }
 }
 
@@ -802,13 +759,7 @@ impl<B: GemmaBackend> KvCache<B> {
         }
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let paging = paged.map(|p| Paging {
-            pools,
-            device: device.clone(),
-            prefix: (p.prefix_cache == PrefixCache::On).then(PrefixIndex::default),
-            evicted: 0,
-            layout: p,
-        });
+        let paging = paged.map(|p| Paging { pools, device: device.clone(), layout: p });
         Ok(Self { layers, layer_of, len: 0, capacity, batch, id, paging, window_store })
     }
 
@@ -850,11 +801,8 @@ impl<B: GemmaBackend> KvCache<B> {
                             // Blocks for the sequences (draft rows hold none).
                             let sequences = layout.sequences;
                             let positions = layout.positions.unwrap_or(sequences.saturating_mul(capacity));
-                            // Rings hold a sequence's length more for the prefix index's copies.
-                            let cached = match layout.prefix_cache {
-                                PrefixCache::On if slots < capacity => capacity,
-                                _ => 0,
-                            };
+                            // Rings hold the copies kept outside the sequences too.
+                            let cached = if slots < capacity { layout.ring_copies } else { 0 };
                             let most = sequences.saturating_mul(slots).saturating_add(cached);
                             let blocks = positions.min(most).div_ceil(bs);
                             if blocks == 0 || blocks >= u32::MAX as usize {
@@ -1134,360 +1082,6 @@ impl<B: GemmaBackend> KvCache<B> {
             layer.assign_sequence(to, rows)?;
         }
         Ok(())
-    }
-
-    /// Slots per block of a paged cache.
-    pub fn block_size(&self) -> Option<usize> {
-        self.paging.as_ref().map(|p| p.layout.block_size)
-    }
-
-    /// A paged cache's blocks: `(held by sequences and reservations, in all)`, summed over its
-    /// pools (the blocks only the prefix index holds are neither in use nor free:
-    /// [`KvCache::prefix_stats`]).
-    pub fn blocks_in_use(&self) -> Option<(usize, usize)> {
-        let paging = self.paging.as_ref()?;
-        let (used, all) =
-            paging.pools.iter().fold((0, 0), |(used, all), pool| (used + pool.in_use(), all + pool.total));
-        Some((used - paging.cached_only(), all))
-    }
-
-    /// The prefix index of a paged cache (`None` where the cache keeps no prefixes).
-    pub fn prefix_stats(&self) -> Option<PrefixStats> {
-        let paging = self.paging.as_ref()?;
-        let index = paging.prefix.as_ref()?;
-        Some(PrefixStats { blocks: index.len(), held_only: paging.cached_only(), given_up: paging.evicted })
-    }
-
-    /// The most positions one sequence of a paged cache can ever hold blocks for (all its
-    /// pools' blocks); `None` for an unpaged cache.
-    pub fn reservable_positions(&self) -> Option<usize> {
-        let paging = self.paging.as_ref()?;
-        let bs = paging.layout.block_size;
-        // A sequence needs at most a pool's slots per sequence (a ring: its window's): only a
-        // pool holding fewer than that limits.
-        let smallest = paging.pools.iter().filter(|p| p.total * bs < p.slots).map(|p| p.total * bs).min();
-        Some(smallest.map_or(self.capacity, |held| held.min(self.capacity)))
-    }
-
-    /// The fewest slots per sequence of a paged cache's sliding-window rings (`None` without
-    /// rings or paging): a prompt run in chunks of at most this many positions has every block
-    /// cached ([`KvCache::cache_prefix`]), as each ring still holds a chunk's positions after it.
-    pub fn ring_slots(&self) -> Option<usize> {
-        let paging = self.paging.as_ref()?;
-        (0..paging.pools.len()).filter(|&p| paging.is_ring(p)).map(|p| paging.pools[p].slots).min()
-    }
-
-    /// Positions of `prompt` the prefix index holds (whole blocks, its last token left out).
-    pub fn cached_prefix(&mut self, prompt: &[u32]) -> usize {
-        let capacity = self.capacity;
-        self.paging.as_mut().map_or(0, |paging| paging.longest(prompt, capacity).len() * paging.layout.block_size)
-    }
-
-    /// Promises a sequence of up to `positions` positions the blocks it needs in every pool of
-    /// a paged cache, for [`KvCache::attach`]. Fails, promising nothing, where the pools cannot
-    /// cover it now ([`ModelError::KvBlocks`]: wait for sequences to leave) or ever. Blocks only
-    /// the prefix index holds are given up for it, the least recently used first.
-    pub fn reserve(&mut self, positions: usize) -> Result<Reservation, ModelError> {
-        self.reserve_prompt(positions, &[])
-    }
-
-    /// [`KvCache::reserve`] for a sequence whose prompt is `prompt`: the longest prefix of it
-    /// the prefix index holds (whole blocks, the prompt's last token left out: its logits are
-    /// needed) is held for the sequence, which shares its full-attention blocks and is promised
-    /// only the rest. [`KvCache::fill_prefix`] then puts the prefix into the prompt's cache.
-    pub fn reserve_prompt(&mut self, positions: usize, prompt: &[u32]) -> Result<Reservation, ModelError> {
-        let positions = positions.min(self.capacity);
-        if let Some(limit) = self.reservable_positions().filter(|&limit| positions > limit) {
-            return Err(ModelError::InvalidInput(format!(
-                "a sequence of {positions} positions: the paged KV cache's pools hold {limit} at most"
-            )));
-        }
-        let id = self.id;
-        let paging = self
-            .paging
-            .as_mut()
-            .ok_or_else(|| ModelError::InvalidInput("a reservation in an unpaged KV cache".into()))?;
-        let bs = paging.layout.block_size;
-        let prefix = paging.longest(prompt, positions);
-        // The prefix's blocks, held for the sequence before anything is given up for room.
-        let pools = paging.pools.len();
-        let (mut shared, mut rings) = (vec![Vec::new(); pools], vec![Vec::new(); pools]);
-        if let Some(index) = &paging.prefix {
-            for &k in &prefix {
-                for (p, &b) in index.blocks(k).unwrap_or_default().iter().enumerate() {
-                    paging.pools[p].retain(b);
-                    if paging.is_ring(p) { &mut rings[p] } else { &mut shared[p] }.push(b);
-                }
-            }
-        }
-        let blocks: Vec<usize> =
-            paging.pools.iter().zip(&shared).map(|(p, s)| p.needed(positions, bs).saturating_sub(s.len())).collect();
-        if !paging.make_room(&blocks, &prefix) {
-            let (p, need) =
-                paging.pools.iter().zip(&blocks).find(|(p, &n)| p.available() < n).unwrap_or((&paging.pools[0], &0));
-            let error = ModelError::KvBlocks { needed: *need, available: p.available(), block_size: bs };
-            for (pool, held) in paging.pools.iter_mut().zip(shared.iter().zip(&rings)) {
-                held.0.iter().chain(held.1).for_each(|&b| pool.release(b));
-            }
-            return Err(error);
-        }
-        for (pool, &need) in paging.pools.iter_mut().zip(&blocks) {
-            pool.promise(need);
-        }
-        let cached = prefix.len() * bs;
-        Ok(Reservation { cache: id, positions, blocks, shared, rings, prefix, cached })
-    }
-
-    /// Puts the prefix `reservation` found cached into `prompt`, an empty unpaged cache of one
-    /// sequence for the same model and capacity: afterwards it holds the prefix's positions (its
-    /// length is [`Reservation::cached_positions`]) and the prompt runs on from there.
-    pub fn fill_prefix(&mut self, reservation: &mut Reservation, prompt: &mut KvCache<B>) -> Result<(), ModelError> {
-        if reservation.prefix.is_empty() {
-            return Ok(());
-        }
-        let fail = |why: String| Err(ModelError::CacheMismatch(why));
-        if reservation.cache != self.id {
-            return fail("a reservation made in another KV cache".into());
-        }
-        if prompt.paging.is_some() || prompt.batch != 1 || !prompt.is_empty() {
-            return fail("a cached prefix goes into an empty unpaged cache of one sequence".into());
-        }
-        if prompt.layer_of != self.layer_of || prompt.capacity != self.capacity {
-            return fail("a cached prefix into a cache of another shape".into());
-        }
-        let Some(paging) = &self.paging else { return fail("a prefix from an unpaged KV cache".into()) };
-        let bs = paging.layout.block_size;
-        let m = reservation.prefix.len();
-        for (layer, into) in self.layers.iter().zip(&mut prompt.layers) {
-            let p = layer.pool.ok_or(ModelError::CacheLost)?;
-            // A ring holds the prefix's last window: its last `width` blocks.
-            let held = if paging.is_ring(p) { &reservation.rings[p] } else { &reservation.shared[p] };
-            let width = paging.pools[p].slots / bs;
-            let row = paging.row_of(p, held.iter().copied().enumerate().skip(m.saturating_sub(width)));
-            let table = BlockTable::<B>::from_rows(&[row], bs, &paging.device);
-            let store = layer.store.as_ref().ok_or(ModelError::CacheLost)?;
-            into.assign_sequence(0, burn_gemma_kernels::kv::paged::gather_reference(store, &table, 1))?;
-        }
-        prompt.len = reservation.cached;
-        self.release_rings(reservation);
-        Ok(())
-    }
-
-    /// Gives up the ring copies `reservation` holds.
-    fn release_rings(&mut self, reservation: &mut Reservation) {
-        if let Some(paging) = self.paging.as_mut().filter(|_| reservation.cache == self.id) {
-            for (pool, rings) in paging.pools.iter_mut().zip(&mut reservation.rings) {
-                rings.drain(..).for_each(|b| pool.release(b));
-            }
-        }
-    }
-
-    /// Caches the blocks of a prompt running in `prompt` (an unpaged cache of one sequence
-    /// holding positions `0..prompt.len()` of `tokens`) past those `reservation` holds already:
-    /// each whole block whose positions every ring still holds becomes a node of the prefix
-    /// index, its full-attention blocks taken from the reservation's promise (the sequence
-    /// shares them when it joins), its ring copies from the free blocks. Stops at a block
-    /// another prompt cached first, or where no block is free. Returns the blocks added.
-    pub fn cache_prefix(
-        &mut self,
-        reservation: &mut Reservation,
-        tokens: &[u32],
-        prompt: &KvCache<B>,
-    ) -> Result<usize, ModelError> {
-        let len = prompt.len().min(tokens.len());
-        let Some(paging) = self.paging.as_mut().filter(|p| p.prefix.is_some() && reservation.cache == self.id) else {
-            return Ok(0);
-        };
-        if prompt.paging.is_some() || prompt.layer_of != self.layer_of || prompt.capacity != self.capacity {
-            return Err(ModelError::CacheMismatch("a prefix cached from a cache of another shape".into()));
-        }
-        let bs = paging.layout.block_size;
-        let pools = paging.pools.len();
-        let first = reservation.prefix.len();
-        // Each new node takes a free block of every ring pool (a full pool's comes from the
-        // reservation's promise).
-        let need: Vec<usize> = (0..pools).map(|p| usize::from(paging.is_ring(p))).collect();
-        let mut added: Vec<Vec<u32>> = Vec::new();
-        loop {
-            let j = first + added.len();
-            let end = (j + 1) * bs;
-            let rings_hold = (0..pools).all(|p| !paging.is_ring(p) || j * bs + paging.pools[p].slots >= len);
-            if end > len || !rings_hold {
-                break;
-            }
-            let block = &tokens[j * bs..end];
-            let parent = reservation.prefix.last().copied();
-            let Some((k, false)) = paging.prefix.as_ref().map(|index| index.next(parent, block)) else { break };
-            let own = |p: usize| reservation.blocks[p] > 0;
-            if !(0..pools).all(|p| paging.is_ring(p) || own(p)) || !paging.make_room(&need, &reservation.prefix) {
-                break;
-            }
-            let mut blocks = Vec::with_capacity(pools);
-            for p in 0..pools {
-                let source = if paging.is_ring(p) { Source::Available } else { Source::Promised };
-                let Some(taken) = paging.pools[p].hold(1, source) else {
-                    return Err(ModelError::CacheMismatch("a promised KV block is not free".into()));
-                };
-                let b = taken[0];
-                if !paging.is_ring(p) {
-                    reservation.blocks[p] -= 1;
-                    // Held by the index and by the sequence, which shares it.
-                    paging.pools[p].retain(b);
-                    reservation.shared[p].push(b);
-                }
-                blocks.push(b);
-            }
-            if let Some(index) = paging.prefix.as_mut() {
-                index.insert(k, parent, block, blocks.clone());
-            }
-            reservation.prefix.push(k);
-            added.push(blocks);
-        }
-        if added.is_empty() {
-            return Ok(0);
-        }
-        // The new nodes' positions, copied from the prompt's cache (the other blocks' writes go
-        // to the sink).
-        for (layer, source) in self.layers.iter_mut().zip(&prompt.layers) {
-            let p = layer.pool.ok_or(ModelError::CacheLost)?;
-            let row = paging.row_of(p, added.iter().enumerate().map(|(i, blocks)| (first + i, blocks[p])));
-            let rows = source.store.as_ref().ok_or(ModelError::CacheLost)?.rows(0..1);
-            let store = layer.store.take().ok_or(ModelError::CacheLost)?;
-            let len = len.min(paging.pools[p].slots);
-            layer.store = Some(B::kv_scatter_blocks(store, &rows, &row, bs, len));
-        }
-        Ok(added.len())
-    }
-
-    /// Gives back the blocks `reservation` promised and the prefix it held (its sequence never
-    /// joined).
-    pub fn release_reservation(&mut self, mut reservation: Reservation) {
-        self.release_rings(&mut reservation);
-        if let Some(paging) = self.paging.as_mut().filter(|_| reservation.cache == self.id) {
-            for ((pool, &n), shared) in paging.pools.iter_mut().zip(&reservation.blocks).zip(&reservation.shared) {
-                pool.unpromise(n);
-                shared.iter().for_each(|&b| pool.release(b));
-            }
-        }
-    }
-
-    /// Gives sequence `sequence` the blocks `reservation` promised (after any it holds) and
-    /// the cached prefix's it shares (a sequence sharing a prefix must hold no blocks yet; a
-    /// reservation of another cache is refused and its promise lost with it).
-    pub fn attach(&mut self, sequence: usize, mut reservation: Reservation) -> Result<(), ModelError> {
-        let fail = |why: String| Err(ModelError::CacheMismatch(why));
-        if reservation.cache != self.id {
-            return fail("a reservation made in another KV cache".into());
-        }
-        if sequence >= self.batch {
-            return fail(format!("sequence {sequence} of a cache of {} sequences", self.batch));
-        }
-        let Some(paging) = self.paging.as_ref() else { return fail("blocks for an unpaged KV cache".into()) };
-        if sequence >= paging.layout.sequences {
-            return fail(format!("blocks for draft row {sequence}, which holds none of its own"));
-        }
-        let shares = reservation.shared.iter().any(|s| !s.is_empty());
-        if shares && paging.pools.iter().any(|p| !p.row(sequence).is_empty()) {
-            self.release_reservation(reservation);
-            return fail(format!("a shared prefix for sequence {sequence}, which holds blocks already"));
-        }
-        self.release_rings(&mut reservation);
-        let Some(paging) = self.paging.as_mut() else { return fail("blocks for an unpaged KV cache".into()) };
-        for ((pool, &n), shared) in paging.pools.iter_mut().zip(&reservation.blocks).zip(&reservation.shared) {
-            pool.share(sequence, shared);
-            pool.take(sequence, n);
-        }
-        Ok(())
-    }
-
-    /// Gives sequence `sequence`'s blocks back to the pools of a paged cache.
-    pub fn release(&mut self, sequence: usize) {
-        if let Some(paging) = self.paging.as_mut().filter(|_| sequence < self.batch) {
-            for pool in &mut paging.pools {
-                pool.give_back(sequence);
-            }
-        }
-    }
-
-    /// The layout a paged cache was made with (`None` for an unpaged cache): a fresh cache of
-    /// the same shape takes it.
-    pub fn paged_layout(&self) -> Option<PagedLayout> {
-        self.paging.as_ref().map(|p| p.layout)
-    }
-
-    /// Points draft rows at sequences for the next decode steps, until set again (an empty
-    /// list: no draft rows): each `(row, sequence)` makes step row `row` read and write the
-    /// blocks of `sequence`, so that a step can run a sequence's drafted positions
-    /// `p + 1, ..., p + k` as rows of their own beside its own row at `p` (every row's keys and
-    /// values are written before any row attends; each attends up to its own position).
-    ///
-    /// The cache must keep every position of its sliding windows ([`WindowStore::EveryPosition`]:
-    /// a ring would wrap a drafted position over a key an earlier row reads). A draft row is a
-    /// row past the generating sequences that holds no blocks of its own, the sequence one
-    /// that holds blocks for the drafted positions. Refused, changing nothing, otherwise.
-    pub fn set_draft_rows(&mut self, rows: &[(usize, usize)]) -> Result<(), ModelError> {
-        let fail = |why: String| Err(ModelError::InvalidInput(why));
-        let batch = self.batch;
-        let Some(paging) = self.paging.as_mut() else { return fail("draft rows in an unpaged KV cache".into()) };
-        if !rows.is_empty() && (0..paging.pools.len()).any(|p| paging.is_ring(p)) {
-            return fail(
-                "draft rows in a paged KV cache whose sliding windows are rings (PagedLayout::window_store: \
-                 WindowStore::EveryPosition)"
-                    .into(),
-            );
-        }
-        let mut taken = vec![false; batch];
-        for &(row, sequence) in rows {
-            if row >= batch || sequence >= batch {
-                return fail(format!("draft row {row} for sequence {sequence} in a cache of {batch} rows"));
-            }
-            if std::mem::replace(&mut taken[row], true) {
-                return fail(format!("draft row {row} given twice"));
-            }
-            if paging.pools.iter().any(|p| !p.row(row).is_empty()) {
-                return fail(format!("draft row {row} holds blocks of its own"));
-            }
-            if paging.pools.iter().any(|p| p.row(sequence).is_empty()) {
-                return fail(format!("draft row {row} for sequence {sequence}, which holds no blocks"));
-            }
-        }
-        for pool in &mut paging.pools {
-            pool.point(rows);
-        }
-        Ok(())
-    }
-
-    /// A paged cache's block tables as its layers read them (uploaded where they changed): a
-    /// recorded step keeps their buffers, and has the rows of [`KvCache::table_rows`] written
-    /// into them before each replay. None for an unpaged cache.
-    pub(crate) fn block_tables(&mut self) -> Vec<BlockTable<B>> {
-        self.sync_blocks();
-        let Some(paging) = self.paging.as_mut() else { return Vec::new() };
-        paging.pools.iter_mut().map(|p| p.table(paging.layout.block_size, &paging.device)).collect()
-    }
-
-    /// Changes of a paged cache's block tables so far (0 for an unpaged cache): while it stays
-    /// the same, so do the tables.
-    pub(crate) fn blocks_version(&self) -> u64 {
-        self.paging.as_ref().map_or(0, |p| p.pools.iter().map(|pool| pool.changes).sum())
-    }
-
-    /// The host rows of a paged cache's block tables, in the order of [`KvCache::block_tables`].
-    pub(crate) fn table_rows(&self) -> Vec<Vec<Vec<u32>>> {
-        self.paging
-            .as_ref()
-            .map_or(Vec::new(), |p| p.pools.iter().map(|pool| pool.table_rows(p.layout.block_size)).collect())
-    }
-
-    /// Uploads a paged cache's block tables where they changed, and hands each layer its
-    /// pool's (before a decode step).
-    pub(crate) fn sync_blocks(&mut self) {
-        let Some(paging) = self.paging.as_mut() else { return };
-        let tables: Vec<BlockTable<B>> =
-            paging.pools.iter_mut().map(|p| p.table(paging.layout.block_size, &paging.device)).collect();
-        for layer in &mut self.layers {
-            layer.blocks = layer.pool.and_then(|p| tables.get(p).cloned());
-        }
     }
 
     fn check_sequences(&self, to: usize, from: &KvCache<B>, from_sequence: usize) -> Result<(), ModelError> {
