@@ -21,8 +21,8 @@
 //! process can run with different tunings, and nothing is left set afterwards. A graph's launch
 //! order is given to [`crate::graph::StepGraph::new`] directly.
 
-use crate::attention::{FlashLayout, PrefillAttention};
-use crate::gemm::{tune, GemmKernel};
+use crate::attention::choice::{FlashLayout, PrefillAttention};
+use crate::gemm::candidates::{self as tune, GemmKernel};
 use crate::graph::DependentLaunch;
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -136,7 +136,7 @@ mod tests {
     #[test]
     fn other_threads_keep_the_defaults() {
         let tuning =
-            KernelTuning { flash_layout: Some(crate::attention::flash::DEFAULT_LAYOUTS[2]), ..KernelTuning::DEFAULT };
+            KernelTuning { flash_layout: Some(crate::attention::choice::DEFAULT_LAYOUTS[2]), ..KernelTuning::DEFAULT };
         let elsewhere = tuning.run(|| std::thread::spawn(|| current(|t| t.flash_layout)).join());
         assert_eq!(elsewhere.ok(), Some(None));
     }

@@ -37,6 +37,7 @@
 // Kernel code cannot call `usize::div_ceil` (not a CubeCL intrinsic).
 #![allow(clippy::manual_div_ceil)]
 
+pub use super::choice::{FlashLayout, Prefetch, DEFAULT_LAYOUTS};
 use super::kernel::{int8_code, shape_arg, visible_tiles, AttentionShape, Kv, ShapeSizes};
 use super::AttentionOptions;
 use crate::cube::{tanh_f32, Strides4};
@@ -72,25 +73,6 @@ pub const MAX_DIM: usize = 512;
 
 /// Most value columns per cube (its output accumulators: `MAX_DV / 16` fragments per plane).
 const MAX_DV: usize = 256;
-
-/// When a tile's keys and values are loaded from memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Prefetch {
-    /// At the start of the tile: every unit waits for its loads before the tile's products.
-    None,
-    /// During the previous tile's products (held in registers until the tile starts).
-    NextTile,
-}
-
-/// How a launch divides the work, apart from the head size.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct FlashLayout {
-    /// Planes (32 units) per cube, 16 query rows each.
-    pub planes: usize,
-    /// Keys per tile (a multiple of 32).
-    pub bk: usize,
-    pub prefetch: Prefetch,
-}
 
 /// Comptime launch configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,18 +130,6 @@ impl FlashTiling {
         chosen.or_else(|| defaults().filter(Self::suits_head).find(fits)).or_else(|| defaults().find(fits))
     }
 }
-
-/// The default layouts, best first (H200, bf16, `docs/runs/gpu/2026-11-28-flash.md` call 3, causal
-/// prompts of 8k and 16k tokens): for heads of 256, eight planes and 64 keys per tile (188 KiB
-/// of shared memory; 60-89 TFLOP/s on Gemma 3's global and local layers), then four planes and
-/// 32 keys (82 KiB, two cubes per multiprocessor, within 10% of it); for Gemma 4's 512 eight
-/// planes and 32 keys, prefetching the next tile (64 TFLOP/s where four planes and 64 keys, the
-/// first design, gave 40).
-pub const DEFAULT_LAYOUTS: [FlashLayout; 3] = [
-    FlashLayout { planes: 8, bk: 64, prefetch: Prefetch::None },
-    FlashLayout { planes: 8, bk: 32, prefetch: Prefetch::NextTile },
-    FlashLayout { planes: 4, bk: 32, prefetch: Prefetch::None },
-];
 
 impl FlashTiling {
     /// Whether the layout suits the head size: heads above 256 take 32-key tiles (on the H200,

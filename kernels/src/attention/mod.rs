@@ -134,30 +134,14 @@ pub fn check_head_dim(dim: usize) -> Result<(), String> {
 }
 
 mod blocked;
+pub(crate) mod choice;
 mod decode;
 pub(crate) mod flash;
 mod merge;
 mod tiled;
 
-pub use flash::{FlashLayout, FlashTiling, Prefetch, DEFAULT_LAYOUTS};
-
-/// Which kernel attends a prompt (one mask for every sequence) where several take its shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefillAttention {
-    /// The measured default: flash attention on the matrix units where it runs (CUDA, f16/bf16,
-    /// head sizes that are multiples of 16 up to 512, at least [`FLASH_MIN_QUERIES`] query
-    /// positions), except for global layers whose score products reach [`BLOCKED_MIN_MACS`]
-    /// and short chunks after long caches ([`FLASH_FEW_CUBES_KEYS`]); else the blocked GEMM
-    /// path for dense prompts, else the tiled kernel.
-    #[default]
-    Auto,
-    /// Flash attention wherever it runs, short prompts included.
-    Flash,
-    /// The blocked GEMM path (scores of 512 queries at a time in memory) where it runs.
-    Blocked,
-    /// The tiled kernel (shared memory and barriers only; every backend).
-    Tiled,
-}
+pub use choice::{FlashLayout, Prefetch, PrefillAttention, DEFAULT_LAYOUTS};
+pub use flash::FlashTiling;
 
 /// Multiply-adds of one block's score product (every KV head) from which
 /// [`PrefillAttention::Auto`] takes the blocked GEMM path over flash attention for dense,

@@ -11,11 +11,14 @@
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod blas_layout;
+pub(crate) mod candidates;
 #[cfg(feature = "cuda")]
 pub mod cublas;
 #[cfg(feature = "rocm")]
 pub mod hipblas;
 pub mod tune;
+
+pub use candidates::{GemmKernel, TileKind};
 
 use crate::cube::{empty, Cb};
 use burn::tensor::{DType, Tensor};
@@ -31,45 +34,6 @@ use cubek::matmul::{
     },
 };
 use cubek::std::InputBinding;
-
-/// A tiled matmul kernel of CubeCL's (`cubek`) for the prefill products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GemmKernel {
-    /// CubeCL's default (`Strategy::Auto`): one cooperative-matrix stage per cube, its tile
-    /// sizes inferred from the shape.
-    Auto,
-    /// One stage, cooperative-matrix (`cmma`) tiles; `multi_rows` gives each plane several
-    /// rows of tiles.
-    Simple { tiles: TileKind, multi_rows: bool },
-    /// Two stages in flight (loads of the next overlap the products of this one).
-    DoubleCyclic { tiles: TileKind },
-    /// Two stages, partitions ordered along `k`, `rows` tile rows per cube.
-    OrderedDouble { tiles: TileKind, rows: u32 },
-    /// One stage loaded by the tensor memory accelerator (Hopper's TMA).
-    SimpleTma { tiles: TileKind, multi_rows: bool },
-    /// Loader planes and compute planes apart, stages loaded by TMA.
-    SpecializedTma { tiles: TileKind },
-    /// Two stages loaded by TMA.
-    DoubleTma { tiles: TileKind },
-    /// No matrix units: each unit computes a small tile with scalar products.
-    Unit,
-    /// NVIDIA's cuBLASLt (CUDA only, loaded at run time; `cublas`): its heuristic's first
-    /// algorithm for the shape, `wgmma` on Hopper.
-    CublasLt,
-    /// AMD's hipBLASLt (ROCm only, loaded at run time; `hipblas`, built with the `rocm`
-    /// feature): its heuristic's first algorithm for the shape, ordered by host waits. Compiled
-    /// but never run (no ROCm device here), so not among the default candidates.
-    HipBlasLt,
-}
-
-/// Which instruction the tiles are multiplied with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TileKind {
-    /// Cooperative-matrix fragments (`wmma` on CUDA, `OpCooperativeMatrix` on Vulkan).
-    Cmma,
-    /// Register-level `mma` instructions (CUDA, HIP).
-    Mma,
-}
 
 impl TileKind {
     fn cubek(self) -> TileMatmulKind {
@@ -88,57 +52,7 @@ impl TileKind {
     }
 }
 
-impl std::fmt::Display for GemmKernel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let tiles = |t: &TileKind| match t {
-            TileKind::Cmma => "cmma",
-            TileKind::Mma => "mma",
-        };
-        match self {
-            Self::Auto => write!(f, "auto"),
-            Self::Simple { tiles: t, multi_rows } => {
-                write!(f, "simple-{}{}", tiles(t), if *multi_rows { "-multirow" } else { "" })
-            }
-            Self::DoubleCyclic { tiles: t } => write!(f, "double-{}", tiles(t)),
-            Self::OrderedDouble { tiles: t, rows } => write!(f, "ordered-{}-r{rows}", tiles(t)),
-            Self::SimpleTma { tiles: t, multi_rows } => {
-                write!(f, "tma-{}{}", tiles(t), if *multi_rows { "-multirow" } else { "" })
-            }
-            Self::SpecializedTma { tiles: t } => write!(f, "specialized-tma-{}", tiles(t)),
-            Self::DoubleTma { tiles: t } => write!(f, "double-tma-{}", tiles(t)),
-            Self::Unit => write!(f, "unit"),
-            Self::CublasLt => write!(f, "cublaslt"),
-            Self::HipBlasLt => write!(f, "hipblaslt"),
-        }
-    }
-}
-
 impl GemmKernel {
-    /// Every candidate, for measuring them side by side (`kernel_bench --section gemm`).
-    pub fn candidates() -> Vec<Self> {
-        let mut all = vec![Self::Auto, Self::Unit, Self::CublasLt, Self::HipBlasLt];
-        for tiles in [TileKind::Cmma, TileKind::Mma] {
-            all.extend([
-                Self::Simple { tiles, multi_rows: false },
-                Self::Simple { tiles, multi_rows: true },
-                Self::DoubleCyclic { tiles },
-                Self::OrderedDouble { tiles, rows: 4 },
-                Self::OrderedDouble { tiles, rows: 8 },
-                Self::SimpleTma { tiles, multi_rows: false },
-                Self::SimpleTma { tiles, multi_rows: true },
-                Self::SpecializedTma { tiles },
-                Self::DoubleTma { tiles },
-            ]);
-        }
-        all
-    }
-
-    /// The kernel whose [`Display`](std::fmt::Display) name is `name` (`cublaslt`,
-    /// `specialized-tma-mma`, ...).
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::candidates().into_iter().find(|k| k.to_string() == name)
-    }
-
     /// CubeCL's strategy for this kernel.
     fn strategy(self) -> Strategy {
         let simple = |tiles: TileKind, multi_rows| SimpleArgs { tile_matmul: tiles.cubek(), multi_rows };

@@ -11,7 +11,7 @@
 //! the next process. A line that does not parse (a kernel this version does not know) is
 //! ignored and that class tuned again.
 
-use super::{kernel::matmul, GemmKernel, TileKind};
+use super::{kernel::matmul, GemmKernel};
 use burn::tensor::DType;
 use burn_cubecl::{tensor::CubeTensor, CubeRuntime};
 use std::collections::HashMap;
@@ -20,32 +20,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// CubeCL's kernels tuning chooses among: on the H100 (`docs/runs/gpu/2026-11-24-prefill.md`,
-/// `gemm-sweep.md`) the best of the first four is within 6% of the best of all twenty
-/// candidates on every Gemma 3 1B/4B product at 512 and 4,096 rows, and each is the fastest on
-/// some of them; the last runs where there is neither TMA nor `mma` (Vulkan's cooperative
-/// matrices). Candidates a device cannot launch are skipped.
-pub const TUNED: [GemmKernel; 5] = [
-    GemmKernel::SpecializedTma { tiles: TileKind::Mma },
-    GemmKernel::SpecializedTma { tiles: TileKind::Cmma },
-    GemmKernel::SimpleTma { tiles: TileKind::Cmma, multi_rows: true },
-    GemmKernel::OrderedDouble { tiles: TileKind::Mma, rows: 8 },
-    GemmKernel::Simple { tiles: TileKind::Cmma, multi_rows: true },
-];
-
-/// The default candidates: [`TUNED`] and cuBLASLt ([`GemmKernel::CublasLt`], CUDA only; it
-/// refuses elsewhere and is skipped), the latter for products of at least
-/// [`DEFAULT_CUBLASLT_FLOOR`] multiply-adds.
-pub const DEFAULT: [GemmKernel; 6] = [TUNED[0], TUNED[1], TUNED[2], TUNED[3], TUNED[4], GemmKernel::CublasLt];
-
-/// Fewest multiply-adds (batch included) of a product for which cuBLASLt is timed, by default.
-/// Measured on the H200 (`docs/runs/gpu/2026-11-27-order.md`, call 4, whole prompts): with no
-/// floor the tuner also chose cuBLASLt for the blocked attention's smaller products, and Gemma
-/// 3 1B's prompts ran 0.59-0.75x CubeCL's kernels alone (each cuBLASLt product waits for
-/// CubeCL's device thread once, which a small product cannot repay where the launches, not
-/// the GPU, set the pace); with this floor 1B ran 1.00-1.01x, 4B 1.04x (pp512) and 1.87x
-/// (pp4096), and 12B (no floor, nearly all its products above it) 2.4x and 2.3x.
-pub const DEFAULT_CUBLASLT_FLOOR: usize = 16_000_000_000;
+pub use super::candidates::{DEFAULT, DEFAULT_CUBLASLT_FLOOR, TUNED};
 
 /// Timed samples per candidate (after one launch that compiles and checks it), each
 /// [`BATCH`] launches then one synchronization; the fastest sample counts.
