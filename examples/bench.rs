@@ -121,25 +121,6 @@ struct Args {
 
 struct Bench(Args);
 
-/// Bytes of keys and values one decode step reads at `position`: every layer reads its type's
-/// heads and head size (Gemma 4's full layers have their own), sliding layers at most their
-/// window (KV-sharing layers read another layer's store, counted as read again).
-fn kv_read_bytes(config: &GemmaConfig, kv: KvFormat, position: usize) -> usize {
-    config
-        .layer_types
-        .iter()
-        .map(|&t| {
-            let head_dim = config.head_dim_of(t);
-            let per_position = match kv {
-                KvFormat::Dense(dtype) => head_dim * dtype.size(),
-                // Codes plus one f32 scale per position and head.
-                KvFormat::Int8 => head_dim + 4,
-            };
-            2 * config.kv_heads_of(t) * per_position * config.window(t).map_or(position, |w| w.min(position))
-        })
-        .sum()
-}
-
 fn ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
     (0..n)
         .map(|_| {
@@ -413,7 +394,7 @@ impl BackendTask for Bench {
                     );
                     println!(
                 "JSON {{\"model\":\"{}\",\"backend\":\"{name}\",\"dtype\":\"{dtype:?}\",\"weights\":\"{weights}\",\"kv_cache\":\"{kv_cache}\",\"depth\":{},\"pp\":{:.3},\"tg\":{:.3},\"ttft_ms\":{:.3},\"host_ms_per_token\":{:.4},\"prompt_len\":{},\"gen\":{},\"reps\":{},\"weight_bytes\":{},\"kv_read_bytes\":{},\"peak_bytes\":{peak},\"gemm_tuning_s\":{:.3}{graph_json}{host_json}}}",
-                a.model, depth, pp.median, tg.median, ttft.median, host.median, prompt_len, a.gen, a.reps, model.weight_bytes(), kv_read_bytes(&config, kv_cache, depth + a.gen / 2), tuning.time.as_secs_f64()
+                a.model, depth, pp.median, tg.median, ttft.median, host.median, prompt_len, a.gen, a.reps, model.weight_bytes(), config.kv_read_bytes(kv_cache, depth + a.gen / 2), tuning.time.as_secs_f64()
             );
                 }
             }

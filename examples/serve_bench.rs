@@ -22,6 +22,10 @@
 //! `--draft ngram --draft-tokens K` has every request draft by prompt lookup
 //! ([`EngineDrafts`]); the drafts kept and drafted are printed with the counts.
 //!
+//! Each count's line ends with the step's floor: the weights and the batch's KV reads at
+//! `--copy-gbps`, plus the batch's products at `--matrix-tflops`, at the middle of the
+//! generation (`--prompt-len` + `--gen` / 2), and the measured step as a multiple of it.
+//!
 //! `--step-only` times the model's batched decode step alone instead (no engine, no sampling):
 //! `N` sequences at position `--prompt-len`, the step's logits read back (the device
 //! synchronized) each time; the median of 20 steps after 3: over a cache of a row per sequence,
@@ -38,7 +42,8 @@ use burn_gemma::{
     backends::{dispatch, BackendTask},
     chat::ChatTemplate,
     engine::{Engine, EngineConfig, EngineDrafts, Event, Request},
-    BatchGraphs, CudaGraph, Gemma, GemmaBackend, GenerationConfig, PagedLayout, PrefixCache, StepInputs,
+    BatchGraphs, CudaGraph, Gemma, GemmaBackend, GemmaConfig, GenerationConfig, KvFormat, PagedLayout, PrefixCache,
+    StepInputs,
 };
 
 use clap::Parser;
@@ -92,6 +97,15 @@ struct Args {
     /// Most tokens a request drafts per step.
     #[arg(long, default_value_t = NonZeroUsize::new(4).unwrap_or(NonZeroUsize::MIN))]
     draft_tokens: NonZeroUsize,
+    /// The device's copy rate in GB/s (bytes read plus written) for the step's floor; the
+    /// default is the H200's, measured by `bench-gpu.sh` (1 GiB device-to-device, 2026-12-03).
+    #[arg(long, default_value_t = 4218.0)]
+    copy_gbps: f64,
+    /// The device's dense bf16 rate in TFLOP/s for the step's floor; the default is the H200's
+    /// rate on random data (an 8192-cube bf16 product through PyTorch: 769-798 TFLOP/s, the
+    /// device library's KINDS.md).
+    #[arg(long, default_value_t = 790.0)]
+    matrix_tflops: f64,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -253,6 +267,25 @@ fn run_once(engine: &Engine, n: usize, args: &Args, (seed, texts): (u64, &[Vec<u
     })
 }
 
+/// What a batched decode step cannot beat: its bytes over the copy rate plus its products over
+/// the matrix rate.
+struct StepFloor {
+    weight_bytes: usize,
+    config: GemmaConfig,
+    kv: KvFormat,
+    copy_gbps: f64,
+    matrix_tflops: f64,
+}
+
+impl StepFloor {
+    /// Milliseconds of `(bytes, products)` of a step over `n` sequences at `position`.
+    fn ms(&self, n: usize, position: usize) -> (f64, f64) {
+        let bytes = self.weight_bytes as f64 + n as f64 * self.config.kv_read_bytes(self.kv, position) as f64;
+        let flops = 2.0 * n as f64 * self.config.decode_macs(position) as f64;
+        (bytes / (self.copy_gbps * 1e9) * 1e3, flops / (self.matrix_tflops * 1e12) * 1e3)
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -312,6 +345,13 @@ impl BackendTask for Args {
             },
             ..EngineConfig::default()
         };
+        let floor = StepFloor {
+            weight_bytes: model.weight_bytes(),
+            config: model.config().clone(),
+            kv: model.kv_format(),
+            copy_gbps: self.copy_gbps,
+            matrix_tflops: self.matrix_tflops,
+        };
         let engine = Engine::new(model, tokenizer, config)?;
         eprintln!("backend {name}, dtype {dtype:?}, weights {weights}, KV cache {kv_cache}");
         for &n in &self.streams {
@@ -360,20 +400,24 @@ impl BackendTask for Args {
                 engine.eager_reason().map(|r| format!(" (eager: {r})")).unwrap_or_default()
             );
             let prompt_s = (after[2] - before[2]) as f64 / 1e6 / self.reps.max(1) as f64;
+            let (bytes_ms, products_ms) = floor.ms(n, longest + self.gen / 2);
+            let floor_ms = bytes_ms + products_ms;
             println!(
                 "streams {n:>3}: TTFT median {:.1} ms, largest {:.1} ms; decode {decode:.1} tok/s total, {:.1} per \
                  stream; whole run {total:.1} tok/s; {generated} tokens generated; engine: {step_ms:.2} ms per \
                  decode step, {prompt_s:.2} s of prompts per run; {kept} of {drafted} drafts kept; {} prompt tokens \
-                 cached so far; {graphs}",
+                 cached so far; {graphs}; floor {floor_ms:.2} ms per step (bytes {bytes_ms:.2}, products \
+                 {products_ms:.2}), the step at {:.1}x it",
                 ttft * 1e3,
                 ttft_max * 1e3,
                 decode / n as f64,
                 load(&m.prefix_cached_tokens),
+                step_ms / floor_ms,
             );
             println!(
                 "JSON {{\"streams\":{n},\"prompt\":{},\"gen\":{},\"ttft_median_s\":{ttft:.4},\"ttft_max_s\":{ttft_max:.4},\
                  \"decode_tok_s\":{decode:.1},\"decode_per_stream\":{:.1},\"total_tok_s\":{total:.1},\
-                 \"generated\":{generated},\"mean_batch_so_far\":{:.2},\"drafted\":{drafted},\"kept\":{kept}}}",
+                 \"generated\":{generated},\"mean_batch_so_far\":{:.2},\"drafted\":{drafted},\"kept\":{kept},\"step_ms\":{step_ms:.3},\"floor_ms\":{floor_ms:.3}}}",
                 longest,
                 self.gen,
                 decode / n as f64,

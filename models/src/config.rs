@@ -520,6 +520,53 @@ impl GemmaConfig {
     }
 }
 
+impl GemmaConfig {
+    /// Bytes of keys and values one sequence's decode step at `position` reads: every layer's
+    /// attended positions (a sliding window's at most), a KV-sharing layer's reads counted too.
+    pub fn kv_read_bytes(&self, kv: burn_gemma_kernels::KvFormat, position: usize) -> usize {
+        self.layer_types
+            .iter()
+            .map(|&t| {
+                let head_dim = self.head_dim_of(t);
+                let per_position = match kv {
+                    burn_gemma_kernels::KvFormat::Dense(dtype) => head_dim * dtype.size(),
+                    // Codes plus one f32 scale per position and head.
+                    burn_gemma_kernels::KvFormat::Int8 => head_dim + 4,
+                };
+                let attended = self.window(t).map_or(position, |w| w.min(position));
+                2 * self.kv_heads_of(t) * per_position * attended
+            })
+            .sum()
+    }
+
+    /// Multiply-adds of one row's decode step at `position`: the projections a token passes
+    /// through (its routed experts only, the lm_head included) and attention's scores and
+    /// values over the positions it attends.
+    pub fn decode_macs(&self, position: usize) -> usize {
+        let h = self.hidden_size;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|i| {
+                let kind = self.layer_types[i];
+                let (d, kv) = (self.head_dim_of(kind), self.kv_heads_of(kind));
+                let kv_projections = match (self.kv_producer(i), self.values_from_keys(kind)) {
+                    (Some(_), _) => 0,
+                    (None, true) => 1,
+                    (None, false) => 2,
+                };
+                let projections = h * d * (2 * self.num_attention_heads + kv_projections * kv);
+                let mlp = 3 * h * self.intermediate_size_of(i);
+                let experts =
+                    self.moe.map_or(0, |m| m.top_k_experts * 3 * h * m.moe_intermediate_size + h * m.num_experts);
+                let per_layer = 2 * h * self.hidden_size_per_layer_input;
+                let attended = self.window(kind).map_or(position, |w| w.min(position));
+                let attention = 2 * self.num_attention_heads * d * attended;
+                projections + mlp + experts + per_layer + attention
+            })
+            .sum();
+        layers + self.vocab_size * h
+    }
+}
+
 /// A published Gemma 3 text shape: `(heads, kv heads, head size)` in `heads`; the global layers'
 /// RoPE scaled linearly by `factor` where given.
 #[allow(clippy::too_many_arguments)]
@@ -909,5 +956,21 @@ mod preset_tests {
             assert_eq!(GemmaConfig::preset(name).unwrap(), from_json, "{name}: the value and its config.json differ");
         }
         assert!(GemmaConfig::preset("gemma3-2b").unwrap_err().to_string().contains("gemma3-1b"));
+    }
+
+    #[test]
+    fn a_decode_step_reads_and_multiplies_what_the_shapes_say() {
+        // Gemma 3 4B: 34 layers of 8 heads and 4 KV heads of 256; windows of 1,024 on 5 of 6.
+        let c = GemmaConfig::preset("gemma3-4b").unwrap();
+        let bf16 = burn_gemma_kernels::KvFormat::Dense(burn::tensor::DType::BF16);
+        // Below the window every layer attends every position: K and V, 2 bytes each.
+        assert_eq!(c.kv_read_bytes(bf16, 512), 34 * 2 * 4 * 256 * 2 * 512);
+        // Past it, the 5 full layers of 34 (every sixth) read 4,096 positions, the 29 sliding 1,024.
+        assert_eq!(c.kv_read_bytes(bf16, 4096), (5 * 4096 + 29 * 1024) * 2 * 4 * 256 * 2);
+        assert_eq!(c.kv_read_bytes(burn_gemma_kernels::KvFormat::Int8, 512), 34 * 2 * 4 * (256 + 4) * 512);
+        // With no position attended, a token multiplies each parameter once (the tied table as
+        // the lm_head); each position attended adds its scores and values on every head.
+        assert_eq!(c.decode_macs(0), c.num_parameters());
+        assert_eq!(c.decode_macs(512) - c.decode_macs(0), 34 * 2 * 8 * 256 * 512);
     }
 }
