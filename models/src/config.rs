@@ -493,25 +493,30 @@ impl GemmaConfig {
         }
     }
 
+    /// Parameters of layer `layer` outside its experts: the attention projections (a KV-sharing
+    /// layer has no key or value projection of its own), the MLP and the per-layer input's two.
+    fn dense_layer_parameters(&self, layer: usize) -> usize {
+        let (h, kind) = (self.hidden_size, self.layer_types[layer]);
+        let (d, kv) = (self.head_dim_of(kind), self.kv_heads_of(kind));
+        let kv_projections = match (self.kv_producer(layer), self.values_from_keys(kind)) {
+            (Some(_), _) => 0,
+            (None, true) => 1,
+            (None, false) => 2,
+        };
+        let attn = h * d * (2 * self.num_attention_heads + kv_projections * kv);
+        let mlp = 3 * h * self.intermediate_size_of(layer);
+        attn + mlp + 2 * h * self.hidden_size_per_layer_input
+    }
+
     /// Number of parameters of the text model (embeddings counted once: the lm_head is tied;
     /// the per-layer embedding table included).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
         let layers: usize = (0..self.num_hidden_layers)
             .map(|i| {
-                let kind = self.layer_types[i];
-                let (d, kv) = (self.head_dim_of(kind), self.kv_heads_of(kind));
-                let kv_projections = match (self.kv_producer(i), self.values_from_keys(kind)) {
-                    (Some(_), _) => 0,
-                    (None, true) => 1,
-                    (None, false) => 2,
-                };
-                let attn = h * d * (2 * self.num_attention_heads + kv_projections * kv);
-                let mlp = 3 * h * self.intermediate_size_of(i);
                 let experts =
                     self.moe.map_or(0, |m| m.num_experts * (3 * h * m.moe_intermediate_size + 1) + h * m.num_experts);
-                let per_layer = 2 * h * self.hidden_size_per_layer_input;
-                attn + mlp + experts + per_layer
+                self.dense_layer_parameters(i) + experts
             })
             .sum();
         let per_layer_tables =
@@ -547,20 +552,11 @@ impl GemmaConfig {
         let layers: usize = (0..self.num_hidden_layers)
             .map(|i| {
                 let kind = self.layer_types[i];
-                let (d, kv) = (self.head_dim_of(kind), self.kv_heads_of(kind));
-                let kv_projections = match (self.kv_producer(i), self.values_from_keys(kind)) {
-                    (Some(_), _) => 0,
-                    (None, true) => 1,
-                    (None, false) => 2,
-                };
-                let projections = h * d * (2 * self.num_attention_heads + kv_projections * kv);
-                let mlp = 3 * h * self.intermediate_size_of(i);
                 let experts =
                     self.moe.map_or(0, |m| m.top_k_experts * 3 * h * m.moe_intermediate_size + h * m.num_experts);
-                let per_layer = 2 * h * self.hidden_size_per_layer_input;
                 let attended = self.window(kind).map_or(position, |w| w.min(position));
-                let attention = 2 * self.num_attention_heads * d * attended;
-                projections + mlp + experts + per_layer + attention
+                let attention = 2 * self.num_attention_heads * self.head_dim_of(kind) * attended;
+                self.dense_layer_parameters(i) + experts + attention
             })
             .sum();
         layers + self.vocab_size * h
